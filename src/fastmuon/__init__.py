@@ -1,0 +1,23 @@
+"""fastmuon: Muon-family optimizers whose step costs a few kernels per bucket, not per matrix."""
+
+from .engine import orthogonalize
+from .groups import param_groups
+from .muon import Muon
+from .musgd import MuSGD
+from .newton_schulz import PRESETS, newton_schulz
+from .planner import MatrixSpec, Plan, plan_buckets
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MuSGD",
+    "Muon",
+    "newton_schulz",
+    "orthogonalize",
+    "param_groups",
+    "plan_buckets",
+    "MatrixSpec",
+    "Plan",
+    "PRESETS",
+    "__version__",
+]

@@ -1,0 +1,160 @@
+"""What MuSGD and Muon share: validation, parameter names, and the cached batching plan."""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .planner import POLICIES, CostModel, Plan, plan_buckets
+
+_PLAN_CACHE_SIZE = 4
+
+#: ``(sources, params, configs) -> updates``: how a step hands its matrices to the engine.
+Orthogonalize = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[NSConfig]], list[Tensor]]
+
+
+def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
+    """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format."""
+    buf = state.get(key)
+    if buf is None:
+        buf = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return buf
+
+
+def check_nonnegative(name: str, value: Any, where: str) -> None:
+    if isinstance(value, Tensor):
+        value = value.item() if value.numel() == 1 else math.nan
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"invalid {name} {value!r} in {where}: it must be a number >= 0")
+
+
+def check_fraction(name: str, value: Any, where: str) -> None:
+    """Momentum-like coefficients live in [0, 1)."""
+    check_nonnegative(name, value, where)
+    if not value < 1:
+        raise ValueError(f"invalid {name} {value!r} in {where}: it must be in [0, 1)")
+
+
+class MatrixOptimizer(Optimizer):
+    """Base for optimizers that orthogonalise matrix updates through the batched engine.
+
+    Subclasses declare how a group's parameters split into "matrix" and "elementwise" ones and
+    implement the step; this class validates groups, names parameters in errors, and builds,
+    caches and runs the plan (rebuilt when the set of matrices or their layouts changes).
+    """
+
+    def __init__(self, params, defaults: dict[str, Any], *, policy: str, max_bucket_bytes: int, cost_model):
+        if policy not in POLICIES:
+            raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
+        if max_bucket_bytes <= 0:
+            raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
+        self.policy = policy
+        self.max_bucket_bytes = int(max_bucket_bytes)
+        self.cost_model: CostModel | None = cost_model
+        self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
+        self.last_plan: Plan | None = None
+        super().__init__(params, defaults)
+
+    # ----- validation ---------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        where = f"param group {index}"
+        self.validate_group(group, where)
+        for j, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise ValueError(
+                    f"{self.param_name(group, j)} is complex; {type(self).__name__} supports real "
+                    "parameters only (view it as real with torch.view_as_real and optimise that)"
+                )
+        self._plans.clear()
+
+    def validate_group(self, group: dict[str, Any], where: str) -> None:
+        check_nonnegative("learning rate (lr)", group["lr"], where)
+        check_fraction("momentum", group["momentum"], where)
+        check_nonnegative("weight_decay", group["weight_decay"], where)
+        check_nonnegative("eps", group["eps"], where)
+        use_muon = group.get("use_muon")
+        if use_muon is not None and not isinstance(use_muon, bool):
+            raise ValueError(f"use_muon in {where} must be True, False or absent, got {use_muon!r}")
+        try:
+            self.ns_config(group)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {where})") from None
+
+    @staticmethod
+    def ns_config(group: dict[str, Any]) -> NSConfig:
+        return NSConfig.make(group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
+
+    def param_name(self, group: dict[str, Any], j: int) -> str:
+        names = group.get("param_names")
+        p = group["params"][j]
+        if names is not None and j < len(names):
+            return f"parameter {names[j]!r} (shape {tuple(p.shape)})"
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return f"parameter {j} of param group {index} (shape {tuple(p.shape)})"
+
+    def check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"{self.param_name(group, j)} has a sparse gradient; {type(self).__name__} needs "
+                "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
+            )
+
+    @staticmethod
+    def float_lr(group: dict[str, Any]) -> float:
+        lr = group["lr"]
+        return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+
+    # ----- the batching plan --------------------------------------------------------------
+    def orthogonalize(
+        self,
+        sources: Sequence[Tensor],
+        params: Sequence[Tensor],
+        configs: Sequence[NSConfig],
+    ) -> list[Tensor]:
+        """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes."""
+        policy = self.policy
+        key = (
+            policy,
+            tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(params, configs)),
+        )
+        engine = self._plans.get(key)
+        if engine is None:
+            engine = self._build(params, configs, policy)
+            self._plans[key] = engine
+            if len(self._plans) > _PLAN_CACHE_SIZE:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        self.last_plan = engine.plan
+        return engine(sources, [p.dtype for p in params])
+
+    def _build(self, params, configs, policy) -> Orthogonalizer:
+        layouts = [TensorLayout.of(p) for p in params]
+        specs = [matrix_spec(p, c.dtype, (p.dtype, c), lay) for p, c, lay in zip(params, configs, layouts)]
+        plan = plan_buckets(
+            specs,
+            policy=policy,
+            steps=max((c.steps for c in configs), default=5),
+            max_bucket_bytes=self.max_bucket_bytes,
+            cost_model=self.cost_model,
+        )
+        return Orthogonalizer(plan, layouts, {(p.dtype, c): c for p, c in zip(params, configs)})
+
+    def plan(self) -> Plan | None:
+        """The plan the last step used (``None`` before the first step)."""
+        return self.last_plan
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_plans", OrderedDict())
+        self.__dict__.setdefault("last_plan", None)

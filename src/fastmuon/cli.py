@@ -1,0 +1,31 @@
+"""The ``fastmuon`` command: each subcommand lives in its own module and is imported on use."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("fastmuon.demo", "one MuSGD step on the yolo26n shapes: time and kernels per step"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fastmuon", description="Fast Muon-family optimizers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Run a plan: pack tensors into bucket buffers, Newton–Schulz once per bucket, unpack.
+
+Tensors that share their shape, strides and orientation form a *run* of consecutive slots in
+a bucket, and each run is packed with one strided copy (with the dtype cast folded in) and
+unpacked with another, whatever the memory format: a channels_last conv weight is read and
+written in its own memory order, never made contiguous first. Bucket buffers persist between
+steps, so the zero padding is written once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .newton_schulz import CoefficientSpec, _iterate, resolve_coefficients
+from .planner import (
+    DEFAULT_MAX_BUCKET_BYTES,
+    Bucket,
+    CostModel,
+    MatrixSpec,
+    Plan,
+    plan_buckets,
+)
+
+
+@dataclass(frozen=True)
+class NSConfig:
+    """The Newton–Schulz settings a bucket runs with; matrices with different ones never share."""
+
+    steps: int
+    coefficients: tuple[tuple[float, float, float], ...]
+    eps: float
+    dtype: torch.dtype
+
+    @classmethod
+    def make(cls, steps: int, coefficients: CoefficientSpec, eps: float, dtype: torch.dtype):
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating torch.dtype, got {dtype!r}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        return cls(steps, tuple(resolve_coefficients(coefficients, steps)), float(eps), dtype)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Shape and strides of a tensor, and the dim order that walks its memory contiguously."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    perm: tuple[int, ...]
+
+    @classmethod
+    def of(cls, t: Tensor) -> TensorLayout:
+        perm = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
+        if not t.permute(perm).is_contiguous():  # overlapping or gappy strides: use a copy
+            return cls(tuple(t.shape), _contiguous_strides(t.shape), tuple(range(t.ndim)))
+        return cls(tuple(t.shape), tuple(t.stride()), perm)
+
+    @property
+    def matrix(self) -> tuple[int, int]:
+        rows = self.shape[0]
+        return rows, (_numel(self.shape) // rows if rows else 0)
+
+    def memory_shape(self) -> list[int]:
+        return [self.shape[d] for d in self.perm]
+
+    def logical_view(self, flat: Tensor, count: int) -> Tensor:
+        """View ``count`` tensors stored back to back in memory order as ``(count, *shape)``."""
+        inverse = sorted(range(len(self.perm)), key=lambda d: self.perm[d])
+        return flat.view(count, *self.memory_shape()).permute(0, *(1 + d for d in inverse))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """Slots ``start:stop`` of a bucket, all holding tensors of one layout and orientation."""
+
+    start: int
+    stop: int
+    layout: TensorLayout
+    transposed: bool
+    tensors: tuple[int, ...]
+
+    def slots(self, batch: Tensor) -> Tensor:
+        """The run's region of a ``(B, R, C)`` batch, as ``(k, *shape)`` in the tensors' own shape."""
+        rows, cols = self.layout.matrix
+        region = batch[self.start : self.stop]
+        region = region[:, :cols, :rows].mT if self.transposed else region[:, :rows, :cols]
+        return region.view(self.stop - self.start, *self.layout.shape)
+
+
+class Orthogonalizer:
+    """Executes a :class:`Plan` for tensors of fixed layouts; reusable step after step."""
+
+    def __init__(self, plan: Plan, layouts: Sequence[TensorLayout], configs: dict[Hashable, NSConfig]):
+        self.plan = plan
+        self.layouts = list(layouts)
+        self.configs = configs
+        self._runs = [self._split_runs(b) for b in plan.buckets]
+        self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
+
+    def _split_runs(self, bucket: Bucket) -> list[_Run]:
+        runs: list[_Run] = []
+        for m in bucket.members:
+            layout = self.layouts[m.index]
+            last = runs[-1] if runs else None
+            if last and last.layout == layout and last.transposed == m.transposed:
+                runs[-1] = _Run(last.start, m.slot + 1, layout, m.transposed, (*last.tensors, m.index))
+            else:
+                runs.append(_Run(m.slot, m.slot + 1, layout, m.transposed, (m.index,)))
+        return runs
+
+    def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+        """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``."""
+        results: list[Tensor | None] = [None] * len(sources)
+        for b, (bucket, runs) in enumerate(zip(self.plan.buckets, self._runs)):
+            config = self.configs[bucket.key]
+            batch = self._pack(b, bucket, runs, sources)
+            out = _iterate(batch, list(config.coefficients), config.eps)
+            for run in runs:
+                self._unpack(run, out, out_dtypes, results)
+        return results  # type: ignore[return-value]
+
+    def _buffer(self, b: int, bucket: Bucket, device: torch.device) -> Tensor:
+        buf = self._buffers[b]
+        if buf is None:
+            buf = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
+            self._buffers[b] = buf
+        return buf
+
+    def _pack(self, b: int, bucket: Bucket, runs: list[_Run], sources: Sequence[Tensor]) -> Tensor:
+        buf = self._buffer(b, bucket, sources[bucket.members[0].index].device)
+        for run in runs:
+            layout = run.layout
+            srcs = [_in_layout(sources[i], layout) for i in run.tensors]
+            dense = not run.transposed and layout.matrix == bucket.shape[1:]
+            if dense and layout.perm == tuple(range(len(layout.shape))):
+                # Contiguous, unpadded, upright: concatenate straight into the buffer (cast included).
+                torch.cat([s.reshape(-1) for s in srcs], out=buf[run.start : run.stop].view(-1))
+                continue
+            flat = [s.permute(layout.perm).reshape(-1) for s in srcs]
+            src = torch.cat(flat) if len(flat) > 1 else flat[0]
+            run.slots(buf).copy_(layout.logical_view(src, len(srcs)))
+        return buf
+
+    def _unpack(self, run: _Run, out: Tensor, out_dtypes, results: list) -> None:
+        layout, count = run.layout, run.stop - run.start
+        dtype = out_dtypes[run.tensors[0]]
+        numel = _numel(layout.shape)
+        if any(out_dtypes[i] != dtype for i in run.tensors):
+            raise ValueError("tensors packed together must share one output dtype")
+        region = out[run.start : run.stop]
+        if (
+            region.dtype == dtype
+            and not run.transposed
+            and layout.matrix == tuple(out.shape[1:])
+            and layout.perm == tuple(range(len(layout.shape)))
+        ):  # unpadded, upright, contiguous: the results are views of the NS output itself
+            for j, i in enumerate(run.tensors):
+                results[i] = region[j].view(layout.shape)
+            return
+        flat = torch.empty(count * numel, dtype=dtype, device=out.device)
+        layout.logical_view(flat, count).copy_(run.slots(out))
+        for j, i in enumerate(run.tensors):
+            results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+
+
+def _in_layout(t: Tensor, layout: TensorLayout) -> Tensor:
+    """``t`` itself when it already has the planned strides, else a copy that has them."""
+    if t.stride() == layout.stride:
+        return t
+    return torch.empty_strided(layout.shape, layout.stride, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+def matrix_spec(t: Tensor, ns_dtype: torch.dtype, key: Hashable, layout: TensorLayout) -> MatrixSpec:
+    """The planner's view of a >=2D tensor: flattened to (out, everything else)."""
+    rows, cols = layout.matrix
+    return MatrixSpec(rows, cols, ns_dtype, t.device, key, (layout.shape, layout.stride))
+
+
+def orthogonalize(
+    tensors: Sequence[Tensor],
+    steps: int = 5,
+    coefficients: CoefficientSpec = "jordan",
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    policy: str = "auto",
+    max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+    cost_model: CostModel | None = None,
+) -> list[Tensor]:
+    """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
+
+    Each tensor is treated as the matrix ``t.flatten(1)``. For repeated calls on the same
+    shapes, an optimizer caches the plan and buffers; this function plans afresh each call.
+    """
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if t.ndim < 2:
+            raise ValueError(f"tensor {i} has shape {tuple(t.shape)}; orthogonalize needs >=2D tensors")
+        if t.is_complex():
+            raise ValueError(f"tensor {i} is complex; only real tensors can be orthogonalised")
+    config = NSConfig.make(steps, coefficients, eps, dtype)
+    live = [i for i, t in enumerate(tensors) if t.numel() > 0]
+    layouts = [TensorLayout.of(tensors[i]) for i in live]
+    specs = [matrix_spec(tensors[i], dtype, (tensors[i].dtype, config), lay) for i, lay in zip(live, layouts)]
+    plan = plan_buckets(
+        specs, policy=policy, steps=steps, max_bucket_bytes=max_bucket_bytes, cost_model=cost_model
+    )
+    configs = {b.key: config for b in plan.buckets}
+    outputs = Orthogonalizer(plan, layouts, configs)([tensors[i] for i in live], [dtype] * len(live))
+    results = [torch.empty_like(t, dtype=dtype) for t in tensors]
+    for i, out in zip(live, outputs):
+        results[i] = out
+    return results

@@ -1,0 +1,202 @@
+"""Muon: orthogonalised EMA momentum for matrices, AdamW for everything else.
+
+The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay,
+"original" or "match_rms_adamw" learning-rate adjustment), extended to >2D weights (flattened
+to ``(out, everything else)``) and to non-matrix parameters, which AdamW updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import MatrixOptimizer, Orthogonalize, check_fraction, check_nonnegative, state_buffer
+from .adamw import AdamWItem, adamw_state, multi_tensor_adamw, single_tensor_adamw
+from .engine import NSConfig
+from .newton_schulz import newton_schulz
+from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
+from .transforms import ADJUST_LR, apply_updates_, ema_momentum_, lr_scale, partition
+
+ADAMW_EPS = 1e-8
+ADAMW_BETAS = (0.9, 0.95)
+
+
+@dataclass
+class MuonItem:
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    beta: float
+    nesterov: bool
+    decay: float  # p ← p·decay before the update: 1 − lr·wd
+    scale: float  # the adjusted learning rate
+    config: NSConfig
+
+
+class Muon(MatrixOptimizer):
+    """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
+
+    Groups with ``use_muon=False`` (and, when a group does not say, parameters with fewer
+    than 2 dims) are updated by AdamW with the group's ``lr``, ``weight_decay``, ``betas``
+    (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
+    matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
+    A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        policy: str = "auto",
+        betas: tuple[float, float] = ADAMW_BETAS,
+        adamw_eps: float = ADAMW_EPS,
+        foreach: bool = True,
+        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        cost_model: CostModel | None = None,
+    ):
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            betas=betas,
+            adamw_eps=adamw_eps,
+        )
+        self.foreach = foreach
+        super().__init__(
+            params,
+            defaults,
+            policy=policy,
+            max_bucket_bytes=max_bucket_bytes,
+            cost_model=cost_model,
+        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if param_group.get("use_muon") is False and "eps" not in param_group:
+            param_group = {**param_group, "eps": ADAMW_EPS}
+        super().add_param_group(param_group)
+
+    def validate_group(self, group: dict[str, Any], where: str) -> None:
+        super().validate_group(group, where)
+        mode = group["adjust_lr_fn"]
+        if mode is not None and mode not in ADJUST_LR:
+            raise ValueError(f"unknown adjust_lr_fn {mode!r} in {where}; choose None or one of {ADJUST_LR}")
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas in {where} must be a pair (beta1, beta2), got {betas!r}")
+        check_fraction("betas[0]", betas[0], where)
+        check_fraction("betas[1]", betas[1], where)
+        check_nonnegative("adamw_eps", group["adamw_eps"], where)
+        if group.get("use_muon") is True:
+            for j, p in enumerate(group["params"]):
+                if p.ndim < 2:
+                    raise ValueError(
+                        f"{self.param_name(group, j)} is in a use_muon=True group of {where} but has "
+                        f"{p.ndim} dim(s); Muon orthogonalises matrices only: move it to a group "
+                        "with use_muon=False (AdamW)"
+                    )
+
+    def _collect(self) -> tuple[list[MuonItem], list[AdamWItem]]:
+        matrices: list[MuonItem] = []
+        others: list[AdamWItem] = []
+        for group in self.param_groups:
+            lr, wd = self.float_lr(group), group["weight_decay"]
+            use_muon = group.get("use_muon")
+            config = self.ns_config(group)
+            adjust = group["adjust_lr_fn"] or "original"
+            adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
+            for j, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self.check_grad(group, j, p.grad)
+                state = self.state[p]
+                if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
+                    matrices.append(
+                        MuonItem(
+                            p,
+                            p.grad,
+                            state_buffer(state, "momentum_buffer", p),
+                            group["momentum"],
+                            group["nesterov"],
+                            1 - lr * wd,
+                            lr * lr_scale(adjust, p.shape),
+                            config,
+                        )
+                    )
+                elif use_muon is not True:
+                    exp_avg, exp_avg_sq, step = adamw_state(state, p)
+                    others.append(
+                        AdamWItem(
+                            p,
+                            p.grad,
+                            exp_avg,
+                            exp_avg_sq,
+                            step,
+                            lr,
+                            tuple(group["betas"]),
+                            adamw_eps,
+                            wd,
+                        )
+                    )
+        return matrices, others
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices, others = self._collect()
+        if self.foreach:
+            _multi_tensor_muon(matrices, self.orthogonalize)
+            multi_tensor_adamw(others)
+        else:
+            _single_tensor_muon(matrices)
+            single_tensor_adamw(others)
+        return loss
+
+
+def _multi_tensor_muon(matrices: list[MuonItem], orthogonalize: Orthogonalize) -> None:
+    sources: list[Tensor] = []
+    ordered: list[MuonItem] = []
+    for items in partition(matrices, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values():
+        sources += ema_momentum_(
+            [i.buf for i in items], [i.grad for i in items], items[0].beta, items[0].nesterov
+        )
+        ordered += items
+    if not ordered:
+        return
+    params = [i.param for i in ordered]
+    updates = orthogonalize(sources, params, [i.config for i in ordered])
+    decays = [i.decay for i in ordered]
+    if any(d != 1 for d in decays):
+        torch._foreach_mul_(params, decays)
+    apply_updates_(params, updates, [i.scale for i in ordered], owned=True)
+
+
+def _single_tensor_muon(matrices: list[MuonItem]) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    for it in matrices:
+        it.buf.lerp_(it.grad, 1 - it.beta)
+        u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
+        c = it.config
+        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, c.dtype)
+        it.param.mul_(it.decay)
+        it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)

@@ -1,0 +1,217 @@
+"""MuSGD: a Muon step and an SGD step on every matrix, SGD alone on everything else.
+
+The hybrid Ultralytics trains YOLO26 detectors with, implemented from its update rule (see the
+README's table) with batched Newton–Schulz and fused elementwise work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._base import MatrixOptimizer, Orthogonalize, check_nonnegative, state_buffer
+from .engine import NSConfig
+from .newton_schulz import newton_schulz
+from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
+from .transforms import (
+    ADJUST_LR,
+    apply_updates_,
+    coupled_weight_decay,
+    ema_momentum_,
+    heavy_ball_,
+    lr_scale,
+    partition,
+)
+
+
+@dataclass
+class MatrixItem:
+    """One matrix's share of the Muon half: ``p ← p − scale·NS(momentum)``."""
+
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    beta: float
+    nesterov: bool
+    scale: float
+    config: NSConfig
+
+
+@dataclass
+class SGDItem:
+    """One tensor's SGD step with coupled weight decay: ``p ← p − lr·(heavy-ball momentum)``."""
+
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    beta: float
+    nesterov: bool
+    weight_decay: float
+    lr: float
+
+
+class MuSGD(MatrixOptimizer):
+    """Muon + SGD hybrid (a drop-in for Ultralytics' MuSGD), batched across all matrices.
+
+    For a parameter in a ``use_muon`` group (or any >=2D parameter when the group does not say),
+    each step applies ``lr·muon`` times its orthogonalised EMA momentum and then ``lr·sgd`` times
+    an SGD step with coupled weight decay; other parameters take plain SGD at ``lr``.
+
+    Args:
+        params: parameters or param groups; a group may set ``use_muon``.
+        lr, momentum, nesterov, weight_decay, muon, sgd: as in Ultralytics' MuSGD.
+        ns_steps, ns_coefficients, ns_dtype, eps: the Newton–Schulz settings.
+        policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
+        adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
+        foreach: ``False`` runs the plain per-parameter loop (the reference path).
+        max_bucket_bytes, cost_model: planner memory cap and cost constants.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        muon: float = 0.5,
+        sgd: float = 0.5,
+        *,
+        ns_steps: int = 5,
+        ns_coefficients: Any = "jordan",
+        ns_dtype: torch.dtype = torch.bfloat16,
+        eps: float = 1e-7,
+        policy: str = "auto",
+        adjust_lr: str = "ultralytics",
+        foreach: bool = True,
+        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        cost_model: CostModel | None = None,
+    ):
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            muon=muon,
+            sgd=sgd,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            adjust_lr=adjust_lr,
+        )
+        self.foreach = foreach
+        super().__init__(
+            params,
+            defaults,
+            policy=policy,
+            max_bucket_bytes=max_bucket_bytes,
+            cost_model=cost_model,
+        )
+
+    def validate_group(self, group: dict[str, Any], where: str) -> None:
+        super().validate_group(group, where)
+        check_nonnegative("muon", group["muon"], where)
+        check_nonnegative("sgd", group["sgd"], where)
+        if group["adjust_lr"] not in ADJUST_LR:
+            raise ValueError(
+                f"unknown adjust_lr {group['adjust_lr']!r} in {where}; choose one of {ADJUST_LR}"
+            )
+
+    def _collect(self) -> tuple[list[MatrixItem], list[SGDItem]]:
+        matrices: list[MatrixItem] = []
+        elementwise: list[SGDItem] = []
+        for group in self.param_groups:
+            lr, beta, nesterov = self.float_lr(group), group["momentum"], group["nesterov"]
+            use_muon = group.get("use_muon")
+            config = self.ns_config(group)
+            for j, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self.check_grad(group, j, p.grad)
+                state = self.state[p]
+                muon_group = use_muon if use_muon is not None else p.ndim >= 2
+                if muon_group and p.ndim >= 2 and p.numel() > 0:
+                    matrices.append(
+                        MatrixItem(
+                            p,
+                            p.grad,
+                            state_buffer(state, "momentum_buffer", p),
+                            beta,
+                            nesterov,
+                            lr * group["muon"] * lr_scale(group["adjust_lr"], p.shape),
+                            config,
+                        )
+                    )
+                key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
+                elementwise.append(
+                    SGDItem(
+                        p,
+                        p.grad,
+                        state_buffer(state, key, p),
+                        beta,
+                        nesterov,
+                        group["weight_decay"],
+                        lr * (group["sgd"] if muon_group else 1.0),
+                    )
+                )
+        return matrices, elementwise
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        matrices, elementwise = self._collect()
+        step_fn = _multi_tensor_musgd if self.foreach else _single_tensor_musgd
+        step_fn(matrices, elementwise, self.orthogonalize)
+        return loss
+
+
+def _multi_tensor_musgd(
+    matrices: list[MatrixItem], elementwise: list[SGDItem], orthogonalize: Orthogonalize
+) -> None:
+    # 1. momentum, one foreach call per (β, nesterov, device, dtype)
+    sources: list[Tensor] = []
+    ordered: list[MatrixItem] = []
+    for items in partition(matrices, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values():
+        sources += ema_momentum_(
+            [i.buf for i in items], [i.grad for i in items], items[0].beta, items[0].nesterov
+        )
+        ordered += items
+    if ordered:
+        # 2. orthogonalise, one NS call per bucket; 3–4. scale and apply
+        params = [i.param for i in ordered]
+        updates = orthogonalize(sources, params, [i.config for i in ordered])
+        apply_updates_(params, updates, [i.scale for i in ordered], owned=True)
+    # 5. the SGD half (and plain SGD parameters), on p after the Muon update
+    for items in partition(
+        elementwise, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
+    ).values():
+        first = items[0]
+        params = [i.param for i in items]
+        bufs = [i.buf for i in items]
+        grads = coupled_weight_decay([i.grad for i in items], params, first.weight_decay)
+        updates = heavy_ball_(bufs, grads, first.beta, first.nesterov)
+        apply_updates_(params, updates, [i.lr for i in items], owned=updates is not bufs)
+
+
+def _single_tensor_musgd(
+    matrices: list[MatrixItem], elementwise: list[SGDItem], orthogonalize: Orthogonalize
+) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    for it in matrices:
+        it.buf.lerp_(it.grad, 1 - it.beta)
+        u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
+        c = it.config
+        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, c.dtype)
+        it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
+    for it in elementwise:
+        g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
+        it.buf.mul_(it.beta).add_(g)
+        u = g + it.beta * it.buf if it.nesterov else it.buf
+        it.param.sub_(u * it.lr)

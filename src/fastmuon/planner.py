@@ -1,0 +1,301 @@
+"""The batching planner: a pure function from matrix shapes to buckets.
+
+Each bucket is one batched Newton–Schulz call on a ``(B, R, C)`` tensor. Matrices of one
+oriented shape stack without padding; smaller groups may share a bucket by zero-padding to
+the largest rows/cols among them, which is exact (see :mod:`fastmuon.newton_schulz`) but costs
+FLOPs. Whether a merge pays is a trade of kernel launches against padded FLOPs: launches
+dominate on a GPU, FLOPs on a CPU, so the cost model carries constants per device type.
+Nothing here touches tensor data; the plan is easy to test alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+POLICIES = ("auto", "exact", "min_launches")
+DEFAULT_MAX_BUCKET_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class MatrixSpec:
+    """One matrix to orthogonalise: its 2D (rows, cols) after flattening, and where it lives.
+
+    ``key`` separates matrices that must never share a bucket (e.g. different NS settings);
+    ``layout`` only orders members inside a bucket, so that tensors the engine packs with one
+    copy (same original shape and strides) sit next to each other.
+    """
+
+    rows: int
+    cols: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = torch.device("cpu")
+    key: Hashable = None
+    layout: Hashable = None
+
+    @property
+    def transposed(self) -> bool:
+        """Tall matrices are orthogonalised as their (wide) transpose."""
+        return self.rows > self.cols
+
+    @property
+    def oriented(self) -> tuple[int, int]:
+        return (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A matrix placed in a bucket: ``index`` into the planner's input, slot ``slot`` of the batch."""
+
+    index: int
+    slot: int
+    rows: int
+    cols: int
+    transposed: bool
+
+    @property
+    def oriented(self) -> tuple[int, int]:
+        return (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One batched NS call: ``shape = (B, R, C)`` with ``R <= C``, members padded into it."""
+
+    shape: tuple[int, int, int]
+    members: tuple[Member, ...]
+    dtype: torch.dtype
+    device: torch.device
+    key: Hashable = None
+
+    def nbytes(self) -> int:
+        b, r, c = self.shape
+        return b * r * c * _itemsize(self.dtype)
+
+    def flops(self, steps: int) -> int:
+        """FLOPs the padded batch actually computes."""
+        b, r, c = self.shape
+        return b * ns_flops(r, c, steps)
+
+    def useful_flops(self, steps: int) -> int:
+        """FLOPs the members would cost unpadded."""
+        return sum(ns_flops(*m.oriented, steps) for m in self.members)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per kernel launch and per FLOP (by dtype) on one kind of device."""
+
+    launch_seconds: float
+    seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
+    default_seconds_per_flop: float = 1e-11
+
+    def flop_seconds(self, dtype: torch.dtype) -> float:
+        return self.seconds_per_flop.get(dtype, self.default_seconds_per_flop)
+
+
+# Rough constants: a CPU op costs ~15 µs of dispatch and threading and does ~100-400 GFLOP/s on
+# small matrices; a GPU launch costs ~6 µs while the GPU does tens to hundreds of TFLOP/s, so
+# on CUDA one saved launch is worth ~10^8-10^9 padded FLOPs and on a CPU only ~10^6.
+COST_MODELS: dict[str, CostModel] = {
+    "cpu": CostModel(
+        launch_seconds=15e-6,
+        seconds_per_flop={
+            torch.float32: 1 / 1.5e11,
+            torch.bfloat16: 1 / 4e11,
+            torch.float16: 1 / 2e11,
+        },
+    ),
+    "cuda": CostModel(
+        launch_seconds=6e-6,
+        seconds_per_flop={
+            torch.float32: 1 / 4e13,
+            torch.bfloat16: 1 / 2e14,
+            torch.float16: 1 / 2e14,
+        },
+        default_seconds_per_flop=1 / 4e13,
+    ),
+}
+
+
+def ns_flops(rows: int, cols: int, steps: int) -> int:
+    """Multiply-add FLOPs of ``steps`` NS iterations on one wide matrix (rows <= cols)."""
+    r, c = min(rows, cols), max(rows, cols)
+    return steps * (4 * r * r * c + 2 * r * r * r)
+
+
+def kernels_per_bucket(steps: int) -> int:
+    """Launches a bucket costs however many matrices it holds: normalise (3) plus 3 per step."""
+    return 3 + 3 * steps
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The buckets for one set of matrices, with the settings that produced them."""
+
+    buckets: tuple[Bucket, ...]
+    num_matrices: int
+    policy: str
+    steps: int
+    max_bucket_bytes: int
+
+    def flops(self) -> int:
+        return sum(b.flops(self.steps) for b in self.buckets)
+
+    def useful_flops(self) -> int:
+        return sum(b.useful_flops(self.steps) for b in self.buckets)
+
+    def padding_overhead(self) -> float:
+        """Extra FLOPs spent on padding, as a fraction of the unpadded FLOPs."""
+        useful = self.useful_flops()
+        return self.flops() / useful - 1.0 if useful else 0.0
+
+    def describe(self) -> str:
+        lines = [
+            f"plan: {self.num_matrices} matrices in {len(self.buckets)} buckets "
+            f"(policy={self.policy}, steps={self.steps}, "
+            f"max_bucket_bytes={self.max_bucket_bytes / 2**20:.0f} MiB)",
+            f"NS FLOPs: {self.flops() / 1e9:.3f} G computed, {self.useful_flops() / 1e9:.3f} G useful, "
+            f"padding overhead {100 * self.padding_overhead():.1f}%",
+        ]
+        for i, b in enumerate(self.buckets):
+            shapes: dict[tuple[int, int], int] = {}
+            for m in b.members:
+                shapes[(m.rows, m.cols)] = shapes.get((m.rows, m.cols), 0) + 1
+            members = ", ".join(f"{n}x{r}x{c}" for (r, c), n in shapes.items())
+            lines.append(
+                f"  bucket {i}: batch {b.shape[0]}x{b.shape[1]}x{b.shape[2]} {_dtype_name(b.dtype)} "
+                f"on {b.device}, {b.nbytes() / 2**20:.2f} MiB, padding "
+                f"{100 * (b.flops(self.steps) / max(b.useful_flops(self.steps), 1) - 1):.1f}%: "
+                f"{members}"
+            )
+        return "\n".join(lines)
+
+
+def plan_buckets(
+    specs: Sequence[MatrixSpec],
+    *,
+    policy: str = "auto",
+    steps: int = 5,
+    max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+    cost_model: CostModel | None = None,
+) -> Plan:
+    """Assign every matrix to exactly one bucket.
+
+    ``policy="exact"`` stacks identical oriented shapes only; ``"min_launches"`` merges groups
+    whenever that lowers the number of batched calls, choosing the merges that add the fewest
+    padded FLOPs first; ``"auto"`` merges while the cost model (launch time + FLOP time) falls.
+    ``cost_model`` overrides the per-device-type default. Buckets larger than
+    ``max_bucket_bytes`` are split (a single matrix larger than the cap gets a bucket alone).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")
+    if max_bucket_bytes <= 0:
+        raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
+    partitions: dict[tuple, dict[tuple[int, int], list[int]]] = {}
+    for i, s in enumerate(specs):
+        if s.rows < 1 or s.cols < 1:
+            raise ValueError(f"matrix {i} has an empty shape ({s.rows}, {s.cols}); nothing to plan")
+        part = partitions.setdefault((s.dtype, torch.device(s.device), s.key), {})
+        part.setdefault(s.oriented, []).append(i)
+
+    buckets: list[Bucket] = []
+    for (dtype, device, key), by_shape in partitions.items():
+        model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
+        groups = [_Group(r, c, members) for (r, c), members in by_shape.items()]
+        if policy != "exact":
+            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model)
+        for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
+            buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes))
+    return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
+
+
+@dataclass
+class _Group:
+    rows: int
+    cols: int
+    members: list[int]
+
+    def chunks(self, itemsize: int, cap: int) -> int:
+        return math.ceil(len(self.members) / _per_chunk(self.rows, self.cols, itemsize, cap))
+
+    def union(self, other: _Group) -> _Group:
+        return _Group(max(self.rows, other.rows), max(self.cols, other.cols), self.members + other.members)
+
+
+def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
+    return max(1, cap // (rows * cols * itemsize))
+
+
+def _merge(groups, policy, steps, dtype, cap, model: CostModel) -> list[_Group]:
+    """Greedy agglomeration: apply the best merge until none helps."""
+    itemsize = _itemsize(dtype)
+    launch = model.launch_seconds * kernels_per_bucket(steps)
+    per_flop = model.flop_seconds(dtype)
+
+    def flops(g: _Group) -> int:
+        return len(g.members) * ns_flops(g.rows, g.cols, steps)
+
+    def score(a: _Group, b: _Group) -> tuple[float, float] | None:
+        """Lower is better; ``None`` means this merge does not help."""
+        m = a.union(b)
+        saved_launches = a.chunks(itemsize, cap) + b.chunks(itemsize, cap) - m.chunks(itemsize, cap)
+        extra_flops = flops(m) - flops(a) - flops(b)
+        if policy == "min_launches":
+            return (-saved_launches, extra_flops) if saved_launches > 0 else None
+        delta = extra_flops * per_flop - saved_launches * launch
+        return (delta, extra_flops) if delta < 0 else None
+
+    groups = sorted(groups, key=lambda g: (g.rows, g.cols))
+    while len(groups) > 1:
+        # All pairs for the usual few dozen shapes; a sorted window keeps huge shape sets fast.
+        window = len(groups) if len(groups) <= 96 else 16
+        best = None
+        for i in range(len(groups)):
+            for j in range(i + 1, min(len(groups), i + 1 + window)):
+                s = score(groups[i], groups[j])
+                if s is not None and (best is None or s < best[0]):
+                    best = (s, i, j)
+        if best is None:
+            break
+        _, i, j = best
+        merged = groups[i].union(groups[j])
+        groups = [g for k, g in enumerate(groups) if k not in (i, j)] + [merged]
+        groups.sort(key=lambda g: (g.rows, g.cols))
+    return groups
+
+
+def _materialise(group, specs, dtype, device, key, cap) -> list[Bucket]:
+    """Order members so identical tensors are adjacent, then split by the memory cap."""
+    order = sorted(
+        group.members,
+        key=lambda i: (
+            -specs[i].oriented[0],
+            -specs[i].oriented[1],
+            specs[i].transposed,
+            repr(specs[i].layout),
+            i,
+        ),
+    )
+    per_chunk = _per_chunk(group.rows, group.cols, _itemsize(dtype), cap)
+    buckets = []
+    for start in range(0, len(order), per_chunk):
+        chunk = order[start : start + per_chunk]
+        rows = max(specs[i].oriented[0] for i in chunk)
+        cols = max(specs[i].oriented[1] for i in chunk)
+        members = tuple(
+            Member(i, slot, specs[i].rows, specs[i].cols, specs[i].transposed) for slot, i in enumerate(chunk)
+        )
+        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key))
+    return buckets
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

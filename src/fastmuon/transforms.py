@@ -1,0 +1,78 @@
+"""The elementwise steps of the update pipeline, each one fused ``torch._foreach_*`` call or two.
+
+momentum → orthogonalise → scale → apply: the optimizers compose these over lists of tensors
+(one list per set of shared hyperparameters), so the elementwise work costs a handful of
+kernels per step however many parameters there are. Nothing here writes to a gradient, and a
+function that returns a buffer it also modifies says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "none")
+
+T = TypeVar("T")
+
+
+def ema_momentum_(bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
+    """``M ← β·M + (1−β)·g`` in place; returns ``β·M + (1−β)·g`` (Nesterov, new tensors) or ``M``."""
+    torch._foreach_lerp_(bufs, grads, 1 - beta)
+    return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs
+
+
+def heavy_ball_(bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
+    """``B ← β·B + g`` in place; returns ``g + β·B`` (Nesterov, new tensors) or ``B``."""
+    if beta != 0:
+        torch._foreach_mul_(bufs, beta)
+    torch._foreach_add_(bufs, grads)
+    return torch._foreach_add(grads, bufs, alpha=beta) if nesterov else bufs
+
+
+def coupled_weight_decay(grads: list[Tensor], params: list[Tensor], weight_decay: float) -> list[Tensor]:
+    """``g + wd·p`` as new tensors (the gradients themselves are never touched)."""
+    return torch._foreach_add(grads, params, alpha=weight_decay) if weight_decay else list(grads)
+
+
+def apply_updates_(
+    params: list[Tensor], updates: list[Tensor], scales: Sequence[float], *, owned: bool
+) -> None:
+    """``p ← p − scale·u``. With ``owned`` the updates are ours and may be scaled in place."""
+    if not params:
+        return
+    if all(s == scales[0] for s in scales):
+        torch._foreach_add_(params, updates, alpha=-scales[0])
+        return
+    scaled = updates if owned else None
+    if owned:
+        torch._foreach_mul_(updates, list(scales))
+    else:
+        scaled = torch._foreach_mul(updates, list(scales))
+    torch._foreach_sub_(params, scaled)
+
+
+def lr_scale(mode: str, shape: Sequence[int]) -> float:
+    """The per-matrix factor on the orthogonalised update (``s`` in the README's table)."""
+    rows, cols = shape[0], math.prod(shape[1:])
+    if mode == "ultralytics":  # on the raw tensor's last two dims: 1 for square conv kernels
+        return math.sqrt(max(1.0, shape[-2] / shape[-1]))
+    if mode == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if mode == "none":
+        return 1.0
+    raise ValueError(f"unknown adjust_lr {mode!r}; choose one of {ADJUST_LR}")
+
+
+def partition(items: Iterable[T], key: Callable[[T], Hashable]) -> dict[Hashable, list[T]]:
+    """Group items by key, keeping first-seen order (one foreach call per group)."""
+    groups: dict[Hashable, list[T]] = {}
+    for item in items:
+        groups.setdefault(key(item), []).append(item)
+    return groups
