@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Make (or reuse) .venv with the CPU build of torch and fastmuon installed editable with EXTRAS.
+# Sourced by bench.sh and test.sh so that each is one command on a fresh machine.
+set -euo pipefail
+EXTRAS="${1:-test}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
+.venv/bin/python -m pip install -q -e ".[$EXTRAS]"
