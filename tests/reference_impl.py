@@ -1,0 +1,112 @@
+"""Plain per-parameter references written straight from the update formulas (issue #2).
+
+Deliberately independent of fastmuon's code: no batching, no foreach, fp32 maths, one
+parameter at a time, so the batched optimizers are checked against the algorithm itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+JORDAN = (3.4445, -4.7750, 2.0315)
+
+
+def ns_reference(G: torch.Tensor, steps: int = 5, coefficients=JORDAN, eps: float = 1e-7) -> torch.Tensor:
+    """Newton–Schulz on one matrix, fp32, transposing tall matrices."""
+    X = G.to(torch.float32)
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / (X.norm() + eps)
+    schedule = [coefficients] if isinstance(coefficients[0], (int, float)) else list(coefficients)
+    for k in range(steps):
+        a, b, c = schedule[min(k, len(schedule) - 1)]
+        A = X @ X.T
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.T if tall else X
+
+
+def adjust(mode: str, shape) -> float:
+    rows, cols = shape[0], math.prod(shape[1:])
+    return {
+        "ultralytics": math.sqrt(max(1.0, shape[-2] / shape[-1])),
+        "original": math.sqrt(max(1.0, rows / cols)),
+        "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)),
+        "none": 1.0,
+    }[mode]
+
+
+def musgd_reference_step(
+    p,
+    g,
+    state,
+    *,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    muon,
+    sgd,
+    use_muon,
+    adjust_lr="ultralytics",
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One MuSGD step on one parameter (in place on ``p`` and ``state``)."""
+    beta = momentum
+    muon_group = use_muon if use_muon is not None else p.ndim >= 2
+    if muon_group and p.ndim >= 2:
+        M = state.setdefault("momentum_buffer", torch.zeros_like(p))
+        M.copy_(beta * M + (1 - beta) * g)
+        U = beta * M + (1 - beta) * g if nesterov else M
+        O = ns_reference(U.reshape(U.shape[0], -1), ns_steps, coefficients, eps).reshape(p.shape)
+        O = O.to(p.dtype) * adjust(adjust_lr, p.shape)
+        p.copy_(p - lr * muon * O)
+    key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
+    scale = sgd if muon_group else 1.0
+    g2 = g + weight_decay * p
+    B = state.setdefault(key, torch.zeros_like(p))
+    B.copy_(beta * B + g2)
+    upd = g2 + beta * B if nesterov else B
+    p.copy_(p - lr * scale * upd)
+
+
+def muon_reference_step(
+    p,
+    g,
+    state,
+    *,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    adjust_lr_fn=None,
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One Muon step on one matrix parameter."""
+    beta = momentum
+    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
+    M.copy_(beta * M + (1 - beta) * g)
+    U = beta * M + (1 - beta) * g if nesterov else M
+    O = ns_reference(U.reshape(U.shape[0], -1), ns_steps, coefficients, eps).reshape(p.shape)
+    p.copy_(p * (1 - lr * weight_decay))
+    p.copy_(p - lr * adjust(adjust_lr_fn or "original", p.shape) * O.to(p.dtype))
+
+
+def adamw_reference_step(p, g, state, *, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+    b1, b2 = betas
+    t = state["t"] = state.get("t", 0) + 1
+    m = state.setdefault("m", torch.zeros_like(p))
+    v = state.setdefault("v", torch.zeros_like(p))
+    p.copy_(p * (1 - lr * weight_decay))
+    m.copy_(b1 * m + (1 - b1) * g)
+    v.copy_(b2 * v + (1 - b2) * g * g)
+    mhat = m / (1 - b1**t)
+    vhat = v / (1 - b2**t)
+    p.copy_(p - lr * mhat / (vhat.sqrt() + eps))
