@@ -12,7 +12,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .nonfinite import DEFAULT_NONFINITE, SkipGuard, check_mode, finite_flags, raise_if_nonfinite
 from .planner import POLICIES, CostModel, Plan, plan_buckets
+from .state import check_state_layout
 
 _PLAN_CACHE_SIZE = 4
 
@@ -50,7 +52,16 @@ class MatrixOptimizer(Optimizer):
     caches and runs the plan (rebuilt when the set of matrices or their layouts changes).
     """
 
-    def __init__(self, params, defaults: dict[str, Any], *, policy: str, max_bucket_bytes: int, cost_model):
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        policy: str,
+        max_bucket_bytes: int,
+        cost_model,
+        nonfinite: str = DEFAULT_NONFINITE,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
         if max_bucket_bytes <= 0:
@@ -58,6 +69,8 @@ class MatrixOptimizer(Optimizer):
         self.policy = policy
         self.max_bucket_bytes = int(max_bucket_bytes)
         self.cost_model: CostModel | None = cost_model
+        self.nonfinite = check_mode(nonfinite)
+        self._keep: dict[int, Tensor] | None = None  # id(param) -> finite flag, during a "skip" step
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
         self.last_plan: Plan | None = None
         super().__init__(params, defaults)
@@ -136,7 +149,8 @@ class MatrixOptimizer(Optimizer):
         else:
             self._plans.move_to_end(key)
         self.last_plan = engine.plan
-        return engine(sources, [p.dtype for p in params])
+        keep = None if self._keep is None else [self._keep[id(p)] for p in params]
+        return engine(sources, [p.dtype for p in params], keep=keep)
 
     def _build(self, params, configs, policy) -> Orthogonalizer:
         layouts = [TensorLayout.of(p) for p in params]
@@ -150,6 +164,40 @@ class MatrixOptimizer(Optimizer):
         )
         return Orthogonalizer(plan, layouts, {(p.dtype, c): c for p, c in zip(params, configs)})
 
+    # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
+    def guard_nonfinite(self) -> SkipGuard | None:
+        """Call after the state buffers exist and before anything is written: raises ("raise"),
+        or returns the guard whose ``restore()`` undoes the step where gradients were bad ("skip")."""
+        if self.nonfinite == "ignore":
+            return None
+        owners = [(g, j) for g in self.param_groups for j, p in enumerate(g["params"]) if p.grad is not None]
+        params = [g["params"][j] for g, j in owners]
+        grads = [p.grad for p in params]
+        if self.nonfinite == "raise":
+            raise_if_nonfinite(grads, lambda k: self.param_name(*owners[k]))
+            return None
+        flags = finite_flags(grads)
+        self._keep = {id(p): f for p, f in zip(params, flags)}
+        return SkipGuard(params, flags, [self.state[p] for p in params])
+
+    def end_nonfinite(self, guard: SkipGuard | None) -> None:
+        self._keep = None
+        if guard is not None:
+            guard.restore()
+
+    # ----- state --------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does (casting buffers to each parameter's dtype and device), after
+        checking that every saved buffer fits its parameter: a state dict from another model
+        layout fails clearly instead of pairing buffers with the wrong parameters."""
+        check_state_layout(self, state_dict)
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            step = state.get("step")
+            if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device.type != "cpu"):
+                state["step"] = step.to("cpu", torch.float32)  # read on the host every step
+        self._plans.clear()
+
     def plan(self) -> Plan | None:
         """The plan the last step used (``None`` before the first step)."""
         return self.last_plan
@@ -158,3 +206,5 @@ class MatrixOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_plans", OrderedDict())
         self.__dict__.setdefault("last_plan", None)
+        self.__dict__.setdefault("nonfinite", DEFAULT_NONFINITE)
+        self.__dict__.setdefault("_keep", None)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .newton_schulz import CoefficientSpec, _iterate, resolve_coefficients
+from .nonfinite import zero_rejected_
 from .planner import (
     DEFAULT_MAX_BUCKET_BYTES,
     Bucket,
@@ -112,12 +113,22 @@ class Orthogonalizer:
                 runs.append(_Run(m.slot, m.slot + 1, layout, m.transposed, (m.index,)))
         return runs
 
-    def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
-        """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``."""
+    def __call__(
+        self,
+        sources: Sequence[Tensor],
+        out_dtypes: Sequence[torch.dtype],
+        keep: Sequence[Tensor] | None = None,
+    ) -> list[Tensor]:
+        """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``.
+
+        ``keep`` (0-d bool tensors, one per source) zeroes the rejected sources inside their bucket.
+        """
         results: list[Tensor | None] = [None] * len(sources)
         for b, (bucket, runs) in enumerate(zip(self.plan.buckets, self._runs)):
             config = self.configs[bucket.key]
             batch = self._pack(b, bucket, runs, sources)
+            if keep is not None:
+                zero_rejected_(batch, [keep[m.index] for m in bucket.members])
             out = _iterate(batch, list(config.coefficients), config.eps)
             for run in runs:
                 self._unpack(run, out, out_dtypes, results)

@@ -17,6 +17,7 @@ from ._base import MatrixOptimizer, Orthogonalize, check_fraction, check_nonnega
 from .adamw import AdamWItem, adamw_state, multi_tensor_adamw, single_tensor_adamw
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
+from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .transforms import ADJUST_LR, apply_updates_, ema_momentum_, lr_scale, partition
 
@@ -44,6 +45,8 @@ class Muon(MatrixOptimizer):
     (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
     matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
     A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
+    ``nonfinite`` ("raise" by default, "skip" or "ignore") says what a NaN/Inf gradient does,
+    as in :class:`~fastmuon.MuSGD`.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Muon(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | None = None,
+        nonfinite: str = DEFAULT_NONFINITE,
     ):
         defaults = dict(
             lr=lr,
@@ -86,6 +90,7 @@ class Muon(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            nonfinite=nonfinite,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -164,12 +169,16 @@ class Muon(MatrixOptimizer):
             with torch.enable_grad():
                 loss = closure()
         matrices, others = self._collect()
-        if self.foreach:
-            _multi_tensor_muon(matrices, self.orthogonalize)
-            multi_tensor_adamw(others)
-        else:
-            _single_tensor_muon(matrices)
-            single_tensor_adamw(others)
+        guard = self.guard_nonfinite()
+        try:
+            if self.foreach:
+                _multi_tensor_muon(matrices, self.orthogonalize)
+                multi_tensor_adamw(others)
+            else:
+                _single_tensor_muon(matrices)
+                single_tensor_adamw(others)
+        finally:
+            self.end_nonfinite(guard)
         return loss
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from ._base import MatrixOptimizer, Orthogonalize, check_nonnegative, state_buffer
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
+from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .transforms import (
     ADJUST_LR,
@@ -68,6 +69,8 @@ class MuSGD(MatrixOptimizer):
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
         max_bucket_bytes, cost_model: planner memory cap and cost constants.
+        nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter), "skip"s that
+            parameter for the step (weights and state untouched, no host sync) or is "ignore"d.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class MuSGD(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | None = None,
+        nonfinite: str = DEFAULT_NONFINITE,
     ):
         defaults = dict(
             lr=lr,
@@ -110,6 +114,7 @@ class MuSGD(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            nonfinite=nonfinite,
         )
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -167,8 +172,12 @@ class MuSGD(MatrixOptimizer):
             with torch.enable_grad():
                 loss = closure()
         matrices, elementwise = self._collect()
+        guard = self.guard_nonfinite()
         step_fn = _multi_tensor_musgd if self.foreach else _single_tensor_musgd
-        step_fn(matrices, elementwise, self.orthogonalize)
+        try:
+            step_fn(matrices, elementwise, self.orthogonalize)
+        finally:
+            self.end_nonfinite(guard)
         return loss
 
 

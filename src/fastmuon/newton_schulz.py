@@ -68,8 +68,9 @@ def newton_schulz(
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
 
-    Every matrix is first divided by its own Frobenius norm (+ ``eps``) so that its spectral
-    norm is at most 1, then iterated. Tall matrices are iterated on their transpose so the
+    Every matrix is first divided by its own Frobenius norm (+ ``eps``, taken after scaling the
+    largest entry to 1 so that huge or tiny matrices neither overflow nor vanish) so that its
+    spectral norm is at most 1, then iterated. Tall matrices are iterated on their transpose so the
     Gram matrix ``X·Xᵀ`` is the small side. Zero-padded rows/columns stay exactly zero and do
     not change the norm, which is what lets the batched engine pad matrices into shared buckets.
     """
@@ -90,7 +91,15 @@ def newton_schulz(
 
 
 def _iterate(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor:
-    """The NS loop on a wide batch (rows <= cols). ``X`` is never modified in place."""
+    """The NS loop on a wide batch (rows <= cols). ``X`` is never modified in place.
+
+    Each matrix is first divided by its largest |entry| so that the Frobenius norm can neither
+    overflow (|x| ~ 1e30 squares past fp32/bf16 range) nor underflow (|x| ~ 1e-30): the result is
+    then scale invariant, ``eps`` acts relative to the largest entry, and an all-zero matrix
+    stays zero (0 / tiny, not 0 / 0).
+    """
+    peak = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
+    X = X / peak.clamp_min(torch.finfo(X.dtype).tiny)
     X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps)
     for a, b, c in schedule:
         A = torch.bmm(X, X.mT)

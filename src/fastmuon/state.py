@@ -1,0 +1,56 @@
+"""Checks a saved optimizer state against the parameters it is about to be loaded into.
+
+``torch.optim.Optimizer.load_state_dict`` pairs saved buffers with parameters by position
+alone, so a checkpoint from another model, or from the same model with its groups built in
+another order, loads "successfully" and then mixes up momenta (or fails much later with a
+shape error deep in a foreach call). Every saved tensor must have its parameter's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+#: State entries that are counters, not buffers shaped like the parameter.
+SCALAR_KEYS = frozenset({"step"})
+
+_FIX = (
+    "the state dict was saved for a different parameter layout; build the optimizer over the "
+    "same parameters, in the same groups and order, as the run that saved it"
+)
+
+
+def check_state_layout(optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first parameter whose saved state does not fit it."""
+    saved_groups = state_dict.get("param_groups")
+    saved_state = state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        raise ValueError("not an optimizer state dict: expected 'state' and 'param_groups' entries")
+    groups = optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise ValueError(
+            f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}; {_FIX}"
+        )
+    for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+        ids, params = saved["params"], group["params"]
+        if len(ids) != len(params):
+            raise ValueError(
+                f"param group {index} has {len(ids)} parameters in the state dict and "
+                f"{len(params)} in this optimizer; {_FIX}"
+            )
+        for j, (pid, p) in enumerate(zip(ids, params)):
+            for key, value in saved_state.get(pid, {}).items():
+                if not isinstance(value, Tensor):
+                    continue
+                if key in SCALAR_KEYS:
+                    fits = value.numel() == 1
+                    want = "a single number"
+                else:
+                    fits = value.shape == p.shape
+                    want = f"shape {tuple(p.shape)}"
+                if not fits:
+                    raise ValueError(
+                        f"{optimizer.param_name(group, j)}: saved state {key!r} has shape "
+                        f"{tuple(value.shape)} but needs {want}; {_FIX}"
+                    )
