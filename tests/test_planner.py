@@ -31,7 +31,7 @@ def check_invariants(plan, specs):
     assert sorted(members(plan)) == list(range(len(specs)))  # each matrix in exactly one bucket
     for b in plan.buckets:
         B, R, C = b.shape
-        assert R <= C and B == len(b.members)
+        assert R <= C and len(b.members) == B
         assert [m.slot for m in b.members] == list(range(B))
         for m in b.members:
             s = specs[m.index]
