@@ -65,6 +65,7 @@ class MuSGD(MatrixOptimizer):
         params: parameters or param groups; a group may set ``use_muon``.
         lr, momentum, nesterov, weight_decay, muon, sgd: as in Ultralytics' MuSGD.
         ns_steps, ns_coefficients, ns_dtype, eps: the Newton–Schulz settings.
+        ns_method: "auto" (Gram-space NS for wide fp32 buckets, where it is cheaper), "standard", "gram".
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
@@ -87,6 +88,7 @@ class MuSGD(MatrixOptimizer):
         ns_coefficients: Any = "jordan",
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
+        ns_method: str = "auto",
         policy: str = "auto",
         adjust_lr: str = "ultralytics",
         foreach: bool = True,
@@ -104,6 +106,7 @@ class MuSGD(MatrixOptimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
             eps=eps,
             adjust_lr=adjust_lr,
         )
@@ -221,6 +224,9 @@ def _single_tensor_musgd(
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
     for it in elementwise:
         g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
-        it.buf.mul_(it.beta).add_(g)
+        if it.beta == 0:
+            it.buf.copy_(g)
+        else:
+            it.buf.mul_(it.beta).add_(g)
         u = g + it.beta * it.buf if it.nesterov else it.buf
         it.param.sub_(u * it.lr)
