@@ -18,6 +18,7 @@ from reliability_support import (
 from torch import nn
 
 import fastmuon
+from fastmuon.newton_schulz import _normalize
 from fastmuon.nonfinite import DEFAULT_NONFINITE
 
 F32 = dict(ns_dtype=torch.float32)
@@ -286,6 +287,21 @@ def test_huge_tiny_zero_and_rank_one_matrices(ns_dtype, dtype):
         else:  # bf16 rounding: compare as a whole
             err = torch.linalg.vector_norm(o.float() - expected) / torch.linalg.vector_norm(expected)
             assert err < 0.05, (k, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_safe_normalisation_is_bitwise_the_plain_formula_at_ordinary_scales(dtype):
+    """The overflow-safe prescale is an exact power of two: wherever max|x| >= 1 the result is
+    bit for bit ``X / (‖X‖ + eps)`` (so e.g. torch.optim.Muon's bf16 NS is matched exactly)."""
+    scales = torch.tensor([1.5, 3.0, 100.0]).view(-1, 1, 1)
+    X = (torch.randn(3, 6, 9) * scales).to(dtype)
+    plain = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + 1e-7)
+    assert torch.equal(_normalize(X, 1e-7), plain)
+    # Where the plain norm overflows (fp16 squares past 65504), the plain formula gives zeros.
+    big = (torch.randn(1, 6, 9) * 3e4).to(torch.float16)
+    assert torch.linalg.vector_norm(big).isinf()
+    safe = _normalize(big, 1e-7).float()
+    torch.testing.assert_close(torch.linalg.vector_norm(safe), torch.tensor(1.0), rtol=2e-3, atol=0)
 
 
 def test_ns_zero_matrix_gives_zero_not_nan():
