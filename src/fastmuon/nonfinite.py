@@ -31,35 +31,38 @@ def check_mode(mode: Any) -> str:
     return mode
 
 
-def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:
-    """One 0-d bool tensor per gradient, on its device: True when every entry is finite.
+def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
+    """``(indices, ok)`` per (device, dtype) of the non-empty gradients: ``ok[k]`` is True when
+    every entry of ``grads[indices[k]]`` is finite.
 
     The max-abs norm is inf or NaN exactly when some entry is, and unlike a sum of squares it
     cannot overflow on huge but finite gradients. One fused norm call per (device, dtype).
     """
-    flags: list[Tensor | None] = [None] * len(grads)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
-        if g.numel() == 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
-            flags[i] = torch.ones((), dtype=torch.bool, device=g.device)
-        else:
+        if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
             groups.setdefault((g.device, g.dtype), []).append(i)
-    for indices in groups.values():
-        peaks = torch._foreach_norm([grads[i] for i in indices], ord=float("inf"))
-        ok = torch.stack(peaks).isfinite()
+    return [
+        (indices, torch.stack(torch._foreach_norm([grads[i] for i in indices], ord=float("inf"))).isfinite())
+        for indices in groups.values()
+    ]
+
+
+def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:
+    """One 0-d bool tensor per gradient, on its device: True when every entry is finite."""
+    flags: list[Tensor | None] = [None] * len(grads)
+    for indices, ok in _finite_by_group(grads):
         for k, i in enumerate(indices):
             flags[i] = ok[k]
+    for i, g in enumerate(grads):
+        if flags[i] is None:
+            flags[i] = torch.ones((), dtype=torch.bool, device=g.device)
     return flags  # type: ignore[return-value]
 
 
 def raise_if_nonfinite(grads: Sequence[Tensor], name: Callable[[int], str]) -> None:
-    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per device)."""
-    flags = finite_flags(grads)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, f in enumerate(flags):
-        by_device.setdefault(f.device, []).append(i)
-    for indices in by_device.values():
-        ok = torch.stack([flags[i] for i in indices])
+    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per group)."""
+    for indices, ok in _finite_by_group(grads):
         if bool(ok.all()):
             continue
         bad = [indices[k] for k in (~ok).nonzero().flatten().tolist()]
