@@ -61,8 +61,14 @@ def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:
 
 
 def raise_if_nonfinite(grads: Sequence[Tensor], name: Callable[[int], str]) -> None:
-    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per group)."""
-    for indices, ok in _finite_by_group(grads):
+    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per device)."""
+    groups = _finite_by_group(grads)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for _, ok in groups:
+        by_device.setdefault(ok.device, []).append(ok)
+    if all(bool(torch.cat(oks).all()) for oks in by_device.values()):
+        return
+    for indices, ok in groups:
         if bool(ok.all()):
             continue
         bad = [indices[k] for k in (~ok).nonzero().flatten().tolist()]
