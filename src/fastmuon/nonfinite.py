@@ -103,14 +103,16 @@ class _Group:
     def __init__(self, views: list[Tensor], flags: list[Tensor]):
         self.views = views
         self.flags = flags
+        self.sizes = [v.numel() for v in views]
         self.snapshot = torch.cat(views)
+        # An asynchronous host-to-device copy: the host does not wait for the device.
+        self.repeats = torch.tensor(self.sizes).to(self.snapshot.device, non_blocking=True)
 
     def restore(self) -> None:
-        device = self.snapshot.device
-        keep = _flags_on(self.flags, device)
-        mask = torch.cat([keep[k].expand(v.numel()) for k, v in enumerate(self.views)])
+        keep = _flags_on(self.flags, self.snapshot.device)
+        mask = torch.repeat_interleave(keep, self.repeats, output_size=self.snapshot.numel())
         merged = torch.where(mask, torch.cat(self.views), self.snapshot, out=self.snapshot)
-        torch._foreach_copy_(self.views, list(merged.split([v.numel() for v in self.views])))
+        torch._foreach_copy_(self.views, list(merged.split(self.sizes)))
 
 
 def _flags_on(flags: list[Tensor], device: torch.device) -> Tensor:
