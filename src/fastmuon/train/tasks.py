@@ -33,7 +33,7 @@ class DigitsTask:
     width: int = 16
     hidden: int = 64
     batch_size: int = 64
-    default_steps: int = 300
+    default_steps: int = 200
     evals: int = 10
     name: str = "digits"
     _data: dict[str, Tensor] = field(default_factory=dict, repr=False)
