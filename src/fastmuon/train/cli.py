@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="musgd, muon, sgd, adamw or all (repeatable or comma list; default all)",
     )
     p.add_argument(
-        "--steps", type=int, help="training steps per run (default: per model, digits 200, chars 150)"
+        "--steps", type=int, help="training steps per run (default: per model, 120 for both models)"
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed for weights and batches, shared by all contenders"
@@ -145,5 +145,5 @@ def run(args: argparse.Namespace) -> int:
 def _title(config: dict) -> str:
     steps = ", ".join(f"{k} {v} steps" for k, v in config["steps"].items())
     return (
-        f"fastmuon train — seed {config['seed']}, {steps}, {config['device']} ({config['threads']} threads)"
+        f"fastmuon train — seed {config['seed']}, {steps}, {config['device']} ({config['threads']} thread(s))"
     )

@@ -110,7 +110,9 @@ def plot(results: Sequence[RunResult], path: str | Path, title: str = "") -> Non
                     linewidth=2,
                     label=r.label,
                 )
-            ax.set_yscale("log")
+            losses = [v for r in results if r.task == task for v in r.step_loss if math.isfinite(v) and v > 0]
+            if losses and max(losses) > 20 * min(losses):  # digits: from 2.3 down to ~0.01
+                ax.set_yscale("log")
             ax.set_xlabel("step" if xkey == "step" else "training wall time (s)")
             ax.set_ylabel(f"{task} loss")
             ax.grid(True, which="both", alpha=0.3)
