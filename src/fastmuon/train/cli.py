@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(report.to_json(results, config) + "\n")
     else:
-        report.print_table(results, Console())
+        # piped output gets a width that fits the table rather than rich's 80-column default
+        report.print_table(results, Console(width=None if sys.stdout.isatty() else 120))
     return 0
 
 
