@@ -66,6 +66,7 @@ class Muon(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,

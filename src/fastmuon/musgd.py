@@ -68,6 +68,8 @@ class MuSGD(MatrixOptimizer):
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
+        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
+            once per bucket shape).
         max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
             built-in constants per device type; ``"calibrate"``: measured once on this machine).
     """
@@ -92,6 +94,7 @@ class MuSGD(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
