@@ -89,6 +89,7 @@ class Muon(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -117,6 +117,7 @@ class MuSGD(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
         )
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
