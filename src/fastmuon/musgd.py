@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._base import MatrixOptimizer, Orthogonalize, check_nonnegative, state_buffer
+from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
@@ -64,10 +65,14 @@ class MuSGD(MatrixOptimizer):
         params: parameters or param groups; a group may set ``use_muon``.
         lr, momentum, nesterov, weight_decay, muon, sgd: as in Ultralytics' MuSGD.
         ns_steps, ns_coefficients, ns_dtype, eps: the Newton–Schulz settings.
+        ns_method: "auto" (Gram-space NS for wide fp32 buckets, where it is cheaper), "standard", "gram".
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
-        max_bucket_bytes, cost_model: planner memory cap and cost constants.
+        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
+            once per bucket shape).
+        max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
+            built-in constants per device type; ``"calibrate"``: measured once on this machine).
     """
 
     def __init__(
@@ -84,11 +89,13 @@ class MuSGD(MatrixOptimizer):
         ns_coefficients: Any = "jordan",
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
+        ns_method: str = "auto",
         policy: str = "auto",
         adjust_lr: str = "ultralytics",
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -100,6 +107,7 @@ class MuSGD(MatrixOptimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
             eps=eps,
             adjust_lr=adjust_lr,
         )
@@ -110,6 +118,7 @@ class MuSGD(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
         )
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -208,10 +217,14 @@ def _single_tensor_musgd(
         it.buf.lerp_(it.grad, 1 - it.beta)
         u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
         c = it.config
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, c.dtype)
+        dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
+        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
     for it in elementwise:
         g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
-        it.buf.mul_(it.beta).add_(g)
+        if it.beta == 0:
+            it.buf.copy_(g)
+        else:
+            it.buf.mul_(it.beta).add_(g)
         u = g + it.beta * it.buf if it.nesterov else it.buf
         it.param.sub_(u * it.lr)

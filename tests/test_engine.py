@@ -1,0 +1,103 @@
+import pytest
+import torch
+from conftest import MIXED_SHAPES, rel_err
+from reference_impl import ns_reference
+
+from fastmuon import engine, orthogonalize
+from fastmuon.compute import compute_dtype, cpu_low_precision, set_cpu_low_precision
+
+
+def reference(t):
+    return ns_reference(t.reshape(t.shape[0], -1)).reshape(t.shape)
+
+
+@pytest.mark.parametrize("policy", ["exact", "auto", "min_launches"])
+def test_batched_equals_per_matrix_reference(policy):
+    tensors = [torch.randn(s) for s in MIXED_SHAPES]
+    tensors[1] = tensors[1].to(memory_format=torch.channels_last)
+    tensors[9] = tensors[9].to(memory_format=torch.channels_last)
+    outs = orthogonalize(tensors, dtype=torch.float32, policy=policy)
+    for t, o in zip(tensors, outs):
+        assert o.shape == t.shape and o.dtype == torch.float32
+        assert rel_err(o, reference(t)) <= 1e-5, t.shape
+
+
+def test_padding_is_exact():
+    """Matrices padded into one bucket give what each gets alone (fp32, to rounding)."""
+    tensors = [torch.randn(s) for s in [(8, 30), (16, 40), (40, 16), (3, 5)]]
+    merged = orthogonalize(tensors, dtype=torch.float32, policy="min_launches")
+    alone = [orthogonalize([t], dtype=torch.float32, policy="exact")[0] for t in tensors]
+    for m, a in zip(merged, alone):
+        assert rel_err(m, a) <= 1e-5
+
+
+def test_channels_last_equals_contiguous_twin():
+    w = torch.randn(32, 16, 3, 3)
+    a = orthogonalize([w], dtype=torch.float32)[0]
+    b = orthogonalize([w.to(memory_format=torch.channels_last)], dtype=torch.float32)[0]
+    assert torch.equal(a, b)
+
+
+def test_inputs_untouched_and_bf16_default():
+    tensors = [torch.randn(4, 6), torch.randn(6, 4)]
+    before = [t.clone() for t in tensors]
+    outs = orthogonalize(tensors)
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+
+
+def test_non_dense_inputs_are_handled():
+    base = torch.randn(20, 40)
+    strided = base[:, ::2]  # gappy strides
+    out = orthogonalize([strided], dtype=torch.float32)[0]
+    assert rel_err(out, ns_reference(strided)) <= 1e-5
+
+
+def test_empty_tensor_and_bad_rank():
+    out = orthogonalize([torch.randn(0, 5), torch.randn(3, 5)], dtype=torch.float32)
+    assert out[0].shape == (0, 5)
+    with pytest.raises(ValueError, match="tensor 0 has shape \\(5,\\)"):
+        orthogonalize([torch.randn(5)])
+
+
+@pytest.mark.parametrize("gather_min_runs", [1, 10**9])
+def test_gather_and_run_packing_agree_with_reference(monkeypatch, gather_min_runs):
+    """Both packing strategies (one index copy per bucket, or one strided copy per run)."""
+    monkeypatch.setattr(engine, "GATHER_MIN_RUNS", gather_min_runs)
+    tensors = [torch.randn(s) for s in MIXED_SHAPES]
+    tensors[1] = tensors[1].to(memory_format=torch.channels_last)
+    outs = orthogonalize(tensors, dtype=torch.float32, policy="min_launches", method="standard")
+    for t, o in zip(tensors, outs):
+        assert o.stride() == t.stride()
+        assert rel_err(o, reference(t)) <= 1e-5
+
+
+def test_low_precision_output_dtype_and_cpu_compute_modes():
+    t = [torch.randn(8, 24)]
+    with cpu_low_precision("native"):
+        native = orthogonalize(t, dtype=torch.bfloat16)[0]
+    with cpu_low_precision("fp32"):
+        upcast = orthogonalize(t, dtype=torch.bfloat16)[0]
+    assert native.dtype == upcast.dtype == torch.bfloat16
+    assert rel_err(upcast.float(), reference(t[0])) <= 1e-2
+    assert rel_err(native.float(), reference(t[0])) <= 5e-2
+    assert compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown CPU low-precision mode"):
+        set_cpu_low_precision("fast")
+
+
+def test_compiled_ns_matches_eager():
+    from fastmuon import MuSGD
+
+    shapes = [(6, 4, 3, 3), (6, 4, 3, 3), (10, 8)]
+    grads = [torch.randn(s) for s in shapes]
+    results = []
+    for compile in (False, True):
+        params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+        opt = MuSGD(params, lr=0.1, momentum=0.9, ns_dtype=torch.float32, policy="exact", compile=compile)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        results.append(params)
+    for eager, compiled in zip(*results):
+        assert rel_err(compiled.detach(), eager.detach()) <= 1e-5
