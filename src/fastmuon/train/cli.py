@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", *NS_DTYPES],
         help="Newton-Schulz dtype of the fastmuon optimizers; auto = bfloat16 on CUDA, float32 on CPU "
-        "(bf16 matmul is slow on CPUs without AMX/AVX512-BF16)",
+        "(the same figures on every CPU; a CPU without bf16 matmul computes bfloat16 NS in float32 anyway)",
     )
     p.add_argument(
         "--json", action="store_true", help="print the results (with curves) as JSON instead of a table"
