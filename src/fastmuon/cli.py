@@ -8,7 +8,10 @@ import sys
 
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("fastmuon.demo", "one MuSGD step on the yolo26n shapes: time and kernels per step"),
+    "bench": (
+        "fastmuon.bench.cli",
+        "side-by-side benchmark: fastmuon vs the optimizers you would otherwise use",
+    ),
 }
 
 
