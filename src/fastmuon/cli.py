@@ -8,10 +8,7 @@ import sys
 
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "bench": (
-        "fastmuon.bench.cli",
-        "side-by-side benchmark: fastmuon vs the optimizers you would otherwise use",
-    ),
+    "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
 }
 
 

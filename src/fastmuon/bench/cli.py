@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-step-seconds",
         type=float,
-        default=20.0,
+        default=15.0,
         help="skip a contender whose step is estimated (NS FLOPs / measured matmul rate) to take longer",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")

@@ -12,12 +12,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_RATES: dict[tuple[str, torch.dtype], float] = {}
+
+
 def matmul_rate(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.05) -> float:
-    """FLOP/s of one Newton–Schulz iteration on a (4, 128, 512) batch in ``dtype``.
+    """FLOP/s of one Newton–Schulz iteration on a (4, 128, 512) batch in ``dtype`` (measured once).
 
     Small enough to finish in a fraction of a second even where a dtype is emulated (bf16 on a
     CPU without bf16 instructions runs ~100x slower than fp32), large enough to be FLOP-bound.
     """
+    key = (str(device), dtype)
+    if key not in _RATES:
+        _RATES[key] = _measure_rate(device, dtype, min_seconds)
+    return _RATES[key]
+
+
+def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) -> float:
     b, r, c = 4, 128, 512
     X = torch.randn(b, r, c, device=device).to(dtype) / c**0.5
 

@@ -244,9 +244,11 @@ def write_plot(path: str | Path, document: dict[str, Any]) -> bool:
     fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(11, 0.6 * len(ran) + 2.2))
     med = [r["median_ms"] for r in ran]
     err = [[m - r["min_ms"] for m, r in zip(med, ran)], [r["max_ms"] - m for m, r in zip(med, ran)]]
-    ax_t.barh(names, med, xerr=err, color="tab:blue")
+    bars = ax_t.barh(names, med, xerr=err, color="tab:blue")
+    ax_t.bar_label(bars, labels=[f"{m:.1f}" for m in med], padding=3, fontsize=8)
     ax_t.set_xlabel("ms per step (median, min–max)")
-    ax_k.barh(names, [r["kernels_per_step"] for r in ran], color="tab:orange")
+    kernels = [r["kernels_per_step"] for r in ran]
+    ax_k.bar_label(ax_k.barh(names, kernels, color="tab:orange"), padding=3, fontsize=8)
     ax_k.set_xscale("log")
     ax_k.set_xlabel("kernels per step (ATen ops, log scale)")
     ax_k.set_yticklabels([])

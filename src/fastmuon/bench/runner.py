@@ -37,7 +37,7 @@ class Settings:
     warmup: int = 1
     budget_s: float = 3.0  # timed seconds per contender, all rounds together
     max_steps: int = 20
-    max_step_s: float = 20.0  # skip a contender whose one step is estimated to take longer
+    max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
     seed: int = 0
 
 
@@ -96,10 +96,13 @@ def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.
 def build_contenders(wb: Workbench) -> tuple[list[Contender], list[Result]]:
     contenders, skipped = [], []
     for factory in CONTENDERS[wb.optimizer]:
+        label = CONTENDER_LABELS.get(factory, factory.__name__)
         try:
             contenders.append(factory(wb))
         except Unavailable as e:
-            skipped.append(Result(CONTENDER_LABELS.get(factory, factory.__name__), skipped=str(e)))
+            skipped.append(Result(label, skipped=str(e)))
+        except Exception as e:  # e.g. a manifest group an optimizer rejects: report it, run the rest
+            skipped.append(Result(label, skipped=f"failed to build: {type(e).__name__}: {e}"))
     return contenders, skipped
 
 
@@ -163,7 +166,11 @@ def run_benchmark(
                 )
                 continue
         progress("warmup", c.name, 0, 1)
-        calibration = timer.time_steps(c.step, max(1, settings.warmup))[-1]
+        try:
+            calibration = timer.time_steps(c.step, max(1, settings.warmup))[-1]
+        except Exception as e:  # a third-party optimizer failing on this workload
+            r.skipped = f"failed on its first step: {type(e).__name__}: {e}"
+            continue
         steps = settings.steps or max(
             1, min(settings.max_steps, math.floor(1e3 * settings.budget_s / (settings.rounds * calibration)))
         )
