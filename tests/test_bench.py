@@ -208,3 +208,16 @@ def test_bench_reports_a_bad_manifest(tmp_path, capsys):
     bad.write_text("[]")
     assert main(["bench", "--model", str(bad), "--quiet"]) == 2
     assert "bad.json: a manifest must be a JSON object" in capsys.readouterr().err
+
+
+def test_bench_skips_contenders_estimated_too_slow_and_fits_steps_to_the_budget(tmp_path):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--rounds", "2", "--budget", "0.01"]
+    assert main([*args, "--max-step-seconds", "0", "--json", str(out), "--quiet"]) == 0
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("fastmuon MuSGD", "per-parameter MuSGD"):
+        assert "raise --max-step-seconds" in results[name]["skipped"] and results[name]["steps_timed"] == 0
+    sgd = results["torch.optim.SGD foreach"]
+    assert sgd["skipped"] is None and sgd["steps_timed"] % 2 == 0 and 2 <= sgd["steps_timed"] <= 40
