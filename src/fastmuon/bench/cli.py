@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -79,6 +80,8 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    # other processes competing for the CPUs move CPU timings: the report shows how busy it was
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fastmuon bench: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
@@ -95,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     with progress_display(enabled=not args.quiet and sys.stderr.isatty()) as progress:
         results, run_facts = run_benchmark(manifest, settings, progress)
     run_facts["wall_seconds"] = round(time.perf_counter() - started, 2)
+    run_facts["load_average_before"] = load_before
     matrices = manifest.matrices()
     workload = {
         "model": manifest.model,

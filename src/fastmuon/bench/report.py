@@ -136,6 +136,10 @@ def describe(document: dict[str, Any]) -> list[str]:
         f"machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} with {m['num_threads']} threads, "
         f"fastmuon {m['fastmuon']}" + (f", GPU {m['gpu']}" if "gpu" in m else ""),
     ]
+    run = document["run"]
+    if run.get("load_average_before") is not None:
+        lines[-1] += f"; 1-min load average before the run {run['load_average_before']:.2f}"
+    lines[-1] += f"; whole run {run['wall_seconds']:.0f} s"
     for r in document["results"]:
         if r["skipped"]:
             lines.append(f"skipped {r['name']}: {r['skipped']}")
