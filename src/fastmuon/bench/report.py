@@ -140,6 +140,12 @@ def describe(document: dict[str, Any]) -> list[str]:
     if run.get("load_average_before") is not None:
         lines[-1] += f"; 1-min load average before the run {run['load_average_before']:.2f}"
     lines[-1] += f"; whole run {run['wall_seconds']:.0f} s"
+    load, cpus = run.get("load_average_before"), m["cpu_count"]
+    if load is not None and cpus and load + m["num_threads"] > cpus + 0.5 and s["device"] == "cpu":
+        lines.append(
+            f"warning: other processes were using the CPUs (load {load:.1f} on {cpus} CPUs): CPU timings "
+            "are disturbed and threads may thrash; compare ratios from one run, or try --threads 1"
+        )
     for r in document["results"]:
         if r["skipped"]:
             lines.append(f"skipped {r['name']}: {r['skipped']}")
