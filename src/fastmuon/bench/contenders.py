@@ -63,10 +63,10 @@ class Workbench:
         flag = group.get("use_muon")
         return (flag if flag is not None else p.ndim >= 2) and p.ndim >= 2 and p.numel() > 0
 
-    def matrix_flops(self, steps: int = 5) -> int:
+    def matrix_flops(self) -> int:
         """NS FLOPs of the orthogonalised matrices one at a time (no padding)."""
         return sum(
-            ns_flops(p.shape[0], p.numel() // p.shape[0], steps)
+            ns_flops(p.shape[0], p.numel() // p.shape[0], g.get("ns_steps", 5))
             for g in self.groups()
             for p in g["params"]
             if self.is_matrix(p, g)
