@@ -119,7 +119,7 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 "-" if r.padding_overhead is None else f"{100 * r.padding_overhead:.1f}%",
                 _mib((r.state_bytes or 0) + (r.workspace_bytes or 0)),
                 _mib(r.peak_extra_bytes),
-                f"{base.median_ms / r.median_ms:.2f}×",
+                f"{base.median_ms / r.median_ms:.3g}×",
             ]
         )
     return header, body
@@ -162,7 +162,7 @@ def describe(document: dict[str, Any]) -> list[str]:
 def speedup_rows(document: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     table = document["speedups"]
     names = list(table)
-    body = [[a] + ["" if a == b else f"{table[a][b]:.2f}×" for b in names] for a in names]
+    body = [[a] + ["" if a == b else f"{table[a][b]:.3g}×" for b in names] for a in names]
     return ["faster than →", *names], body
 
 
