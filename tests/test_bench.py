@@ -221,3 +221,14 @@ def test_bench_skips_contenders_estimated_too_slow_and_fits_steps_to_the_budget(
         assert "raise --max-step-seconds" in results[name]["skipped"] and results[name]["steps_timed"] == 0
     sgd = results["torch.optim.SGD foreach"]
     assert sgd["skipped"] is None and sgd["steps_timed"] % 2 == 0 and 2 <= sgd["steps_timed"] <= 40
+
+
+def test_threads_default_leaves_busy_cpus_alone(monkeypatch):
+    from fastmuon.bench.cli import choose_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    default = torch.get_num_threads()
+    assert choose_threads(None, 0.1) == (default, "torch's default")
+    assert choose_threads(None, 9.0)[0] == 1  # every CPU busy: one thread, not a thrashing team
+    assert choose_threads(None, 2.0)[0] == min(default, 2)
+    assert choose_threads(3, 9.0) == (3, "--threads")

@@ -45,7 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=15.0,
         help="skip a contender whose step is estimated (NS FLOPs / measured matmul rate) to take longer",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads; default: torch's, fewer if other processes already keep CPUs busy",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
@@ -78,6 +83,28 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
     return settings, why
 
 
+def choose_threads(requested: int | None, load: float | None) -> tuple[int, str]:
+    """``--threads`` or, by default, torch's count less the CPUs other processes already occupy.
+
+    More compute threads than free cores make every op's thread team wait for a descheduled
+    member; on a busy 2-core machine that slows small ops tenfold and makes timings erratic.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise SystemExit(f"fastmuon bench: --threads must be at least 1, got {requested}")
+        return requested, "--threads"
+    default, cpus = torch.get_num_threads(), os.cpu_count() or 1
+    if load is None or load < 0.5:
+        return default, "torch's default"
+    free = max(1, cpus - round(load))
+    if free >= default:
+        return default, "torch's default"
+    return (
+        free,
+        f"auto: 1-min load average {load:.1f} on {cpus} CPUs leaves {free} free; --threads N to override",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     # other processes competing for the CPUs move CPU timings: the report shows how busy it was
@@ -85,8 +112,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("fastmuon bench: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads, why_threads = choose_threads(args.threads, load_before)
+    torch.set_num_threads(threads)
+    print(f"threads: {threads} ({why_threads})", flush=True)
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)

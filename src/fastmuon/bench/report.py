@@ -144,7 +144,8 @@ def describe(document: dict[str, Any]) -> list[str]:
     if load is not None and cpus and load + m["num_threads"] > cpus + 0.5 and s["device"] == "cpu":
         lines.append(
             f"warning: other processes were using the CPUs (load {load:.1f} on {cpus} CPUs): CPU timings "
-            "are disturbed and threads may thrash; compare ratios from one run, or try --threads 1"
+            "are disturbed; compare ratios from one run"
+            + (", or try --threads 1" if m["num_threads"] > 1 else "")
         )
     for r in document["results"]:
         if r["skipped"]:
