@@ -152,7 +152,8 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     out = tmp_path / "out.json"
     args = ["bench", "--model", str(manifest), "--optimizer", optimizer, "--ns-dtype", "float32"]
     args += ["--steps", "1", "--rounds", "1", "--threads", "1", "--json", str(out), "--quiet"]
-    assert main(args) == 0
+    assert main([*args, "--markdown", str(tmp_path / "table.md")]) == 0
+    assert "| fastmuon" in (tmp_path / "table.md").read_text()
     doc = json.loads(out.read_text())
     assert doc["machine"]["num_threads"] == 1 and doc["machine"]["torch"] == torch.__version__
     assert doc["workload"] == {

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -13,7 +14,7 @@ from ..planner import POLICIES
 from .contenders import OPTIMIZERS
 from .manifest import ManifestError
 from .probe import choose_ns_dtype
-from .report import machine_facts, print_report, progress_display, to_json, write_json, write_plot
+from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
 from .runner import Settings, run_benchmark
 from .workloads import WORKLOADS, resolve_workload
 
@@ -53,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
+    p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
@@ -145,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
     print_report(document, results)
     if args.json:
         write_json(args.json, document)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(document, results))
     if args.plot and not write_plot(args.plot, document):
         return 1
     return 0

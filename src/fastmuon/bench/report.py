@@ -198,6 +198,14 @@ def print_report(document: dict[str, Any], results: list[Result]) -> None:
         console.print(sp)
 
 
+def markdown(document: dict[str, Any], results: list[Result]) -> str:
+    """The main table as Markdown, with the lines that say where it came from (for docs)."""
+    header, body = rows(results)
+    lines = [f"| {' | '.join(header)} |", "|" + " --- |" * len(header)]
+    lines += [f"| {' | '.join(row)} |" for row in body]
+    return "\n".join(["\n".join(f"- {x}" for x in describe(document)), "", *lines, ""])
+
+
 def _print_plain(document, header, body, sp_header, sp_body) -> None:
     for line in describe(document):
         print(line)
