@@ -59,12 +59,14 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "auto",
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -76,6 +78,7 @@ class Muon(MatrixOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
             betas=betas,
             adamw_eps=adamw_eps,
         )

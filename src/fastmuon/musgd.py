@@ -64,10 +64,14 @@ class MuSGD(MatrixOptimizer):
         params: parameters or param groups; a group may set ``use_muon``.
         lr, momentum, nesterov, weight_decay, muon, sgd: as in Ultralytics' MuSGD.
         ns_steps, ns_coefficients, ns_dtype, eps: the Newton–Schulz settings.
+        ns_method: "auto" (Gram-space NS for wide fp32 buckets, where it is cheaper), "standard", "gram".
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
-        max_bucket_bytes, cost_model: planner memory cap and cost constants.
+        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
+            once per bucket shape).
+        max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
+            built-in constants per device type; ``"calibrate"``: measured once on this machine).
     """
 
     def __init__(
@@ -84,11 +88,13 @@ class MuSGD(MatrixOptimizer):
         ns_coefficients: Any = "jordan",
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
+        ns_method: str = "auto",
         policy: str = "auto",
         adjust_lr: str = "ultralytics",
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -100,6 +106,7 @@ class MuSGD(MatrixOptimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
             eps=eps,
             adjust_lr=adjust_lr,
         )
