@@ -153,7 +153,8 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
         note += f"; ignored manifest kwargs {dropped}"
 
     def workspaces() -> list[Tensor]:
-        return [b for engine in opt._plans.values() for b in engine._buffers if b is not None]
+        # whatever tensors the cached plan executors keep between steps (bucket buffers, indices)
+        return [t for engine in getattr(opt, "_plans", {}).values() for t in _tensors(vars(engine))]
 
     name = f"{label} {'MuSGD' if wb.optimizer == 'musgd' else 'Muon'}"
     useful = wb.matrix_flops()
