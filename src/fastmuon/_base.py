@@ -51,7 +51,16 @@ class MatrixOptimizer(Optimizer):
     caches and runs the plan (rebuilt when the set of matrices or their layouts changes).
     """
 
-    def __init__(self, params, defaults: dict[str, Any], *, policy: str, max_bucket_bytes: int, cost_model):
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        policy: str,
+        max_bucket_bytes: int,
+        cost_model,
+        compile: bool,
+    ):
         if policy not in POLICIES:
             raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
         if max_bucket_bytes <= 0:
