@@ -174,8 +174,10 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["kernels_per_step"] > 0 and r["state_bytes"] > 0 and r["peak_extra_bytes"] >= 0
     useful = sum(5 * (4 * m * m * n + 2 * m**3) for m, n in [(8, 36), (8, 16), (8, 16)])
-    assert loop["ns_flops"] == loop["ns_useful_flops"] == ours["ns_useful_flops"] == useful
-    assert ours["ns_flops"] >= useful and ours["padding_overhead"] >= 0 and ours["buckets"] >= 1
+    assert loop["ns_flops"] == loop["ns_useful_flops"] == useful  # standard NS, one matrix at a time
+    # the batched plan may choose cheaper NS forms (Gram space); padding only adds to its own count
+    assert 0 < ours["ns_useful_flops"] <= ours["ns_flops"] and ours["buckets"] >= 1
+    assert ours["padding_overhead"] == pytest.approx(ours["ns_flops"] / ours["ns_useful_flops"] - 1)
     assert ours["kernels_per_step"] < loop["kernels_per_step"]  # three matrices, one loop each
     assert sgd["ns_flops"] == 0
     names = [r["name"] for r in doc["results"] if r["median_ms"]]

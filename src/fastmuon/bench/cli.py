@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
 from .contenders import OPTIMIZERS
 from .manifest import ManifestError
@@ -32,6 +33,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="Newton–Schulz precision for fastmuon and the per-parameter loop; auto: bfloat16 on "
         "CUDA, on a CPU whichever of bfloat16/float32 multiplies faster (measured)",
+    )
+    p.add_argument(
+        "--cpu-low-precision",
+        choices=("auto", "native", "fp32"),
+        default=None,
+        help="how fastmuon runs bf16/fp16 NS on a CPU (fastmuon.compute): native forces the "
+        "requested dtype, e.g. to compare at equal precision with a native-bf16 peer",
     )
     p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
     p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
@@ -123,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     except ManifestError as e:
         print(f"fastmuon bench: {e}", file=sys.stderr)
         return 2
+    if args.cpu_low_precision:
+        set_cpu_low_precision(args.cpu_low_precision)
     settings, why = settings_from(args, device)
     print(f"ns_dtype: {str(settings.ns_dtype).removeprefix('torch.')} ({why})", flush=True)
     with progress_display(enabled=not args.quiet and sys.stderr.isatty()) as progress:

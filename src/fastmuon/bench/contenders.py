@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import Muon, MuSGD
+from ..compute import compute_dtype
 from ..planner import Plan, ns_flops
 from ..reference import ReferenceMuon, ReferenceMuSGD
 from .manifest import Manifest
@@ -79,11 +80,16 @@ class Contender:
     optimizers: list[torch.optim.Optimizer]
     ns_dtype: torch.dtype | None  # None: this contender runs no Newton–Schulz
     note: str = ""
+    compute_dtype: torch.dtype | None = None  # what NS matmuls run in, when not ns_dtype
     plan: Callable[[], Plan | None] = lambda: None
     ns_useful_flops: int = 0  # NS FLOPs of the matrices unpadded
     ns_flops: int | None = None  # FLOPs computed, when known without a plan (None: unknown)
     workspaces: Callable[[], list[Tensor]] = list
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = self.ns_dtype
 
     def step(self) -> None:
         for opt in self.optimizers:
@@ -136,6 +142,12 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return "-" if dtype is None else str(dtype).removeprefix("torch.")
 
 
+def dtype_label(c: Contender) -> str:
+    """``bfloat16``, or ``bfloat16→float32`` when the matmuls run in another precision."""
+    label = _dtype_name(c.ns_dtype)
+    return label if c.compute_dtype == c.ns_dtype else f"{label}→{_dtype_name(c.compute_dtype)}"
+
+
 # ----- the contenders --------------------------------------------------------------------------
 def fastmuon_contender(wb: Workbench) -> Contender:
     return _ours(wb, MuSGD if wb.optimizer == "musgd" else Muon, "fastmuon", f"policy={wb.policy}")
@@ -160,7 +172,10 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
     computed = useful if not getattr(opt, "foreach", True) else None
-    return Contender(name, [opt], wb.ns_dtype, note, opt.plan, useful, computed, workspaces)
+    contender = Contender(name, [opt], wb.ns_dtype, note, plan=opt.plan, ns_useful_flops=useful)
+    contender.ns_flops, contender.workspaces = computed, workspaces
+    contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
+    return contender
 
 
 def torch_muon_contender(wb: Workbench) -> Contender:

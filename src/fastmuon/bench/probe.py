@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from ..compute import compute_dtype
+
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -51,9 +53,16 @@ def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) 
 
 
 def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:
-    """``--ns-dtype auto``: bfloat16 on a GPU; on a CPU whichever of bf16/fp32 multiplies faster."""
+    """``--ns-dtype auto``: the optimizers' default, bfloat16, unless on this CPU it would really
+    run in emulated bf16 (native mode forced) and float32 multiplies faster."""
     if device.type != "cpu":
         return torch.bfloat16, "bfloat16 on an accelerator"
+    computed = compute_dtype(torch.bfloat16, device)
+    if computed != torch.bfloat16:
+        return torch.bfloat16, (
+            "the optimizers' default; this CPU has no native bf16 matmul, so fastmuon runs its NS "
+            f"in {str(computed).removeprefix('torch.')} (see fastmuon.compute)"
+        )
     bf16 = matmul_rate(device, torch.bfloat16)
     fp32 = matmul_rate(device, torch.float32)
     chosen = torch.bfloat16 if bf16 >= fp32 else torch.float32

@@ -19,7 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .contenders import CONTENDER_LABELS, CONTENDERS, Contender, Unavailable, Workbench, _dtype_name
+from .contenders import (
+    CONTENDER_LABELS,
+    CONTENDERS,
+    Contender,
+    Unavailable,
+    Workbench,
+    _dtype_name,
+    dtype_label,
+)
 from .counter import KernelCounter
 from .manifest import Manifest
 from .memory import peak_extra_bytes
@@ -143,25 +151,24 @@ def run_benchmark(
     grads_before = [p.grad.clone() for p in params] if len(params) < 5000 else None
     wb = Workbench(manifest, params, device, settings.optimizer, settings.ns_dtype, settings.policy)
     contenders, unavailable = build_contenders(wb)
-    results = {
-        c.name: Result(c.name, c.note, _dtype_name(c.ns_dtype), extra=dict(c.extra)) for c in contenders
-    }
+    results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
 
     rates: dict[torch.dtype, float] = {}
     for c in contenders:
-        if c.ns_dtype is not None and c.ns_useful_flops and c.ns_dtype not in rates:
-            rates[c.ns_dtype] = matmul_rate(device, c.ns_dtype)
+        if c.compute_dtype is not None and c.ns_useful_flops and c.compute_dtype not in rates:
+            rates[c.compute_dtype] = matmul_rate(device, c.compute_dtype)
 
     timer = Timer(device)
     active: list[tuple[Contender, int]] = []
     for c in contenders:
         r = results[c.name]
-        if c.ns_dtype is not None and c.ns_useful_flops:
-            estimate = c.ns_useful_flops / rates[c.ns_dtype]
+        if c.compute_dtype is not None and c.ns_useful_flops:
+            rate = rates[c.compute_dtype]
+            estimate = c.ns_useful_flops / rate
             if estimate > settings.max_step_s:
                 r.skipped = (
                     f"one step would take ~{estimate:.0f} s ({c.ns_useful_flops / 1e9:.0f} GFLOP of NS at "
-                    f"{rates[c.ns_dtype] / 1e9:.1f} GFLOP/s in {_dtype_name(c.ns_dtype)}); "
+                    f"{rate / 1e9:.1f} GFLOP/s in {_dtype_name(c.compute_dtype)}); "
                     "raise --max-step-seconds to run it"
                 )
                 continue
