@@ -220,6 +220,7 @@ def _print_plain(document, header, body, sp_header, sp_body) -> None:
 def progress_display(enabled: bool = True) -> Iterator[Progress]:
     """A live progress bar (rich, on a terminal) fed by the runner's progress events."""
     try:
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:
         enabled = False
@@ -232,6 +233,7 @@ def progress_display(enabled: bool = True) -> Iterator[Progress]:
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
         transient=True,
+        console=Console(stderr=True),  # stdout stays clean for the report
     ) as bar:
         warm = bar.add_task("warm-up", total=None)
         timed = bar.add_task("timed steps", total=None, visible=False)
