@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "requested dtype, e.g. to compare at equal precision with a native-bf16 peer",
     )
     p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
+    p.add_argument(
+        "--ns-method",
+        choices=("auto", "standard", "gram"),
+        default="auto",
+        help="fastmuon's NS formulation: auto picks Gram-space NS for wide fp32 buckets",
+    )
     p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender before measuring")
@@ -83,6 +89,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         device=str(device),
         ns_dtype=ns_dtype,
         policy=args.policy,
+        ns_method=args.ns_method,
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,

@@ -40,6 +40,7 @@ class Workbench:
     optimizer: str
     ns_dtype: torch.dtype
     policy: str
+    ns_method: str = "auto"
 
     def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
         """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own."""
@@ -150,7 +151,8 @@ def dtype_label(c: Contender) -> str:
 
 # ----- the contenders --------------------------------------------------------------------------
 def fastmuon_contender(wb: Workbench) -> Contender:
-    return _ours(wb, MuSGD if wb.optimizer == "musgd" else Muon, "fastmuon", f"policy={wb.policy}")
+    note = f"policy={wb.policy}, ns_method={wb.ns_method}"
+    return _ours(wb, MuSGD if wb.optimizer == "musgd" else Muon, "fastmuon", note)
 
 
 def reference_contender(wb: Workbench) -> Contender:
@@ -160,7 +162,7 @@ def reference_contender(wb: Workbench) -> Contender:
 
 def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
-    opt = cls(wb.groups(), ns_dtype=wb.ns_dtype, policy=wb.policy, **kwargs)
+    opt = cls(wb.groups(), ns_dtype=wb.ns_dtype, policy=wb.policy, ns_method=wb.ns_method, **kwargs)
     if dropped:
         note += f"; ignored manifest kwargs {dropped}"
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from ..compute import compute_dtype
+from ..planner import Plan
 
 
 def synchronize(device: torch.device) -> None:
@@ -50,6 +51,25 @@ def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) 
             break
     flops = b * (4 * r * r * c + 2 * r * r * r)
     return reps * flops / elapsed
+
+
+def ns_floor_seconds(plan: Plan, min_seconds: float = 0.02) -> float:
+    """Our own floor for a step's NS: the plan's FLOPs at the batched-matmul throughput this
+    machine reaches at each bucket's shape (``bmm(X, Xᵀ)`` on a ``(B, R, C)`` batch, timed)."""
+    total = 0.0
+    for bucket in plan.buckets:
+        b, r, c = bucket.shape
+        X = torch.randn(bucket.shape, device=bucket.device).to(bucket.dtype)
+        torch.bmm(X, X.mT)
+        synchronize(bucket.device)
+        reps, start = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - start < min_seconds:
+            torch.bmm(X, X.mT)
+            reps += 1
+        synchronize(bucket.device)
+        rate = reps * 2 * b * r * r * c / (time.perf_counter() - start)
+        total += bucket.flops(plan.steps) / rate
+    return total
 
 
 def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:

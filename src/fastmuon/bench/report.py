@@ -148,6 +148,13 @@ def describe(document: dict[str, Any]) -> list[str]:
             + (", or try --threads 1" if m["num_threads"] > 1 else "")
         )
     for r in document["results"]:
+        floor = r.get("extra", {}).get("ns_floor_ms")
+        if floor and r.get("median_ms"):
+            lines.append(
+                f"{r['name']}: NS floor {floor:.1f} ms (its plan's FLOPs at the bmm throughput measured at "
+                f"each bucket's shape); median step {r['median_ms'] / floor:.2f}× the floor"
+            )
+    for r in document["results"]:
         if r["skipped"]:
             lines.append(f"skipped {r['name']}: {r['skipped']}")
         elif r["note"]:

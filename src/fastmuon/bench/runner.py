@@ -31,7 +31,7 @@ from .contenders import (
 from .counter import KernelCounter
 from .manifest import Manifest
 from .memory import peak_extra_bytes
-from .probe import matmul_rate, synchronize
+from .probe import matmul_rate, ns_floor_seconds, synchronize
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Settings:
     device: str = "cpu"
     ns_dtype: torch.dtype = torch.float32
     policy: str = "auto"
+    ns_method: str = "auto"
     steps: int | None = None  # None: as many as fit the budget, at most ``max_steps``
     rounds: int = 3
     warmup: int = 1
@@ -149,7 +150,9 @@ def run_benchmark(
     torch.manual_seed(settings.seed)
     params = materialize(manifest, device, settings.seed)
     grads_before = [p.grad.clone() for p in params] if len(params) < 5000 else None
-    wb = Workbench(manifest, params, device, settings.optimizer, settings.ns_dtype, settings.policy)
+    wb = Workbench(
+        manifest, params, device, settings.optimizer, settings.ns_dtype, settings.policy, settings.ns_method
+    )
     contenders, unavailable = build_contenders(wb)
     results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
 
@@ -218,6 +221,8 @@ def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter, peak: 
         r.padding_overhead = plan.padding_overhead()
         r.buckets = len(plan.buckets)
         r.plan = plan.describe()
+        r.extra["ns_baseline_flops"] = plan.baseline_flops()
+        r.extra["ns_floor_ms"] = round(1e3 * ns_floor_seconds(plan), 3)
     elif c.ns_useful_flops:
         r.ns_useful_flops = c.ns_useful_flops
         r.ns_flops = c.ns_flops
