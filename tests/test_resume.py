@@ -68,7 +68,8 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path: Path):
         ckpt, out = tmp_path / f"{kind}.pt", tmp_path / f"{kind}-final.pt"
         ckpt.write_bytes(_checkpoint_after_k(kind).getvalue())
         jobs.append((kind, out, [sys.executable, resume_job.__file__, str(ckpt), str(N - K), str(out)]))
-    script = "; ".join(
+    # Same thread count as this process (CPU matmul blocking depends on it; other tests change it).
+    script = f"import torch; torch.set_num_threads({torch.get_num_threads()}); " + "; ".join(
         f"import runpy, sys; sys.argv = {cmd[1:]!r}; runpy.run_path({cmd[1]!r}, run_name='__main__')"
         for *_, cmd in jobs
     )

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .calibrate import calibrated_cost_model
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .nonfinite import DEFAULT_NONFINITE, SkipGuard, check_mode, finite_flags, raise_if_nonfinite
 from .planner import POLICIES, CostModel, Plan, plan_buckets
@@ -60,6 +61,7 @@ class MatrixOptimizer(Optimizer):
         policy: str,
         max_bucket_bytes: int,
         cost_model,
+        compile: bool,
         nonfinite: str = DEFAULT_NONFINITE,
     ):
         if policy not in POLICIES:
@@ -67,8 +69,11 @@ class MatrixOptimizer(Optimizer):
         if max_bucket_bytes <= 0:
             raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
         self.policy = policy
+        self.compile = bool(compile)
         self.max_bucket_bytes = int(max_bucket_bytes)
-        self.cost_model: CostModel | None = cost_model
+        if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
+            raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
+        self.cost_model: CostModel | str | None = cost_model
         self.nonfinite = check_mode(nonfinite)
         self._keep: dict[int, Tensor] | None = None  # id(param) -> finite flag, during a "skip" step
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
@@ -157,14 +162,18 @@ class MatrixOptimizer(Optimizer):
     def _build(self, params, configs, policy) -> Orthogonalizer:
         layouts = [TensorLayout.of(p) for p in params]
         specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+        cost_model = self.cost_model
+        if cost_model == "calibrate" and specs:
+            cost_model = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
         plan = plan_buckets(
             specs,
             policy=policy,
             steps=max((c.steps for c in configs), default=5),
             max_bucket_bytes=self.max_bucket_bytes,
-            cost_model=self.cost_model,
+            cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         )
-        return Orthogonalizer(plan, layouts, {(p.dtype, c): c for p, c in zip(params, configs)})
+        configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile)
 
     # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
     def guard_nonfinite(self) -> SkipGuard | None:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._base import MatrixOptimizer, Orthogonalize, check_nonnegative, state_buffer
+from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
 from .nonfinite import DEFAULT_NONFINITE
@@ -69,7 +70,10 @@ class MuSGD(MatrixOptimizer):
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
-        max_bucket_bytes, cost_model: planner memory cap and cost constants.
+        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
+            once per bucket shape).
+        max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
+            built-in constants per device type; ``"calibrate"``: measured once on this machine).
         nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter), "skip"s that
             parameter for the step (weights and state untouched, no host sync) or is "ignore"d.
     """
@@ -93,7 +97,8 @@ class MuSGD(MatrixOptimizer):
         adjust_lr: str = "ultralytics",
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
         nonfinite: str = DEFAULT_NONFINITE,
     ):
         defaults = dict(
@@ -117,6 +122,7 @@ class MuSGD(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
             nonfinite=nonfinite,
         )
 
@@ -220,7 +226,8 @@ def _single_tensor_musgd(
         it.buf.lerp_(it.grad, 1 - it.beta)
         u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
         c = it.config
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, c.dtype)
+        dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
+        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
     for it in elementwise:
         g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
