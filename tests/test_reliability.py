@@ -428,7 +428,7 @@ SLOW = os.environ.get("FASTMUON_SLOW_TESTS") == "1"
     [
         "aot_eager",  # Dynamo + AOTAutograd tracing of our step: ~15 s on 2 CPU cores
         pytest.param(
-            "inductor",  # code generation adds ~1.5 min on 2 CPU cores
+            "inductor",  # code generation: ~35 s cold on 2 idle CPU cores, minutes on busy ones
             marks=pytest.mark.skipif(not SLOW, reason="set FASTMUON_SLOW_TESTS=1 (inductor compiles slowly)"),
         ),
     ],
