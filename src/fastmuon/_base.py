@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .planner import POLICIES, CostModel, Plan, plan_buckets
 
@@ -50,7 +51,9 @@ class MatrixOptimizer(Optimizer):
     caches and runs the plan (rebuilt when the set of matrices or their layouts changes).
     """
 
-    def __init__(self, params, defaults: dict[str, Any], *, policy: str, max_bucket_bytes: int, cost_model):
+    def __init__(
+        self, params, defaults: dict[str, Any], *, policy: str, max_bucket_bytes: int, cost_model, process_group=None
+    ):
         if policy not in POLICIES:
             raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
         if max_bucket_bytes <= 0:
@@ -60,6 +63,11 @@ class MatrixOptimizer(Optimizer):
         self.cost_model: CostModel | None = cost_model
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
         self.last_plan: Plan | None = None
+        self.process_group = process_group  # DDP: ranks share the NS work (see distributed.py)
+        self.state_initialised = False
+        self._zero_grads: dict[Tensor, Tensor] = {}
+        self._global_of: dict[int, Tensor] = {}
+        self._sharded = False  # any FSDP2 DTensor parameter
         super().__init__(params, defaults)
 
     # ----- validation ---------------------------------------------------------------------
@@ -76,6 +84,7 @@ class MatrixOptimizer(Optimizer):
                     "parameters only (view it as real with torch.view_as_real and optimise that)"
                 )
         self._plans.clear()
+        self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
         check_nonnegative("learning rate (lr)", group["lr"], where)
@@ -114,6 +123,52 @@ class MatrixOptimizer(Optimizer):
         lr = group["lr"]
         return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
 
+    # ----- distributed steps (DDP process group, FSDP2 DTensors): see distributed.py -------
+    def grad_of(self, p: Tensor) -> Tensor | None:
+        """``p.grad``, or zeros when another rank has a gradient for ``p`` and this one has none."""
+        return p.grad if p.grad is not None else self._zero_grads.get(p)
+
+    def init_state(self) -> None:
+        """Create every parameter's state (zeros) now, as its first step would.
+
+        Distributed steps call it on the first step, so state dicts are rank-symmetric; call it
+        on a fresh optimizer before loading a ``torch.distributed.checkpoint`` into its state dict.
+        """
+        saved, self._zero_grads = self._zero_grads, {p: p for g in self.param_groups for p in g["params"]}
+        try:
+            self._collect()
+        finally:
+            self._zero_grads = saved
+        self.state_initialised = True
+
+    def begin_step(self) -> None:
+        """In a distributed run, agree with the other ranks on which parameters step."""
+        self._global_of = {}
+        if self.process_group is not None or self._sharded:
+            from .distributed import begin_step
+
+            self._zero_grads = begin_step(self)
+
+    def local_items(self, *item_lists):
+        """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
+        self._zero_grads = {}
+        if not self._sharded:
+            return item_lists
+        from .distributed import localize
+
+        for items in item_lists:
+            self._global_of.update(localize(self, items))
+        if self._global_of and not getattr(self, "foreach", True):
+            raise ValueError(
+                f"{type(self).__name__}(foreach=False) is the per-parameter reference path and cannot "
+                "orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
+            )
+        return item_lists
+
+    def global_param(self, p: Tensor) -> Tensor:
+        """The DTensor a local shard in this step belongs to (``p`` itself when not sharded)."""
+        return self._global_of.get(id(p), p)
+
     # ----- the batching plan --------------------------------------------------------------
     def orthogonalize(
         self,
@@ -123,9 +178,10 @@ class MatrixOptimizer(Optimizer):
     ) -> list[Tensor]:
         """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes."""
         policy = self.policy
+        keyed = [self.global_param(p) for p in params] if self._global_of else params
         key = (
             policy,
-            tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(params, configs)),
+            tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(keyed, configs)),
         )
         engine = self._plans.get(key)
         if engine is None:
@@ -139,6 +195,10 @@ class MatrixOptimizer(Optimizer):
         return engine(sources, [p.dtype for p in params])
 
     def _build(self, params, configs, policy) -> Orthogonalizer:
+        if self.process_group is not None or self._global_of:
+            from .distributed import build_distributed
+
+            return build_distributed(self, params, configs, policy)
         layouts = [TensorLayout.of(p) for p in params]
         specs = [matrix_spec(p, c.dtype, (p.dtype, c), lay) for p, c, lay in zip(params, configs, layouts)]
         plan = plan_buckets(
@@ -158,3 +218,8 @@ class MatrixOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_plans", OrderedDict())
         self.__dict__.setdefault("last_plan", None)
+        self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("state_initialised", False)
+        self.__dict__.setdefault("_zero_grads", {})
+        self.__dict__.setdefault("_global_of", {})
+        self.__dict__.setdefault("_sharded", False)

@@ -65,6 +65,7 @@ class Muon(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | None = None,
+        process_group=None,
     ):
         defaults = dict(
             lr=lr,
@@ -86,6 +87,7 @@ class Muon(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            process_group=process_group,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -123,15 +125,16 @@ class Muon(MatrixOptimizer):
             adjust = group["adjust_lr_fn"] or "original"
             adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
             for j, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = self.grad_of(p)
+                if grad is None:
                     continue
-                self.check_grad(group, j, p.grad)
+                self.check_grad(group, j, grad)
                 state = self.state[p]
                 if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
                     matrices.append(
                         MuonItem(
                             p,
-                            p.grad,
+                            grad,
                             state_buffer(state, "momentum_buffer", p),
                             group["momentum"],
                             group["nesterov"],
@@ -145,7 +148,7 @@ class Muon(MatrixOptimizer):
                     others.append(
                         AdamWItem(
                             p,
-                            p.grad,
+                            grad,
                             exp_avg,
                             exp_avg_sq,
                             step,
@@ -163,7 +166,8 @@ class Muon(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices, others = self._collect()
+        self.begin_step()
+        matrices, others = self.local_items(*self._collect())
         if self.foreach:
             _multi_tensor_muon(matrices, self.orthogonalize)
             multi_tensor_adamw(others)

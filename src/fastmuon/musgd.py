@@ -89,6 +89,7 @@ class MuSGD(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | None = None,
+        process_group=None,
     ):
         defaults = dict(
             lr=lr,
@@ -110,6 +111,7 @@ class MuSGD(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            process_group=process_group,
         )
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -129,16 +131,17 @@ class MuSGD(MatrixOptimizer):
             use_muon = group.get("use_muon")
             config = self.ns_config(group)
             for j, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = self.grad_of(p)
+                if grad is None:
                     continue
-                self.check_grad(group, j, p.grad)
+                self.check_grad(group, j, grad)
                 state = self.state[p]
                 muon_group = use_muon if use_muon is not None else p.ndim >= 2
                 if muon_group and p.ndim >= 2 and p.numel() > 0:
                     matrices.append(
                         MatrixItem(
                             p,
-                            p.grad,
+                            grad,
                             state_buffer(state, "momentum_buffer", p),
                             beta,
                             nesterov,
@@ -150,7 +153,7 @@ class MuSGD(MatrixOptimizer):
                 elementwise.append(
                     SGDItem(
                         p,
-                        p.grad,
+                        grad,
                         state_buffer(state, key, p),
                         beta,
                         nesterov,
@@ -166,7 +169,8 @@ class MuSGD(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices, elementwise = self._collect()
+        self.begin_step()
+        matrices, elementwise = self.local_items(*self._collect())
         step_fn = _multi_tensor_musgd if self.foreach else _single_tensor_musgd
         step_fn(matrices, elementwise, self.orthogonalize)
         return loss
