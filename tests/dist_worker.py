@@ -16,10 +16,10 @@ import sys
 
 import torch
 import torch.distributed as dist
+from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
 from torch import nn
 
 import fastmuon
-from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
 
 F32 = torch.float32
 MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
@@ -115,7 +115,9 @@ def check_ddp(group) -> None:
                     elif p.ndim >= 2:
                         muon_reference_step(p, p.grad, st, **kwargs)
                     else:
-                        adamw_reference_step(p, p.grad, st, lr=kwargs["lr"], weight_decay=kwargs["weight_decay"])
+                        adamw_reference_step(
+                            p, p.grad, st, lr=kwargs["lr"], weight_decay=kwargs["weight_decay"]
+                        )
         check_reference(f"DDP {opt_cls.__name__}", [p.detach() for p in dist_params], ref_params)
         # every rank ran a share of the NS FLOPs, and the shares add up to the whole plan
         engine = next(iter(opt._plans.values()))

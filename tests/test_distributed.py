@@ -35,9 +35,22 @@ def launch(world: int, workdir: Path, timeout: float = 600) -> str:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "dist_worker.py"), "--rank", str(r), "--world", str(world),
-             "--port", str(port), "--dir", str(workdir)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(HERE / "dist_worker.py"),
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--dir",
+                str(workdir),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(world)
     ]
@@ -49,7 +62,9 @@ def launch(world: int, workdir: Path, timeout: float = 600) -> str:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{out}" for r, (p, out) in enumerate(zip(procs, outputs)))
+    report = "\n".join(
+        f"--- rank {r} (exit {p.returncode}) ---\n{out}" for r, (p, out) in enumerate(zip(procs, outputs))
+    )
     assert all(p.returncode == 0 for p in procs), report
     return report
 

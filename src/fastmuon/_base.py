@@ -52,7 +52,14 @@ class MatrixOptimizer(Optimizer):
     """
 
     def __init__(
-        self, params, defaults: dict[str, Any], *, policy: str, max_bucket_bytes: int, cost_model, process_group=None
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        policy: str,
+        max_bucket_bytes: int,
+        cost_model,
+        process_group=None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")

@@ -76,7 +76,7 @@ def assign_work(plan: Plan, world: int) -> list[WorkUnit]:
         pieces += [(b, lo, hi, per_slot * (hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
     load = [0] * world
     owners: dict[tuple[int, int], int] = {}
-    for b, lo, hi, flops in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
+    for b, lo, _, flops in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
         rank = min(range(world), key=lambda r: (load[r], r))
         load[rank] += flops
         owners[(b, lo)] = rank
@@ -298,7 +298,9 @@ class ShardedOrthogonalizer:
                     if out_dtype not in casts:
                         casts[out_dtype] = recv if recv.dtype == out_dtype else recv.to(out_dtype)
                     size = self._block(i, me)
-                    results[i] = casts[out_dtype][offset : offset + size].view(self._rows[i][me], *self.shapes[i][1:])
+                    results[i] = casts[out_dtype][offset : offset + size].view(
+                        self._rows[i][me], *self.shapes[i][1:]
+                    )
                     offset += size
             t3 = timer.now()
             stats.ns_seconds += t2 - t1
@@ -335,7 +337,9 @@ class ShardedOrthogonalizer:
 
 
 # ----- the optimizer side: building, agreeing, localising ------------------------------------
-def build_distributed(opt: MatrixOptimizer, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str):
+def build_distributed(
+    opt: MatrixOptimizer, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str
+):
     """The orthogonalizer for a step's matrices: sharded if they are DTensors, else replicated."""
     sharded = [is_dtensor(opt.global_param(p)) for p in params]
     if any(sharded) and not all(sharded):
@@ -348,7 +352,12 @@ def build_distributed(opt: MatrixOptimizer, params: Sequence[Tensor], configs: S
         group = _mesh_group(opt, globals_)
         shapes = [tuple(g.shape) for g in globals_]
         specs = [
-            matrix_spec(torch.empty(0, device=p.device), c.dtype, (p.dtype, c), TensorLayout.of(torch.empty(s, device="meta")))
+            matrix_spec(
+                torch.empty(0, device=p.device),
+                c.dtype,
+                (p.dtype, c),
+                TensorLayout.of(torch.empty(s, device="meta")),
+            )
             for p, c, s in zip(params, configs, shapes)
         ]
         plan = _plan(opt, specs, configs, policy)
