@@ -216,6 +216,9 @@ def _single_tensor_musgd(
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
     for it in elementwise:
         g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
-        it.buf.mul_(it.beta).add_(g)
+        if it.beta == 0:
+            it.buf.copy_(g)
+        else:
+            it.buf.mul_(it.beta).add_(g)
         u = g + it.beta * it.buf if it.nesterov else it.buf
         it.param.sub_(u * it.lr)

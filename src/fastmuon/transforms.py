@@ -28,9 +28,11 @@ def ema_momentum_(bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov
 
 def heavy_ball_(bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
     """``B ← β·B + g`` in place; returns ``g + β·B`` (Nesterov, new tensors) or ``B``."""
-    if beta != 0:
+    if beta == 0:  # B = g exactly (a stale buffer must not leak in)
+        torch._foreach_copy_(bufs, grads)
+    else:
         torch._foreach_mul_(bufs, beta)
-    torch._foreach_add_(bufs, grads)
+        torch._foreach_add_(bufs, grads)
     return torch._foreach_add(grads, bufs, alpha=beta) if nesterov else bufs
 
 

@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max elementwise error relative to the reference's largest magnitude."""
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+# Shapes that cover every case the engine distinguishes: conv, tall, wide, square, 1xn,
+# depthwise, 1x1 conv, and repeats (stacking without padding).
+MIXED_SHAPES = [
+    (16, 3, 3, 3),
+    (32, 16, 3, 3),
+    (32, 16, 3, 3),
+    (64, 32, 1, 1),
+    (100, 20),
+    (20, 100),
+    (48, 48),
+    (1, 50),
+    (50, 1),
+    (8, 1, 3, 3),
+    (8, 1, 3, 3),
+    (24, 8, 1, 1),
+]

@@ -1,0 +1,66 @@
+"""Builders shared by the optimizer tests: parameter sets, gradients, reference runs."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
+
+
+def make_params(shapes, channels_last=(), dtype=torch.float32):
+    params = []
+    for i, s in enumerate(shapes):
+        p = torch.randn(s, dtype=dtype) * 0.1
+        if i in channels_last:
+            p = p.to(memory_format=torch.channels_last)
+        params.append(torch.nn.Parameter(p))
+    return params
+
+
+def make_grads(params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=g).to(p.dtype) for p in params] for _ in range(steps)]
+
+
+def run_optimizer(opt, params, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+
+
+def run_musgd_reference(params, grads, groups, defaults):
+    """groups: list of (indices, overrides) describing which params sit in which group."""
+    params = [p.detach().clone() for p in params]
+    states = [dict() for _ in params]
+    for step_grads in grads:
+        for idx, over in groups:
+            hp = {**defaults, **over}
+            for i in idx:
+                if step_grads[i] is None:
+                    continue
+                musgd_reference_step(params[i], step_grads[i], states[i], **hp)
+    return params, states
+
+
+def run_muon_reference(params, grads, groups, defaults, adamw_defaults):
+    params = [p.detach().clone() for p in params]
+    states = [dict() for _ in params]
+    for step_grads in grads:
+        for idx, over in groups:
+            for i in idx:
+                if step_grads[i] is None:
+                    continue
+                use_muon = over.get("use_muon", params[i].ndim >= 2)
+                if use_muon:
+                    hp = {**defaults, **{k: v for k, v in over.items() if k != "use_muon"}}
+                    muon_reference_step(params[i], step_grads[i], states[i], **hp)
+                else:
+                    hp = {**adamw_defaults, **{k: v for k, v in over.items() if k in adamw_defaults}}
+                    adamw_reference_step(params[i], step_grads[i], states[i], **hp)
+    return params, states
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(copy.deepcopy(p.detach())) for p in params]

@@ -1,0 +1,59 @@
+import pytest
+import torch
+from conftest import MIXED_SHAPES, rel_err
+from reference_impl import ns_reference
+
+from fastmuon import orthogonalize
+
+
+def reference(t):
+    return ns_reference(t.reshape(t.shape[0], -1)).reshape(t.shape)
+
+
+@pytest.mark.parametrize("policy", ["exact", "auto", "min_launches"])
+def test_batched_equals_per_matrix_reference(policy):
+    tensors = [torch.randn(s) for s in MIXED_SHAPES]
+    tensors[1] = tensors[1].to(memory_format=torch.channels_last)
+    tensors[9] = tensors[9].to(memory_format=torch.channels_last)
+    outs = orthogonalize(tensors, dtype=torch.float32, policy=policy)
+    for t, o in zip(tensors, outs):
+        assert o.shape == t.shape and o.dtype == torch.float32
+        assert rel_err(o, reference(t)) <= 1e-5, t.shape
+
+
+def test_padding_is_exact():
+    """Matrices padded into one bucket give what each gets alone (fp32, to rounding)."""
+    tensors = [torch.randn(s) for s in [(8, 30), (16, 40), (40, 16), (3, 5)]]
+    merged = orthogonalize(tensors, dtype=torch.float32, policy="min_launches")
+    alone = [orthogonalize([t], dtype=torch.float32, policy="exact")[0] for t in tensors]
+    for m, a in zip(merged, alone):
+        assert rel_err(m, a) <= 1e-5
+
+
+def test_channels_last_equals_contiguous_twin():
+    w = torch.randn(32, 16, 3, 3)
+    a = orthogonalize([w], dtype=torch.float32)[0]
+    b = orthogonalize([w.to(memory_format=torch.channels_last)], dtype=torch.float32)[0]
+    assert torch.equal(a, b)
+
+
+def test_inputs_untouched_and_bf16_default():
+    tensors = [torch.randn(4, 6), torch.randn(6, 4)]
+    before = [t.clone() for t in tensors]
+    outs = orthogonalize(tensors)
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+
+
+def test_non_dense_inputs_are_handled():
+    base = torch.randn(20, 40)
+    strided = base[:, ::2]  # gappy strides
+    out = orthogonalize([strided], dtype=torch.float32)[0]
+    assert rel_err(out, ns_reference(strided)) <= 1e-5
+
+
+def test_empty_tensor_and_bad_rank():
+    out = orthogonalize([torch.randn(0, 5), torch.randn(3, 5)], dtype=torch.float32)
+    assert out[0].shape == (0, 5)
+    with pytest.raises(ValueError, match="tensor 0 has shape \\(5,\\)"):
+        orthogonalize([torch.randn(5)])

@@ -1,0 +1,115 @@
+import pytest
+import torch
+from conftest import MIXED_SHAPES, rel_err
+from helpers import clone_params, make_grads, make_params, run_muon_reference, run_optimizer
+
+from fastmuon import Muon, param_groups
+
+HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+ADAMW = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("policy", ["exact", "min_launches"])
+def test_matches_reference_with_adamw_for_vectors(nesterov, adjust_lr_fn, policy):
+    shapes = MIXED_SHAPES + [(32,), (7,)]
+    params = make_params(shapes, channels_last=(1,))
+    grads = make_grads(params, steps=3)
+    n = len(MIXED_SHAPES)
+    hp = {**HP, "nesterov": nesterov}
+    ref, _ = run_muon_reference(
+        params,
+        grads,
+        [(list(range(n)), {"use_muon": True}), ([n, n + 1], {"use_muon": False})],
+        {**hp, "adjust_lr_fn": adjust_lr_fn},
+        ADAMW,
+    )
+    ours = clone_params(params)
+    opt = Muon(
+        [{"params": ours[:n], "use_muon": True}, {"params": ours[n:], "use_muon": False}],
+        **hp,
+        adjust_lr_fn=adjust_lr_fn,
+        ns_dtype=torch.float32,
+        policy=policy,
+    )
+    run_optimizer(opt, ours, grads)
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+    assert set(opt.state[ours[n]]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert opt.state[ours[n]]["step"].item() == 3
+
+
+def test_matches_torch_optim_muon_on_2d():
+    """Same maths as torch.optim.Muon (which always iterates in bf16) on 2D weights."""
+    params = make_params([(32, 64), (64, 32), (48, 48), (48, 48)])
+    grads = make_grads(params, steps=3)
+    theirs, ours = clone_params(params), clone_params(params)
+    run_optimizer(torch.optim.Muon(theirs, **HP), theirs, grads)
+    run_optimizer(Muon(ours, **HP, ns_dtype=torch.bfloat16), ours, grads)
+    for o, t in zip(ours, theirs):
+        # both iterate NS in bf16; only summation order (bmm vs mm) differs
+        assert rel_err(o.detach(), t.detach()) <= 2e-3
+
+
+def test_adamw_part_matches_torch_adamw():
+    params = make_params([(10,), (3, 4)])
+    grads = make_grads(params, steps=4)
+    theirs, ours = clone_params(params), clone_params(params)
+    run_optimizer(
+        torch.optim.AdamW(theirs, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), theirs, grads
+    )
+    run_optimizer(Muon([{"params": ours, "use_muon": False}], lr=0.01, weight_decay=0.1), ours, grads)
+    for o, t in zip(ours, theirs):
+        assert rel_err(o.detach(), t.detach()) <= 1e-6
+
+
+def test_use_muon_absent_splits_by_ndim_and_foreach_false_agrees():
+    params = make_params([(16, 8, 3, 3), (20, 30), (30,)])
+    grads = make_grads(params, steps=2)
+    a, b = clone_params(params), clone_params(params)
+    run_optimizer(Muon(a, **HP, ns_dtype=torch.float32), a, grads)
+    run_optimizer(Muon(b, **HP, ns_dtype=torch.float32, foreach=False), b, grads)
+    ref, _ = run_muon_reference(params, grads, [([0, 1, 2], {})], HP, {**ADAMW, "eps": 1e-8})
+    for x, y, r in zip(a, b, ref):
+        assert rel_err(x.detach(), r) <= 1e-5
+        assert rel_err(y.detach(), r) <= 1e-5
+
+
+def test_param_groups_split():
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16),
+        torch.nn.Linear(16, 32),
+        torch.nn.LayerNorm(32),
+        torch.nn.Conv1d(32, 32, 3),
+        torch.nn.Linear(32, 50),
+    )
+    model[1].bias.requires_grad_(False)
+    groups = param_groups(model, lr=0.5)
+    assert [g["use_muon"] for g in groups] == [True, False]
+    assert groups[0]["param_names"] == ["1.weight", "3.weight"]
+    assert groups[1]["param_names"] == ["0.weight", "2.weight", "2.bias", "3.bias", "4.weight", "4.bias"]
+    assert all(g["lr"] == 0.5 for g in groups)
+    opt = Muon(groups)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 6]
+
+
+def test_param_groups_train_a_model():
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(20, 8),
+        torch.nn.Flatten(),
+        torch.nn.Linear(24, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 20),
+    )
+    opt = Muon(param_groups(model, lr=0.02), ns_dtype=torch.float32)
+    x = torch.randint(0, 20, (64, 3))
+    y = torch.randint(0, 20, (64,))
+    losses = []
+    for _ in range(30):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]

@@ -1,0 +1,165 @@
+import pytest
+import torch
+from conftest import MIXED_SHAPES, rel_err
+from helpers import clone_params, make_grads, make_params, run_musgd_reference, run_optimizer
+
+from fastmuon import MuSGD
+from fastmuon.reference import ReferenceMuSGD
+
+HP = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.3, sgd=0.7)
+VECTORS = [(32,), (16,), (100,)]
+
+
+def build(shapes_muon, shapes_sgd, channels_last=()):
+    params = make_params(shapes_muon + shapes_sgd, channels_last)
+    n = len(shapes_muon)
+    return params, list(range(n)), list(range(n, n + len(shapes_sgd)))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("policy", ["exact", "auto", "min_launches"])
+@pytest.mark.parametrize("adjust_lr", ["ultralytics", "original", "match_rms_adamw", "none"])
+def test_matches_reference(nesterov, policy, adjust_lr):
+    params, muon_idx, sgd_idx = build(MIXED_SHAPES, VECTORS, channels_last=(1, 9))
+    grads = make_grads(params, steps=3)
+    hp = {**HP, "nesterov": nesterov}
+    groups = [(muon_idx, {"use_muon": True}), (sgd_idx, {"use_muon": False, "lr": 0.05})]
+    ref, _ = run_musgd_reference(params, grads, groups, {**hp, "adjust_lr": adjust_lr})
+    ours = clone_params(params)
+    opt = MuSGD(
+        [
+            {"params": [ours[i] for i in muon_idx], "use_muon": True},
+            {"params": [ours[i] for i in sgd_idx], "use_muon": False, "lr": 0.05},
+        ],
+        **hp,
+        ns_dtype=torch.float32,
+        policy=policy,
+        adjust_lr=adjust_lr,
+    )
+    run_optimizer(opt, ours, grads)
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+
+
+def test_use_muon_absent_routes_by_ndim_and_mixed_groups():
+    """No use_muon: >=2D go Muon, the rest SGD; two muon groups with different lr share buckets."""
+    params = make_params([(16, 8, 3, 3), (16, 8, 3, 3), (24, 40), (16,), (40,)])
+    grads = make_grads(params, steps=2)
+    ref, ref_states = run_musgd_reference(
+        params,
+        grads,
+        [([0, 2, 3], {"use_muon": None}), ([1, 4], {"use_muon": None, "lr": 0.005, "momentum": 0.5})],
+        {**HP, "adjust_lr": "ultralytics"},
+    )
+    ours = clone_params(params)
+    opt = MuSGD(
+        [
+            {"params": [ours[i] for i in (0, 2, 3)]},
+            {"params": [ours[1], ours[4]], "lr": 0.005, "momentum": 0.5},
+        ],
+        **HP,
+        ns_dtype=torch.float32,
+    )
+    run_optimizer(opt, ours, grads)
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5
+    assert set(opt.state[ours[0]]) == {"momentum_buffer", "momentum_buffer_SGD"}
+    assert set(opt.state[ours[3]]) == {"momentum_buffer"}
+    assert rel_err(opt.state[ours[0]]["momentum_buffer_SGD"], ref_states[0]["momentum_buffer_SGD"]) <= 1e-5
+
+
+def test_vector_in_muon_group_takes_sgd_lines_at_lr_sgd():
+    params = make_params([(12, 20), (7,)])
+    grads = make_grads(params, steps=2)
+    ref, _ = run_musgd_reference(params, grads, [([0, 1], {"use_muon": True})], HP)
+    ours = clone_params(params)
+    opt = MuSGD([{"params": ours, "use_muon": True}], **HP, ns_dtype=torch.float32)
+    run_optimizer(opt, ours, grads)
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5
+    assert "momentum_buffer_SGD" in opt.state[ours[1]]
+
+
+def test_channels_last_twin_gets_exactly_the_same():
+    a = make_params([(32, 16, 3, 3), (8, 1, 3, 3)])
+    b = [torch.nn.Parameter(p.detach().clone().to(memory_format=torch.channels_last)) for p in a]
+    grads = make_grads(a, steps=3)
+    for params in (a, b):
+        run_optimizer(MuSGD(params, **HP, ns_dtype=torch.float32), params, grads)
+    for x, y in zip(a, b):
+        assert torch.equal(x.detach(), y.detach())
+        assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_foreach_false_is_the_per_parameter_path():
+    params = make_params(MIXED_SHAPES + VECTORS)
+    grads = make_grads(params, steps=2)
+    fast, slow = clone_params(params), clone_params(params)
+    run_optimizer(MuSGD(fast, **HP, ns_dtype=torch.float32), fast, grads)
+    run_optimizer(ReferenceMuSGD(slow, **HP, ns_dtype=torch.float32), slow, grads)
+    for f, s in zip(fast, slow):
+        assert rel_err(f.detach(), s.detach()) <= 1e-5
+
+
+def test_grads_never_modified_and_bf16_buffers_not_aliased():
+    params = make_params([(16, 32), (32, 16), (8,)], dtype=torch.bfloat16)
+    opt = MuSGD(params, **HP)
+    grads = make_grads(params, steps=1)[0]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g)
+    # non-nesterov: the NS input is the momentum buffer itself; it must keep its EMA value
+    p = make_params([(16, 32)], dtype=torch.bfloat16)[0]
+    g = torch.randn(16, 32, dtype=torch.bfloat16)
+    opt = MuSGD([p], lr=0.1, momentum=0.5, nesterov=False)
+    p.grad = g
+    opt.step()
+    assert torch.equal(opt.state[p]["momentum_buffer"], (0.5 * g.float()).to(torch.bfloat16))
+
+
+def test_bf16_params_close_to_reference():
+    params = make_params([(16, 32, 3, 3), (64, 48), (48,)], dtype=torch.bfloat16)
+    grads = make_grads(params, steps=2)
+    ref, _ = run_musgd_reference(
+        [p.float() for p in params],
+        [[g.float() for g in s] for s in grads],
+        [([0, 1, 2], {"use_muon": None})],
+        HP,
+    )
+    run_optimizer(MuSGD(params, **HP, ns_dtype=torch.float32), params, grads)
+    for o, r in zip(params, ref):
+        assert o.dtype == torch.bfloat16
+        assert rel_err(o.detach().float(), r) <= 2e-2
+
+
+def test_zero_momentum_and_zero_weight_decay():
+    params = make_params([(10, 20), (5,)])
+    grads = make_grads(params, steps=2)
+    hp = dict(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, muon=0.5, sgd=0.5)
+    ref, _ = run_musgd_reference(params, grads, [([0, 1], {"use_muon": None})], hp)
+    ours = clone_params(params)
+    run_optimizer(MuSGD(ours, **hp, ns_dtype=torch.float32), ours, grads)
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5
+
+
+def test_defaults_match_ultralytics_signature():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    d = MuSGD([p]).defaults
+    assert (d["lr"], d["momentum"], d["nesterov"], d["weight_decay"], d["muon"], d["sgd"]) == (
+        1e-3,
+        0.0,
+        False,
+        0.0,
+        0.5,
+        0.5,
+    )
+    assert (d["ns_steps"], d["ns_coefficients"], d["ns_dtype"], d["eps"], d["adjust_lr"]) == (
+        5,
+        "jordan",
+        torch.bfloat16,
+        1e-7,
+        "ultralytics",
+    )

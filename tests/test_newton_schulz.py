@@ -1,0 +1,86 @@
+import pytest
+import torch
+from conftest import rel_err
+from reference_impl import ns_reference
+
+from fastmuon import PRESETS, newton_schulz
+from fastmuon.newton_schulz import resolve_coefficients
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32), (40, 40), (1, 17), (17, 1)])
+def test_matches_reference_fp32(shape):
+    G = torch.randn(shape)
+    out = newton_schulz(G, dtype=torch.float32)
+    assert out.shape == G.shape and out.dtype == torch.float32
+    assert rel_err(out, ns_reference(G)) <= 1e-5
+
+
+def test_batch_equals_each_matrix():
+    G = torch.randn(5, 24, 60)
+    out = newton_schulz(G, dtype=torch.float32)
+    for i in range(5):
+        assert rel_err(out[i], ns_reference(G[i])) <= 1e-5
+
+
+def test_tall_batch_is_iterated_on_transpose():
+    G = torch.randn(3, 50, 10)
+    out = newton_schulz(G, dtype=torch.float32)
+    assert out.shape == (3, 50, 10)
+    assert rel_err(out[1], ns_reference(G[1])) <= 1e-5
+
+
+def test_output_dtype_and_input_untouched():
+    G = torch.randn(8, 16)
+    before = G.clone()
+    out = newton_schulz(G)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(G, before)
+
+
+def test_orthogonalises():
+    """Singular values land in the quintic's band (~0.7..1.2) for a well-conditioned input."""
+    G = torch.randn(32, 128)
+    s = torch.linalg.svdvals(newton_schulz(G, steps=5, dtype=torch.float32))
+    assert s.min() > 0.5 and s.max() < 1.3
+
+
+def test_zero_matrix_gives_zero():
+    out = newton_schulz(torch.zeros(4, 6), dtype=torch.float32)
+    assert torch.equal(out, torch.zeros(4, 6))
+
+
+def test_coefficient_forms():
+    G = torch.randn(12, 20)
+    by_name = newton_schulz(G, coefficients="jordan", dtype=torch.float32)
+    by_tuple = newton_schulz(G, coefficients=PRESETS["jordan"][0], dtype=torch.float32)
+    assert torch.equal(by_name, by_tuple)
+    sched = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
+    out = newton_schulz(G, steps=4, coefficients=sched, dtype=torch.float32)
+    ref = ns_reference(G, steps=4, coefficients=sched)
+    assert rel_err(out, ref) <= 1e-5
+
+
+def test_schedule_repeats_last_and_truncates():
+    sched = [(1.0, 2.0, 3.0), (4.0, 5.0, 6.0)]
+    assert resolve_coefficients(sched, 4) == [sched[0], sched[1], sched[1], sched[1]]
+    assert resolve_coefficients(sched, 1) == [sched[0]]
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [("nope", "unknown Newton-Schulz coefficient preset 'nope'.*jordan"), ((1.0, 2.0), "preset name")],
+)
+def test_bad_coefficients(bad, match):
+    with pytest.raises(ValueError, match=match):
+        newton_schulz(torch.randn(3, 4), coefficients=bad)
+
+
+@pytest.mark.parametrize("steps", [0, -1, 1.5])
+def test_bad_steps(steps):
+    with pytest.raises(ValueError, match="ns_steps must be an integer >= 1"):
+        newton_schulz(torch.randn(3, 4), steps=steps)
+
+
+def test_bad_rank():
+    with pytest.raises(ValueError, match="matrix"):
+        newton_schulz(torch.randn(3))

@@ -1,0 +1,158 @@
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastmuon.planner import COST_MODELS, MatrixSpec, ns_flops, plan_buckets
+
+MODELS = Path(__file__).resolve().parents[1] / "src" / "fastmuon" / "models"
+
+
+def yolo_specs(name="yolo26n", device="cpu"):
+    manifest = json.loads((MODELS / f"{name}.json").read_text())
+    specs = []
+    for p in manifest["params"]:
+        shape = p["shape"]
+        if len(shape) >= 2:
+            cols = 1
+            for d in shape[1:]:
+                cols *= d
+            specs.append(MatrixSpec(shape[0], cols, torch.bfloat16, torch.device(device)))
+    return specs
+
+
+def members(plan):
+    return [m.index for b in plan.buckets for m in b.members]
+
+
+def check_invariants(plan, specs):
+    assert sorted(members(plan)) == list(range(len(specs)))  # each matrix in exactly one bucket
+    for b in plan.buckets:
+        B, R, C = b.shape
+        assert R <= C and len(b.members) == B
+        assert [m.slot for m in b.members] == list(range(B))
+        for m in b.members:
+            s = specs[m.index]
+            assert m.oriented == s.oriented and m.oriented[0] <= R and m.oriented[1] <= C
+            assert s.dtype == b.dtype and s.device == b.device and s.key == b.key
+
+
+@pytest.mark.parametrize("policy", ["exact", "auto", "min_launches"])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_invariants_on_real_models(policy, device):
+    for name in ("yolo26n", "yolo26m"):
+        specs = yolo_specs(name, device)
+        check_invariants(plan_buckets(specs, policy=policy), specs)
+
+
+def test_exact_never_pads_and_groups_identical_shapes():
+    specs = yolo_specs()
+    plan = plan_buckets(specs, policy="exact")
+    assert plan.padding_overhead() == 0
+    distinct = {s.oriented for s in specs}
+    assert len(plan.buckets) == len(distinct)
+
+
+def test_orientation_tall_goes_wide():
+    specs = [MatrixSpec(100, 20), MatrixSpec(20, 100)]
+    plan = plan_buckets(specs, policy="exact")
+    assert len(plan.buckets) == 1 and plan.buckets[0].shape == (2, 20, 100)
+    transposed = {m.index: m.transposed for m in plan.buckets[0].members}
+    assert transposed == {0: True, 1: False}
+
+
+def test_min_launches_merges_and_auto_depends_on_device():
+    cpu = plan_buckets(yolo_specs(device="cpu"), policy="auto")
+    gpu = plan_buckets(yolo_specs(device="cuda"), policy="auto")
+    fewest = plan_buckets(yolo_specs(), policy="min_launches")
+    exact = plan_buckets(yolo_specs(), policy="exact")
+    assert len(fewest.buckets) < len(gpu.buckets) <= len(cpu.buckets) <= len(exact.buckets)
+    # a launch-bound device accepts more padding than a FLOP-bound one
+    assert gpu.padding_overhead() >= cpu.padding_overhead()
+    assert len(fewest.buckets) <= 3
+
+
+def test_auto_merges_tiny_matrices_on_cpu_too():
+    specs = [MatrixSpec(4, 9 * k) for k in range(1, 9)]
+    plan = plan_buckets(specs, policy="auto")
+    assert len(plan.buckets) == 1
+
+
+def test_auto_keeps_big_different_shapes_apart_on_cpu():
+    specs = [MatrixSpec(512, 4608), MatrixSpec(64, 576)]
+    plan = plan_buckets(specs, policy="auto")
+    assert len(plan.buckets) == 2
+
+
+def test_memory_cap_splits_buckets():
+    specs = [MatrixSpec(64, 64, torch.float32) for _ in range(10)]
+    cap = 3 * 64 * 64 * 4
+    plan = plan_buckets(specs, policy="min_launches", max_bucket_bytes=cap)
+    check_invariants(plan, specs)
+    assert [b.shape[0] for b in plan.buckets] == [3, 3, 3, 1]
+    assert all(b.nbytes() <= cap for b in plan.buckets)
+
+
+def test_matrix_larger_than_cap_gets_own_bucket():
+    specs = [MatrixSpec(128, 128, torch.float32), MatrixSpec(8, 8, torch.float32)]
+    plan = plan_buckets(specs, policy="min_launches", max_bucket_bytes=1000)
+    assert sorted(b.shape[0] for b in plan.buckets) == [1, 1]
+
+
+def test_dtype_device_and_key_never_mix():
+    specs = [
+        MatrixSpec(8, 8, torch.float32),
+        MatrixSpec(8, 8, torch.bfloat16),
+        MatrixSpec(8, 8, torch.float32, torch.device("meta")),
+        MatrixSpec(8, 8, torch.float32, key="other-ns-config"),
+    ]
+    plan = plan_buckets(specs, policy="min_launches")
+    assert len(plan.buckets) == 4
+    check_invariants(plan, specs)
+
+
+def test_identical_layouts_are_adjacent_in_a_bucket():
+    specs = [
+        MatrixSpec(8, 72, layout="conv"),
+        MatrixSpec(8, 72, layout="linear"),
+        MatrixSpec(8, 72, layout="conv"),
+        MatrixSpec(8, 72, layout="linear"),
+    ]
+    (bucket,) = plan_buckets(specs, policy="exact").buckets
+    layouts = [specs[m.index].layout for m in bucket.members]
+    assert layouts in (["conv", "conv", "linear", "linear"], ["linear", "linear", "conv", "conv"])
+
+
+def test_flop_accounting():
+    specs = [MatrixSpec(10, 30), MatrixSpec(20, 40)]
+    plan = plan_buckets(specs, policy="min_launches", steps=5)
+    (b,) = plan.buckets
+    assert b.shape == (2, 20, 40)
+    assert plan.useful_flops() == ns_flops(10, 30, 5) + ns_flops(20, 40, 5)
+    assert plan.flops() == 2 * ns_flops(20, 40, 5)
+    assert plan.padding_overhead() == pytest.approx(plan.flops() / plan.useful_flops() - 1)
+
+
+def test_describe_is_readable():
+    plan = plan_buckets(yolo_specs(), policy="auto")
+    text = plan.describe()
+    assert f"{plan.num_matrices} matrices in {len(plan.buckets)} buckets" in text
+    assert "padding overhead" in text and "bucket 0: batch" in text
+    assert Counter(line.startswith("  bucket") for line in text.splitlines())[True] == len(plan.buckets)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown batching policy 'fast'"):
+        plan_buckets([MatrixSpec(2, 2)], policy="fast")
+    with pytest.raises(ValueError, match="max_bucket_bytes"):
+        plan_buckets([MatrixSpec(2, 2)], max_bucket_bytes=0)
+    with pytest.raises(ValueError, match="empty shape"):
+        plan_buckets([MatrixSpec(0, 2)])
+
+
+def test_cost_models_exist_for_cpu_and_cuda():
+    assert COST_MODELS["cuda"].launch_seconds / COST_MODELS["cuda"].flop_seconds(torch.bfloat16) > (
+        COST_MODELS["cpu"].launch_seconds / COST_MODELS["cpu"].flop_seconds(torch.bfloat16)
+    )
