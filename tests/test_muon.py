@@ -4,6 +4,7 @@ from conftest import MIXED_SHAPES, rel_err
 from helpers import clone_params, make_grads, make_params, run_muon_reference, run_optimizer
 
 from fastmuon import Muon, param_groups
+from fastmuon.compute import cpu_low_precision
 
 HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
 ADAMW = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -40,16 +41,23 @@ def test_matches_reference_with_adamw_for_vectors(nesterov, adjust_lr_fn, policy
     assert opt.state[ours[n]]["step"].item() == 3
 
 
-def test_matches_torch_optim_muon_on_2d():
-    """Same maths as torch.optim.Muon (which always iterates in bf16) on 2D weights."""
+@pytest.mark.parametrize("mode", ["native", "fp32"])
+def test_matches_torch_optim_muon_on_2d(mode):
+    """Same maths as torch.optim.Muon, which always iterates NS in bf16, on 2D weights.
+
+    "native": both iterate in bf16 and agree to the bit on this CPU; "fp32": our CPU fallback, where bf16 matmul is slow, iterates in fp32 and is
+    closer to exact NS than torch's bf16 (checked against the fp32 reference separately).
+    """
     params = make_params([(32, 64), (64, 32), (48, 48), (48, 48)])
     grads = make_grads(params, steps=3)
     theirs, ours = clone_params(params), clone_params(params)
     run_optimizer(torch.optim.Muon(theirs, **HP), theirs, grads)
-    run_optimizer(Muon(ours, **HP, ns_dtype=torch.bfloat16), ours, grads)
-    for o, t in zip(ours, theirs):
-        # both iterate NS in bf16; only summation order (bmm vs mm) differs
-        assert rel_err(o.detach(), t.detach()) <= 2e-3
+    with cpu_low_precision(mode):
+        run_optimizer(Muon(ours, **HP, ns_dtype=torch.bfloat16), ours, grads)
+    for p, o, t in zip(params, ours, theirs):
+        ours_update, their_update = (o - p).detach(), (t - p).detach()
+        assert rel_err(ours_update, their_update) <= (1e-6 if mode == "native" else 5e-2)
+        assert torch.allclose(ours_update.norm(), their_update.norm(), rtol=1e-2)
 
 
 def test_adamw_part_matches_torch_adamw():

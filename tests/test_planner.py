@@ -126,7 +126,7 @@ def test_identical_layouts_are_adjacent_in_a_bucket():
 
 
 def test_flop_accounting():
-    specs = [MatrixSpec(10, 30), MatrixSpec(20, 40)]
+    specs = [MatrixSpec(10, 30, method="standard"), MatrixSpec(20, 40, method="standard")]
     plan = plan_buckets(specs, policy="min_launches", steps=5)
     (b,) = plan.buckets
     assert b.shape == (2, 20, 40)
@@ -156,3 +156,19 @@ def test_cost_models_exist_for_cpu_and_cuda():
     assert COST_MODELS["cuda"].launch_seconds / COST_MODELS["cuda"].flop_seconds(torch.bfloat16) > (
         COST_MODELS["cpu"].launch_seconds / COST_MODELS["cpu"].flop_seconds(torch.bfloat16)
     )
+
+
+def test_gram_chosen_for_wide_fp32_only():
+    wide, square = MatrixSpec(64, 576), MatrixSpec(64, 64)
+    assert plan_buckets([wide]).buckets[0].method == "gram"
+    assert plan_buckets([square]).buckets[0].method == "standard"
+    assert plan_buckets([MatrixSpec(64, 576, torch.bfloat16)]).buckets[0].method == "standard"
+    assert plan_buckets([MatrixSpec(64, 576, method="standard")]).buckets[0].method == "standard"
+    plan = plan_buckets([wide])
+    assert plan.flops() < plan.baseline_flops() / 2
+    assert ns_flops(64, 576, 5, "gram") == 4 * 64 * 64 * 576 + 34 * 64**3
+
+
+def test_unknown_method_rejected():
+    with pytest.raises(ValueError, match="unknown NS method 'fast'"):
+        plan_buckets([MatrixSpec(2, 3, method="fast")])

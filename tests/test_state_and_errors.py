@@ -104,6 +104,7 @@ def test_dtypes_bucketed_apart():
         ({"eps": -1.0}, "invalid eps"),
         ({"policy": "fastest"}, "invalid policy 'fastest'"),
         ({"ns_dtype": torch.int32}, "ns_dtype must be a floating"),
+        ({"ns_method": "svd"}, "unknown ns_method 'svd'"),
     ],
 )
 def test_invalid_hyperparameters(cls, kwargs, match):

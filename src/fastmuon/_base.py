@@ -108,7 +108,9 @@ class MatrixOptimizer(Optimizer):
 
     @staticmethod
     def ns_config(group: dict[str, Any]) -> NSConfig:
-        return NSConfig.make(group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"])
+        return NSConfig.make(
+            group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
+        )
 
     def param_name(self, group: dict[str, Any], j: int) -> str:
         names = group.get("param_names")
@@ -207,7 +209,7 @@ class MatrixOptimizer(Optimizer):
 
             return build_distributed(self, params, configs, policy)
         layouts = [TensorLayout.of(p) for p in params]
-        specs = [matrix_spec(p, c.dtype, (p.dtype, c), lay) for p, c, lay in zip(params, configs, layouts)]
+        specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
         plan = plan_buckets(
             specs,
             policy=policy,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .newton_schulz import CoefficientSpec, _iterate, resolve_coefficients
+from .compute import compute_dtype
+from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
 from .planner import (
     DEFAULT_MAX_BUCKET_BYTES,
     Bucket,
@@ -34,14 +35,19 @@ class NSConfig:
     coefficients: tuple[tuple[float, float, float], ...]
     eps: float
     dtype: torch.dtype
+    method: str = "auto"
 
     @classmethod
-    def make(cls, steps: int, coefficients: CoefficientSpec, eps: float, dtype: torch.dtype):
+    def make(
+        cls, steps: int, coefficients: CoefficientSpec, eps: float, dtype: torch.dtype, method: str = "auto"
+    ):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"ns_dtype must be a floating torch.dtype, got {dtype!r}")
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
-        return cls(steps, tuple(resolve_coefficients(coefficients, steps)), float(eps), dtype)
+        if method not in ("auto", *METHODS):
+            raise ValueError(f"unknown ns_method {method!r}; choose 'auto' or one of {sorted(METHODS)}")
+        return cls(steps, tuple(resolve_coefficients(coefficients, steps)), float(eps), dtype, method)
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class Orthogonalizer:
         for b, (bucket, runs) in enumerate(zip(self.plan.buckets, self._runs)):
             config = self.configs[bucket.key]
             batch = self._pack(b, bucket, runs, sources)
-            out = _iterate(batch, list(config.coefficients), config.eps)
+            out = METHODS[bucket.method](batch, list(config.coefficients), config.eps)
             for run in runs:
                 self._unpack(run, out, out_dtypes, results)
         return results  # type: ignore[return-value]
@@ -189,10 +195,14 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def matrix_spec(t: Tensor, ns_dtype: torch.dtype, key: Hashable, layout: TensorLayout) -> MatrixSpec:
-    """The planner's view of a >=2D tensor: flattened to (out, everything else)."""
+def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
+    """The planner's view of a >=2D tensor: flattened to (out, everything else), in the dtype
+    NS will really run in there; tensors of different dtypes or NS settings never share."""
     rows, cols = layout.matrix
-    return MatrixSpec(rows, cols, ns_dtype, t.device, key, (layout.shape, layout.stride))
+    dtype = compute_dtype(config.dtype, t.device)
+    return MatrixSpec(
+        rows, cols, dtype, t.device, (t.dtype, config), (layout.shape, layout.stride), config.method
+    )
 
 
 def orthogonalize(
@@ -204,10 +214,12 @@ def orthogonalize(
     policy: str = "auto",
     max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
     cost_model: CostModel | None = None,
+    method: str = "auto",
 ) -> list[Tensor]:
     """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
 
-    Each tensor is treated as the matrix ``t.flatten(1)``. For repeated calls on the same
+    Each tensor is treated as the matrix ``t.flatten(1)``. ``method`` picks the NS formulation
+    ("auto": Gram-space where cheaper and the compute dtype is fp32+). For repeated calls on the same
     shapes, an optimizer caches the plan and buffers; this function plans afresh each call.
     """
     tensors = list(tensors)
@@ -216,10 +228,10 @@ def orthogonalize(
             raise ValueError(f"tensor {i} has shape {tuple(t.shape)}; orthogonalize needs >=2D tensors")
         if t.is_complex():
             raise ValueError(f"tensor {i} is complex; only real tensors can be orthogonalised")
-    config = NSConfig.make(steps, coefficients, eps, dtype)
+    config = NSConfig.make(steps, coefficients, eps, dtype, method)
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     layouts = [TensorLayout.of(tensors[i]) for i in live]
-    specs = [matrix_spec(tensors[i], dtype, (tensors[i].dtype, config), lay) for i, lay in zip(live, layouts)]
+    specs = [matrix_spec(tensors[i], config, lay) for i, lay in zip(live, layouts)]
     plan = plan_buckets(
         specs, policy=policy, steps=steps, max_bucket_bytes=max_bucket_bytes, cost_model=cost_model
     )

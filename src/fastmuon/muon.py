@@ -59,6 +59,7 @@ class Muon(MatrixOptimizer):
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "auto",
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
@@ -77,6 +78,7 @@ class Muon(MatrixOptimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
             betas=betas,
             adamw_eps=adamw_eps,
         )

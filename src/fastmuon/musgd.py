@@ -64,6 +64,7 @@ class MuSGD(MatrixOptimizer):
         params: parameters or param groups; a group may set ``use_muon``.
         lr, momentum, nesterov, weight_decay, muon, sgd: as in Ultralytics' MuSGD.
         ns_steps, ns_coefficients, ns_dtype, eps: the Newton–Schulz settings.
+        ns_method: "auto" (Gram-space NS for wide fp32 buckets, where it is cheaper), "standard", "gram".
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
@@ -84,6 +85,7 @@ class MuSGD(MatrixOptimizer):
         ns_coefficients: Any = "jordan",
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
+        ns_method: str = "auto",
         policy: str = "auto",
         adjust_lr: str = "ultralytics",
         foreach: bool = True,
@@ -101,6 +103,7 @@ class MuSGD(MatrixOptimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
+            ns_method=ns_method,
             eps=eps,
             adjust_lr=adjust_lr,
         )

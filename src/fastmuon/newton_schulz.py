@@ -65,6 +65,7 @@ def newton_schulz(
     coefficients: CoefficientSpec = "jordan",
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
+    method: str = "standard",
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
 
@@ -72,28 +73,62 @@ def newton_schulz(
     norm is at most 1, then iterated. Tall matrices are iterated on their transpose so the
     Gram matrix ``X·Xᵀ`` is the small side. Zero-padded rows/columns stay exactly zero and do
     not change the norm, which is what lets the batched engine pad matrices into shared buckets.
+    ``method="gram"`` runs the same iteration in Gram space (see :func:`_iterate_gram`).
     """
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a matrix (m, n) or a batch (b, m, n), got {X.ndim}D")
     if not dtype.is_floating_point:
         raise ValueError(f"newton_schulz dtype must be a floating dtype, got {dtype}")
+    if method not in METHODS:
+        raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {sorted(METHODS)}")
     schedule = resolve_coefficients(coefficients, steps)
     single = X.ndim == 2
     Y = X.unsqueeze(0) if single else X
     tall = Y.size(-2) > Y.size(-1)
     if tall:
         Y = Y.mT
-    Y = _iterate(Y.to(dtype), schedule, eps)
+    Y = METHODS[method](Y.to(dtype), schedule, eps)
     if tall:
         Y = Y.mT
     return Y.squeeze(0) if single else Y
 
 
+def _normalize(X: Tensor, eps: float) -> Tensor:
+    """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs."""
+    return X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps)
+
+
 def _iterate(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor:
     """The NS loop on a wide batch (rows <= cols). ``X`` is never modified in place."""
-    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps)
+    X = _normalize(X, eps)
     for a, b, c in schedule:
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a)
     return X
+
+
+def _iterate_gram(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor:
+    """The same iteration carried out on the small ``R×R`` side, for wide ``R×C`` batches.
+
+    Every iterate is ``X_k = Q_k·X_0`` with ``Q_k`` a polynomial in ``A_0 = X_0·X_0ᵀ``: each step
+    multiplies by ``P_k = a·I + b·A_k + c·A_k²``, so ``Q_{k+1} = P_k·Q_k`` and, as ``P_k`` commutes
+    with ``A_k``, ``A_{k+1} = P_k·A_k·P_k``. Only ``R×R`` products remain inside the loop and
+    ``X_0`` is touched twice (``A_0`` and the final ``Q·X_0``): ~``4R²C + (8k−6)R³`` FLOPs instead
+    of ``k·(4R²C + 2R³)``, a win once ``C >= 2R`` (e.g. 3×3 convs, where ``C = 9·C_in``).
+    Squaring into ``A`` doubles the dynamic range, so this is used for fp32 and wider dtypes.
+    (Gram-space NS is discussed in Dion and in the Polar Express paper, Amsel et al. 2025.)
+    """
+    X = _normalize(X, eps)
+    A = torch.bmm(X, X.mT)
+    eye = torch.eye(A.size(-1), dtype=A.dtype, device=A.device)
+    Q = None
+    for k, (a, b, c) in enumerate(schedule):
+        P = torch.baddbmm(A, A, A, beta=b, alpha=c).add_(eye, alpha=a)
+        Q = P if Q is None else torch.bmm(P, Q)
+        if k + 1 < len(schedule):
+            A = torch.bmm(P, torch.bmm(A, P))
+    return torch.bmm(Q, X)
+
+
+METHODS = {"standard": _iterate, "gram": _iterate_gram}

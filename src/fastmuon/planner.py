@@ -26,7 +26,8 @@ class MatrixSpec:
 
     ``key`` separates matrices that must never share a bucket (e.g. different NS settings);
     ``layout`` only orders members inside a bucket, so that tensors the engine packs with one
-    copy (same original shape and strides) sit next to each other.
+    copy (same original shape and strides) sit next to each other. ``method`` is the NS
+    formulation allowed: "standard", "gram", or "auto" (the cheaper one where it is safe).
     """
 
     rows: int
@@ -35,6 +36,7 @@ class MatrixSpec:
     device: torch.device = torch.device("cpu")
     key: Hashable = None
     layout: Hashable = None
+    method: str = "auto"
 
     @property
     def transposed(self) -> bool:
@@ -70,6 +72,7 @@ class Bucket:
     dtype: torch.dtype
     device: torch.device
     key: Hashable = None
+    method: str = "standard"
 
     def nbytes(self) -> int:
         b, r, c = self.shape
@@ -78,11 +81,11 @@ class Bucket:
     def flops(self, steps: int) -> int:
         """FLOPs the padded batch actually computes."""
         b, r, c = self.shape
-        return b * ns_flops(r, c, steps)
+        return b * ns_flops(r, c, steps, self.method)
 
     def useful_flops(self, steps: int) -> int:
-        """FLOPs the members would cost unpadded."""
-        return sum(ns_flops(*m.oriented, steps) for m in self.members)
+        """FLOPs the members would cost unpadded (with the bucket's method)."""
+        return sum(ns_flops(*m.oriented, steps, self.method) for m in self.members)
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,29 @@ COST_MODELS: dict[str, CostModel] = {
 }
 
 
-def ns_flops(rows: int, cols: int, steps: int) -> int:
-    """Multiply-add FLOPs of ``steps`` NS iterations on one wide matrix (rows <= cols)."""
+METHODS = ("standard", "gram")
+
+
+def ns_flops(rows: int, cols: int, steps: int, method: str = "standard") -> int:
+    """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c)."""
     r, c = min(rows, cols), max(rows, cols)
+    if method == "gram":  # A0 and Q·X0 touch X; the loop is R×R (see newton_schulz._iterate_gram)
+        return 4 * r * r * c + (8 * steps - 6) * r * r * r
     return steps * (4 * r * r * c + 2 * r * r * r)
+
+
+def choose_method(
+    allowed: str, rows: int, cols: int, steps: int, dtype: torch.dtype, narrowest: float = math.inf
+) -> str:
+    """Gram-space NS where it is cheaper and safe: fp32+ (``X·Xᵀ`` squares the dynamic range)
+    and every member at least twice as wide as tall (``narrowest`` = min cols/rows), since a
+    square matrix's small singular values are what Gram space resolves least accurately."""
+    if allowed != "auto":
+        return allowed
+    safe = dtype in (torch.float32, torch.float64) and narrowest >= 2
+    if safe and ns_flops(rows, cols, steps, "gram") < ns_flops(rows, cols, steps, "standard"):
+        return "gram"
+    return "standard"
 
 
 def kernels_per_bucket(steps: int) -> int:
@@ -148,6 +170,10 @@ class Plan:
     def useful_flops(self) -> int:
         return sum(b.useful_flops(self.steps) for b in self.buckets)
 
+    def baseline_flops(self) -> int:
+        """FLOPs of standard NS on every matrix alone (what a per-parameter loop computes)."""
+        return sum(ns_flops(m.rows, m.cols, self.steps, "standard") for b in self.buckets for m in b.members)
+
     def padding_overhead(self) -> float:
         """Extra FLOPs spent on padding, as a fraction of the unpadded FLOPs."""
         useful = self.useful_flops()
@@ -159,7 +185,8 @@ class Plan:
             f"(policy={self.policy}, steps={self.steps}, "
             f"max_bucket_bytes={self.max_bucket_bytes / 2**20:.0f} MiB)",
             f"NS FLOPs: {self.flops() / 1e9:.3f} G computed, {self.useful_flops() / 1e9:.3f} G useful, "
-            f"padding overhead {100 * self.padding_overhead():.1f}%",
+            f"padding overhead {100 * self.padding_overhead():.1f}%; per-matrix standard NS would "
+            f"compute {self.baseline_flops() / 1e9:.3f} G",
         ]
         for i, b in enumerate(self.buckets):
             shapes: dict[tuple[int, int], int] = {}
@@ -167,7 +194,7 @@ class Plan:
                 shapes[(m.rows, m.cols)] = shapes.get((m.rows, m.cols), 0) + 1
             members = ", ".join(f"{n}x{r}x{c}" for (r, c), n in shapes.items())
             lines.append(
-                f"  bucket {i}: batch {b.shape[0]}x{b.shape[1]}x{b.shape[2]} {_dtype_name(b.dtype)} "
+                f"  bucket {i}: batch {b.shape[0]}x{b.shape[1]}x{b.shape[2]} {_dtype_name(b.dtype)} {b.method} "
                 f"on {b.device}, {b.nbytes() / 2**20:.2f} MiB, padding "
                 f"{100 * (b.flops(self.steps) / max(b.useful_flops(self.steps), 1) - 1):.1f}%: "
                 f"{members}"
@@ -199,17 +226,20 @@ def plan_buckets(
     for i, s in enumerate(specs):
         if s.rows < 1 or s.cols < 1:
             raise ValueError(f"matrix {i} has an empty shape ({s.rows}, {s.cols}); nothing to plan")
-        part = partitions.setdefault((s.dtype, torch.device(s.device), s.key), {})
+        if s.method not in ("auto", *METHODS):
+            raise ValueError(f"matrix {i}: unknown NS method {s.method!r}; choose 'auto' or one of {METHODS}")
+        part = partitions.setdefault((s.dtype, torch.device(s.device), s.key, s.method), {})
         part.setdefault(s.oriented, []).append(i)
 
     buckets: list[Bucket] = []
-    for (dtype, device, key), by_shape in partitions.items():
+    for (dtype, device, key, allowed), by_shape in partitions.items():
         model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
-        groups = [_Group(r, c, members) for (r, c), members in by_shape.items()]
+        groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
         if policy != "exact":
-            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model)
+            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, allowed)
         for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
-            buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes))
+            method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest)
+            buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes, method))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
 
@@ -218,26 +248,33 @@ class _Group:
     rows: int
     cols: int
     members: list[int]
+    narrowest: float  # min cols/rows over the members' own (oriented) shapes
 
     def chunks(self, itemsize: int, cap: int) -> int:
         return math.ceil(len(self.members) / _per_chunk(self.rows, self.cols, itemsize, cap))
 
     def union(self, other: _Group) -> _Group:
-        return _Group(max(self.rows, other.rows), max(self.cols, other.cols), self.members + other.members)
+        return _Group(
+            max(self.rows, other.rows),
+            max(self.cols, other.cols),
+            self.members + other.members,
+            min(self.narrowest, other.narrowest),
+        )
 
 
 def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
     return max(1, cap // (rows * cols * itemsize))
 
 
-def _merge(groups, policy, steps, dtype, cap, model: CostModel) -> list[_Group]:
+def _merge(groups, policy, steps, dtype, cap, model: CostModel, allowed: str) -> list[_Group]:
     """Greedy agglomeration: apply the best merge until none helps."""
     itemsize = _itemsize(dtype)
     launch = model.launch_seconds * kernels_per_bucket(steps)
     per_flop = model.flop_seconds(dtype)
 
     def flops(g: _Group) -> int:
-        return len(g.members) * ns_flops(g.rows, g.cols, steps)
+        method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest)
+        return len(g.members) * ns_flops(g.rows, g.cols, steps, method)
 
     def score(a: _Group, b: _Group) -> tuple[float, float] | None:
         """Lower is better; ``None`` means this merge does not help."""
@@ -268,7 +305,7 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel) -> list[_Group]:
     return groups
 
 
-def _materialise(group, specs, dtype, device, key, cap) -> list[Bucket]:
+def _materialise(group, specs, dtype, device, key, cap, method) -> list[Bucket]:
     """Order members so identical tensors are adjacent, then split by the memory cap."""
     order = sorted(
         group.members,
@@ -289,7 +326,7 @@ def _materialise(group, specs, dtype, device, key, cap) -> list[Bucket]:
         members = tuple(
             Member(i, slot, specs[i].rows, specs[i].cols, specs[i].transposed) for slot, i in enumerate(chunk)
         )
-        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key))
+        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key, method))
     return buckets
 
 

@@ -1,0 +1,86 @@
+"""Which dtype Newton–Schulz's matmuls actually run in on a device.
+
+``ns_dtype`` asks for a precision, chosen for speed: bf16 matmuls are the fast path on GPUs
+and on CPUs with AVX512-BF16/AMX. On CPUs without them, PyTorch falls back to kernels 10–100x
+slower than fp32 (measured here: ~1 GFLOP/s bf16 vs ~100 fp32 on an AVX2 EPYC), so the request
+would buy neither speed nor anything else. There, NS runs in fp32 instead — faster and more
+accurate — unless the caller insists on native low precision. The check is a one-off probe
+per (device type, dtype), cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+#: "auto": probe; "native": always run in the requested dtype; "fp32": low precision on CPU runs in fp32.
+_MODES = ("auto", "native", "fp32")
+_mode = os.environ.get("FASTMUON_CPU_LOW_PRECISION", "auto")
+
+
+def set_cpu_low_precision(mode: str) -> None:
+    """Choose how bf16/fp16 NS runs on CPUs: "auto" (probe), "native", or "fp32"."""
+    global _mode
+    if mode not in _MODES:
+        raise ValueError(f"unknown CPU low-precision mode {mode!r}; choose one of {_MODES}")
+    _mode = mode
+
+
+@contextmanager
+def cpu_low_precision(mode: str) -> Iterator[None]:
+    """Temporarily set the CPU low-precision mode (e.g. to compare with a native-bf16 peer)."""
+    previous = _mode
+    set_cpu_low_precision(mode)
+    try:
+        yield
+    finally:
+        set_cpu_low_precision(previous)
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype NS matmuls run in for a requested ``dtype`` on ``device``."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return dtype
+    if _mode == "native":
+        return dtype
+    if _mode == "fp32":
+        return torch.float32
+    return dtype if _native_is_fast(dtype, torch.get_num_threads()) else torch.float32
+
+
+@functools.cache
+def _native_is_fast(dtype: torch.dtype, threads: int) -> bool:
+    """Does this CPU have matmul instructions for ``dtype``? Read from the CPU flags on Linux
+    (deterministic, unlike a timing on a shared machine); elsewhere, time a small product."""
+    del threads  # part of the cache key: a timing can depend on the thread count
+    flags = _cpu_flags()
+    if flags is not None:
+        wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+        return any(f in flags for f in wanted[dtype])
+    return _seconds(dtype) <= _seconds(torch.float32)
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _seconds(dtype: torch.dtype) -> float:
+    b = torch.randn(4, 128, 128).to(dtype)
+    x = torch.randn(4, 128, 512).to(dtype)
+    torch.bmm(b, x)
+    start = time.perf_counter()
+    for _ in range(3):
+        torch.bmm(b, x)
+    return time.perf_counter() - start
