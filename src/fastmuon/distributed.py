@@ -25,7 +25,7 @@ import math
 import sys
 import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
-from .planner import Bucket, Member, Plan, plan_buckets
+from .planner import Member, Plan, plan_buckets
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -96,7 +96,7 @@ def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
             members.append(Member(len(indices), m.slot - u.start, m.rows, m.cols, m.transposed))
             indices.append(m.index)
         shape = (u.stop - u.start, bucket.shape[1], bucket.shape[2])
-        buckets.append(Bucket(shape, tuple(members), bucket.dtype, bucket.device, bucket.key))
+        buckets.append(replace(bucket, shape=shape, members=tuple(members)))
     return Plan(tuple(buckets), len(indices), plan.policy, plan.steps, plan.max_bucket_bytes), indices
 
 
@@ -209,6 +209,11 @@ def _views(flat: Tensor, members, layouts, out_dtypes, results: list) -> None:
 
 
 # ----- FSDP2 shards (DTensor, Shard(0) on a 1-D mesh) ----------------------------------------
+def _contiguous_layout(shape: Sequence[int]) -> TensorLayout:
+    """The layout of a whole matrix as the owner assembles it: contiguous."""
+    return TensorLayout.of(torch.empty(tuple(shape), device="meta"))
+
+
 def shard_rows(rows: int, world: int) -> list[int]:
     """Rows each rank holds under ``Shard(0)``: ``torch.chunk`` sizes, trailing ranks maybe empty."""
     chunk = math.ceil(rows / world) if rows else 0
@@ -234,7 +239,7 @@ class ShardedOrthogonalizer:
         self.plan, self.shapes, self.group = plan, [tuple(s) for s in shapes], group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.units = assign_work(plan, self.world)
-        layouts = [TensorLayout.of(torch.empty(s, device="meta")) for s in self.shapes]
+        layouts = [_contiguous_layout(s) for s in self.shapes]
         owned = [u for u in self.units if u.owner == self.rank]
         local_plan, self._owned_index = sub_plan(plan, owned)
         self._local = Orthogonalizer(local_plan, [layouts[i] for i in self._owned_index], configs)
@@ -351,19 +356,15 @@ def build_distributed(
         globals_ = [opt.global_param(p) for p in params]
         group = _mesh_group(opt, globals_)
         shapes = [tuple(g.shape) for g in globals_]
+        # the planner sees each matrix whole; its device and dtype are the local shard's
         specs = [
-            matrix_spec(
-                torch.empty(0, device=p.device),
-                c.dtype,
-                (p.dtype, c),
-                TensorLayout.of(torch.empty(s, device="meta")),
-            )
-            for p, c, s in zip(params, configs, shapes)
+            matrix_spec(torch.empty(0, dtype=p.dtype, device=p.device), c, _contiguous_layout(shape))
+            for p, c, shape in zip(params, configs, shapes)
         ]
         plan = _plan(opt, specs, configs, policy)
         return ShardedOrthogonalizer(plan, shapes, {(p.dtype, c): c for p, c in zip(params, configs)}, group)
     layouts = [TensorLayout.of(p) for p in params]
-    specs = [matrix_spec(p, c.dtype, (p.dtype, c), lay) for p, c, lay in zip(params, configs, layouts)]
+    specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = _plan(opt, specs, configs, policy)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
     return ReplicatedOrthogonalizer(plan, layouts, configs_by_key, opt.process_group)
