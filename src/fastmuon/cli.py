@@ -9,6 +9,7 @@ import sys
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("fastmuon.demo", "one MuSGD step on the yolo26n shapes: time and kernels per step"),
+    "bench-dist": ("fastmuon.bench_distributed", "NS work per rank and bytes exchanged with N ranks"),
 }
 
 
