@@ -262,10 +262,26 @@ def TinyNet_init(seed: int) -> TinyNet:  # noqa: N802 - the initial weights of s
     return TinyNet()
 
 
+def split_by_ns_dtype(groups):
+    """Linear weights orthogonalised in float64, convs in float32: two NS dtypes, two exchanges."""
+    out = []
+    for g in groups:
+        g = {k: v for k, v in g.items() if k != "param_names"}
+        if not g["use_muon"]:
+            out.append(g)
+            continue
+        convs = [p for p in g["params"] if p.ndim == 4]
+        out.append(dict(params=convs, use_muon=True, ns_dtype=F32))
+        out.append(
+            dict(params=[p for p in g["params"] if p.ndim != 4], use_muon=True, ns_dtype=torch.float64)
+        )
+    return out
+
+
 def check_fsdp_reference() -> None:
     """FSDP2 MuSGD against the per-parameter formulas, driven by the gathered gradients."""
     net, twin = sharded_net(11)
-    opt = fastmuon.MuSGD(fastmuon.param_groups(net), ns_dtype=F32, **MUSGD_KW)
+    opt = fastmuon.MuSGD(split_by_ns_dtype(fastmuon.param_groups(net)), ns_dtype=F32, **MUSGD_KW)
     groups = fastmuon.param_groups(twin)
     use = {id(p): g.get("use_muon") for g in groups for p in g["params"]}
     ref = [p.detach().clone() for p in twin.parameters()]
@@ -276,6 +292,30 @@ def check_fsdp_reference() -> None:
             if g is not None:
                 musgd_reference_step(q, g, st, use_muon=use[id(p)], **MUSGD_KW)
     check_reference("FSDP2 MuSGD", [p.full_tensor() for p in net.parameters()], ref)
+    assert len({b.dtype for b in opt.last_plan.buckets}) == 2, opt.last_plan.describe()
+    if dist.get_rank() == 0:
+        log("FSDP2 MuSGD with two NS dtypes: equal to the per-parameter reference")
+
+
+def check_errors() -> None:
+    """Unsupported set-ups fail on every rank with a message that says what to do."""
+    net, _ = sharded_net(3)
+    plain = nn.Parameter(torch.randn(4, 4))
+    cases = [
+        (fastmuon.MuSGD(net.parameters(), foreach=False, ns_dtype=F32), "foreach=True"),
+        (fastmuon.MuSGD([net.fc2.weight, plain], ns_dtype=F32), "fully_shard"),
+    ]
+    for opt, hint in cases:
+        net(batch(0)).sum().backward()
+        plain.grad = torch.ones_like(plain)
+        try:
+            opt.step()
+        except ValueError as e:
+            assert hint in str(e), str(e)
+        else:
+            raise AssertionError(f"expected a ValueError mentioning {hint!r}")
+        opt.zero_grad()
+        net.zero_grad()
 
 
 def main() -> int:
@@ -295,6 +335,7 @@ def main() -> int:
         check_missing_grads(dist.group.WORLD)
         check_fsdp(args.dir)
         check_fsdp_reference()
+        check_errors()
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -241,8 +241,11 @@ class ShardedOrthogonalizer:
         self.units = assign_work(plan, self.world)
         layouts = [_contiguous_layout(s) for s in self.shapes]
         owned = [u for u in self.units if u.owner == self.rank]
-        local_plan, self._owned_index = sub_plan(plan, owned)
-        self._local = Orthogonalizer(local_plan, [layouts[i] for i in self._owned_index], configs)
+        # one engine per NS dtype (each dtype is exchanged apart), over this rank's units
+        self._local: dict[torch.dtype, Orthogonalizer] = {}
+        for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
+            local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
+            self._local[dtype] = Orthogonalizer(local_plan, [layouts[i] for i in index], configs)
         self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
         self._cols = [math.prod(s[1:]) for s in self.shapes]
         self._dtype = {m.index: b.dtype for b in plan.buckets for m in b.members}
@@ -280,7 +283,7 @@ class ShardedOrthogonalizer:
             t1 = timer.now()
             # 2. whole matrices on the owner, NS over its buckets
             full = self._assemble(recv, from_rank, order[me])
-            owned = self._local(full, [dtype] * len(full)) if full else []
+            owned = self._local[dtype](full, [dtype] * len(full)) if full else []
             t2 = timer.now()
             # 3. every rank's rows of each result back to it
             to_rank = [sum(self._block(i, d) for i in order[me]) for d in range(world)]
