@@ -44,6 +44,8 @@ class Muon(MatrixOptimizer):
     (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
     matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
     A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
+    ``process_group`` (DDP) splits the Newton–Schulz work between ranks; FSDP2 DTensor
+    parameters are detected without it (see :mod:`fastmuon.distributed`).
     """
 
     def __init__(

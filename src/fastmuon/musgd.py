@@ -69,6 +69,8 @@ class MuSGD(MatrixOptimizer):
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
         max_bucket_bytes, cost_model: planner memory cap and cost constants.
+        process_group: with DDP (replicated parameters), each rank orthogonalises only its share
+            of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
     """
 
     def __init__(
