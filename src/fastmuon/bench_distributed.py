@@ -128,18 +128,27 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
         )
         for p, g in zip(params, grads):
             p.grad = g
+        # The baseline: the same step without sharing (every rank orthogonalises every matrix, as
+        # a plain Muon under DDP does), interleaved step by step with the shared one so both see
+        # the same contention for cores.
+        unshared, unshared_ns = _unshared_optimizer(manifest, device, ns_dtype)
         figures: dict[str, list[float]] = {k: [] for k in ("ns", "comm", "step", "sent", "received")}
         for t in range(config["warmup"] + config["steps"]):
             for engine in opt._plans.values():
                 engine.profile = True
+            dist.barrier()
             _sync(device)
             t0 = time.perf_counter()
             opt.step()
             _sync(device)
+            step_seconds = time.perf_counter() - t0
+            dist.barrier()
+            unshared.step()
             if t < config["warmup"]:
+                unshared_ns.clear()
                 continue
             stats = next(iter(opt._plans.values())).stats
-            figures["step"].append(time.perf_counter() - t0)
+            figures["step"].append(step_seconds)
             figures["ns"].append(stats.ns_seconds)
             figures["comm"].append(stats.comm_seconds)
             figures["sent"].append(stats.bytes_sent)
@@ -153,12 +162,8 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
             bytes_sent=int(statistics.median(figures["sent"])),
             bytes_received=int(statistics.median(figures["received"])),
             flop_share=stats.owned_flops / stats.total_flops,
+            single_ns_seconds=statistics.median(unshared_ns),
         )
-        # The baseline: every rank orthogonalises every matrix, as a plain Muon under DDP does,
-        # all at once, so each process sees the same contention for cores as in the shared run.
-        dist.barrier()
-        result["single_ns_seconds"] = _single_process_ns(manifest, device, ns_dtype, config)
-        dist.barrier()
         with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
     finally:
@@ -180,8 +185,8 @@ def _groups(manifest, params) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def _single_process_ns(manifest, device, ns_dtype, config) -> float:
-    """Median seconds of the whole step's NS (pack, iterate, unpack) in one process."""
+def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
+    """A plain (unshared) MuSGD on a copy of the workload, and the list its NS seconds go to."""
     from . import MuSGD
 
     params, grads = _tensors(manifest, device)
@@ -200,9 +205,7 @@ def _single_process_ns(manifest, device, ns_dtype, config) -> float:
         return out
 
     opt.orthogonalize = timed  # the step looks the method up on the instance
-    for _ in range(config["warmup"] + config["steps"]):
-        opt.step()
-    return statistics.median(times[config["warmup"] :])
+    return opt, times
 
 
 def _sync(device: torch.device) -> None:
