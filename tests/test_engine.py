@@ -3,7 +3,8 @@ import torch
 from conftest import MIXED_SHAPES, rel_err
 from reference_impl import ns_reference
 
-from fastmuon import orthogonalize
+from fastmuon import engine, orthogonalize
+from fastmuon.compute import compute_dtype, cpu_low_precision, set_cpu_low_precision
 
 
 def reference(t):
@@ -57,3 +58,29 @@ def test_empty_tensor_and_bad_rank():
     assert out[0].shape == (0, 5)
     with pytest.raises(ValueError, match="tensor 0 has shape \\(5,\\)"):
         orthogonalize([torch.randn(5)])
+
+
+@pytest.mark.parametrize("gather_min_runs", [1, 10**9])
+def test_gather_and_run_packing_agree_with_reference(monkeypatch, gather_min_runs):
+    """Both packing strategies (one index copy per bucket, or one strided copy per run)."""
+    monkeypatch.setattr(engine, "GATHER_MIN_RUNS", gather_min_runs)
+    tensors = [torch.randn(s) for s in MIXED_SHAPES]
+    tensors[1] = tensors[1].to(memory_format=torch.channels_last)
+    outs = orthogonalize(tensors, dtype=torch.float32, policy="min_launches", method="standard")
+    for t, o in zip(tensors, outs):
+        assert o.stride() == t.stride()
+        assert rel_err(o, reference(t)) <= 1e-5
+
+
+def test_low_precision_output_dtype_and_cpu_compute_modes():
+    t = [torch.randn(8, 24)]
+    with cpu_low_precision("native"):
+        native = orthogonalize(t, dtype=torch.bfloat16)[0]
+    with cpu_low_precision("fp32"):
+        upcast = orthogonalize(t, dtype=torch.bfloat16)[0]
+    assert native.dtype == upcast.dtype == torch.bfloat16
+    assert rel_err(upcast.float(), reference(t[0])) <= 1e-2
+    assert rel_err(native.float(), reference(t[0])) <= 5e-2
+    assert compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown CPU low-precision mode"):
+        set_cpu_low_precision("fast")

@@ -172,3 +172,26 @@ def test_gram_chosen_for_wide_fp32_only():
 def test_unknown_method_rejected():
     with pytest.raises(ValueError, match="unknown NS method 'fast'"):
         plan_buckets([MatrixSpec(2, 3, method="fast")])
+
+
+def test_calibrated_cost_model_is_measured_and_usable():
+    from fastmuon.calibrate import calibrated_cost_model
+
+    model = calibrated_cost_model("cpu", [torch.float32])
+    assert 0 < model.launch_seconds < 1e-2
+    assert 0 < model.flop_seconds(torch.float32) < 1e-8
+    assert calibrated_cost_model("cpu", [torch.float32]) is model  # cached
+    specs = yolo_specs()
+    check_invariants(plan_buckets(specs, cost_model=model), specs)
+
+
+def test_optimizer_accepts_calibrate():
+    from fastmuon import MuSGD
+
+    p = torch.nn.Parameter(torch.randn(8, 16))
+    opt = MuSGD([p], cost_model="calibrate", ns_dtype=torch.float32)
+    p.grad = torch.randn(8, 16)
+    opt.step()
+    assert opt.plan().num_matrices == 1
+    with pytest.raises(ValueError, match="cost_model must be"):
+        MuSGD([p], cost_model="guess")

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .calibrate import calibrated_cost_model
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .planner import POLICIES, CostModel, Plan, plan_buckets
@@ -67,7 +68,9 @@ class MatrixOptimizer(Optimizer):
             raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
         self.policy = policy
         self.max_bucket_bytes = int(max_bucket_bytes)
-        self.cost_model: CostModel | None = cost_model
+        if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
+            raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
+        self.cost_model: CostModel | str | None = cost_model
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
         self.last_plan: Plan | None = None
         self.process_group = process_group  # DDP: ranks share the NS work (see distributed.py)
@@ -210,12 +213,15 @@ class MatrixOptimizer(Optimizer):
             return build_distributed(self, params, configs, policy)
         layouts = [TensorLayout.of(p) for p in params]
         specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+        cost_model = self.cost_model
+        if cost_model == "calibrate" and specs:
+            cost_model = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
         plan = plan_buckets(
             specs,
             policy=policy,
             steps=max((c.steps for c in configs), default=5),
             max_bucket_bytes=self.max_bucket_bytes,
-            cost_model=self.cost_model,
+            cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         )
         return Orthogonalizer(plan, layouts, {(p.dtype, c): c for p, c in zip(params, configs)})
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
-from .planner import Member, Plan, plan_buckets
+from .planner import CostModel, Member, Plan, plan_buckets
 
 if TYPE_CHECKING:
     from ._base import MatrixOptimizer
@@ -364,22 +364,31 @@ def build_distributed(
             matrix_spec(torch.empty(0, dtype=p.dtype, device=p.device), c, _contiguous_layout(shape))
             for p, c, shape in zip(params, configs, shapes)
         ]
-        plan = _plan(opt, specs, configs, policy)
+        plan = _plan(opt, specs, configs, policy, group)
         return ShardedOrthogonalizer(plan, shapes, {(p.dtype, c): c for p, c in zip(params, configs)}, group)
     layouts = [TensorLayout.of(p) for p in params]
     specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
-    plan = _plan(opt, specs, configs, policy)
+    plan = _plan(opt, specs, configs, policy, opt.process_group)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
     return ReplicatedOrthogonalizer(plan, layouts, configs_by_key, opt.process_group)
 
 
-def _plan(opt, specs, configs, policy) -> Plan:
+def _plan(opt, specs, configs, policy, group) -> Plan:
+    """The plan every rank builds alike; a calibrated cost model is rank 0's, sent to all."""
+    cost_model = opt.cost_model
+    if cost_model == "calibrate" and specs:
+        from .calibrate import calibrated_cost_model
+
+        box = [calibrated_cost_model(specs[0].device, {s.dtype for s in specs})]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
+        cost_model = box[0]
     return plan_buckets(
         specs,
         policy=policy,
         steps=max((c.steps for c in configs), default=5),
         max_bucket_bytes=opt.max_bucket_bytes,
-        cost_model=opt.cost_model,
+        cost_model=cost_model if isinstance(cost_model, CostModel) else None,
     )
 
 

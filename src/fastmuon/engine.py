@@ -97,15 +97,28 @@ class _Run:
         return region.view(self.stop - self.start, *self.layout.shape)
 
 
+#: Buckets holding more than this many runs are packed with one index copy instead of a copy
+#: per run (fewer launches), as long as the int64 index stays small.
+GATHER_MIN_RUNS = 3
+GATHER_MAX_ELEMENTS = 8 * 2**20
+
+
 class Orthogonalizer:
-    """Executes a :class:`Plan` for tensors of fixed layouts; reusable step after step."""
+    """Executes a :class:`Plan` for tensors of fixed layouts; reusable step after step.
+
+    Per bucket: :meth:`pack` the sources into the persistent ``(B, R, C)`` buffer,
+    :meth:`run_bucket` (one batched NS), :meth:`unpack` into results with each source's shape
+    and strides. Subclasses (e.g. the distributed engine) override these steps.
+    """
 
     def __init__(self, plan: Plan, layouts: Sequence[TensorLayout], configs: dict[Hashable, NSConfig]):
         self.plan = plan
         self.layouts = list(layouts)
         self.configs = configs
         self._runs = [self._split_runs(b) for b in plan.buckets]
+        self._gathers = [self._gather_index(b, runs) for b, runs in zip(plan.buckets, self._runs)]
         self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
+        self._staging: list[Tensor | None] = [None] * len(plan.buckets)
 
     def _split_runs(self, bucket: Bucket) -> list[_Run]:
         runs: list[_Run] = []
@@ -118,26 +131,65 @@ class Orthogonalizer:
                 runs.append(_Run(m.slot, m.slot + 1, layout, m.transposed, (m.index,)))
         return runs
 
+    def _gather_index(self, bucket: Bucket, runs: list[_Run]) -> Tensor | None:
+        """For buckets of many runs: where each element of the members, concatenated in their
+        memory order, lives in the flat ``(B, R, C)`` buffer (built once, on the CPU)."""
+        total = sum(_numel(self.layouts[m.index].shape) for m in bucket.members)
+        if len(runs) < GATHER_MIN_RUNS or total > GATHER_MAX_ELEMENTS:
+            return None
+        _, R, C = bucket.shape
+        parts = []
+        for m in bucket.members:
+            layout = self.layouts[m.index]
+            cols = layout.matrix[1]
+            logical = torch.arange(_numel(layout.shape)).view(layout.shape).permute(layout.perm).reshape(-1)
+            row, col = logical // cols, logical % cols
+            if m.transposed:
+                row, col = col, row
+            parts.append(m.slot * R * C + row * C + col)
+        return torch.cat(parts)
+
     def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
         """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``."""
         results: list[Tensor | None] = [None] * len(sources)
-        for b, (bucket, runs) in enumerate(zip(self.plan.buckets, self._runs)):
-            config = self.configs[bucket.key]
-            batch = self._pack(b, bucket, runs, sources)
-            out = METHODS[bucket.method](batch, list(config.coefficients), config.eps)
-            for run in runs:
-                self._unpack(run, out, out_dtypes, results)
+        for b in range(len(self.plan.buckets)):
+            out = self.run_bucket(b, self.pack(b, sources))
+            self.unpack(b, out, out_dtypes, results)
         return results  # type: ignore[return-value]
 
-    def _buffer(self, b: int, bucket: Bucket, device: torch.device) -> Tensor:
+    def run_bucket(self, b: int, batch: Tensor) -> Tensor:
+        """One batched Newton–Schulz call on bucket ``b``'s packed batch."""
+        bucket = self.plan.buckets[b]
+        config = self.configs[bucket.key]
+        return METHODS[bucket.method](batch, list(config.coefficients), config.eps)
+
+    def buffer(self, b: int, device: torch.device) -> Tensor:
+        """Bucket ``b``'s persistent input buffer: zeros once, so padding stays zero."""
         buf = self._buffers[b]
         if buf is None:
-            buf = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
-            self._buffers[b] = buf
+            bucket = self.plan.buckets[b]
+            buf = self._buffers[b] = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
         return buf
 
-    def _pack(self, b: int, bucket: Bucket, runs: list[_Run], sources: Sequence[Tensor]) -> Tensor:
-        buf = self._buffer(b, bucket, sources[bucket.members[0].index].device)
+    def pack(self, b: int, sources: Sequence[Tensor]) -> Tensor:
+        bucket, runs = self.plan.buckets[b], self._runs[b]
+        buf = self.buffer(b, sources[bucket.members[0].index].device)
+        index = self._gathers[b]
+        if index is not None:
+            if index.device != buf.device:
+                index = self._gathers[b] = index.to(buf.device)
+            flat = [
+                _in_layout(sources[m.index], self.layouts[m.index])
+                .permute(self.layouts[m.index].perm)
+                .reshape(-1)
+                for m in bucket.members
+            ]
+            staging = self._staging[b]
+            if staging is None:
+                staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+            torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
+            buf.view(-1).index_copy_(0, index, staging)
+            return buf
         for run in runs:
             layout = run.layout
             srcs = [_in_layout(sources[i], layout) for i in run.tensors]
@@ -151,12 +203,27 @@ class Orthogonalizer:
             run.slots(buf).copy_(layout.logical_view(src, len(srcs)))
         return buf
 
-    def _unpack(self, run: _Run, out: Tensor, out_dtypes, results: list) -> None:
-        layout, count = run.layout, run.stop - run.start
-        dtype = out_dtypes[run.tensors[0]]
-        numel = _numel(layout.shape)
-        if any(out_dtypes[i] != dtype for i in run.tensors):
+    def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
+        """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
+        bucket, index = self.plan.buckets[b], self._gathers[b]
+        dtype = out_dtypes[bucket.members[0].index]
+        if any(out_dtypes[m.index] != dtype for m in bucket.members):
             raise ValueError("tensors packed together must share one output dtype")
+        if index is not None:
+            flat = out.reshape(-1).index_select(0, index)
+            flat = flat if flat.dtype == dtype else flat.to(dtype)
+            offset = 0
+            for m in bucket.members:
+                layout = self.layouts[m.index]
+                results[m.index] = torch.as_strided(flat, layout.shape, layout.stride, offset)
+                offset += _numel(layout.shape)
+            return
+        for run in self._runs[b]:
+            self._unpack_run(run, out, dtype, results)
+
+    def _unpack_run(self, run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> None:
+        layout, count = run.layout, run.stop - run.start
+        numel = _numel(layout.shape)
         region = out[run.start : run.stop]
         if (
             region.dtype == dtype

@@ -67,7 +67,7 @@ class Muon(MatrixOptimizer):
         adamw_eps: float = ADAMW_EPS,
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | None = None,
         process_group=None,
     ):
         defaults = dict(

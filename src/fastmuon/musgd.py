@@ -68,7 +68,8 @@ class MuSGD(MatrixOptimizer):
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
-        max_bucket_bytes, cost_model: planner memory cap and cost constants.
+        max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
+            built-in constants per device type; ``"calibrate"``: measured once on this machine).
         process_group: with DDP (replicated parameters), each rank orthogonalises only its share
             of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
     """
@@ -92,7 +93,7 @@ class MuSGD(MatrixOptimizer):
         adjust_lr: str = "ultralytics",
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | None = None,
+        cost_model: CostModel | str | None = None,
         process_group=None,
     ):
         defaults = dict(

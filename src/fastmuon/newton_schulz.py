@@ -18,10 +18,45 @@ from torch import Tensor
 Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]
 
+
 #: Named coefficient schedules. Each is a tuple of per-step (a, b, c); the last repeats.
+def _with_safety(schedule: list[Coefficients], factor: float) -> tuple[Coefficients, ...]:
+    """Shrink each polynomial's input range by ``factor`` (all but the last), as Polar Express
+    does against rounding pushing singular values past the interval it was optimised on."""
+    scaled = [(a / factor, b / factor**3, c / factor**5) for a, b, c in schedule[:-1]]
+    return (*scaled, schedule[-1])
+
+
 PRESETS: dict[str, tuple[Coefficients, ...]] = {
     # Keller Jordan's quintic: maximal slope at zero, converges to singular values in ~[0.7, 1.2].
     "jordan": ((3.4445, -4.7750, 2.0315),),
+    # Polar Express (Amsel, Persson, Musco & Gower 2025, arXiv:2505.16932, degree 5): a different
+    # optimal polynomial per step, with the paper's 1.01 safety factor.
+    "polar_express": _with_safety(
+        [
+            (8.28721201814563, -23.595886519098837, 17.300387312530933),
+            (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+            (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+            (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+            (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+            (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+            (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+            (1.875, -1.25, 0.375),
+        ],
+        1.01,
+    ),
+    # You Jiacheng's six-step schedule (published as fractions of 1024), tuned for 6 steps.
+    "you": tuple(
+        (a / 1024, b / 1024, c / 1024)
+        for a, b, c in [
+            (3955, -8306, 5008),
+            (3735, -6681, 3463),
+            (3799, -6499, 3211),
+            (4019, -6385, 2906),
+            (2677, -3029, 1162),
+            (2172, -1833, 682),
+        ]
+    ),
 }
 
 
@@ -121,13 +156,17 @@ def _iterate_gram(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor
     """
     X = _normalize(X, eps)
     A = torch.bmm(X, X.mT)
-    eye = torch.eye(A.size(-1), dtype=A.dtype, device=A.device)
     Q = None
     for k, (a, b, c) in enumerate(schedule):
-        P = torch.baddbmm(A, A, A, beta=b, alpha=c).add_(eye, alpha=a)
-        Q = P if Q is None else torch.bmm(P, Q)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # P = a·I + B
         if k + 1 < len(schedule):
-            A = torch.bmm(P, torch.bmm(A, P))
+            PA = torch.baddbmm(A, B, A, beta=a)  # P·A
+            A = torch.baddbmm(PA, PA, B, beta=a)  # P·A·P
+        if Q is None:
+            Q = B  # B is not needed any more: turn it into P = Q₁ in place
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = torch.baddbmm(Q, B, Q, beta=a)  # P·Q
     return torch.bmm(Q, X)
 
 
