@@ -84,3 +84,20 @@ def test_low_precision_output_dtype_and_cpu_compute_modes():
     assert compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="unknown CPU low-precision mode"):
         set_cpu_low_precision("fast")
+
+
+def test_compiled_ns_matches_eager():
+    from fastmuon import MuSGD
+
+    shapes = [(6, 4, 3, 3), (6, 4, 3, 3), (10, 8)]
+    grads = [torch.randn(s) for s in shapes]
+    results = []
+    for compile in (False, True):
+        params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+        opt = MuSGD(params, lr=0.1, momentum=0.9, ns_dtype=torch.float32, policy="exact", compile=compile)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        results.append(params)
+    for eager, compiled in zip(*results):
+        assert rel_err(compiled.detach(), eager.detach()) <= 1e-5

@@ -60,6 +60,7 @@ class MatrixOptimizer(Optimizer):
         policy: str,
         max_bucket_bytes: int,
         cost_model,
+        compile: bool = False,
         process_group=None,
     ):
         if policy not in POLICIES:
@@ -67,6 +68,7 @@ class MatrixOptimizer(Optimizer):
         if max_bucket_bytes <= 0:
             raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
         self.policy = policy
+        self.compile = bool(compile)
         self.max_bucket_bytes = int(max_bucket_bytes)
         if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
             raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
@@ -223,7 +225,8 @@ class MatrixOptimizer(Optimizer):
             max_bucket_bytes=self.max_bucket_bytes,
             cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         )
-        return Orthogonalizer(plan, layouts, {(p.dtype, c): c for p, c in zip(params, configs)})
+        configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile)
 
     def plan(self) -> Plan | None:
         """The plan the last step used (``None`` before the first step)."""

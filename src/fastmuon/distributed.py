@@ -141,13 +141,15 @@ class ReplicatedOrthogonalizer:
         layouts: Sequence[TensorLayout],
         configs: dict[Hashable, NSConfig],
         group: dist.ProcessGroup | None,
+        compile: bool = False,
     ):
         self.plan, self.layouts, self.group = plan, list(layouts), group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.units = assign_work(plan, self.world)
         owned = [u for u in self.units if u.owner == self.rank]
         local_plan, self._owned_index = sub_plan(plan, owned)
-        self._local = Orthogonalizer(local_plan, [self.layouts[i] for i in self._owned_index], configs)
+        layouts_owned = [self.layouts[i] for i in self._owned_index]
+        self._local = Orthogonalizer(local_plan, layouts_owned, configs, compile=compile)
         self._unit_members = [
             [m.index for m in plan.buckets[u.bucket].members[u.start : u.stop]] for u in self.units
         ]
@@ -235,6 +237,7 @@ class ShardedOrthogonalizer:
         shapes: Sequence[tuple[int, ...]],
         configs: dict[Hashable, NSConfig],
         group: dist.ProcessGroup,
+        compile: bool = False,
     ):
         self.plan, self.shapes, self.group = plan, [tuple(s) for s in shapes], group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -245,7 +248,7 @@ class ShardedOrthogonalizer:
         self._local: dict[torch.dtype, Orthogonalizer] = {}
         for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
             local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
-            self._local[dtype] = Orthogonalizer(local_plan, [layouts[i] for i in index], configs)
+            self._local[dtype] = Orthogonalizer(local_plan, [layouts[i] for i in index], configs, compile=compile)
         self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
         self._cols = [math.prod(s[1:]) for s in self.shapes]
         self._dtype = {m.index: b.dtype for b in plan.buckets for m in b.members}
@@ -365,12 +368,13 @@ def build_distributed(
             for p, c, shape in zip(params, configs, shapes)
         ]
         plan = _plan(opt, specs, configs, policy, group)
-        return ShardedOrthogonalizer(plan, shapes, {(p.dtype, c): c for p, c in zip(params, configs)}, group)
+        configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+        return ShardedOrthogonalizer(plan, shapes, configs_by_key, group, compile=opt.compile)
     layouts = [TensorLayout.of(p) for p in params]
     specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = _plan(opt, specs, configs, policy, opt.process_group)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
-    return ReplicatedOrthogonalizer(plan, layouts, configs_by_key, opt.process_group)
+    return ReplicatedOrthogonalizer(plan, layouts, configs_by_key, opt.process_group, compile=opt.compile)
 
 
 def _plan(opt, specs, configs, policy, group) -> Plan:

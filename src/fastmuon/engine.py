@@ -9,6 +9,7 @@ steps, so the zero padding is written once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -111,8 +112,15 @@ class Orthogonalizer:
     and strides. Subclasses (e.g. the distributed engine) override these steps.
     """
 
-    def __init__(self, plan: Plan, layouts: Sequence[TensorLayout], configs: dict[Hashable, NSConfig]):
+    def __init__(
+        self,
+        plan: Plan,
+        layouts: Sequence[TensorLayout],
+        configs: dict[Hashable, NSConfig],
+        compile: bool = False,
+    ):
         self.plan = plan
+        self.compile = compile
         self.layouts = list(layouts)
         self.configs = configs
         self._runs = [self._split_runs(b) for b in plan.buckets]
@@ -161,7 +169,8 @@ class Orthogonalizer:
         """One batched Newton–Schulz call on bucket ``b``'s packed batch."""
         bucket = self.plan.buckets[b]
         config = self.configs[bucket.key]
-        return METHODS[bucket.method](batch, list(config.coefficients), config.eps)
+        kernel = compiled_kernel(bucket.method) if self.compile else METHODS[bucket.method]
+        return kernel(batch, list(config.coefficients), config.eps)
 
     def buffer(self, b: int, device: torch.device) -> Tensor:
         """Bucket ``b``'s persistent input buffer: zeros once, so padding stays zero."""
@@ -238,6 +247,13 @@ class Orthogonalizer:
         layout.logical_view(flat, count).copy_(run.slots(out))
         for j, i in enumerate(run.tensors):
             results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_kernel(method: str):
+    """The NS loop through ``torch.compile`` (whole graph, static shapes: one compile per bucket
+    shape, then the elementwise scaling fuses into the matmul epilogues where the backend can)."""
+    return torch.compile(METHODS[method], fullgraph=True, dynamic=False)
 
 
 def _in_layout(t: Tensor, layout: TensorLayout) -> Tensor:

@@ -68,6 +68,7 @@ class Muon(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
+        compile: bool = False,
         process_group=None,
     ):
         defaults = dict(
@@ -91,6 +92,7 @@ class Muon(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
             process_group=process_group,
         )
 

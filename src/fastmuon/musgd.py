@@ -68,6 +68,8 @@ class MuSGD(MatrixOptimizer):
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".
         foreach: ``False`` runs the plain per-parameter loop (the reference path).
+        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
+            once per bucket shape).
         max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
             built-in constants per device type; ``"calibrate"``: measured once on this machine).
         process_group: with DDP (replicated parameters), each rank orthogonalises only its share
@@ -94,6 +96,7 @@ class MuSGD(MatrixOptimizer):
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
+        compile: bool = False,
         process_group=None,
     ):
         defaults = dict(
@@ -117,6 +120,7 @@ class MuSGD(MatrixOptimizer):
             policy=policy,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
             process_group=process_group,
         )
 
