@@ -248,7 +248,9 @@ class ShardedOrthogonalizer:
         self._local: dict[torch.dtype, Orthogonalizer] = {}
         for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
             local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
-            self._local[dtype] = Orthogonalizer(local_plan, [layouts[i] for i in index], configs, compile=compile)
+            self._local[dtype] = Orthogonalizer(
+                local_plan, [layouts[i] for i in index], configs, compile=compile
+            )
         self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
         self._cols = [math.prod(s[1:]) for s in self.shapes]
         self._dtype = {m.index: b.dtype for b in plan.buckets for m in b.members}
