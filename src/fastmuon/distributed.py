@@ -130,9 +130,12 @@ class _Timer:
 class ReplicatedOrthogonalizer:
     """Each rank orthogonalises its units; one broadcast per unit hands the result to the rest.
 
-    A unit's results travel as one flat buffer in NS dtype (each matrix in its own memory
-    order), which every rank — owner included — casts to the parameters' dtype once and views
-    per matrix, so all ranks apply bit-identical updates.
+    Units are visited in one global order on every rank, so the collectives match: a rank
+    runs NS on a unit it owns and starts its broadcast at once (async), and posts receives for
+    the others, so the exchange of earlier units overlaps NS on later ones. A unit's results
+    travel as one flat buffer in the NS compute dtype (each matrix in its own memory order),
+    which every rank — owner included — casts to the parameters' dtype and views per matrix,
+    so all ranks apply bit-identical updates.
     """
 
     def __init__(
@@ -146,33 +149,33 @@ class ReplicatedOrthogonalizer:
         self.plan, self.layouts, self.group = plan, list(layouts), group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.units = assign_work(plan, self.world)
-        owned = [u for u in self.units if u.owner == self.rank]
-        local_plan, self._owned_index = sub_plan(plan, owned)
-        layouts_owned = [self.layouts[i] for i in self._owned_index]
-        self._local = Orthogonalizer(local_plan, layouts_owned, configs, compile=compile)
-        self._unit_members = [
-            [m.index for m in plan.buckets[u.bucket].members[u.start : u.stop]] for u in self.units
-        ]
+        self._unit_members: list[list[int]] = []
+        self._engines: list[Orthogonalizer | None] = []  # one per owned unit, with its own buffers
+        for u in self.units:
+            unit_plan, members = sub_plan(plan, [u])
+            self._unit_members.append(members)
+            owned = u.owner == self.rank
+            engine = Orthogonalizer(unit_plan, [self.layouts[i] for i in members], configs, compile=compile)
+            self._engines.append(engine if owned else None)
         self._src = [u.owner if group is None else dist.get_global_rank(group, u.owner) for u in self.units]
-        self._dtype = {m.index: b.dtype for b in plan.buckets for m in b.members}
         self.profile = False
-        self.stats = CommStats(total_flops=plan.flops(), owned_flops=sum(u.flops for u in owned))
+        owned_flops = sum(u.flops for u in self.units if u.owner == self.rank)
+        self.stats = CommStats(total_flops=plan.flops(), owned_flops=owned_flops)
 
     def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
         device = sources[0].device
         timer = _Timer(self.profile, device)
-        t0 = timer.now()
-        owned = self._local(
-            [sources[i] for i in self._owned_index], [self._dtype[i] for i in self._owned_index]
-        )
-        mine = dict(zip(self._owned_index, owned))
-        t1 = timer.now()
+        start = timer.now()
+        ns_seconds = 0.0
         flats, works = [], []
         sent = received = 0
-        for unit, members, src in zip(self.units, self._unit_members, self._src):
+        for unit, members, src, engine in zip(self.units, self._unit_members, self._src, self._engines):
             dtype = self.plan.buckets[unit.bucket].dtype
-            if unit.owner == self.rank:
-                flat = torch.cat([_memory_order(mine[i], self.layouts[i]) for i in members])
+            if engine is not None:
+                t0 = timer.now()
+                outs = engine([sources[i] for i in members], [dtype] * len(members))
+                ns_seconds += timer.now() - t0
+                flat = torch.cat([_memory_order(o, self.layouts[i]) for o, i in zip(outs, members)])
                 sent += flat.numel() * flat.element_size() * (self.world - 1)
             else:
                 numel = sum(math.prod(self.layouts[i].shape) for i in members)
@@ -182,11 +185,11 @@ class ReplicatedOrthogonalizer:
             flats.append(flat)
         for w in works:
             w.wait()
-        t2 = timer.now()
         results: list[Tensor | None] = [None] * len(sources)
         for flat, members in zip(flats, self._unit_members):
             _views(flat, members, self.layouts, out_dtypes, results)
-        self.stats.ns_seconds, self.stats.comm_seconds = t1 - t0, t2 - t1
+        total = timer.now() - start
+        self.stats.ns_seconds, self.stats.comm_seconds = ns_seconds, total - ns_seconds
         self.stats.bytes_sent, self.stats.bytes_received = sent, received
         return results  # type: ignore[return-value]
 
