@@ -60,7 +60,7 @@ class MatrixOptimizer(Optimizer):
         policy: str,
         max_bucket_bytes: int,
         cost_model,
-        compile: bool = False,
+        compile: bool,
         process_group=None,
     ):
         if policy not in POLICIES:

@@ -249,7 +249,7 @@ class Orthogonalizer:
             results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compiled_kernel(method: str):
     """The NS loop through ``torch.compile`` (whole graph, static shapes: one compile per bucket
     shape, then the elementwise scaling fuses into the matmul epilogues where the backend can)."""

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ._base import MatrixOptimizer, Orthogonalize, check_fraction, check_nonnegative, state_buffer
 from .adamw import AdamWItem, adamw_state, multi_tensor_adamw, single_tensor_adamw
+from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
@@ -207,6 +208,7 @@ def _single_tensor_muon(matrices: list[MuonItem]) -> None:
         it.buf.lerp_(it.grad, 1 - it.beta)
         u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
         c = it.config
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, c.dtype)
+        dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
+        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
         it.param.mul_(it.decay)
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ._base import MatrixOptimizer, Orthogonalize, check_nonnegative, state_buffer
+from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
@@ -222,7 +223,8 @@ def _single_tensor_musgd(
         it.buf.lerp_(it.grad, 1 - it.beta)
         u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
         c = it.config
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, c.dtype)
+        dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
+        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
     for it in elementwise:
         g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
