@@ -258,6 +258,38 @@ def check_fsdp(workdir: str) -> None:
             log(f"FSDP2 {opt_cls.__name__}: checkpoint save/load/resume identical")
 
 
+def check_state_dict_api(workdir: str) -> None:
+    """torch's get/set_optimizer_state_dict (FQN keys) with dcp: a fresh optimizer resumes exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    path = os.path.join(workdir, "ckpt_fqn")
+    net, _ = sharded_net(5)
+    opt = fastmuon.MuSGD(fastmuon.param_groups(net), ns_dtype=F32, **MUSGD_KW)
+    twin, _ = sharded_net(5)
+    twin_opt = fastmuon.MuSGD(fastmuon.param_groups(twin), ns_dtype=F32, **MUSGD_KW)
+    for t in range(2):
+        fsdp_step(net, opt, t)
+        fsdp_step(twin, twin_opt, t)
+    dcp.save({"optim": get_optimizer_state_dict(net, opt)}, checkpoint_id=path)
+    for t in range(2, 4):
+        fsdp_step(net, opt, t)
+    # a fresh optimizer on the twin (same weights): torch initialises its state with a zero step
+    twin.zero_grad(set_to_none=True)
+    fresh = fastmuon.MuSGD(fastmuon.param_groups(twin), ns_dtype=F32, **MUSGD_KW)
+    state = {"optim": get_optimizer_state_dict(twin, fresh)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(twin, fresh, state["optim"])
+    for t in range(2, 4):
+        fsdp_step(twin, fresh, t)
+    same = all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(net.parameters(), twin.parameters())
+    )
+    assert same, "resume through get/set_optimizer_state_dict differs"
+    if dist.get_rank() == 0:
+        log("FSDP2 MuSGD: get/set_optimizer_state_dict + dcp resume identical")
+
+
 def TinyNet_init(seed: int) -> TinyNet:  # noqa: N802 - the initial weights of sharded_net(seed)
     torch.manual_seed(seed)
     return TinyNet()
@@ -336,6 +368,7 @@ def main() -> int:
         check_missing_grads(dist.group.WORLD)
         check_fsdp(args.dir)
         check_fsdp_reference()
+        check_state_dict_api(args.dir)
         check_errors()
         dist.barrier()
     finally:
