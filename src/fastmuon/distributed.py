@@ -256,13 +256,21 @@ class ShardedOrthogonalizer:
             )
         self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
         self._cols = [math.prod(s[1:]) for s in self.shapes]
-        self._dtype = {m.index: b.dtype for b in plan.buckets for m in b.members}
+        self._row_starts = [[sum(rows[:r]) for r in range(self.world)] for rows in self._rows]
         # per NS dtype: the matrices each rank owns, in unit and slot order
         self._order: dict[torch.dtype, list[list[int]]] = {}
         for u in self.units:
             bucket = plan.buckets[u.bucket]
             order = self._order.setdefault(bucket.dtype, [[] for _ in range(self.world)])
             order[u.owner] += [m.index for m in bucket.members[u.start : u.stop]]
+        # per NS dtype, element counts: this rank's blocks for each owner, and the blocks each
+        # rank sends this one as owner. The scatter sends back exactly what the gather brought.
+        me, world = self.rank, self.world
+        self._sizes: dict[torch.dtype, tuple[list[int], list[int]]] = {}
+        for dtype, order in self._order.items():
+            mine_to_owner = [sum(self._block(i, me) for i in order[o]) for o in range(world)]
+            theirs_to_me = [sum(self._block(i, r) for i in order[me]) for r in range(world)]
+            self._sizes[dtype] = (mine_to_owner, theirs_to_me)
         self.profile = False
         self.stats = CommStats(total_flops=plan.flops(), owned_flops=sum(u.flops for u in owned))
 
@@ -280,8 +288,7 @@ class ShardedOrthogonalizer:
             item = torch.empty((), dtype=dtype).element_size()
             t0 = timer.now()
             # 1. every rank's row blocks to the owners, cast to NS dtype on the way
-            to_owner = [sum(self._block(i, me) for i in order[o]) for o in range(world)]
-            from_rank = [sum(self._block(i, s) for i in order[me]) for s in range(world)]
+            to_owner, from_rank = self._sizes[dtype]
             send = torch.empty(sum(to_owner), dtype=dtype, device=device)
             blocks = [sources[i].reshape(-1) for o in range(world) for i in order[o]]
             if blocks:
@@ -294,11 +301,10 @@ class ShardedOrthogonalizer:
             owned = self._local[dtype](full, [dtype] * len(full)) if full else []
             t2 = timer.now()
             # 3. every rank's rows of each result back to it
-            to_rank = [sum(self._block(i, d) for i in order[me]) for d in range(world)]
-            from_owner = [sum(self._block(i, me) for i in order[s]) for s in range(world)]
+            to_rank, from_owner = from_rank, to_owner
             send = torch.empty(sum(to_rank), dtype=dtype, device=device)
             rows = [
-                out.reshape(out.shape[0], -1).narrow(0, self._row_start(i, d), self._rows[i][d]).reshape(-1)
+                out.reshape(out.shape[0], -1).narrow(0, self._row_starts[i][d], self._rows[i][d]).reshape(-1)
                 for d in range(world)
                 for i, out in zip(order[me], owned)
             ]
@@ -325,9 +331,6 @@ class ShardedOrthogonalizer:
             stats.bytes_received += item * (sum(from_rank) - from_rank[me] + sum(from_owner) - from_owner[me])
         self.stats = stats
         return results  # type: ignore[return-value]
-
-    def _row_start(self, i: int, rank: int) -> int:
-        return sum(self._rows[i][:rank])
 
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
         """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes."""
