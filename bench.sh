@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh bench
-exec .venv/bin/fastmuon demo "$@"
+exec .venv/bin/fastmuon bench "$@"

@@ -8,7 +8,8 @@ import sys
 
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("fastmuon.demo", "one MuSGD step on the yolo26n shapes: time and kernels per step"),
+    "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
+    "train": ("fastmuon.train.cli", "MuSGD, Muon, SGD, AdamW trained on small models: losses, curves, time"),
     "bench-dist": ("fastmuon.bench_distributed", "NS work per rank and bytes exchanged with N ranks"),
 }
 

@@ -1,0 +1,171 @@
+"""``fastmuon bench``: the side-by-side benchmark (options, then run, report, JSON, plot)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..compute import set_cpu_low_precision
+from ..planner import POLICIES
+from .contenders import OPTIMIZERS
+from .manifest import ManifestError
+from .probe import choose_ns_dtype
+from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
+from .runner import Settings, run_benchmark
+from .workloads import WORKLOADS, resolve_workload
+
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """All of ``bench``'s options; extensions (e.g. ``--nproc``) add theirs after these."""
+    p.add_argument("--model", default="yolo26n", help=f"workload: {', '.join(WORKLOADS)} or a manifest .json")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="musgd", help="update rule to compare")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--ns-dtype",
+        choices=("auto", *NS_DTYPES),
+        default="auto",
+        help="Newton–Schulz precision for fastmuon and the per-parameter loop; auto: bfloat16 on "
+        "CUDA, on a CPU whichever of bfloat16/float32 multiplies faster (measured)",
+    )
+    p.add_argument(
+        "--cpu-low-precision",
+        choices=("auto", "native", "fp32"),
+        default=None,
+        help="how fastmuon runs bf16/fp16 NS on a CPU (fastmuon.compute): native forces the "
+        "requested dtype, e.g. to compare at equal precision with a native-bf16 peer",
+    )
+    p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
+    p.add_argument(
+        "--ns-method",
+        choices=("auto", "standard", "gram"),
+        default="auto",
+        help="fastmuon's NS formulation: auto picks Gram-space NS for wide fp32 buckets",
+    )
+    p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender before measuring")
+    p.add_argument(
+        "--budget", type=float, default=3.0, help="timed seconds per contender when --steps is unset"
+    )
+    p.add_argument(
+        "--max-step-seconds",
+        type=float,
+        default=15.0,
+        help="skip a contender whose step is estimated (NS FLOPs / measured matmul rate) to take longer",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads; default: torch's, fewer if other processes already keep CPUs busy",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
+    p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
+    p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+
+
+def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Settings, str]:
+    """The run's settings, and why its NS dtype was chosen."""
+    if args.ns_dtype == "auto":
+        ns_dtype, why = choose_ns_dtype(device)
+        why = "auto: " + why
+    else:
+        ns_dtype, why = NS_DTYPES[args.ns_dtype], "chosen with --ns-dtype"
+    for name in ("steps", "rounds"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"fastmuon bench: --{name} must be at least 1, got {value}")
+    settings = Settings(
+        optimizer=args.optimizer,
+        device=str(device),
+        ns_dtype=ns_dtype,
+        policy=args.policy,
+        ns_method=args.ns_method,
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        budget_s=args.budget,
+        max_step_s=args.max_step_seconds,
+        seed=args.seed,
+    )
+    return settings, why
+
+
+def choose_threads(requested: int | None, load: float | None) -> tuple[int, str]:
+    """``--threads`` or, by default, torch's count less the CPUs other processes already occupy.
+
+    More compute threads than free cores make every op's thread team wait for a descheduled
+    member; on a busy 2-core machine that slows small ops tenfold and makes timings erratic.
+    """
+    if requested is not None:
+        if requested < 1:
+            raise SystemExit(f"fastmuon bench: --threads must be at least 1, got {requested}")
+        return requested, "--threads"
+    default, cpus = torch.get_num_threads(), os.cpu_count() or 1
+    if load is None or load < 0.5:
+        return default, "torch's default"
+    free = max(1, cpus - round(load))
+    if free >= default:
+        return default, "torch's default"
+    return (
+        free,
+        f"auto: 1-min load average {load:.1f} on {cpus} CPUs leaves {free} free; --threads N to override",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    # other processes competing for the CPUs move CPU timings: the report shows how busy it was
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("fastmuon bench: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    threads, why_threads = choose_threads(args.threads, load_before)
+    torch.set_num_threads(threads)
+    print(f"threads: {threads} ({why_threads})", flush=True)
+    device = torch.device(args.device)
+    try:
+        manifest = resolve_workload(args.model)
+    except ManifestError as e:
+        print(f"fastmuon bench: {e}", file=sys.stderr)
+        return 2
+    if args.cpu_low_precision:
+        set_cpu_low_precision(args.cpu_low_precision)
+    settings, why = settings_from(args, device)
+    print(f"ns_dtype: {str(settings.ns_dtype).removeprefix('torch.')} ({why})", flush=True)
+    with progress_display(enabled=not args.quiet and sys.stderr.isatty()) as progress:
+        results, run_facts = run_benchmark(manifest, settings, progress)
+    run_facts["wall_seconds"] = round(time.perf_counter() - started, 2)
+    run_facts["load_average_before"] = load_before
+    matrices = manifest.matrices()
+    workload = {
+        "model": manifest.model,
+        "source": manifest.source,
+        "params": len(manifest.params),
+        "numel": manifest.numel(),
+        "matrices": len(matrices),
+        "matrices_over_2d": sum(len(p.shape) > 2 for p in matrices),
+    }
+    settings_doc = {
+        **settings.__dict__,
+        "ns_dtype": str(settings.ns_dtype).removeprefix("torch."),
+        "ns_dtype_why": why,
+    }
+    document = to_json(results, machine_facts(device), workload, settings_doc, run_facts)
+    print_report(document, results)
+    if args.json:
+        write_json(args.json, document)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(document, results))
+    if args.plot and not write_plot(args.plot, document):
+        return 1
+    return 0

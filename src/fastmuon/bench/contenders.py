@@ -1,0 +1,281 @@
+"""The optimizers a benchmark run puts side by side, all stepping the same tensors.
+
+Each factory takes the :class:`Workbench` (the materialised parameters, their fixed synthetic
+gradients and the manifest's groups) and returns a :class:`Contender`, or raises
+:class:`Unavailable` with the reason it cannot run (shown in the report instead of a row).
+Factories are listed per update rule in :data:`CONTENDERS`; add one there to compare another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import Muon, MuSGD
+from ..compute import compute_dtype
+from ..planner import Plan, ns_flops
+from ..reference import ReferenceMuon, ReferenceMuSGD
+from .manifest import Manifest
+
+OPTIMIZERS = ("musgd", "muon")
+
+
+class Unavailable(Exception):
+    """A contender that cannot run here (missing package, workload it does not apply to)."""
+
+
+@dataclass
+class Workbench:
+    """What every contender shares: one set of parameters with fixed gradients, and the groups."""
+
+    manifest: Manifest
+    params: list[nn.Parameter]
+    device: torch.device
+    optimizer: str
+    ns_dtype: torch.dtype
+    policy: str
+    ns_method: str = "auto"
+
+    def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
+        """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own."""
+        groups = [{**hyper, "params": [], "param_names": []} for hyper in self.manifest.param_groups]
+        for p, spec in zip(self.params, self.manifest.params):
+            g = groups[spec.group]
+            if select is None or select(p, g):
+                g["params"].append(p)
+                g["param_names"].append(spec.name)
+        return [g for g in groups if g["params"]]
+
+    def private_copy(self) -> Workbench:
+        """The same values in new tensors, for a contender that writes into its gradients."""
+        params = []
+        for p in self.params:
+            q = nn.Parameter(p.detach().clone())
+            q.grad = p.grad.clone()
+            params.append(q)
+        return Workbench(self.manifest, params, self.device, self.optimizer, self.ns_dtype, self.policy)
+
+    def is_matrix(self, p: Tensor, group: dict[str, Any]) -> bool:
+        flag = group.get("use_muon")
+        return (flag if flag is not None else p.ndim >= 2) and p.ndim >= 2 and p.numel() > 0
+
+    def matrix_flops(self) -> int:
+        """NS FLOPs of the orthogonalised matrices one at a time (no padding)."""
+        return sum(
+            ns_flops(p.shape[0], p.numel() // p.shape[0], g.get("ns_steps", 5))
+            for g in self.groups()
+            for p in g["params"]
+            if self.is_matrix(p, g)
+        )
+
+
+@dataclass
+class Contender:
+    name: str
+    optimizers: list[torch.optim.Optimizer]
+    ns_dtype: torch.dtype | None  # None: this contender runs no Newton–Schulz
+    note: str = ""
+    compute_dtype: torch.dtype | None = None  # what NS matmuls run in, when not ns_dtype
+    plan: Callable[[], Plan | None] = lambda: None
+    ns_useful_flops: int = 0  # NS FLOPs of the matrices unpadded
+    ns_flops: int | None = None  # FLOPs computed, when known without a plan (None: unknown)
+    workspaces: Callable[[], list[Tensor]] = list
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype is None:
+            self.compute_dtype = self.ns_dtype
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state (momentum buffers and the like), each storage counted once."""
+        return _unique_bytes(t for opt in self.optimizers for s in opt.state.values() for t in _tensors(s))
+
+    def workspace_bytes(self) -> int:
+        """Bytes kept between steps outside the state (e.g. fastmuon's bucket buffers)."""
+        return _unique_bytes(self.workspaces())
+
+
+def _tensors(value: Any):
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _unique_bytes(tensors) -> int:
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _accepted(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The manifest's optimizer kwargs that ``cls`` takes, and the names it does not.
+
+    A subclass whose ``__init__`` forwards ``**kwargs`` takes what its first base with an explicit
+    signature takes.
+    """
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        names = inspect.signature(klass.__init__).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in names.values()):
+            break
+    return {k: v for k, v in kwargs.items() if k in names}, [k for k in kwargs if k not in names]
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def dtype_label(c: Contender) -> str:
+    """``bfloat16``, or ``bfloat16→float32`` when the matmuls run in another precision."""
+    label = _dtype_name(c.ns_dtype)
+    return label if c.compute_dtype == c.ns_dtype else f"{label}→{_dtype_name(c.compute_dtype)}"
+
+
+# ----- the contenders --------------------------------------------------------------------------
+def fastmuon_contender(wb: Workbench) -> Contender:
+    note = f"policy={wb.policy}, ns_method={wb.ns_method}"
+    return _ours(wb, MuSGD if wb.optimizer == "musgd" else Muon, "fastmuon", note)
+
+
+def reference_contender(wb: Workbench) -> Contender:
+    cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
+    return _ours(wb, cls, "per-parameter", "fastmuon.reference: one NS call per matrix")
+
+
+def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
+    kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
+    opt = cls(wb.groups(), ns_dtype=wb.ns_dtype, policy=wb.policy, ns_method=wb.ns_method, **kwargs)
+    if dropped:
+        note += f"; ignored manifest kwargs {dropped}"
+
+    def workspaces() -> list[Tensor]:
+        # whatever tensors the cached plan executors keep between steps (bucket buffers, indices)
+        return [t for engine in getattr(opt, "_plans", {}).values() for t in _tensors(vars(engine))]
+
+    name = f"{label} {'MuSGD' if wb.optimizer == 'musgd' else 'Muon'}"
+    useful = wb.matrix_flops()
+    # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
+    computed = useful if not getattr(opt, "foreach", True) else None
+    contender = Contender(name, [opt], wb.ns_dtype, note, plan=opt.plan, ns_useful_flops=useful)
+    contender.ns_flops, contender.workspaces = computed, workspaces
+    contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
+    return contender
+
+
+def torch_muon_contender(wb: Workbench) -> Contender:
+    """``torch.optim.Muon`` on the matrices (2D only: >2D weights as flattened views), AdamW on the rest."""
+    if wb.optimizer != "muon":
+        raise Unavailable("a Muon optimizer, not MuSGD: run with --optimizer muon to compare it")
+    if not hasattr(torch.optim, "Muon"):
+        raise Unavailable(f"torch {torch.__version__} has no torch.optim.Muon (needs torch >= 2.9)")
+    muon_groups, flattened = [], 0
+    for g in wb.groups(wb.is_matrix):
+        views = []
+        for p in g["params"]:
+            if p.ndim > 2:  # torch's Muon takes 2D only: a (out, rest) view shares p's memory
+                flattened += 1
+                v = p.detach().view(p.shape[0], -1)
+                v.grad = p.grad.view(p.shape[0], -1)
+                views.append(v)
+            else:
+                views.append(p)
+        muon_groups.append(
+            {k: g[k] for k in ("lr", "weight_decay", "momentum", "nesterov") if k in g} | {"params": views}
+        )
+    others = [
+        {k: v for k, v in g.items() if k in ("lr", "weight_decay", "params")}
+        for g in wb.groups(lambda p, g: not wb.is_matrix(p, g))
+    ]
+    optimizers: list[torch.optim.Optimizer] = []
+    if muon_groups:
+        optimizers.append(torch.optim.Muon(muon_groups))
+    if others:
+        optimizers.append(torch.optim.AdamW(others, betas=(0.9, 0.95), foreach=True))
+    note = "NS in bfloat16 (fixed by torch); rest: torch.optim.AdamW(foreach=True)"
+    note += f"; {flattened} >2D weights flattened to (out, rest) views" if flattened else "; all matrices 2D"
+    return Contender(
+        "torch.optim.Muon",
+        optimizers,
+        torch.bfloat16,
+        note,
+        ns_useful_flops=wb.matrix_flops(),
+        ns_flops=wb.matrix_flops(),
+        extra={"flattened_weights": flattened},
+    )
+
+
+def sgd_contender(wb: Workbench) -> Contender:
+    """The floor: ``torch.optim.SGD(foreach=True)`` with the same groups (no orthogonalisation)."""
+    # torch's foreach SGD uses p.grad as scratch (Nesterov without weight decay adds the momentum
+    # into it), so it steps a copy of the tensors and the others keep their gradients intact.
+    own = wb.private_copy()
+    groups = [
+        {k: v for k, v in g.items() if k in ("lr", "momentum", "nesterov", "weight_decay", "params")}
+        for g in own.groups()
+    ]
+    opt = torch.optim.SGD(groups, foreach=True)
+    note = "the floor: same groups, no Newton–Schulz (on a copy: it writes into p.grad)"
+    return Contender("torch.optim.SGD foreach", [opt], None, note)
+
+
+def ultralytics_contender(wb: Workbench) -> Contender:
+    """Ultralytics' MuSGD, when the ``ultralytics`` package is installed (run as a black box)."""
+    if wb.optimizer != "musgd":
+        raise Unavailable("Ultralytics ships MuSGD only: run with --optimizer musgd")
+    cls = None
+    for module in ("ultralytics.optim.muon", "ultralytics.optim"):
+        try:
+            cls = getattr(importlib.import_module(module), "MuSGD", None)
+        except ImportError:
+            continue
+        if cls is not None:
+            break
+    if cls is None:
+        raise Unavailable("the ultralytics package is not installed (pip install ultralytics)")
+    version = getattr(importlib.import_module("ultralytics"), "__version__", "?")
+    kwargs, _ = _accepted(cls, wb.manifest.optimizer_kwargs)
+    try:
+        opt = cls(wb.groups(), **kwargs)
+    except Exception as e:  # an API we do not know: say so rather than guess
+        raise Unavailable(f"ultralytics {version} MuSGD rejected the groups: {e}") from None
+    return Contender(
+        f"Ultralytics MuSGD {version}",
+        [opt],
+        torch.bfloat16,
+        "its own NS, bfloat16",
+        ns_useful_flops=wb.matrix_flops(),
+    )
+
+
+#: update rule -> contender factories, in report order (the first is the one the others are compared to)
+CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
+    "musgd": [fastmuon_contender, reference_contender, ultralytics_contender, sgd_contender],
+    "muon": [fastmuon_contender, reference_contender, torch_muon_contender, sgd_contender],
+}
+
+#: what each factory is called when it is unavailable
+CONTENDER_LABELS = {
+    fastmuon_contender: "fastmuon",
+    reference_contender: "per-parameter",
+    torch_muon_contender: "torch.optim.Muon",
+    sgd_contender: "torch.optim.SGD foreach",
+    ultralytics_contender: "Ultralytics MuSGD",
+}

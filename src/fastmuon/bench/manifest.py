@@ -1,0 +1,195 @@
+"""Workload manifests: a model's parameter shapes and param groups, without its weights.
+
+A manifest is JSON::
+
+    {"model": "yolo26n", "source": "where the shapes came from",
+     "optimizer_kwargs": {"muon": 0.2, "sgd": 1.0},
+     "param_groups": [{"lr": 0.01, "momentum": 0.937, "use_muon": true, ...}, ...],
+     "params": [{"name": "model.0.conv.weight", "shape": [16, 3, 3, 3], "group": 1}, ...]}
+
+It is all a benchmark needs to recreate an optimizer's work on a model (same tensors, same
+groups), and small enough to ship for models whose code we do not want to depend on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+#: Group keys that hold tensors or names, never hyperparameters.
+_NON_HYPER_KEYS = ("params", "param_names")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be used; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    group: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Manifest:
+    model: str
+    params: list[ParamSpec]
+    param_groups: list[dict[str, Any]]
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def matrices(self, use_muon_default: bool = True) -> list[ParamSpec]:
+        """Parameters an optimizer would orthogonalise: >=2D ones in groups that do not opt out."""
+        out = []
+        for p in self.params:
+            flag = self.param_groups[p.group].get("use_muon")
+            if (flag if flag is not None else use_muon_default) and len(p.shape) >= 2 and p.numel > 0:
+                out.append(p)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "source": self.source,
+            "optimizer_kwargs": dict(self.optimizer_kwargs),
+            "param_groups": [dict(g) for g in self.param_groups],
+            "params": [{"name": p.name, "shape": list(p.shape), "group": p.group} for p in self.params],
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def load_manifest(path: str | Path) -> Manifest:
+    """Read and validate a manifest file; every problem names the file and the entry."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ManifestError(
+            f"manifest {str(path)!r} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        ) from None
+    return manifest_from_dict(data, where=str(path))
+
+
+def manifest_from_dict(data: Any, where: str = "<manifest>") -> Manifest:
+    """Validate the JSON structure of a manifest (see the module docstring)."""
+    if not isinstance(data, Mapping):
+        raise ManifestError(f"{where}: a manifest must be a JSON object, got {type(data).__name__}")
+    for key in ("params", "param_groups"):
+        if key not in data:
+            raise ManifestError(f"{where}: missing the {key!r} list")
+    groups = data["param_groups"]
+    if not isinstance(groups, list) or not groups or not all(isinstance(g, Mapping) for g in groups):
+        raise ManifestError(f"{where}: 'param_groups' must be a non-empty list of objects")
+    for i, g in enumerate(groups):
+        if "use_muon" in g and not isinstance(g["use_muon"], bool):
+            raise ManifestError(f"{where}: param_groups[{i}] 'use_muon' must be true or false")
+    kwargs = data.get("optimizer_kwargs", {})
+    if not isinstance(kwargs, Mapping):
+        raise ManifestError(f"{where}: 'optimizer_kwargs' must be an object")
+    if not isinstance(data["params"], list) or not data["params"]:
+        raise ManifestError(f"{where}: 'params' must be a non-empty list")
+    params = [_param_spec(entry, i, len(groups), where) for i, entry in enumerate(data["params"])]
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ManifestError(f"{where}: parameter name {dup!r} appears more than once")
+    return Manifest(
+        model=str(data.get("model", Path(where).stem)),
+        params=params,
+        param_groups=[{k: v for k, v in g.items() if k not in _NON_HYPER_KEYS} for g in groups],
+        optimizer_kwargs=dict(kwargs),
+        source=str(data.get("source", "")),
+    )
+
+
+def _param_spec(entry: Any, i: int, num_groups: int, where: str) -> ParamSpec:
+    label = f"params[{i}]"
+    if not isinstance(entry, Mapping):
+        raise ManifestError(f"{where}: {label} must be an object with 'name', 'shape' and 'group'")
+    name = entry.get("name", label)
+    label = f"{label} ({name!r})"
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+    ):
+        raise ManifestError(
+            f"{where}: {label} has shape {shape!r}; a shape must be a list of non-negative integers"
+        )
+    group = entry.get("group", 0)
+    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < num_groups:
+        raise ManifestError(
+            f"{where}: {label} has group {group!r}; it must index param_groups (0..{num_groups - 1})"
+        )
+    return ParamSpec(str(name), tuple(shape), group)
+
+
+def manifest_from_module(
+    model: nn.Module,
+    param_groups: Iterable[Mapping[str, Any]] | None = None,
+    *,
+    name: str | None = None,
+    source: str = "",
+    optimizer_kwargs: Mapping[str, Any] | None = None,
+) -> Manifest:
+    """Describe ``model``'s trainable parameters and groups, e.g. to benchmark your own model.
+
+    ``param_groups`` are the groups you would give the optimizer (``params`` lists of the
+    model's tensors plus hyperparameters); by default :func:`fastmuon.param_groups`. The model
+    may live on the ``meta`` device, so even very large models cost no memory.
+    """
+    from ..groups import param_groups as default_groups
+
+    groups = list(param_groups) if param_groups is not None else default_groups(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    params: list[ParamSpec] = []
+    seen: set[int] = set()
+    for gi, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise ManifestError(f"param group {gi} entry {j} is a {type(p).__name__}, not a tensor")
+            if id(p) not in names:
+                raise ManifestError(
+                    f"param group {gi} entry {j} (shape {tuple(p.shape)}) is not a parameter of the model"
+                )
+            if id(p) in seen:
+                raise ManifestError(f"parameter {names[id(p)]!r} appears in more than one param group")
+            seen.add(id(p))
+            params.append(ParamSpec(names[id(p)], tuple(p.shape), gi))
+    return Manifest(
+        model=name or type(model).__name__,
+        params=params,
+        param_groups=[
+            {k: v for k, v in g.items() if k not in _NON_HYPER_KEYS and _json_value(v)} for g in groups
+        ],
+        optimizer_kwargs=dict(optimizer_kwargs or {}),
+        source=source,
+    )
+
+
+def _json_value(v: Any) -> bool:
+    try:
+        json.dumps(v)
+    except TypeError:
+        return False
+    return True

@@ -1,0 +1,90 @@
+"""Quick measurements of the machine that the benchmark's choices and estimates rest on."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..compute import compute_dtype
+from ..planner import Plan
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+_RATES: dict[tuple[str, torch.dtype], float] = {}
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.05) -> float:
+    """FLOP/s of one Newton–Schulz iteration on a (4, 128, 512) batch in ``dtype`` (measured once).
+
+    Small enough to finish in a fraction of a second even where a dtype is emulated (bf16 on a
+    CPU without bf16 instructions runs ~100x slower than fp32), large enough to be FLOP-bound.
+    """
+    key = (str(device), dtype)
+    if key not in _RATES:
+        _RATES[key] = _measure_rate(device, dtype, min_seconds)
+    return _RATES[key]
+
+
+def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) -> float:
+    b, r, c = 4, 128, 512
+    X = torch.randn(b, r, c, device=device).to(dtype) / c**0.5
+
+    def iteration():
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=-4.775, alpha=2.0315)
+        return torch.baddbmm(X, B, X, beta=3.4445)
+
+    iteration()  # warm-up
+    synchronize(device)
+    reps, start = 0, time.perf_counter()
+    while True:
+        iteration()
+        reps += 1
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_seconds or (reps >= 1 and elapsed > 10 * min_seconds):
+            break
+    flops = b * (4 * r * r * c + 2 * r * r * r)
+    return reps * flops / elapsed
+
+
+def ns_floor_seconds(plan: Plan, min_seconds: float = 0.02) -> float:
+    """Our own floor for a step's NS: the plan's FLOPs at the batched-matmul throughput this
+    machine reaches at each bucket's shape (``bmm(X, Xᵀ)`` on a ``(B, R, C)`` batch, timed)."""
+    total = 0.0
+    for bucket in plan.buckets:
+        b, r, c = bucket.shape
+        X = torch.randn(bucket.shape, device=bucket.device).to(bucket.dtype)
+        torch.bmm(X, X.mT)
+        synchronize(bucket.device)
+        reps, start = 0, time.perf_counter()
+        while reps < 3 or time.perf_counter() - start < min_seconds:
+            torch.bmm(X, X.mT)
+            reps += 1
+        synchronize(bucket.device)
+        rate = reps * 2 * b * r * r * c / (time.perf_counter() - start)
+        total += bucket.flops(plan.steps) / rate
+    return total
+
+
+def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """``--ns-dtype auto``: the optimizers' default, bfloat16, unless on this CPU it would really
+    run in emulated bf16 (native mode forced) and float32 multiplies faster."""
+    if device.type != "cpu":
+        return torch.bfloat16, "bfloat16 on an accelerator"
+    computed = compute_dtype(torch.bfloat16, device)
+    if computed != torch.bfloat16:
+        return torch.bfloat16, (
+            "the optimizers' default; this CPU has no native bf16 matmul, so fastmuon runs its NS "
+            f"in {str(computed).removeprefix('torch.')} (see fastmuon.compute)"
+        )
+    bf16 = matmul_rate(device, torch.bfloat16)
+    fp32 = matmul_rate(device, torch.float32)
+    chosen = torch.bfloat16 if bf16 >= fp32 else torch.float32
+    why = f"CPU batched matmul: bfloat16 {bf16 / 1e9:.1f} GFLOP/s, float32 {fp32 / 1e9:.1f} GFLOP/s"
+    return chosen, why

@@ -1,0 +1,294 @@
+"""Show what a benchmark run measured: a rich table (plain text without rich), JSON, a plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from .runner import Progress, Result, speedups
+
+SCHEMA = "fastmuon-bench/1"
+
+
+def machine_facts(device: torch.device) -> dict[str, Any]:
+    """Where the figures came from: hardware, software versions and the thread count used."""
+    facts: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "num_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "fastmuon": __version__,
+        "device": str(device),
+        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if device.type == "cuda":
+        facts["gpu"] = torch.cuda.get_device_name(device)
+        facts["cuda"] = torch.version.cuda
+    try:
+        import ultralytics
+
+        facts["ultralytics"] = ultralytics.__version__
+    except ImportError:
+        pass
+    return facts
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def to_json(
+    results: list[Result],
+    facts: dict[str, Any],
+    workload: dict[str, Any],
+    settings: dict[str, Any],
+    run: dict,
+) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA,
+        "machine": facts,
+        "workload": workload,
+        "settings": settings,
+        "run": run,
+        "results": [r.summary() for r in results],
+        "speedups": speedups(results),
+    }
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")
+
+
+# ----- text -------------------------------------------------------------------------------------
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
+
+
+def _flops(r: Result) -> str:
+    if r.ns_flops is None:
+        return "?" if r.ns_useful_flops is None else f"≥{r.ns_useful_flops / 1e9:.2f}"
+    return f"{r.ns_flops / 1e9:.2f}"
+
+
+def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
+    """The main table: one row per contender that ran."""
+    timed = [r for r in results if r.times_ms]
+    # speedups are read against the plain per-parameter loop: "what you would write yourself"
+    base = next((r for r in timed if r.name.startswith("per-parameter")), timed[0] if timed else None)
+    header = [
+        "contender",
+        "NS dtype",
+        "ms/step",
+        "min–max",
+        "kernels/step",
+        "NS GFLOP",
+        "padding",
+        "state MiB",
+        "peak extra MiB",
+        f"speedup vs {base.name}" if base else "speedup",
+    ]
+    body = []
+    for r in timed:
+        s = r.summary()
+        body.append(
+            [
+                r.name,
+                r.ns_dtype,
+                f"{s['median_ms']:.1f}",
+                f"{s['min_ms']:.1f}–{s['max_ms']:.1f}",
+                str(r.kernels_per_step),
+                _flops(r),
+                "-" if r.padding_overhead is None else f"{100 * r.padding_overhead:.1f}%",
+                _mib((r.state_bytes or 0) + (r.workspace_bytes or 0)),
+                _mib(r.peak_extra_bytes),
+                f"{base.median_ms / r.median_ms:.3g}×",
+            ]
+        )
+    return header, body
+
+
+def describe(document: dict[str, Any]) -> list[str]:
+    """The lines around the table: workload, settings, machine, notes, skips, speedup matrix."""
+    m, w, s = document["machine"], document["workload"], document["settings"]
+    lines = [
+        f"workload {w['model']}: {w['params']} tensors, {w['numel'] / 1e6:.2f}M values, "
+        f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims); {w['source']}",
+        f"optimizer {s['optimizer']}, device {s['device']}, ns_dtype {s['ns_dtype']} ({s['ns_dtype_why']}), "
+        f"policy {s['policy']}, {s['rounds']} interleaved rounds",
+        f"machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} with {m['num_threads']} threads, "
+        f"fastmuon {m['fastmuon']}" + (f", GPU {m['gpu']}" if "gpu" in m else ""),
+    ]
+    run = document["run"]
+    if run.get("load_average_before") is not None:
+        lines[-1] += f"; 1-min load average before the run {run['load_average_before']:.2f}"
+    lines[-1] += f"; whole run {run['wall_seconds']:.0f} s"
+    load, cpus = run.get("load_average_before"), m["cpu_count"]
+    if load is not None and cpus and load + m["num_threads"] > cpus + 0.5 and s["device"] == "cpu":
+        lines.append(
+            f"warning: other processes were using the CPUs (load {load:.1f} on {cpus} CPUs): CPU timings "
+            "are disturbed; compare ratios from one run"
+            + (", or try --threads 1" if m["num_threads"] > 1 else "")
+        )
+    for r in document["results"]:
+        floor = r.get("extra", {}).get("ns_floor_ms")
+        if floor and r.get("median_ms"):
+            lines.append(
+                f"{r['name']}: NS floor {floor:.1f} ms (its plan's FLOPs at the bmm throughput measured at "
+                f"each bucket's shape); median step {r['median_ms'] / floor:.2f}× the floor"
+            )
+    for r in document["results"]:
+        if r["skipped"]:
+            lines.append(f"skipped {r['name']}: {r['skipped']}")
+        elif r["note"]:
+            lines.append(f"{r['name']}: {r['note']}; {r['steps_timed']} steps timed")
+    lines.append(
+        "kernels/step: ATen ops dispatched in one step (views and allocations excluded); "
+        "state MiB: optimizer state plus persistent workspaces; peak extra MiB: the most a step "
+        "allocates beyond what it started with"
+    )
+    return lines
+
+
+def speedup_rows(document: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    table = document["speedups"]
+    names = list(table)
+    body = [[a] + ["" if a == b else f"{table[a][b]:.3g}×" for b in names] for a in names]
+    return ["faster than →", *names], body
+
+
+def print_report(document: dict[str, Any], results: list[Result]) -> None:
+    header, body = rows(results)
+    sp_header, sp_body = speedup_rows(document)
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        _print_plain(document, header, body, sp_header, sp_body)
+        return
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
+        console = Console(width=160)
+    for line in describe(document):
+        console.print(line, highlight=False, soft_wrap=True)
+    table = Table(
+        title=f"fastmuon bench: {document['workload']['model']} ({document['settings']['optimizer']})"
+    )
+    for i, h in enumerate(header):
+        table.add_column(h, justify="left" if i < 2 else "right")
+    for row in body:
+        table.add_row(*row)
+    console.print(table)
+    if len(sp_body) > 1:
+        sp = Table(title="speedup of the median step (row vs column)")
+        for i, h in enumerate(sp_header):
+            sp.add_column(h, justify="left" if i == 0 else "right")
+        for row in sp_body:
+            sp.add_row(*row)
+        console.print(sp)
+
+
+def markdown(document: dict[str, Any], results: list[Result]) -> str:
+    """The main table as Markdown, with the lines that say where it came from (for docs)."""
+    header, body = rows(results)
+    lines = [f"| {' | '.join(header)} |", "|" + " --- |" * len(header)]
+    lines += [f"| {' | '.join(row)} |" for row in body]
+    return "\n".join(["\n".join(f"- {x}" for x in describe(document)), "", *lines, ""])
+
+
+def _print_plain(document, header, body, sp_header, sp_body) -> None:
+    for line in describe(document):
+        print(line)
+    for h, b in ((header, body), (sp_header, sp_body)):
+        widths = [max(len(x) for x in col) for col in zip(h, *b)]
+        for row in (h, *b):
+            print("  ".join(x.ljust(n) for x, n in zip(row, widths)))
+        print()
+
+
+@contextmanager
+def progress_display(enabled: bool = True) -> Iterator[Progress]:
+    """A live progress bar (rich, on a terminal) fed by the runner's progress events."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        enabled = False
+    if not enabled:
+        yield lambda event, name, done, total: None
+        return
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        transient=True,
+        console=Console(stderr=True),  # stdout stays clean for the report
+    ) as bar:
+        warm = bar.add_task("warm-up", total=None)
+        timed = bar.add_task("timed steps", total=None, visible=False)
+
+        def update(event: str, name: str, done: int, total: int) -> None:
+            if event in ("warmup", "ready"):
+                bar.update(warm, description=f"warm-up and probe: {name}")
+            else:
+                bar.update(warm, visible=False)
+                bar.update(
+                    timed, visible=True, completed=done, total=total, description=f"timing {name}".strip()
+                )
+
+        yield update
+
+
+def write_plot(path: str | Path, document: dict[str, Any]) -> bool:
+    """Bars for median ms/step (min–max whiskers) and kernels/step; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib: pip install 'fastmuon[bench]'", file=sys.stderr)
+        return False
+    ran = [r for r in document["results"] if r["median_ms"]]
+    names = [r["name"] for r in ran]
+    fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(11, 0.6 * len(ran) + 2.2))
+    med = [r["median_ms"] for r in ran]
+    err = [[m - r["min_ms"] for m, r in zip(med, ran)], [r["max_ms"] - m for m, r in zip(med, ran)]]
+    bars = ax_t.barh(names, med, xerr=err, color="tab:blue")
+    ax_t.bar_label(bars, labels=[f"{m:.1f}" for m in med], padding=3, fontsize=8)
+    ax_t.set_xlabel("ms per step (median, min–max)")
+    kernels = [r["kernels_per_step"] for r in ran]
+    ax_k.bar_label(ax_k.barh(names, kernels, color="tab:orange"), padding=3, fontsize=8)
+    ax_k.set_xscale("log")
+    ax_k.set_xlabel("kernels per step (ATen ops, log scale)")
+    ax_k.set_yticklabels([])
+    for ax in (ax_t, ax_k):
+        ax.invert_yaxis()
+    m, w, s = document["machine"], document["workload"], document["settings"]
+    fig.suptitle(
+        f"{w['model']} {s['optimizer']} on {s['device']} ({m['cpu'] if s['device'] == 'cpu' else m.get('gpu')}), "
+        f"NS {s['ns_dtype']}, torch {m['torch']}, {m['num_threads']} threads",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,237 @@
+"""Run the contenders side by side: same tensors, same gradients, interleaved rounds.
+
+Order of work per contender: ``warmup`` timed steps (state and plans get built; the last one
+sets how many steps a round gets within the time budget), one probe step
+under the kernel counter and the allocation tracker (not timed: both add overhead), then
+``rounds`` rounds of ``steps`` timed steps, the contenders taking turns (A B C A B C …) so
+that drifts of the machine (clock, other load) hit every contender alike.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .contenders import (
+    CONTENDER_LABELS,
+    CONTENDERS,
+    Contender,
+    Unavailable,
+    Workbench,
+    _dtype_name,
+    dtype_label,
+)
+from .counter import KernelCounter
+from .manifest import Manifest
+from .memory import peak_extra_bytes
+from .probe import matmul_rate, ns_floor_seconds, synchronize
+
+
+@dataclass
+class Settings:
+    optimizer: str = "musgd"
+    device: str = "cpu"
+    ns_dtype: torch.dtype = torch.float32
+    policy: str = "auto"
+    ns_method: str = "auto"
+    steps: int | None = None  # None: as many as fit the budget, at most ``max_steps``
+    rounds: int = 3
+    warmup: int = 1
+    budget_s: float = 3.0  # timed seconds per contender, all rounds together
+    max_steps: int = 20
+    max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
+    seed: int = 0
+
+
+@dataclass
+class Result:
+    """Every figure for one contender (``skipped`` set instead when it did not run)."""
+
+    name: str
+    note: str = ""
+    ns_dtype: str = "-"
+    skipped: str | None = None
+    times_ms: list[float] = field(default_factory=list)
+    kernels_per_step: int | None = None
+    top_ops: dict[str, int] = field(default_factory=dict)
+    ns_flops: int | None = None
+    ns_useful_flops: int | None = None
+    padding_overhead: float | None = None
+    buckets: int | None = None
+    plan: str | None = None
+    state_bytes: int | None = None
+    workspace_bytes: int | None = None
+    peak_extra_bytes: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def median_ms(self) -> float | None:
+        return statistics.median(self.times_ms) if self.times_ms else None
+
+    def summary(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        times = self.times_ms
+        d.update(
+            median_ms=self.median_ms,
+            min_ms=min(times) if times else None,
+            max_ms=max(times) if times else None,
+            steps_timed=len(times),
+        )
+        return d
+
+
+#: (event, contender name, done, total): what the progress display is told
+Progress = Callable[[str, str, int, int], None]
+
+
+def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.Parameter]:
+    """Parameters with the manifest's shapes and fixed synthetic gradients (never changed after)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for spec in manifest.params:
+        p = nn.Parameter((0.02 * torch.randn(spec.shape, generator=gen)).to(device))
+        p.grad = torch.randn(spec.shape, generator=gen).to(device)
+        params.append(p)
+    return params
+
+
+def build_contenders(wb: Workbench) -> tuple[list[Contender], list[Result]]:
+    contenders, skipped = [], []
+    for factory in CONTENDERS[wb.optimizer]:
+        label = CONTENDER_LABELS.get(factory, factory.__name__)
+        try:
+            contenders.append(factory(wb))
+        except Unavailable as e:
+            skipped.append(Result(label, skipped=str(e)))
+        except Exception as e:  # e.g. a manifest group an optimizer rejects: report it, run the rest
+            skipped.append(Result(label, skipped=f"failed to build: {type(e).__name__}: {e}"))
+    return contenders, skipped
+
+
+class Timer:
+    """Wall time of a step: CUDA events on a GPU (after synchronising), ``perf_counter`` on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def time_steps(self, step: Callable[[], None], n: int) -> list[float]:
+        if self.device.type == "cuda":
+            events = [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)
+            ]
+            torch.cuda.synchronize(self.device)
+            for start, end in events:
+                start.record()
+                step()
+                end.record()
+            torch.cuda.synchronize(self.device)
+            return [start.elapsed_time(end) for start, end in events]
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return times
+
+
+def run_benchmark(
+    manifest: Manifest, settings: Settings, progress: Progress | None = None
+) -> tuple[list[Result], dict[str, Any]]:
+    """Measure every contender; returns their results (in report order) and run facts."""
+    progress = progress or (lambda *a: None)
+    device = torch.device(settings.device)
+    torch.manual_seed(settings.seed)
+    params = materialize(manifest, device, settings.seed)
+    grads_before = [p.grad.clone() for p in params] if len(params) < 5000 else None
+    wb = Workbench(
+        manifest, params, device, settings.optimizer, settings.ns_dtype, settings.policy, settings.ns_method
+    )
+    contenders, unavailable = build_contenders(wb)
+    results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
+
+    rates: dict[torch.dtype, float] = {}
+    for c in contenders:
+        if c.compute_dtype is not None and c.ns_useful_flops and c.compute_dtype not in rates:
+            rates[c.compute_dtype] = matmul_rate(device, c.compute_dtype)
+
+    timer = Timer(device)
+    active: list[tuple[Contender, int]] = []
+    for c in contenders:
+        r = results[c.name]
+        if c.compute_dtype is not None and c.ns_useful_flops:
+            rate = rates[c.compute_dtype]
+            estimate = c.ns_useful_flops / rate
+            if estimate > settings.max_step_s:
+                r.skipped = (
+                    f"one step would take ~{estimate:.0f} s ({c.ns_useful_flops / 1e9:.0f} GFLOP of NS at "
+                    f"{rate / 1e9:.1f} GFLOP/s in {_dtype_name(c.compute_dtype)}); "
+                    "raise --max-step-seconds to run it"
+                )
+                continue
+        progress("warmup", c.name, 0, 1)
+        try:
+            calibration = timer.time_steps(c.step, max(1, settings.warmup))[-1]
+        except Exception as e:  # a third-party optimizer failing on this workload
+            r.skipped = f"failed on its first step: {type(e).__name__}: {e}"
+            continue
+        steps = settings.steps or max(
+            1, min(settings.max_steps, math.floor(1e3 * settings.budget_s / (settings.rounds * calibration)))
+        )
+        synchronize(device)
+        with KernelCounter() as counter:
+            peak, _ = peak_extra_bytes(c.step, device)
+        _fill_static_figures(r, c, counter, peak)
+        active.append((c, steps))
+        progress("ready", c.name, 1, 1)
+
+    total = sum(steps for _, steps in active) * settings.rounds
+    done = 0
+    for _ in range(settings.rounds):
+        for c, steps in active:
+            progress("step", c.name, done, total)
+            results[c.name].times_ms += timer.time_steps(c.step, steps)
+            done += steps
+    progress("done", "", total, total)
+
+    facts: dict[str, Any] = {
+        "matmul_gflops": {_dtype_name(d): round(v / 1e9, 2) for d, v in rates.items()},
+        "params_finite": all(bool(torch.isfinite(p).all()) for p in params),
+    }
+    if grads_before is not None:
+        facts["grads_unchanged"] = all(torch.equal(p.grad, g) for p, g in zip(params, grads_before))
+    return [*results.values(), *unavailable], facts
+
+
+def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter, peak: int) -> None:
+    r.kernels_per_step = counter.count
+    r.top_ops = dict(counter.ops.most_common(8))
+    r.peak_extra_bytes = peak
+    r.state_bytes = c.state_bytes()
+    r.workspace_bytes = c.workspace_bytes()
+    plan = c.plan()
+    if plan is not None:
+        r.ns_flops, r.ns_useful_flops = plan.flops(), plan.useful_flops()
+        r.padding_overhead = plan.padding_overhead()
+        r.buckets = len(plan.buckets)
+        r.plan = plan.describe()
+        r.extra["ns_baseline_flops"] = plan.baseline_flops()
+        r.extra["ns_floor_ms"] = round(1e3 * ns_floor_seconds(plan), 3)
+    elif c.ns_useful_flops:
+        r.ns_useful_flops = c.ns_useful_flops
+        r.ns_flops = c.ns_flops
+        r.padding_overhead = c.ns_flops / c.ns_useful_flops - 1 if c.ns_flops is not None else None
+    elif c.ns_dtype is None:
+        r.ns_flops = r.ns_useful_flops = 0
+
+
+def speedups(results: list[Result]) -> dict[str, dict[str, float]]:
+    """``out[a][b]``: how many times faster ``a``'s median step is than ``b``'s."""
+    timed = [r for r in results if r.median_ms]
+    return {a.name: {b.name: b.median_ms / a.median_ms for b in timed if b is not a} for a in timed}

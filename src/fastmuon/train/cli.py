@@ -1,0 +1,150 @@
+"""``fastmuon train``: train small models from scratch with each contender and compare."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+from .contenders import WARMUP_FRACTION, parse_optimizers
+from .loop import RunResult, train_run
+from .tasks import TASKS, make_task
+
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_threads() -> int:
+    """Half the cores: on a small shared machine two busy intra-op threads fight other work."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="all", choices=[*TASKS, "all"], help="which task(s) to train")
+    p.add_argument(
+        "--optimizer",
+        action="append",
+        metavar="NAME[,NAME]",
+        help="musgd, muon, sgd, adamw or all (repeatable or comma list; default all)",
+    )
+    p.add_argument(
+        "--steps", type=int, help="training steps per run (default: per model, 120 for both models)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed for weights and batches, shared by all contenders"
+    )
+    p.add_argument(
+        "--threads", type=int, default=default_threads(), help="torch CPU threads (default: half the cores)"
+    )
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
+    p.add_argument(
+        "--ns-dtype",
+        default="auto",
+        choices=["auto", *NS_DTYPES],
+        help="Newton-Schulz dtype of the fastmuon optimizers; auto = bfloat16 on CUDA, float32 on CPU "
+        "(the same figures on every CPU; a CPU without bf16 matmul computes bfloat16 NS in float32 anyway)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the results (with curves) as JSON instead of a table"
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="save loss-vs-step and loss-vs-time curves")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: CUDA is not available here; use --device cpu")
+    return device
+
+
+def resolve_ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return NS_DTYPES[name]
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from . import report
+
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    try:
+        contenders = parse_optimizers(args.optimizer)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    ns_dtype = resolve_ns_dtype(args.ns_dtype, device)
+    tasks = [make_task(n) for n in (TASKS if args.model == "all" else (args.model,))]
+
+    console = Console(stderr=True)
+    results: list[RunResult] = []
+    columns = (
+        TextColumn("{task.description:34s}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        for task in tasks:
+            task.setup(device)
+            steps = args.steps or task.default_steps
+            for c in contenders:
+                bar = progress.add_task(f"{task.name} · {c.label}", total=steps, loss=float("nan"))
+
+                def on_step(step: int, loss: float, bar=bar) -> None:
+                    progress.update(bar, completed=step, loss=loss)
+
+                results.append(
+                    train_run(
+                        task,
+                        c,
+                        steps=steps,
+                        seed=args.seed,
+                        device=device,
+                        ns_dtype=ns_dtype,
+                        on_step=on_step,
+                    )
+                )
+
+    config = {
+        "models": [t.name for t in tasks],
+        "optimizers": [c.name for c in contenders],
+        "steps": {t.name: args.steps or t.default_steps for t in tasks},
+        "seed": args.seed,
+        "threads": args.threads,
+        "device": str(device),
+        "ns_dtype": str(ns_dtype).removeprefix("torch."),
+        "schedule": f"linear warm-up {WARMUP_FRACTION:.0%} of steps, then cosine to 0",
+        "task_configs": {
+            t.name: {f.name: getattr(t, f.name) for f in dataclasses.fields(t) if not f.name.startswith("_")}
+            for t in tasks
+        },
+        "torch": torch.__version__,
+    }
+    if args.plot:
+        report.plot(results, args.plot, title=_title(config))
+        console.print(f"saved the curves to {args.plot}")
+    if args.json:
+        sys.stdout.write(report.to_json(results, config) + "\n")
+    else:
+        # piped output gets a width that fits the table rather than rich's 80-column default
+        report.print_table(results, Console(width=None if sys.stdout.isatty() else 120))
+    return 0
+
+
+def _title(config: dict) -> str:
+    steps = ", ".join(f"{k} {v} steps" for k, v in config["steps"].items())
+    return (
+        f"fastmuon train — seed {config['seed']}, {steps}, {config['device']} ({config['threads']} thread(s))"
+    )

@@ -1,0 +1,141 @@
+"""The four optimizers compared, each with its stated, lightly tuned hyperparameters.
+
+Learning rates were picked per task from a small sweep at the default budget, seed 0 (about
+four values per contender and task, roughly x2 apart; the best validation loss won; see the
+README's training section). Everything else is the usual default for that optimizer: Nesterov
+momentum 0.9 and weight decay 5e-4 for the SGD family, betas (0.9, 0.95) for AdamW, momentum
+0.95 for Muon. All contenders share the learning-rate schedule in :func:`lr_multiplier`, the
+seed and the step budget.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .. import Muon, MuSGD, param_groups
+
+WARMUP_FRACTION = 0.05
+
+
+def lr_multiplier(step: int, total: int) -> float:
+    """Linear warm-up over the first 5% of steps, then cosine decay to zero at ``total``.
+
+    ``step`` counts optimizer steps already taken (0 for the first one).
+    """
+    warmup = max(1, int(WARMUP_FRACTION * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _musgd(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
+    # MuSGD's own split: matrices get lr·muon·NS(momentum) + lr·sgd·SGD, the rest plain SGD at lr.
+    return MuSGD(param_groups(model), nesterov=True, ns_dtype=ns_dtype, **hp)
+
+
+def _muon(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
+    # Matrices: Muon at ``lr``; embeddings, head, norms, biases: AdamW at ``adamw_lr``.
+    hp = dict(hp)
+    adamw_lr = hp.pop("adamw_lr")
+    groups = param_groups(model)
+    for g in groups:
+        if not g["use_muon"]:
+            g["lr"] = adamw_lr
+    return Muon(groups, nesterov=True, ns_dtype=ns_dtype, **hp)
+
+
+def _sgd(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
+    return torch.optim.SGD(model.parameters(), nesterov=True, **hp)
+
+
+def _adamw(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
+    return torch.optim.AdamW(model.parameters(), **hp)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """An optimizer recipe: ``hparams[task]`` are the keyword arguments used on that task."""
+
+    name: str
+    label: str
+    factory: Callable[[nn.Module, dict[str, Any], torch.dtype], Optimizer]
+    hparams: dict[str, dict[str, Any]]
+
+    def build(self, model: nn.Module, task: str, ns_dtype: torch.dtype) -> Optimizer:
+        if task not in self.hparams:
+            raise ValueError(f"{self.label} has no hyperparameters for task {task!r}")
+        return self.factory(model, self.hparams[task], ns_dtype)
+
+    def describe(self, task: str) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.hparams[task].items())
+
+
+CONTENDERS: dict[str, Contender] = {
+    c.name: c
+    for c in (
+        Contender(
+            "musgd",
+            "fastmuon MuSGD",
+            _musgd,
+            {
+                "digits": dict(lr=0.05, momentum=0.9, weight_decay=5e-4, muon=0.5, sgd=0.5),
+                "chars": dict(lr=0.15, momentum=0.9, weight_decay=5e-4, muon=0.5, sgd=0.5),
+            },
+        ),
+        Contender(
+            "muon",
+            "fastmuon Muon",
+            _muon,
+            {
+                "digits": dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=0.01),
+                "chars": dict(lr=0.05, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
+            },
+        ),
+        Contender(
+            "sgd",
+            "torch SGD (Nesterov)",
+            _sgd,
+            {
+                "digits": dict(lr=0.05, momentum=0.9, weight_decay=5e-4),
+                "chars": dict(lr=0.3, momentum=0.9, weight_decay=5e-4),
+            },
+        ),
+        Contender(
+            "adamw",
+            "torch AdamW",
+            _adamw,
+            {
+                "digits": dict(lr=0.01, betas=(0.9, 0.95), weight_decay=0.01),
+                "chars": dict(lr=0.015, betas=(0.9, 0.95), weight_decay=0.01),
+            },
+        ),
+    )
+}
+
+
+def parse_optimizers(values: list[str] | None) -> list[Contender]:
+    """``--optimizer`` values (repeatable, comma lists, or 'all') to contenders, in given order."""
+    names: list[str] = []
+    for v in values or ["all"]:
+        for name in (s.strip().lower() for s in v.split(",")):
+            if not name:
+                continue
+            chosen = list(CONTENDERS) if name == "all" else [name]
+            for n in chosen:
+                if n not in CONTENDERS:
+                    raise ValueError(
+                        f"unknown optimizer {n!r} in --optimizer; choose from {list(CONTENDERS)} or 'all'"
+                    )
+                if n not in names:
+                    names.append(n)
+    if not names:
+        raise ValueError(f"--optimizer selected nothing; choose from {list(CONTENDERS)} or 'all'")
+    return [CONTENDERS[n] for n in names]

@@ -1,0 +1,237 @@
+"""fastmuon bench: kernel counter, allocation tracker, manifests, workloads and a smoke run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fastmuon.bench import (
+    AllocationTracker,
+    KernelCounter,
+    ManifestError,
+    load_manifest,
+    manifest_from_module,
+    resolve_workload,
+)
+from fastmuon.cli import main
+
+
+# ----- kernel counter ------------------------------------------------------------------------
+def test_counter_counts_a_known_sequence_exactly():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with KernelCounter() as kc:
+        c = a + b  # add
+        c.view(-1)  # view: not counted
+        a.t()  # view: not counted
+        torch.empty(3)  # allocation: not counted
+        torch.mm(a, b)  # mm
+        c.mul_(2)  # mul_
+        torch._foreach_add_([a, b], 1.0)  # one dispatch for the whole list
+        c.reshape(16).sum()  # reshape of a contiguous tensor is a view; sum
+    assert kc.count == 5
+    assert kc.ops == {"add": 1, "mm": 1, "mul_": 1, "_foreach_add_": 1, "sum": 1}
+
+
+def test_counter_ignores_torch_optim_profiler_markers():
+    p = nn.Parameter(torch.randn(3))
+    p.grad = torch.randn(3)
+    opt = torch.optim.SGD([p], lr=0.1, foreach=True)
+    with KernelCounter() as kc:
+        opt.step()
+    assert kc.count == 1 and kc.ops == {"_foreach_add_": 1}
+
+
+def test_allocation_tracker_peak_and_retained():
+    a = torch.randn(100, 100)  # 40_000 bytes, allocated before: not counted
+    kept = []
+    with AllocationTracker() as mem:
+        b = a * 2  # +40_000
+        c = b + 1  # +40_000 -> peak 80_000
+        del b
+        d = c.view(-1)  # a view keeps c's storage alive
+        del c
+        e = d * 3  # 80_000 live again
+        del d
+        kept.append(e[:10])  # e's storage survives the block
+        del e
+        a.add_(1)  # in place: nothing new
+    assert mem.peak_bytes == 80_000
+    assert mem.retained_bytes == 40_000
+
+
+# ----- manifests ------------------------------------------------------------------------------
+def _manifest_dict():
+    return {
+        "model": "tiny",
+        "optimizer_kwargs": {"muon": 0.2, "sgd": 1.0},
+        "param_groups": [
+            {"lr": 0.01, "momentum": 0.9, "nesterov": True, "weight_decay": 0.0, "use_muon": False},
+            {"lr": 0.02, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4, "use_muon": True},
+        ],
+        "params": [
+            {"name": "conv.weight", "shape": [8, 4, 3, 3], "group": 1},
+            {"name": "fc.weight", "shape": [16, 8], "group": 1},
+            {"name": "fc2.weight", "shape": [16, 8], "group": 1},
+            {"name": "bn.weight", "shape": [8], "group": 0},
+            {"name": "fc.bias", "shape": [16], "group": 0},
+        ],
+    }
+
+
+def test_manifest_errors_name_the_file_and_the_entry(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ManifestError, match="cannot read manifest .*nope.json"):
+        load_manifest(missing)
+
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"params": [')
+    with pytest.raises(ManifestError, match=r"broken.json.*not valid JSON.*line 1"):
+        load_manifest(broken)
+
+    data = _manifest_dict()
+    data["params"][1]["shape"] = [16, -8]
+    bad_shape = tmp_path / "bad_shape.json"
+    bad_shape.write_text(json.dumps(data))
+    with pytest.raises(
+        ManifestError, match=r"bad_shape.json: params\[1\] \('fc.weight'\) has shape \[16, -8\]"
+    ):
+        load_manifest(bad_shape)
+
+    data = _manifest_dict()
+    data["params"][0]["group"] = 5
+    bad_group = tmp_path / "bad_group.json"
+    bad_group.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match=r"bad_group.json: params\[0\] \('conv.weight'\) has group 5"):
+        load_manifest(bad_group)
+
+    with pytest.raises(ManifestError, match="unknown workload 'yolo99'"):
+        resolve_workload("yolo99")
+
+
+def test_module_manifest_round_trip(tmp_path):
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8, 10), nn.Linear(10, 4)
+    )
+    manifest = manifest_from_module(model, name="mine")
+    path = tmp_path / "mine.json"
+    manifest.save(path)
+    loaded = load_manifest(path)
+    assert loaded.to_dict() == manifest.to_dict()
+    by_name = {p.name: p for p in loaded.params}
+    assert set(by_name) == {n for n, _ in model.named_parameters()}
+    assert by_name["0.weight"].shape == (8, 3, 3, 3)
+    # fastmuon.param_groups: conv and the hidden Linear are matrices; the output Linear is not
+    assert {p.name for p in loaded.matrices()} == {"0.weight", "3.weight"}
+    assert loaded.numel() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("name", "numel", "matrices"),
+    [("gpt2", 124_439_808, 48), ("llama-1b", 1_235_814_400, 112), ("resnet50", 25_557_032, 53)],
+)
+def test_generated_workloads_match_their_public_sizes(name, numel, matrices):
+    m = resolve_workload(name)
+    assert m.numel() == numel
+    assert len(m.matrices()) == matrices
+
+
+def test_bundled_yolo_manifest():
+    m = resolve_workload("yolo26n")
+    assert len(m.params) == 366 and len(m.matrices()) == 126
+    assert m.optimizer_kwargs == {"muon": 0.2, "sgd": 1.0}
+
+
+# ----- a smoke run of the command ------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["musgd", "muon"])
+def test_bench_smoke(tmp_path, optimizer, capsys):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--optimizer", optimizer, "--ns-dtype", "float32"]
+    args += ["--steps", "1", "--rounds", "1", "--threads", "1", "--json", str(out), "--quiet"]
+    assert main([*args, "--markdown", str(tmp_path / "table.md")]) == 0
+    assert "| fastmuon" in (tmp_path / "table.md").read_text()
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["num_threads"] == 1 and doc["machine"]["torch"] == torch.__version__
+    assert doc["workload"] == {
+        "model": "tiny",
+        "source": "",
+        "params": 5,
+        "numel": 8 * 36 + 2 * 128 + 8 + 16,
+        "matrices": 3,
+        "matrices_over_2d": 1,
+    }
+    assert doc["run"]["params_finite"] and doc["run"]["grads_unchanged"]
+    results = {r["name"]: r for r in doc["results"]}
+    ours = results["fastmuon MuSGD" if optimizer == "musgd" else "fastmuon Muon"]
+    loop = results["per-parameter MuSGD" if optimizer == "musgd" else "per-parameter Muon"]
+    sgd = results["torch.optim.SGD foreach"]
+    for r in (ours, loop, sgd):
+        assert r["skipped"] is None and r["steps_timed"] == 1
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["kernels_per_step"] > 0 and r["state_bytes"] > 0 and r["peak_extra_bytes"] >= 0
+    useful = sum(5 * (4 * m * m * n + 2 * m**3) for m, n in [(8, 36), (8, 16), (8, 16)])
+    assert loop["ns_flops"] == loop["ns_useful_flops"] == useful  # standard NS, one matrix at a time
+    # the batched plan may choose cheaper NS forms (Gram space); padding only adds to its own count
+    assert 0 < ours["ns_useful_flops"] <= ours["ns_flops"] and ours["buckets"] >= 1
+    assert ours["padding_overhead"] == pytest.approx(ours["ns_flops"] / ours["ns_useful_flops"] - 1)
+    assert ours["kernels_per_step"] < loop["kernels_per_step"]  # three matrices, one loop each
+    assert sgd["ns_flops"] == 0
+    names = [r["name"] for r in doc["results"] if r["median_ms"]]
+    assert set(doc["speedups"]) == set(names)
+    assert doc["speedups"][names[0]][names[1]] == pytest.approx(
+        results[names[1]]["median_ms"] / results[names[0]]["median_ms"]
+    )
+    if optimizer == "muon":
+        torch_muon = results["torch.optim.Muon"]
+        if hasattr(torch.optim, "Muon"):
+            assert torch_muon["extra"]["flattened_weights"] == 1
+            assert "1 >2D weights flattened" in torch_muon["note"]
+    else:
+        # run, or listed as skipped with the reason
+        assert any(r["name"].startswith("Ultralytics") for r in doc["results"])
+    assert "fastmuon bench: tiny" in capsys.readouterr().out
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    png = tmp_path / "bench.png"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--steps", "1", "--rounds", "1"]
+    assert main([*args, "--plot", str(png), "--quiet"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_reports_a_bad_manifest(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[]")
+    assert main(["bench", "--model", str(bad), "--quiet"]) == 2
+    assert "bad.json: a manifest must be a JSON object" in capsys.readouterr().err
+
+
+def test_bench_skips_contenders_estimated_too_slow_and_fits_steps_to_the_budget(tmp_path):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--rounds", "2", "--budget", "0.01"]
+    assert main([*args, "--max-step-seconds", "0", "--json", str(out), "--quiet"]) == 0
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("fastmuon MuSGD", "per-parameter MuSGD"):
+        assert "raise --max-step-seconds" in results[name]["skipped"] and results[name]["steps_timed"] == 0
+    sgd = results["torch.optim.SGD foreach"]
+    assert sgd["skipped"] is None and sgd["steps_timed"] % 2 == 0 and 2 <= sgd["steps_timed"] <= 40
+
+
+def test_threads_default_leaves_busy_cpus_alone(monkeypatch):
+    from fastmuon.bench.cli import choose_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    default = torch.get_num_threads()
+    assert choose_threads(None, 0.1) == (default, "torch's default")
+    assert choose_threads(None, 9.0)[0] == 1  # every CPU busy: one thread, not a thrashing team
+    assert choose_threads(None, 2.0)[0] == min(default, 2)
+    assert choose_threads(3, 9.0) == (3, "--threads")

@@ -1,0 +1,103 @@
+"""``fastmuon train`` end to end on a tiny budget: every contender must actually learn."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("sklearn")
+
+from fastmuon import param_groups  # noqa: E402
+from fastmuon.cli import main  # noqa: E402
+from fastmuon.train.contenders import CONTENDERS, lr_multiplier, parse_optimizers  # noqa: E402
+from fastmuon.train.data import load_char_corpus  # noqa: E402
+from fastmuon.train.loop import train_run  # noqa: E402
+from fastmuon.train.models import CharTransformer  # noqa: E402
+from fastmuon.train.tasks import CharsTask, DigitsTask  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def tiny_tasks():
+    """(task, steps): narrower models than the defaults, a fraction of the budget."""
+    return [
+        (DigitsTask(width=8, hidden=32, batch_size=32, evals=2), 50),
+        (
+            CharsTask(
+                dim=16, layers=1, heads=2, block=16, batch_size=8, max_chars=40_000, eval_windows=32, evals=2
+            ),
+            30,
+        ),
+    ]
+
+
+@pytest.mark.parametrize("task, steps", tiny_tasks(), ids=["digits", "chars"])
+def test_every_contender_learns(task, steps):
+    torch.set_num_threads(1)
+    task.setup(CPU)
+    results = [
+        train_run(task, c, steps=steps, seed=1, device=CPU, ns_dtype=torch.float32)
+        for c in CONTENDERS.values()
+    ]
+    initial = results[0].evals[0]
+    for r in results:
+        assert not r.diverged, r.label
+        # same seed -> same initial weights and so the same step-0 evaluation for all contenders
+        assert r.evals[0] == initial, r.label
+        assert r.final["train_loss"] < 0.9 * initial["train_loss"], (r.label, r.final, initial)
+        assert r.final["val_loss"] < 0.9 * initial["val_loss"], (r.label, r.final, initial)
+        assert len(r.step_loss) == steps and r.step_time_s == sorted(r.step_time_s)
+        assert 0 < r.optimizer_s < r.wall_s
+
+
+def test_cli_json_and_plot(tmp_path, capsys):
+    png = tmp_path / "curves.png"
+    rc = main(
+        ["train", "--model", "digits", "--optimizer", "musgd,sgd", "--optimizer", "muon,adamw"]
+        + ["--steps", "4", "--threads", "1", "--json", "--plot", str(png)]
+    )
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["config"]["steps"] == {"digits": 4}
+    assert doc["config"]["ns_dtype"] == "float32"
+    assert [r["optimizer"] for r in doc["runs"]] == ["musgd", "sgd", "muon", "adamw"]
+    for r in doc["runs"]:
+        assert r["task"] == "digits" and r["steps"] == 4 and r["seed"] == 0
+        assert set(r["final"]) == {"train_loss", "val_loss", "val_acc"}
+        assert all(math.isfinite(v) for v in r["final"].values())
+        assert 0 <= r["final"]["val_acc"] <= 1
+        assert 0 < r["step_share"] < 1 and r["wall_s"] > 0 and r["ms_per_step"] > 0
+        assert [e["step"] for e in r["evals"]][0] == 0 and r["evals"][-1]["step"] == 4
+        assert len(r["step_loss"]) == len(r["step_time_s"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_optimizers():
+    assert [c.name for c in parse_optimizers(None)] == list(CONTENDERS)
+    assert [c.name for c in parse_optimizers(["adamw,musgd", "musgd", "sgd"])] == ["adamw", "musgd", "sgd"]
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        parse_optimizers(["lion"])
+
+
+def test_schedule_warms_up_then_decays_to_zero():
+    values = [lr_multiplier(s, 100) for s in range(100)]
+    assert values[0] == pytest.approx(0.2) and max(values) == 1.0
+    assert values[5:] == sorted(values[5:], reverse=True) and values[-1] < 0.01
+
+
+def test_muon_contender_splits_matrices_from_adamw_params():
+    corpus = load_char_corpus(max_chars=5_000)
+    model = CharTransformer(corpus.vocab_size, block=8, dim=16, layers=1, heads=2)
+    opt = CONTENDERS["muon"].build(model, "chars", torch.float32)
+    by_muon = {g["use_muon"]: g for g in opt.param_groups}
+    assert set(by_muon[True]["param_names"]) == {
+        f"blocks.0.{name}.weight" for name in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
+    }
+    assert (
+        "tok_emb.weight" in by_muon[False]["param_names"] and "head.weight" in by_muon[False]["param_names"]
+    )
+    assert by_muon[False]["lr"] == CONTENDERS["muon"].hparams["chars"]["adamw_lr"]
+    assert [g["use_muon"] for g in param_groups(model)] == [True, False]
