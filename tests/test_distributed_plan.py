@@ -77,8 +77,6 @@ def test_shard_rows_match_torch_chunk(rows, world):
     assert shard_rows(rows, world) == chunks + [0] * (world - len(chunks))
 
 
-def test_bench_dist_is_a_subcommand():
-    args = build_parser().parse_args(
-        ["bench-dist", "--nproc", "3", "--mode", "fsdp", "--ns-dtype", "float32"]
-    )
-    assert (args.nproc, args.mode, args.ns_dtype) == (3, "fsdp", "float32")
+def test_bench_takes_nproc():
+    args = build_parser().parse_args(["bench", "--nproc", "3", "--dist-mode", "fsdp", "--ns-dtype", "float32"])
+    assert (args.nproc, args.dist_mode, args.ns_dtype) == (3, "fsdp", "float32")

@@ -1,4 +1,4 @@
-"""``fastmuon bench-dist``: how much Newton–Schulz work each rank does when ranks share it.
+"""``fastmuon bench --nproc N``: how much Newton–Schulz work each rank does when ranks share it.
 
 Spawns ``nproc`` processes (gloo on CPU, nccl on CUDA), each holding a model's parameters
 (from a bundled manifest: yolo26n..x) either replicated (``ddp``: every rank orthogonalises
@@ -11,7 +11,6 @@ same threads per process) for the speedup of NS work per rank.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -214,26 +213,6 @@ def _sync(device: torch.device) -> None:
 
 
 # ----- CLI ------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="yolo26n", help="bundled manifest name (yolo26n..x)")
-    p.add_argument("--nproc", type=int, default=2, help="number of ranks")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--ns-dtype", choices=sorted(DTYPES), default="bfloat16")
-    p.add_argument("--mode", choices=("ddp", "fsdp"), default="ddp", help="replicated or Shard(0) parameters")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--json", help="also write the figures to this file")
-
-
-def run(args: argparse.Namespace) -> int:
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    r = run_distributed_bench(args.model, args.nproc, device, DTYPES[args.ns_dtype], args.steps, args.mode)
-    print(format_table(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=2)
-    return 0
-
-
 def format_table(r: dict[str, Any]) -> str:
     lines = [
         f"{r['model']} MuSGD, {r['mode']}: {r['nproc']} ranks on {r['device']} ({r['backend']}), "

@@ -10,7 +10,6 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
     "train": ("fastmuon.train.cli", "MuSGD, Muon, SGD, AdamW trained on small models: losses, curves, time"),
-    "bench-dist": ("fastmuon.bench_distributed", "NS work per rank and bytes exchanged with N ranks"),
 }
 
 
