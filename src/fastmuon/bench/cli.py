@@ -186,8 +186,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_distributed(args: argparse.Namespace) -> int:
-    """``--nproc N``: spawn N ranks and report fastmuon's shared NS work (see bench_distributed)."""
-    from ..bench_distributed import format_table, run_distributed_bench
+    """``--nproc N``: spawn N ranks and report fastmuon's shared NS work (see fastmuon.bench.distributed)."""
+    from .distributed import format_table, run_distributed_bench
 
     ns_dtype = NS_DTYPES.get(args.ns_dtype, torch.bfloat16 if args.device == "cuda" else torch.float32)
     try:

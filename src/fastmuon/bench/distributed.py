@@ -93,7 +93,7 @@ def run_distributed_bench(
 
 
 def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
-    from . import MuSGD
+    from .. import MuSGD
 
     torch.set_num_threads(config["threads"])
     cuda = config["device"] == "cuda"
@@ -186,7 +186,7 @@ def _groups(manifest, params) -> list[dict[str, Any]]:
 
 def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
     """A plain (unshared) MuSGD on a copy of the workload, and the list its NS seconds go to."""
-    from . import MuSGD
+    from .. import MuSGD
 
     params, grads = _tensors(manifest, device)
     opt = MuSGD(_groups(manifest, params), ns_dtype=ns_dtype, **manifest["optimizer_kwargs"])
