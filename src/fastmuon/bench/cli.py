@@ -43,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
     p.add_argument(
+        "--cost-model",
+        choices=("device", "cpu", "cuda", "calibrate"),
+        default="device",
+        help="the planner's cost constants for policy=auto: the device's built-in ones, another "
+        "device type's (e.g. to see what auto picks for a GPU), or measured on this machine",
+    )
+    p.add_argument(
         "--ns-method",
         choices=("auto", "standard", "gram"),
         default="auto",
@@ -80,8 +87,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "NS time per rank, bytes exchanged, NS speedup per rank against every rank doing every matrix",
     )
     p.add_argument(
-        "--dist-mode", choices=("ddp", "fsdp"), default="ddp", help="with --nproc: replicated or Shard(0) params"
+        "--dist-mode",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="with --nproc: replicated or Shard(0) params",
     )
+
 
 def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Settings, str]:
     """The run's settings, and why its NS dtype was chosen."""
@@ -100,6 +111,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         ns_dtype=ns_dtype,
         policy=args.policy,
         ns_method=args.ns_method,
+        cost_model=args.cost_model,
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,
