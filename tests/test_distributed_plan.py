@@ -78,5 +78,7 @@ def test_shard_rows_match_torch_chunk(rows, world):
 
 
 def test_bench_takes_nproc():
-    args = build_parser().parse_args(["bench", "--nproc", "3", "--dist-mode", "fsdp", "--ns-dtype", "float32"])
+    args = build_parser().parse_args(
+        ["bench", "--nproc", "3", "--dist-mode", "fsdp", "--ns-dtype", "float32"]
+    )
     assert (args.nproc, args.dist_mode, args.ns_dtype) == (3, "fsdp", "float32")
