@@ -266,68 +266,80 @@ EXTREME_SHAPES = [(7, 12), (12, 5), (1, 9), (9, 1), (3, 3, 3, 3)]
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_huge_tiny_zero_and_rank_one_matrices(ns_dtype, dtype):
-    """1e30 and 1e-30 orthogonalise like their unit-scale twin (the norm neither overflows nor
-    underflows), zeros give exactly zero, rank-1 and 1×n / n×1 matrices give the reference."""
+    """1e30 orthogonalises like its unit-scale twin (the norm does not overflow); with eps=0, so
+    does 1e-30 (the norm does not underflow); zeros give exactly zero, rank-1 and 1×n / n×1
+    matrices give the reference."""
     gen = torch.Generator().manual_seed(7)
     base = [torch.randn(s, generator=gen) for s in EXTREME_SHAPES]
     base.append(torch.outer(torch.randn(6, generator=gen), torch.randn(10, generator=gen)))  # rank 1
-    tensors = [(b * scale).to(dtype) for scale in (1e30, 1e-30, 1.0) for b in base]
-    tensors.append(torch.zeros(6, 8, dtype=dtype))
-    outs = fastmuon.orthogonalize(tensors, dtype=ns_dtype, policy="min_launches")
-    assert all(torch.isfinite(o).all() for o in outs)
-    assert torch.count_nonzero(outs[-1]) == 0
     tol = dict(rtol=1e-4, atol=1e-5) if ns_dtype == torch.float32 and dtype == torch.float32 else None
-    for k, o in enumerate(outs[:-1]):
-        b = base[k % len(base)]
-        if k % len(base) == len(base) - 1 and not tol:
-            continue  # bf16 noise makes a rank-1 matrix full rank, and NS lifts that noise
-        expected = ns_reference(b.to(dtype).float().reshape(b.shape[0], -1)).reshape(b.shape)
-        if tol:
-            torch.testing.assert_close(o.float(), expected, **tol)
-        else:  # bf16 rounding: compare as a whole
-            err = torch.linalg.vector_norm(o.float() - expected) / torch.linalg.vector_norm(expected)
-            assert err < 0.05, (k, err)
+    for eps, scales in [(1e-7, (1e30, 1.0)), (0.0, (1e30, 1e-30, 1.0))]:
+        tensors = [(b * scale).to(dtype) for scale in scales for b in base]
+        tensors.append(torch.zeros(6, 8, dtype=dtype))
+        outs = fastmuon.orthogonalize(tensors, eps=eps, dtype=ns_dtype, policy="min_launches")
+        assert all(torch.isfinite(o).all() for o in outs)
+        assert torch.count_nonzero(outs[-1]) == 0
+        for k, o in enumerate(outs[:-1]):
+            b = base[k % len(base)]
+            if k % len(base) == len(base) - 1 and not tol:
+                continue  # bf16 noise makes a rank-1 matrix full rank, and NS lifts that noise
+            expected = ns_reference(b.to(dtype).float().reshape(b.shape[0], -1)).reshape(b.shape)
+            if tol:
+                torch.testing.assert_close(o.float(), expected, **tol)
+            else:  # bf16 rounding: compare as a whole
+                err = torch.linalg.vector_norm(o.float() - expected) / torch.linalg.vector_norm(expected)
+                assert err < 0.05, (k, err)
+
+
+def test_tiny_matrices_are_damped_by_eps_as_the_formula_says():
+    """X / (‖X‖ + eps) with ‖X‖ ≪ eps is ~X / eps: finite and tiny (pass eps=0 to avoid it)."""
+    X = torch.randn(5, 8) * 1e-30
+    out = fastmuon.newton_schulz(X, dtype=torch.float32)
+    assert torch.isfinite(out).all() and out.abs().max() < 1e-18
+    exact = ns_reference(X * 2.0**100, eps=1e-7 * 2.0**100)  # the same problem, scaled exactly
+    torch.testing.assert_close(out, exact, rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_safe_normalisation_is_bitwise_the_plain_formula_at_ordinary_scales(dtype):
-    """The overflow-safe prescale is an exact power of two: wherever max|x| >= 1 the result is
-    bit for bit ``X / (‖X‖ + eps)`` (so e.g. torch.optim.Muon's bf16 NS is matched exactly)."""
-    scales = torch.tensor([1.5, 3.0, 100.0]).view(-1, 1, 1)
-    X = (torch.randn(3, 6, 9) * scales).to(dtype)
+def test_safe_normalisation_is_bitwise_the_plain_formula(dtype):
+    """The overflow-safe prescale is an exact power of two: wherever the plain computation does
+    not overflow or underflow, the result is bit for bit ``X / (‖X‖ + eps)``."""
+    scales = torch.tensor([1e-3, 0.02, 1.5, 3.0, 100.0]).view(-1, 1, 1)
+    X = (torch.randn(5, 6, 9) * scales).to(dtype)
     plain = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + 1e-7)
     assert torch.equal(_normalize(X, 1e-7), plain)
     # Where the plain norm overflows (fp16 squares past 65504), the plain formula gives zeros.
-    big = (torch.randn(1, 6, 9) * 3e4).to(torch.float16)
+    big = (torch.randn(1, 6, 9).clamp(-4, 4) * 1e4).to(torch.float16)  # finite, norm is not
     assert torch.linalg.vector_norm(big).isinf()
     safe = _normalize(big, 1e-7).float()
     torch.testing.assert_close(torch.linalg.vector_norm(safe), torch.tensor(1.0), rtol=2e-3, atol=0)
 
 
 def test_ns_zero_matrix_gives_zero_not_nan():
-    for shape in [(4, 6), (3, 4, 6)]:
-        out = fastmuon.newton_schulz(torch.zeros(shape), dtype=torch.float32)
-        assert torch.equal(out, torch.zeros(shape))
+    for eps in (1e-7, 0.0):
+        for shape in [(4, 6), (3, 4, 6)]:
+            out = fastmuon.newton_schulz(torch.zeros(shape), eps=eps, dtype=torch.float32)
+            assert torch.equal(out, torch.zeros(shape))
 
 
 EXTREME_OPTIMIZERS = {  # Muon alone (sgd=0) so the orthogonalised part is what is checked
-    "musgd": lambda params: fastmuon.MuSGD(
-        params, lr=0.05, momentum=0.9, nesterov=True, muon=1.0, sgd=0.0, **F32
+    "musgd": lambda params, eps: fastmuon.MuSGD(
+        params, lr=0.05, momentum=0.9, nesterov=True, muon=1.0, sgd=0.0, eps=eps, **F32
     ),
-    "muon": lambda params: fastmuon.Muon(params, lr=0.02, weight_decay=0.1, **F32),
+    "muon": lambda params, eps: fastmuon.Muon(params, lr=0.02, weight_decay=0.1, eps=eps, **F32),
 }
 
 
 @pytest.mark.parametrize("kind", EXTREME_OPTIMIZERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_optimizer_steps_stay_finite_and_correct_at_extreme_scales(kind, dtype):
-    """From zero weights, a step moves each matrix by -lr·s·NS(g), whatever g's scale (and by
-    exactly nothing for a zero gradient); the reference gets the unit-scale gradient."""
+    """From zero weights, a step moves each matrix by -lr·s·NS(g) — for g of 1e30 as for unit g,
+    for 1e-30 too when eps=0 — and by exactly nothing for a zero gradient."""
     shapes = [(6, 4), (6, 4), (8, 3, 3, 3), (1, 7), (7, 1)]
     reference = reference_musgd_step if kind == "musgd" else reference_muon_step
-    for scale in (1e30, 1e-30, 0.0):
+    for scale, eps in [(1e30, 1e-7), (1e-30, 0.0), (0.0, 1e-7), (0.0, 0.0)]:
         params = [nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
-        opt = EXTREME_OPTIMIZERS[kind](params)
+        opt = EXTREME_OPTIMIZERS[kind](params, eps)
         grads = random_grads(params, 8)
         for p, g in zip(params, grads):
             p.grad = (g.float() * scale).to(dtype)
@@ -337,7 +349,7 @@ def test_optimizer_steps_stay_finite_and_correct_at_extreme_scales(kind, dtype):
             assert all(torch.count_nonzero(p) == 0 for p in params)  # no 0/0 anywhere
             continue
         expected = [torch.zeros(s) for s in shapes]
-        reference(expected, [g.float() for g in grads], {}, opt.param_groups[0])
+        reference(expected, [g.float() for g in grads], {}, {**opt.param_groups[0], "eps": 1e-7})
         for p, e in zip(params, expected):
             if dtype == torch.float32:
                 torch.testing.assert_close(p, e, rtol=1e-4, atol=1e-6)

@@ -12,12 +12,26 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .calibrate import calibrated_cost_model
+from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
-from .nonfinite import DEFAULT_NONFINITE, SkipGuard, check_mode, finite_flags, raise_if_nonfinite
+from .nonfinite import (
+    DEFAULT_NONFINITE,
+    SkipGuard,
+    agree_across_ranks,
+    check_mode,
+    finite_flags,
+    raise_if_nonfinite,
+)
 from .planner import POLICIES, CostModel, Plan, plan_buckets
 from .state import check_state_layout
 
 _PLAN_CACHE_SIZE = 4
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (a view: writing to it writes the DTensor), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
 
 #: ``(sources, params, configs) -> updates``: how a step hands its matrices to the engine.
 Orthogonalize = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[NSConfig]], list[Tensor]]
@@ -62,6 +76,7 @@ class MatrixOptimizer(Optimizer):
         max_bucket_bytes: int,
         cost_model,
         compile: bool,
+        process_group=None,
         nonfinite: str = DEFAULT_NONFINITE,
     ):
         if policy not in POLICIES:
@@ -78,6 +93,11 @@ class MatrixOptimizer(Optimizer):
         self._keep: dict[int, Tensor] | None = None  # id(param) -> finite flag, during a "skip" step
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
         self.last_plan: Plan | None = None
+        self.process_group = process_group  # DDP: ranks share the NS work (see distributed.py)
+        self.state_initialised = False
+        self._zero_grads: dict[Tensor, Tensor] = {}
+        self._global_of: dict[int, Tensor] = {}
+        self._sharded = False  # any FSDP2 DTensor parameter
         super().__init__(params, defaults)
 
     # ----- validation ---------------------------------------------------------------------
@@ -94,6 +114,7 @@ class MatrixOptimizer(Optimizer):
                     "parameters only (view it as real with torch.view_as_real and optimise that)"
                 )
         self._plans.clear()
+        self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
         check_nonnegative("learning rate (lr)", group["lr"], where)
@@ -134,6 +155,52 @@ class MatrixOptimizer(Optimizer):
         lr = group["lr"]
         return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
 
+    # ----- distributed steps (DDP process group, FSDP2 DTensors): see distributed.py -------
+    def grad_of(self, p: Tensor) -> Tensor | None:
+        """``p.grad``, or zeros when another rank has a gradient for ``p`` and this one has none."""
+        return p.grad if p.grad is not None else self._zero_grads.get(p)
+
+    def init_state(self) -> None:
+        """Create every parameter's state (zeros) now, as its first step would.
+
+        Distributed steps call it on the first step, so state dicts are rank-symmetric; call it
+        on a fresh optimizer before loading a ``torch.distributed.checkpoint`` into its state dict.
+        """
+        saved, self._zero_grads = self._zero_grads, {p: p for g in self.param_groups for p in g["params"]}
+        try:
+            self._collect()
+        finally:
+            self._zero_grads = saved
+        self.state_initialised = True
+
+    def begin_step(self) -> None:
+        """In a distributed run, agree with the other ranks on which parameters step."""
+        self._global_of = {}
+        if self.process_group is not None or self._sharded:
+            from .distributed import begin_step
+
+            self._zero_grads = begin_step(self)
+
+    def local_items(self, *item_lists):
+        """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
+        self._zero_grads = {}
+        if not self._sharded:
+            return item_lists
+        from .distributed import localize
+
+        for items in item_lists:
+            self._global_of.update(localize(self, items))
+        if self._global_of and not getattr(self, "foreach", True):
+            raise ValueError(
+                f"{type(self).__name__}(foreach=False) is the per-parameter reference path and cannot "
+                "orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
+            )
+        return item_lists
+
+    def global_param(self, p: Tensor) -> Tensor:
+        """The DTensor a local shard in this step belongs to (``p`` itself when not sharded)."""
+        return self._global_of.get(id(p), p)
+
     # ----- the batching plan --------------------------------------------------------------
     def orthogonalize(
         self,
@@ -143,9 +210,10 @@ class MatrixOptimizer(Optimizer):
     ) -> list[Tensor]:
         """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes."""
         policy = self.policy
+        keyed = [self.global_param(p) for p in params] if self._global_of else params
         key = (
             policy,
-            tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(params, configs)),
+            tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(keyed, configs)),
         )
         engine = self._plans.get(key)
         if engine is None:
@@ -156,10 +224,19 @@ class MatrixOptimizer(Optimizer):
         else:
             self._plans.move_to_end(key)
         self.last_plan = engine.plan
-        keep = None if self._keep is None else [self._keep[id(p)] for p in params]
-        return engine(sources, [p.dtype for p in params], keep=keep)
+        dtypes = [p.dtype for p in params]
+        if self._keep is None:
+            return engine(sources, dtypes)
+        keep = [self._keep[id(self.global_param(p))] for p in params]
+        if isinstance(engine, Orthogonalizer):
+            return engine(sources, dtypes, keep=keep)
+        return engine([torch.where(k, s, 0) for k, s in zip(keep, sources)], dtypes)  # distributed
 
     def _build(self, params, configs, policy) -> Orthogonalizer:
+        if self.process_group is not None or self._global_of:
+            from .distributed import build_distributed
+
+            return build_distributed(self, params, configs, policy)
         layouts = [TensorLayout.of(p) for p in params]
         specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
         cost_model = self.cost_model
@@ -178,18 +255,37 @@ class MatrixOptimizer(Optimizer):
     # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
     def guard_nonfinite(self) -> SkipGuard | None:
         """Call after the state buffers exist and before anything is written: raises ("raise"),
-        or returns the guard whose ``restore()`` undoes the step where gradients were bad ("skip")."""
+        or returns the guard whose ``restore()`` undoes the step where gradients were bad ("skip").
+
+        In a distributed run every rank must decide alike (a NaN may sit in one rank's shard
+        only), so the flags of all parameters are combined with one all-reduce (MIN)."""
         if self.nonfinite == "ignore":
             return None
-        owners = [(g, j) for g in self.param_groups for j, p in enumerate(g["params"]) if p.grad is not None]
+        distributed = self.process_group is not None or self._sharded
+        owners = [
+            (g, j)
+            for g in self.param_groups
+            for j, p in enumerate(g["params"])
+            if distributed or p.grad is not None
+        ]
         params = [g["params"][j] for g, j in owners]
-        grads = [p.grad for p in params]
-        if self.nonfinite == "raise":
+        grads = [_local(p.grad) if p.grad is not None else _local(p)[:0] for p in params]
+        if self.nonfinite == "raise" and not distributed:
             raise_if_nonfinite(grads, lambda k: self.param_name(*owners[k]))
             return None
         flags = finite_flags(grads)
+        if distributed and flags:
+            flags = list(agree_across_ranks(flags, self.process_group))
+        if self.nonfinite == "raise":
+            raise_if_nonfinite(flags, lambda k: self.param_name(*owners[k]), flags_given=True)
+            return None
         self._keep = {id(p): f for p, f in zip(params, flags)}
-        return SkipGuard(params, flags, [self.state[p] for p in params])
+        live = [k for k, p in enumerate(params) if p.grad is not None]
+        return SkipGuard(
+            [_local(params[k]) for k in live],
+            [flags[k] for k in live],
+            [{key: _local(v) for key, v in self.state[params[k]].items()} for k in live],
+        )
 
     def end_nonfinite(self, guard: SkipGuard | None) -> None:
         self._keep = None
@@ -217,5 +313,10 @@ class MatrixOptimizer(Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("_plans", OrderedDict())
         self.__dict__.setdefault("last_plan", None)
+        self.__dict__.setdefault("process_group", None)
+        self.__dict__.setdefault("state_initialised", False)
+        self.__dict__.setdefault("_zero_grads", {})
+        self.__dict__.setdefault("_global_of", {})
+        self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("nonfinite", DEFAULT_NONFINITE)
         self.__dict__.setdefault("_keep", None)

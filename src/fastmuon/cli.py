@@ -9,6 +9,7 @@ import sys
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
+    "accuracy": ("fastmuon.accuracy", "how well each NS variant orthogonalises (singular-value bands)"),
     "train": ("fastmuon.train.cli", "MuSGD, Muon, SGD, AdamW trained on small models: losses, curves, time"),
 }
 

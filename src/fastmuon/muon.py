@@ -46,6 +46,8 @@ class Muon(MatrixOptimizer):
     (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
     matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
     A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
+    ``process_group`` (DDP) splits the Newton–Schulz work between ranks; FSDP2 DTensor
+    parameters are detected without it (see :mod:`fastmuon.distributed`).
     ``nonfinite`` ("raise" by default, "skip" or "ignore") says what a NaN/Inf gradient does,
     as in :class:`~fastmuon.MuSGD`.
     """
@@ -71,6 +73,7 @@ class Muon(MatrixOptimizer):
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
         compile: bool = False,
+        process_group=None,
         nonfinite: str = DEFAULT_NONFINITE,
     ):
         defaults = dict(
@@ -95,6 +98,7 @@ class Muon(MatrixOptimizer):
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
             compile=compile,
+            process_group=process_group,
             nonfinite=nonfinite,
         )
 
@@ -133,15 +137,16 @@ class Muon(MatrixOptimizer):
             adjust = group["adjust_lr_fn"] or "original"
             adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
             for j, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = self.grad_of(p)
+                if grad is None:
                     continue
-                self.check_grad(group, j, p.grad)
+                self.check_grad(group, j, grad)
                 state = self.state[p]
                 if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
                     matrices.append(
                         MuonItem(
                             p,
-                            p.grad,
+                            grad,
                             state_buffer(state, "momentum_buffer", p),
                             group["momentum"],
                             group["nesterov"],
@@ -155,7 +160,7 @@ class Muon(MatrixOptimizer):
                     others.append(
                         AdamWItem(
                             p,
-                            p.grad,
+                            grad,
                             exp_avg,
                             exp_avg_sq,
                             step,
@@ -173,7 +178,8 @@ class Muon(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices, others = self._collect()
+        self.begin_step()
+        matrices, others = self.local_items(*self._collect())
         guard = self.guard_nonfinite()
         try:
             if self.foreach:

@@ -74,6 +74,8 @@ class MuSGD(MatrixOptimizer):
             once per bucket shape).
         max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
             built-in constants per device type; ``"calibrate"``: measured once on this machine).
+        process_group: with DDP (replicated parameters), each rank orthogonalises only its share
+            of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
         nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter), "skip"s that
             parameter for the step (weights and state untouched, no host sync) or is "ignore"d.
     """
@@ -99,6 +101,7 @@ class MuSGD(MatrixOptimizer):
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
         compile: bool = False,
+        process_group=None,
         nonfinite: str = DEFAULT_NONFINITE,
     ):
         defaults = dict(
@@ -123,6 +126,7 @@ class MuSGD(MatrixOptimizer):
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
             compile=compile,
+            process_group=process_group,
             nonfinite=nonfinite,
         )
 
@@ -143,16 +147,17 @@ class MuSGD(MatrixOptimizer):
             use_muon = group.get("use_muon")
             config = self.ns_config(group)
             for j, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = self.grad_of(p)
+                if grad is None:
                     continue
-                self.check_grad(group, j, p.grad)
+                self.check_grad(group, j, grad)
                 state = self.state[p]
                 muon_group = use_muon if use_muon is not None else p.ndim >= 2
                 if muon_group and p.ndim >= 2 and p.numel() > 0:
                     matrices.append(
                         MatrixItem(
                             p,
-                            p.grad,
+                            grad,
                             state_buffer(state, "momentum_buffer", p),
                             beta,
                             nesterov,
@@ -164,7 +169,7 @@ class MuSGD(MatrixOptimizer):
                 elementwise.append(
                     SGDItem(
                         p,
-                        p.grad,
+                        grad,
                         state_buffer(state, key, p),
                         beta,
                         nesterov,
@@ -180,7 +185,8 @@ class MuSGD(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        matrices, elementwise = self._collect()
+        self.begin_step()
+        matrices, elementwise = self.local_items(*self._collect())
         guard = self.guard_nonfinite()
         step_fn = _multi_tensor_musgd if self.foreach else _single_tensor_musgd
         try:

@@ -104,9 +104,9 @@ def newton_schulz(
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
 
-    Every matrix is first divided by its own Frobenius norm (+ ``eps``, taken after scaling the
-    largest entry to 1 so that huge or tiny matrices neither overflow nor vanish) so that its
-    spectral norm is at most 1, then iterated. Tall matrices are iterated on their transpose so the
+    Every matrix is first divided by its own Frobenius norm (+ ``eps``; computed so that huge
+    or tiny matrices neither overflow nor underflow) so that its spectral norm is at most 1,
+    then iterated. Tall matrices are iterated on their transpose so the
     Gram matrix ``X·Xᵀ`` is the small side. Zero-padded rows/columns stay exactly zero and do
     not change the norm, which is what lets the batched engine pad matrices into shared buckets.
     ``method="gram"`` runs the same iteration in Gram space (see :func:`_iterate_gram`).
@@ -132,16 +132,17 @@ def newton_schulz(
 def _normalize(X: Tensor, eps: float) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
-    The norm is taken of ``X / s``, ``s`` the power of two just below the largest |entry|, so it
-    can neither overflow (|x| ~ 1e30 squares past the fp32/bf16 range) nor underflow (|x| ~
-    1e-30). Scaling by a power of two is exact, so for ``s >= 1`` the result is bit for bit
-    ``X / (‖X‖ + eps)``; below, ``eps`` is taken relative to ``s``, so that a tiny matrix is
-    still orthogonalised instead of being divided by ``eps`` into nothing. Zero stays zero.
+    Computed as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest
+    |entry|: the same value, bit for bit (scaling by a power of two is exact), but the norm can
+    neither overflow (|x| ~ 1e30 squares past the fp32/bf16 range) nor underflow (|x| ~ 1e-30).
+    A matrix far below ``eps`` is damped towards zero, as the formula says; with ``eps=0`` NS
+    is scale invariant and a zero matrix still gives zero (not 0/0).
     """
     peak = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
     scale = _power_of_two_below(peak)
     X = X / scale
-    return X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps / scale.clamp_min(1.0))
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    return X / (norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny))
 
 
 _EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}

@@ -60,9 +60,25 @@ def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:
     return flags  # type: ignore[return-value]
 
 
-def raise_if_nonfinite(grads: Sequence[Tensor], name: Callable[[int], str]) -> None:
-    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per device)."""
-    groups = _finite_by_group(grads)
+def agree_across_ranks(flags: Sequence[Tensor], group: Any = None) -> Tensor:
+    """All ranks' flags combined (finite only where finite on every rank), one all-reduce."""
+    import torch.distributed as dist
+
+    ok = torch.stack([f.to(flags[0].device) for f in flags]).float()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    return ok > 0.5
+
+
+def raise_if_nonfinite(
+    grads: Sequence[Tensor], name: Callable[[int], str], *, flags_given: bool = False
+) -> None:
+    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per device).
+
+    With ``flags_given`` the first argument holds finished 0-d flags instead of gradients."""
+    if flags_given:
+        groups = [(list(range(len(grads))), torch.stack(list(grads)))] if grads else []
+    else:
+        groups = _finite_by_group(grads)
     by_device: dict[torch.device, list[Tensor]] = {}
     for _, ok in groups:
         by_device.setdefault(ok.device, []).append(ok)

@@ -150,8 +150,8 @@ def choose_method(
 
 
 def kernels_per_bucket(steps: int) -> int:
-    """Launches a bucket costs however many matrices it holds: normalise (6) plus 3 per step."""
-    return 6 + 3 * steps
+    """Launches a bucket costs however many matrices it holds: normalise (3) plus 3 per step."""
+    return 3 + 3 * steps
 
 
 @dataclass(frozen=True)

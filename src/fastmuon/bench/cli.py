@@ -43,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
     p.add_argument(
+        "--cost-model",
+        choices=("device", "cpu", "cuda", "calibrate"),
+        default="device",
+        help="the planner's cost constants for policy=auto: the device's built-in ones, another "
+        "device type's (e.g. to see what auto picks for a GPU), or measured on this machine",
+    )
+    p.add_argument(
         "--ns-method",
         choices=("auto", "standard", "gram"),
         default="auto",
@@ -72,6 +79,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="ranks (N > 1: the distributed benchmark of fastmuon MuSGD, gloo on CPU, NCCL on CUDA): "
+        "NS time per rank, bytes exchanged, NS speedup per rank against every rank doing every matrix",
+    )
+    p.add_argument(
+        "--dist-mode",
+        choices=("ddp", "fsdp"),
+        default="ddp",
+        help="with --nproc: replicated or Shard(0) params",
+    )
+
 
 def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Settings, str]:
     """The run's settings, and why its NS dtype was chosen."""
@@ -90,6 +111,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         ns_dtype=ns_dtype,
         policy=args.policy,
         ns_method=args.ns_method,
+        cost_model=args.cost_model,
         steps=args.steps,
         rounds=args.rounds,
         warmup=args.warmup,
@@ -123,6 +145,10 @@ def choose_threads(requested: int | None, load: float | None) -> tuple[int, str]
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.nproc > 1:
+        return _run_distributed(args)
+    if args.nproc < 1:
+        raise SystemExit(f"fastmuon bench: --nproc must be at least 1, got {args.nproc}")
     started = time.perf_counter()
     # other processes competing for the CPUs move CPU timings: the report shows how busy it was
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -168,4 +194,22 @@ def run(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(markdown(document, results))
     if args.plot and not write_plot(args.plot, document):
         return 1
+    return 0
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """``--nproc N``: spawn N ranks and report fastmuon's shared NS work (see fastmuon.bench.distributed)."""
+    from .distributed import format_table, run_distributed_bench
+
+    ns_dtype = NS_DTYPES.get(args.ns_dtype, torch.bfloat16 if args.device == "cuda" else torch.float32)
+    try:
+        figures = run_distributed_bench(
+            args.model, args.nproc, args.device, ns_dtype, args.steps or 5, args.dist_mode
+        )
+    except ValueError as e:
+        print(f"fastmuon bench: {e}", file=sys.stderr)
+        return 2
+    print(format_table(figures))
+    if args.json:
+        write_json(args.json, figures)
     return 0

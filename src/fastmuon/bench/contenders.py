@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from .. import Muon, MuSGD
 from ..compute import compute_dtype
-from ..planner import Plan, ns_flops
+from ..planner import COST_MODELS, Plan, ns_flops
 from ..reference import ReferenceMuon, ReferenceMuSGD
 from .manifest import Manifest
 
@@ -41,6 +41,7 @@ class Workbench:
     ns_dtype: torch.dtype
     policy: str
     ns_method: str = "auto"
+    cost_model: str = "device"
 
     def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
         """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own."""
@@ -151,7 +152,7 @@ def dtype_label(c: Contender) -> str:
 
 # ----- the contenders --------------------------------------------------------------------------
 def fastmuon_contender(wb: Workbench) -> Contender:
-    note = f"policy={wb.policy}, ns_method={wb.ns_method}"
+    note = f"policy={wb.policy}, ns_method={wb.ns_method}, cost_model={wb.cost_model}"
     return _ours(wb, MuSGD if wb.optimizer == "musgd" else Muon, "fastmuon", note)
 
 
@@ -162,7 +163,17 @@ def reference_contender(wb: Workbench) -> Contender:
 
 def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
-    opt = cls(wb.groups(), ns_dtype=wb.ns_dtype, policy=wb.policy, ns_method=wb.ns_method, **kwargs)
+    cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
+        wb.cost_model
+    )
+    opt = cls(
+        wb.groups(),
+        ns_dtype=wb.ns_dtype,
+        policy=wb.policy,
+        ns_method=wb.ns_method,
+        cost_model=cost_model,
+        **kwargs,
+    )
     if dropped:
         note += f"; ignored manifest kwargs {dropped}"
 

@@ -41,6 +41,7 @@ class Settings:
     ns_dtype: torch.dtype = torch.float32
     policy: str = "auto"
     ns_method: str = "auto"
+    cost_model: str = "device"
     steps: int | None = None  # None: as many as fit the budget, at most ``max_steps``
     rounds: int = 3
     warmup: int = 1
@@ -151,7 +152,14 @@ def run_benchmark(
     params = materialize(manifest, device, settings.seed)
     grads_before = [p.grad.clone() for p in params] if len(params) < 5000 else None
     wb = Workbench(
-        manifest, params, device, settings.optimizer, settings.ns_dtype, settings.policy, settings.ns_method
+        manifest,
+        params,
+        device,
+        settings.optimizer,
+        settings.ns_dtype,
+        settings.policy,
+        settings.ns_method,
+        settings.cost_model,
     )
     contenders, unavailable = build_contenders(wb)
     results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}

@@ -1,0 +1,233 @@
+"""``fastmuon bench --nproc N``: how much Newton–Schulz work each rank does when ranks share it.
+
+Spawns ``nproc`` processes (gloo on CPU, nccl on CUDA), each holding a model's parameters
+(from a bundled manifest: yolo26n..x) either replicated (``ddp``: every rank orthogonalises
+its share of the buckets and broadcasts the results) or sharded (``fsdp``: Shard(0) DTensors,
+matrices gathered to their owners and scattered back). Every rank reports the seconds its NS
+share took, the seconds and bytes of the exchange per step; then every rank times the step
+without sharing (every rank orthogonalising every matrix, as a plain Muon does under DDP,
+same threads per process) for the speedup of NS work per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from importlib import resources
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def load_manifest(model: str) -> dict[str, Any]:
+    """A bundled model manifest: ``params`` [{name, shape, group}], ``param_groups``, ``optimizer_kwargs``."""
+    path = resources.files("fastmuon").joinpath(f"models/{model}.json")
+    if not path.is_file():
+        raise ValueError(
+            f"unknown model {model!r}; bundled manifests: yolo26n, yolo26s, yolo26m, yolo26l, yolo26x"
+        )
+    return json.loads(path.read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_distributed_bench(
+    model: str = "yolo26n",
+    nproc: int = 2,
+    device: str = "cpu",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    steps: int = 5,
+    mode: str = "ddp",
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """Run the benchmark; returns its figures (times in seconds, medians over ``steps`` steps)."""
+    if mode not in ("ddp", "fsdp"):
+        raise ValueError(f"unknown mode {mode!r}; choose 'ddp' or 'fsdp'")
+    if nproc < 1 or steps < 1:
+        raise ValueError("nproc and steps must be >= 1")
+    if device == "cuda" and torch.cuda.device_count() < nproc:
+        raise ValueError(
+            f"--nproc {nproc} needs {nproc} GPUs (NCCL: one per rank); found {torch.cuda.device_count()}"
+        )
+    load_manifest(model)  # fail early on a bad name
+    threads = max(1, (os.cpu_count() or 1) // nproc) if device == "cpu" else 1
+    with tempfile.TemporaryDirectory() as out:
+        config = dict(
+            model=model, device=device, ns_dtype=str(ns_dtype).removeprefix("torch."), steps=steps,
+            warmup=warmup, mode=mode, threads=threads, port=_free_port(), out=out,
+        )  # fmt: skip
+        mp.start_processes(_worker, args=(nproc, config), nprocs=nproc, start_method="spawn")
+        ranks = []
+        for r in range(nproc):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                ranks.append(json.load(f))
+    single = max(r.pop("single_ns_seconds") for r in ranks)
+    slowest = max(r["ns_seconds"] for r in ranks)
+    return dict(
+        model=model,
+        mode=mode,
+        nproc=nproc,
+        device=device,
+        backend="nccl" if device == "cuda" else "gloo",
+        ns_dtype=config["ns_dtype"],
+        threads_per_rank=threads,
+        steps=steps,
+        single_process_ns_seconds=single,
+        ranks=ranks,
+        ns_speedup=single / slowest if slowest > 0 else float("nan"),
+        ideal_ns_speedup=1 / max(r["flop_share"] for r in ranks),
+        bytes_per_step=sum(r["bytes_received"] for r in ranks),
+    )
+
+
+def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
+    from .. import MuSGD
+
+    torch.set_num_threads(config["threads"])
+    cuda = config["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{config['port']}",
+        rank=rank,
+        world_size=world,
+        device_id=device if cuda else None,
+    )
+    try:
+        manifest = load_manifest(config["model"])
+        ns_dtype = DTYPES[config["ns_dtype"]]
+        params, grads = _tensors(manifest, device)
+        mesh = None
+        if config["mode"] == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            mesh = init_device_mesh(device.type, (world,))
+            params = [distribute_tensor(p, mesh, [Shard(0)]) for p in params]
+            grads = [distribute_tensor(g, mesh, [Shard(0)]) for g in grads]
+        opt = MuSGD(
+            _groups(manifest, params),
+            ns_dtype=ns_dtype,
+            process_group=dist.group.WORLD if mesh is None else None,
+            **manifest["optimizer_kwargs"],
+        )
+        for p, g in zip(params, grads):
+            p.grad = g
+        # The baseline: the same step without sharing (every rank orthogonalises every matrix, as
+        # a plain Muon under DDP does), interleaved step by step with the shared one so both see
+        # the same contention for cores.
+        unshared, unshared_ns = _unshared_optimizer(manifest, device, ns_dtype)
+        figures: dict[str, list[float]] = {k: [] for k in ("ns", "comm", "step", "sent", "received")}
+        for t in range(config["warmup"] + config["steps"]):
+            for engine in opt._plans.values():
+                engine.profile = True
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            step_seconds = time.perf_counter() - t0
+            dist.barrier()
+            unshared.step()
+            if t < config["warmup"]:
+                unshared_ns.clear()
+                continue
+            stats = next(iter(opt._plans.values())).stats
+            figures["step"].append(step_seconds)
+            figures["ns"].append(stats.ns_seconds)
+            figures["comm"].append(stats.comm_seconds)
+            figures["sent"].append(stats.bytes_sent)
+            figures["received"].append(stats.bytes_received)
+        stats = next(iter(opt._plans.values())).stats
+        result = dict(
+            rank=rank,
+            ns_seconds=statistics.median(figures["ns"]),
+            comm_seconds=statistics.median(figures["comm"]),
+            step_seconds=statistics.median(figures["step"]),
+            bytes_sent=int(statistics.median(figures["sent"])),
+            bytes_received=int(statistics.median(figures["received"])),
+            flop_share=stats.owned_flops / stats.total_flops,
+            single_ns_seconds=statistics.median(unshared_ns),
+        )
+        with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _tensors(manifest, device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters and gradients from the manifest's shapes, equal on every rank (fixed seed)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [(torch.randn(s["shape"], generator=gen) * 0.02).to(device) for s in manifest["params"]]
+    grads = [torch.randn(s["shape"], generator=gen).to(device) for s in manifest["params"]]
+    return params, grads
+
+
+def _groups(manifest, params) -> list[dict[str, Any]]:
+    groups = [dict(g, params=[]) for g in manifest["param_groups"]]
+    for p, spec in zip(params, manifest["params"]):
+        groups[spec["group"]]["params"].append(p)
+    return [g for g in groups if g["params"]]
+
+
+def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
+    """A plain (unshared) MuSGD on a copy of the workload, and the list its NS seconds go to."""
+    from .. import MuSGD
+
+    params, grads = _tensors(manifest, device)
+    opt = MuSGD(_groups(manifest, params), ns_dtype=ns_dtype, **manifest["optimizer_kwargs"])
+    for p, g in zip(params, grads):
+        p.grad = g
+    times: list[float] = []
+    inner = opt.orthogonalize
+
+    def timed(*args):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = inner(*args)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    opt.orthogonalize = timed  # the step looks the method up on the instance
+    return opt, times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----- CLI ------------------------------------------------------------------------------------
+def format_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"{r['model']} MuSGD, {r['mode']}: {r['nproc']} ranks on {r['device']} ({r['backend']}), "
+        f"ns_dtype={r['ns_dtype']}, {r['threads_per_rank']} thread(s) per rank, median of {r['steps']} steps",
+        f"{'rank':>4} {'NS share':>9} {'NS ms':>8} {'exchange ms':>12} {'step ms':>8} {'sent MB':>8} {'recv MB':>8}",
+    ]
+    for x in r["ranks"]:
+        lines.append(
+            f"{x['rank']:>4} {100 * x['flop_share']:>8.1f}% {1e3 * x['ns_seconds']:>8.2f} "
+            f"{1e3 * x['comm_seconds']:>12.2f} {1e3 * x['step_seconds']:>8.2f} "
+            f"{x['bytes_sent'] / 1e6:>8.3f} {x['bytes_received'] / 1e6:>8.3f}"
+        )
+    lines += [
+        f"unshared NS (every rank does every matrix): {1e3 * r['single_process_ns_seconds']:.2f} ms/step",
+        f"NS speedup per rank: {r['ns_speedup']:.2f}x (FLOP-balance bound {r['ideal_ns_speedup']:.2f}x); "
+        f"bytes communicated per step (all ranks receiving): {r['bytes_per_step'] / 1e6:.3f} MB",
+    ]
+    return "\n".join(lines)

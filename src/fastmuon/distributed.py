@@ -1,0 +1,492 @@
+"""Newton–Schulz across ranks: replicated parameters (DDP) and FSDP2-sharded ones (DTensor).
+
+With data parallelism every rank holds the same gradients, so a plain Muon orthogonalises every
+matrix world_size times. Here each rank runs NS only on its *share* of the plan's buckets —
+shares balanced by NS FLOPs, whole buckets where that balances, a bucket split by batch slots
+where it does not — and the results are exchanged with one broadcast per share of a bucket.
+The idea of an owner per matrix followed by an exchange is Keller Jordan's Muon (round-robin
+owners, then all_gather) and Dion's (one collective per same-shape group); the FLOP-balanced
+assignment of whole buckets is ours.
+
+Under FSDP2 (``fully_shard``, 1-D mesh, ``Shard(0)``) each rank holds a row block of every
+matrix, and NS needs whole matrices: one ``all_to_all`` brings every block to its matrix's
+owner, the owner orthogonalises its buckets, and a second ``all_to_all`` sends each rank its
+rows of the result (the gather-to-owner / scatter-back scheme of muon-fsdp2 and torchtitan,
+batched here to two collectives per step). Uneven shards (rows not divisible by the world
+size, empty shards) need no padding: every rank computes every block size from the shapes.
+
+Everything is ``torch.distributed``; the only assumption is that all ranks step the same set of
+parameters, which :func:`begin_step` enforces with one small all_reduce per step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .planner import CostModel, Member, Plan, plan_buckets
+
+if TYPE_CHECKING:
+    from ._base import MatrixOptimizer
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor, without importing DTensor support when nobody has."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+# ----- who orthogonalises what ----------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkUnit:
+    """Slots ``start:stop`` of bucket ``bucket``, orthogonalised by rank ``owner``."""
+
+    bucket: int
+    start: int
+    stop: int
+    flops: int
+    owner: int
+
+
+def assign_work(plan: Plan, world: int) -> list[WorkUnit]:
+    """Split the plan into per-rank shares of about equal NS FLOPs, in bucket order.
+
+    A bucket larger than an even share is cut by batch slots into near-equal pieces (each at
+    most one share), so one huge bucket cannot leave the other ranks idle; then the pieces go,
+    largest first, to the least-loaded rank (LPT). Pure and deterministic: every rank computes
+    the same assignment from the same plan without talking to the others.
+    """
+    steps = plan.steps
+    share = plan.flops() / max(world, 1)
+    pieces: list[tuple[int, int, int, int]] = []  # (bucket, start, stop, flops)
+    for b, bucket in enumerate(plan.buckets):
+        slots = bucket.shape[0]
+        per_slot = bucket.flops(steps) // slots
+        n = 1 if world == 1 or share <= 0 else min(slots, max(1, math.ceil(bucket.flops(steps) / share)))
+        bounds = [round(k * slots / n) for k in range(n + 1)]
+        pieces += [(b, lo, hi, per_slot * (hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+    load = [0] * world
+    owners: dict[tuple[int, int], int] = {}
+    for b, lo, _, flops in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        load[rank] += flops
+        owners[(b, lo)] = rank
+    return [WorkUnit(b, lo, hi, flops, owners[(b, lo)]) for b, lo, hi, flops in pieces]
+
+
+def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
+    """A plan holding only ``units``, one bucket each, over their members renumbered from 0.
+
+    Returns the plan and, for each new index, the matrix's index in ``plan``.
+    """
+    buckets, indices = [], []
+    for u in units:
+        bucket = plan.buckets[u.bucket]
+        members = []
+        for m in bucket.members[u.start : u.stop]:
+            members.append(Member(len(indices), m.slot - u.start, m.rows, m.cols, m.transposed))
+            indices.append(m.index)
+        shape = (u.stop - u.start, bucket.shape[1], bucket.shape[2])
+        buckets.append(replace(bucket, shape=shape, members=tuple(members)))
+    return Plan(tuple(buckets), len(indices), plan.policy, plan.steps, plan.max_bucket_bytes), indices
+
+
+@dataclass
+class CommStats:
+    """What the last step cost this rank: NS seconds, exchange seconds, bytes in and out."""
+
+    ns_seconds: float = 0.0
+    comm_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    owned_flops: int = 0
+    total_flops: int = 0
+
+
+class _Timer:
+    """Wall time of a region, synchronising CUDA first so queued kernels are counted (opt-in)."""
+
+    def __init__(self, enabled: bool, device: torch.device):
+        self.enabled, self.device = enabled, device
+
+    def now(self) -> float:
+        if not self.enabled:
+            return 0.0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+# ----- replicated parameters (DDP) ------------------------------------------------------------
+class ReplicatedOrthogonalizer:
+    """Each rank orthogonalises its units; one broadcast per unit hands the result to the rest.
+
+    Units are visited in one global order on every rank, so the collectives match: a rank
+    runs NS on a unit it owns and starts its broadcast at once (async), and posts receives for
+    the others, so the exchange of earlier units overlaps NS on later ones. A unit's results
+    travel as one flat buffer in the NS compute dtype (each matrix in its own memory order),
+    which every rank — owner included — casts to the parameters' dtype and views per matrix,
+    so all ranks apply bit-identical updates.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        layouts: Sequence[TensorLayout],
+        configs: dict[Hashable, NSConfig],
+        group: dist.ProcessGroup | None,
+        compile: bool = False,
+    ):
+        self.plan, self.layouts, self.group = plan, list(layouts), group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.units = assign_work(plan, self.world)
+        self._unit_members: list[list[int]] = []
+        self._engines: list[Orthogonalizer | None] = []  # one per owned unit, with its own buffers
+        for u in self.units:
+            unit_plan, members = sub_plan(plan, [u])
+            self._unit_members.append(members)
+            owned = u.owner == self.rank
+            engine = Orthogonalizer(unit_plan, [self.layouts[i] for i in members], configs, compile=compile)
+            self._engines.append(engine if owned else None)
+        self._src = [u.owner if group is None else dist.get_global_rank(group, u.owner) for u in self.units]
+        self.profile = False
+        owned_flops = sum(u.flops for u in self.units if u.owner == self.rank)
+        self.stats = CommStats(total_flops=plan.flops(), owned_flops=owned_flops)
+
+    def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+        device = sources[0].device
+        timer = _Timer(self.profile, device)
+        start = timer.now()
+        ns_seconds = 0.0
+        flats, works = [], []
+        sent = received = 0
+        for unit, members, src, engine in zip(self.units, self._unit_members, self._src, self._engines):
+            dtype = self.plan.buckets[unit.bucket].dtype
+            if engine is not None:
+                t0 = timer.now()
+                outs = engine([sources[i] for i in members], [dtype] * len(members))
+                ns_seconds += timer.now() - t0
+                flat = torch.cat([_memory_order(o, self.layouts[i]) for o, i in zip(outs, members)])
+                sent += flat.numel() * flat.element_size() * (self.world - 1)
+            else:
+                numel = sum(math.prod(self.layouts[i].shape) for i in members)
+                flat = torch.empty(numel, dtype=dtype, device=device)
+                received += flat.numel() * flat.element_size()
+            works.append(dist.broadcast(flat, src=src, group=self.group, async_op=True))
+            flats.append(flat)
+        for w in works:
+            w.wait()
+        results: list[Tensor | None] = [None] * len(sources)
+        for flat, members in zip(flats, self._unit_members):
+            _views(flat, members, self.layouts, out_dtypes, results)
+        total = timer.now() - start
+        self.stats.ns_seconds, self.stats.comm_seconds = ns_seconds, total - ns_seconds
+        self.stats.bytes_sent, self.stats.bytes_received = sent, received
+        return results  # type: ignore[return-value]
+
+
+def _memory_order(t: Tensor, layout: TensorLayout) -> Tensor:
+    """``t`` (with ``layout``'s strides) flattened in memory order: a view, no copy."""
+    return t.permute(layout.perm).reshape(-1)
+
+
+def _views(flat: Tensor, members, layouts, out_dtypes, results: list) -> None:
+    """Split a unit's flat buffer back into per-matrix tensors with their layouts' strides."""
+    by_dtype: dict[torch.dtype, Tensor] = {}
+    offset = 0
+    for i in members:
+        dtype = out_dtypes[i]
+        cast = by_dtype.get(dtype)
+        if cast is None:
+            cast = by_dtype[dtype] = flat if flat.dtype == dtype else flat.to(dtype)
+        layout = layouts[i]
+        results[i] = torch.as_strided(cast, layout.shape, layout.stride, offset)
+        offset += math.prod(layout.shape)
+
+
+# ----- FSDP2 shards (DTensor, Shard(0) on a 1-D mesh) ----------------------------------------
+def _contiguous_layout(shape: Sequence[int]) -> TensorLayout:
+    """The layout of a whole matrix as the owner assembles it: contiguous."""
+    return TensorLayout.of(torch.empty(tuple(shape), device="meta"))
+
+
+def shard_rows(rows: int, world: int) -> list[int]:
+    """Rows each rank holds under ``Shard(0)``: ``torch.chunk`` sizes, trailing ranks maybe empty."""
+    chunk = math.ceil(rows / world) if rows else 0
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
+
+
+class ShardedOrthogonalizer:
+    """Gather each matrix to its owner, orthogonalise there in buckets, scatter the rows back.
+
+    Two ``all_to_all_single`` calls per NS dtype and step: the first sends every rank's row
+    blocks to the owners (cast to NS dtype on the way, as the single-process engine casts when
+    packing), the second sends every rank its rows of each result. Sizes are exact, so uneven
+    and empty shards cost nothing extra.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        shapes: Sequence[tuple[int, ...]],
+        configs: dict[Hashable, NSConfig],
+        group: dist.ProcessGroup,
+        compile: bool = False,
+    ):
+        self.plan, self.shapes, self.group = plan, [tuple(s) for s in shapes], group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.units = assign_work(plan, self.world)
+        layouts = [_contiguous_layout(s) for s in self.shapes]
+        owned = [u for u in self.units if u.owner == self.rank]
+        # one engine per NS dtype (each dtype is exchanged apart), over this rank's units
+        self._local: dict[torch.dtype, Orthogonalizer] = {}
+        for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
+            local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
+            self._local[dtype] = Orthogonalizer(
+                local_plan, [layouts[i] for i in index], configs, compile=compile
+            )
+        self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
+        self._cols = [math.prod(s[1:]) for s in self.shapes]
+        self._row_starts = [[sum(rows[:r]) for r in range(self.world)] for rows in self._rows]
+        # per NS dtype: the matrices each rank owns, in unit and slot order
+        self._order: dict[torch.dtype, list[list[int]]] = {}
+        for u in self.units:
+            bucket = plan.buckets[u.bucket]
+            order = self._order.setdefault(bucket.dtype, [[] for _ in range(self.world)])
+            order[u.owner] += [m.index for m in bucket.members[u.start : u.stop]]
+        # per NS dtype, element counts: this rank's blocks for each owner, and the blocks each
+        # rank sends this one as owner. The scatter sends back exactly what the gather brought.
+        me, world = self.rank, self.world
+        self._sizes: dict[torch.dtype, tuple[list[int], list[int]]] = {}
+        for dtype, order in self._order.items():
+            mine_to_owner = [sum(self._block(i, me) for i in order[o]) for o in range(world)]
+            theirs_to_me = [sum(self._block(i, r) for i in order[me]) for r in range(world)]
+            self._sizes[dtype] = (mine_to_owner, theirs_to_me)
+        self.profile = False
+        self.stats = CommStats(total_flops=plan.flops(), owned_flops=sum(u.flops for u in owned))
+
+    def _block(self, i: int, rank: int) -> int:
+        return self._rows[i][rank] * self._cols[i]
+
+    def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+        """``sources`` are this rank's row blocks; so are the results (in ``out_dtypes``)."""
+        device = sources[0].device
+        timer = _Timer(self.profile, device)
+        results: list[Tensor | None] = [None] * len(sources)
+        stats = CommStats(total_flops=self.stats.total_flops, owned_flops=self.stats.owned_flops)
+        me, world = self.rank, self.world
+        for dtype, order in self._order.items():
+            item = torch.empty((), dtype=dtype).element_size()
+            t0 = timer.now()
+            # 1. every rank's row blocks to the owners, cast to NS dtype on the way
+            to_owner, from_rank = self._sizes[dtype]
+            send = torch.empty(sum(to_owner), dtype=dtype, device=device)
+            blocks = [sources[i].reshape(-1) for o in range(world) for i in order[o]]
+            if blocks:
+                torch.cat(blocks, out=send)
+            recv = torch.empty(sum(from_rank), dtype=dtype, device=device)
+            dist.all_to_all_single(recv, send, from_rank, to_owner, group=self.group)
+            t1 = timer.now()
+            # 2. whole matrices on the owner, NS over its buckets
+            full = self._assemble(recv, from_rank, order[me])
+            owned = self._local[dtype](full, [dtype] * len(full)) if full else []
+            t2 = timer.now()
+            # 3. every rank's rows of each result back to it
+            to_rank, from_owner = from_rank, to_owner
+            send = torch.empty(sum(to_rank), dtype=dtype, device=device)
+            rows = [
+                out.reshape(out.shape[0], -1).narrow(0, self._row_starts[i][d], self._rows[i][d]).reshape(-1)
+                for d in range(world)
+                for i, out in zip(order[me], owned)
+            ]
+            if rows:
+                torch.cat(rows, out=send)
+            recv = torch.empty(sum(from_owner), dtype=dtype, device=device)
+            dist.all_to_all_single(recv, send, from_owner, to_rank, group=self.group)
+            casts: dict[torch.dtype, Tensor] = {}
+            offset = 0
+            for s in range(world):
+                for i in order[s]:
+                    out_dtype = out_dtypes[i]
+                    if out_dtype not in casts:
+                        casts[out_dtype] = recv if recv.dtype == out_dtype else recv.to(out_dtype)
+                    size = self._block(i, me)
+                    results[i] = casts[out_dtype][offset : offset + size].view(
+                        self._rows[i][me], *self.shapes[i][1:]
+                    )
+                    offset += size
+            t3 = timer.now()
+            stats.ns_seconds += t2 - t1
+            stats.comm_seconds += (t1 - t0) + (t3 - t2)
+            stats.bytes_sent += item * (sum(to_owner) - to_owner[me] + sum(to_rank) - to_rank[me])
+            stats.bytes_received += item * (sum(from_rank) - from_rank[me] + sum(from_owner) - from_owner[me])
+        self.stats = stats
+        return results  # type: ignore[return-value]
+
+    def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
+        """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes."""
+        chunks = list(recv.split(recv_sizes))
+        offsets = [0] * self.world
+        full: list[Tensor] = []
+        k = 0
+        while k < len(owned):
+            shape = self.shapes[owned[k]]
+            end = k
+            while end < len(owned) and self.shapes[owned[end]] == shape:
+                end += 1
+            count, rows, cols = end - k, self._rows[owned[k]], self._cols[owned[k]]
+            blocks = []
+            for s in range(self.world):
+                size = count * rows[s] * cols
+                blocks.append(chunks[s][offsets[s] : offsets[s] + size].view(count, rows[s], cols))
+                offsets[s] += size
+            run = torch.cat(blocks, dim=1)
+            full += [run[j].view(shape) for j in range(count)]
+            k = end
+        return full
+
+
+# ----- the optimizer side: building, agreeing, localising ------------------------------------
+def build_distributed(
+    opt: MatrixOptimizer, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str
+):
+    """The orthogonalizer for a step's matrices: sharded if they are DTensors, else replicated."""
+    sharded = [is_dtensor(opt.global_param(p)) for p in params]
+    if any(sharded) and not all(sharded):
+        raise ValueError(
+            "some matrix parameters are FSDP2 DTensors and some are plain tensors; "
+            f"{type(opt).__name__} needs all of them sharded (apply fully_shard to the root module too)"
+        )
+    if all(sharded) and params:
+        globals_ = [opt.global_param(p) for p in params]
+        group = _mesh_group(opt, globals_)
+        shapes = [tuple(g.shape) for g in globals_]
+        # the planner sees each matrix whole; its device and dtype are the local shard's
+        specs = [
+            matrix_spec(torch.empty(0, dtype=p.dtype, device=p.device), c, _contiguous_layout(shape))
+            for p, c, shape in zip(params, configs, shapes)
+        ]
+        plan = _plan(opt, specs, configs, policy, group)
+        configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+        return ShardedOrthogonalizer(plan, shapes, configs_by_key, group, compile=opt.compile)
+    layouts = [TensorLayout.of(p) for p in params]
+    specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+    plan = _plan(opt, specs, configs, policy, opt.process_group)
+    configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+    return ReplicatedOrthogonalizer(plan, layouts, configs_by_key, opt.process_group, compile=opt.compile)
+
+
+def _plan(opt, specs, configs, policy, group) -> Plan:
+    """The plan every rank builds alike; a calibrated cost model is rank 0's, sent to all."""
+    cost_model = opt.cost_model
+    if cost_model == "calibrate" and specs:
+        from .calibrate import calibrated_cost_model
+
+        box = [calibrated_cost_model(specs[0].device, {s.dtype for s in specs})]
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        dist.broadcast_object_list(box, src=src, group=group)
+        cost_model = box[0]
+    return plan_buckets(
+        specs,
+        policy=policy,
+        steps=max((c.steps for c in configs), default=5),
+        max_bucket_bytes=opt.max_bucket_bytes,
+        cost_model=cost_model if isinstance(cost_model, CostModel) else None,
+    )
+
+
+def _mesh_group(opt: MatrixOptimizer, dtensors: Sequence[Any]) -> dist.ProcessGroup:
+    from torch.distributed.tensor import Shard
+
+    mesh = dtensors[0].device_mesh
+    for group in opt.param_groups:
+        for j, p in enumerate(group["params"]):
+            if not is_dtensor(p):
+                continue
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise ValueError(
+                    f"{opt.param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
+                    f"on a {p.device_mesh.ndim}-D mesh; {type(opt).__name__} supports FSDP2's "
+                    "Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP)"
+                )
+            if p.device_mesh != mesh:
+                raise ValueError(
+                    f"{opt.param_name(group, j)} lives on another device mesh than the first "
+                    "sharded parameter; shard all parameters over one mesh"
+                )
+    return mesh.get_group()
+
+
+def step_group(opt: MatrixOptimizer) -> dist.ProcessGroup | None:
+    """The group the ranks agree on: the DTensors' mesh if any, else the optimizer's process group."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if is_dtensor(p):
+                return p.device_mesh.get_group()
+    return opt.process_group
+
+
+def begin_step(opt: MatrixOptimizer) -> dict[Tensor, Tensor]:
+    """Agree across ranks on which parameters step; returns zero gradients for the missing ones.
+
+    A parameter steps on every rank if any rank has a gradient for it (a rank without one
+    treats it as zero), so all ranks build the same plan and issue the same collectives.
+    On the first step every parameter's state is created (zeros), so state dicts are
+    rank-symmetric and a checkpoint holds every parameter even if some never had a gradient.
+    """
+    if not opt.state_initialised:
+        opt.init_state()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not params:
+        return {}
+    group = step_group(opt)
+    device = _local(params[0]).device
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    zeros = {}
+    for p, anywhere in zip(params, has.tolist()):
+        if anywhere and p.grad is None:
+            zeros[p] = torch.zeros_like(p)
+    return zeros
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def localize(opt: MatrixOptimizer, items: Sequence[Any]) -> dict[int, Any]:
+    """Swap every DTensor field of the step's items for its local shard, in place.
+
+    The elementwise maths is then plain foreach work on local tensors (DTensor dispatch per op
+    would cost more than the maths). Returns ``{id(local param): DTensor}`` so the NS step can
+    find each matrix's global shape.
+    """
+    global_of: dict[int, Any] = {}
+    for item in items:
+        param = getattr(item, "param", None)
+        for f in fields(item):
+            value = getattr(item, f.name)
+            if not is_dtensor(value):
+                continue
+            if f.name == "grad" and tuple(value.placements) != tuple(param.placements):
+                raise ValueError(
+                    f"a gradient has placements {tuple(value.placements)} but its parameter "
+                    f"{tuple(param.placements)}; {type(opt).__name__} needs gradients sharded "
+                    "like their parameters (as FSDP2 leaves them after backward)"
+                )
+            local = value.to_local()
+            if f.name == "param":
+                global_of[id(local)] = value
+            setattr(item, f.name, local)
+    return global_of

@@ -1,0 +1,380 @@
+"""One rank of the distributed tests (gloo on CPU); ``test_distributed.py`` launches a world of them.
+
+Each world runs every check in turn, so the seconds a torch process takes to start are paid
+once per rank: DDP equivalence (MuSGD and Muon), a parameter some ranks have no gradient for,
+FSDP2 equivalence (uneven and empty shards), and a torch.distributed.checkpoint round trip.
+Distributed results are compared with fastmuon run on one process (exact or within fp32
+rounding) and with the plain per-parameter references in ``reference_impl.py`` (rel. 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
+from torch import nn
+
+import fastmuon
+
+F32 = torch.float32
+MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
+MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+
+
+def log(msg: str) -> None:
+    print(f"[rank {dist.get_rank()}] {msg}", flush=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_close(name: str, got, want) -> bool:
+    """fp32 agreement with the single-process result; returns whether it is bitwise.
+
+    A bucket split between ranks runs as smaller batches whose matrices sit at other memory
+    offsets, and the CPU GEMM may round those differently by an ulp, which NS amplifies a
+    little: hence relative error 1e-6, far below the 1e-5 the batched engine meets against the
+    per-parameter reference.
+    """
+    got, want = list(got), list(want)
+    bitwise = all(torch.equal(g, w) for g, w in zip(got, want))
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape, f"{name}: parameter {k} has shape {tuple(g.shape)}, want {tuple(w.shape)}"
+        err = rel_err(g, w)
+        assert err <= 1e-6, f"{name}: parameter {k} differs from one process by {err:.2e}"
+    return bitwise
+
+
+def check_reference(name: str, got, want) -> None:
+    for k, (g, w) in enumerate(zip(got, want)):
+        err = rel_err(g, w)
+        assert err <= 1e-5, f"{name}: parameter {k} differs from the per-parameter reference by {err:.2e}"
+
+
+# ----- replicated parameters (DDP) ------------------------------------------------------------
+def ddp_shapes() -> list[tuple]:
+    """Many equal shapes (big buckets that get split across ranks), tall, wide, convs, vectors."""
+    return (
+        [(16, 16, 3, 3)] * 5
+        + [(32, 16, 1, 1)] * 3
+        + [(8, 24), (40, 12), (1, 9), (12, 1, 3, 3), (24, 8, 3, 3)]
+        + [(16,), (32,), (5,)]
+    )
+
+
+def make_params(shapes, seed: int, channels_last_index: int | None = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for k, s in enumerate(shapes):
+        p = torch.randn(s, generator=g) * 0.1
+        if k == channels_last_index and p.ndim == 4:
+            p = p.contiguous(memory_format=torch.channels_last)
+        params.append(p.requires_grad_())
+    return params
+
+
+def set_grads(params, seed: int) -> None:
+    """Fresh gradients, in each parameter's memory format, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+
+
+def run_steps(opt_cls, params, kwargs, steps: int, group, grads_seed: int):
+    opt = opt_cls(params, ns_dtype=F32, process_group=group, **kwargs)
+    for t in range(steps):
+        set_grads(params, grads_seed + t)
+        opt.step()
+    return opt
+
+
+def check_ddp(group) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shapes = ddp_shapes()
+    for opt_cls, kwargs, ref in ((fastmuon.MuSGD, MUSGD_KW, "musgd"), (fastmuon.Muon, MUON_KW, "muon")):
+        dist_params = make_params(shapes, 1)
+        local_params = make_params(shapes, 1)
+        opt = run_steps(opt_cls, dist_params, kwargs, 3, group, 100)
+        run_steps(opt_cls, local_params, kwargs, 3, None, 100)
+        bitwise = check_close(f"DDP {opt_cls.__name__}", dist_params, local_params)
+        # against the plain per-parameter formulas
+        ref_params = [p.detach().clone() for p in make_params(shapes, 1)]
+        states = [{} for _ in ref_params]
+        for t in range(3):
+            set_grads(ref_params, 100 + t)
+            for p, st in zip(ref_params, states):
+                with torch.no_grad():
+                    if ref == "musgd":
+                        musgd_reference_step(p, p.grad, st, use_muon=None, **kwargs)
+                    elif p.ndim >= 2:
+                        muon_reference_step(p, p.grad, st, **kwargs)
+                    else:
+                        adamw_reference_step(
+                            p, p.grad, st, lr=kwargs["lr"], weight_decay=kwargs["weight_decay"]
+                        )
+        check_reference(f"DDP {opt_cls.__name__}", [p.detach() for p in dist_params], ref_params)
+        # every rank ran a share of the NS FLOPs, and the shares add up to the whole plan
+        engine = next(iter(opt._plans.values()))
+        owned = torch.tensor([engine.stats.owned_flops], dtype=torch.float64)
+        shares = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(shares, owned, group=group)
+        total = sum(s.item() for s in shares)
+        assert total == engine.stats.total_flops, (total, engine.stats.total_flops)
+        assert min(s.item() for s in shares) > 0, f"a rank got no NS work: {shares}"
+        if rank == 0:
+            log(
+                f"DDP {opt_cls.__name__}: equal to one process (bitwise={bitwise}); NS FLOP shares "
+                f"{[round(s.item() / total, 3) for s in shares]}"
+            )
+
+
+def check_missing_grads(group) -> None:
+    """Rank 0 has gradients some ranks lack; every rank must step the same set of parameters."""
+    rank = dist.get_rank()
+    shapes = [(6, 4), (6, 4), (4, 6), (7,)]
+    params = make_params(shapes, 3, None)
+    groups = [dict(params=params[:3], use_muon=True), dict(params=params[3:], use_muon=False)]
+    # a cost model calibrated per rank could differ between ranks: the plan must still agree
+    opt = fastmuon.MuSGD(groups, ns_dtype=F32, process_group=group, cost_model="calibrate", **MUSGD_KW)
+    local = make_params(shapes, 3, None)
+    lgroups = [dict(params=local[:3], use_muon=True), dict(params=local[3:], use_muon=False)]
+    local_opt = fastmuon.MuSGD(lgroups, ns_dtype=F32, **MUSGD_KW)
+    for t in range(2):
+        set_grads(params, 7 + t)
+        set_grads(local, 7 + t)
+        # params[1]: no rank has a gradient; params[2]: only rank 0 has one, and it is zero;
+        # params[3] (SGD): only rank 0 has its gradient, the other ranks step it as zero.
+        params[1].grad = local[1].grad = None
+        params[2].grad = torch.zeros_like(params[2]) if rank == 0 else None
+        local[2].grad = torch.zeros_like(local[2])
+        if rank != 0:
+            params[3].grad = None
+            local[3].grad = torch.zeros_like(local[3])
+        opt.step()
+        local_opt.step()
+    check_close("missing gradients", params, local)
+    assert torch.equal(params[1], make_params(shapes, 3, None)[1]), "a parameter without gradients moved"
+    assert all(len(opt.state[p]) > 0 for p in params), "state missing for a parameter (eager init)"
+    if rank == 0:
+        log("missing gradients: same plan on every rank, zeros where a rank has no gradient")
+
+
+# ----- FSDP2 ------------------------------------------------------------------------------------
+class TinyNet(nn.Module):
+    """Convs and linears with row counts that do not divide by 2 or 3, and a 1-row head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 5, 3, padding=1)
+        self.conv2 = nn.Conv2d(5, 7, 3, padding=1)
+        self.conv3 = nn.Conv2d(7, 7, 3, padding=1)
+        self.fc1 = nn.Linear(7, 11)
+        self.fc2 = nn.Linear(11, 11)
+        self.head = nn.Linear(11, 1)
+        self.unused = nn.Linear(4, 5)  # never called: no rank ever has its gradient
+
+    def forward(self, x):
+        x = torch.relu(self.conv1(x))
+        x = torch.relu(self.conv2(x))
+        x = torch.relu(self.conv3(x)).mean(dim=(2, 3))
+        return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1000 + step))
+
+
+def sharded_net(seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    net = TinyNet()
+    twin = copy.deepcopy(net)
+    for m in (net.conv1, net.conv2, net.fc1):
+        fully_shard(m)
+    fully_shard(net)
+    return net, twin
+
+
+def fsdp_step(net, opt, step: int) -> list[torch.Tensor]:
+    """One training step; returns the full gradients it used (for the one-process twin)."""
+    opt.zero_grad()
+    net(batch(step)).square().mean().backward()
+    grads = [None if p.grad is None else p.grad.full_tensor() for p in net.parameters()]
+    opt.step()
+    return grads
+
+
+def check_fsdp(workdir: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    for opt_cls, kwargs in ((fastmuon.MuSGD, MUSGD_KW), (fastmuon.Muon, MUON_KW)):
+        net, twin = sharded_net(5)
+        opt = opt_cls(fastmuon.param_groups(net), ns_dtype=F32, **kwargs)
+        twin_opt = opt_cls(fastmuon.param_groups(twin), ns_dtype=F32, **kwargs)
+        for t in range(3):
+            grads = fsdp_step(net, opt, t)
+            for p, g in zip(twin.parameters(), grads):
+                p.grad = g
+            twin_opt.step()
+        full = [p.full_tensor() for p in net.parameters()]
+        bitwise = check_close(f"FSDP2 {opt_cls.__name__}", full, [p.detach() for p in twin.parameters()])
+        assert torch.equal(full[-2], TinyNet_init(5).unused.weight), "unused parameter moved"
+        # state dicts are rank-symmetric and hold every parameter (the unused one too)
+        sd = opt.state_dict()
+        keys = sorted((k, tuple(sorted(v))) for k, v in sd["state"].items())
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, keys)
+        assert all(k == keys for k in every), "optimizer state differs in structure between ranks"
+        assert len(keys) == len(list(net.parameters())), "state missing for some parameters"
+        if rank == 0:
+            log(f"FSDP2 {opt_cls.__name__}: equal to one process (bitwise={bitwise}); state symmetric")
+
+        # checkpoint after 3 steps, run 2 more; a fresh run resumed from the checkpoint must match
+        path = os.path.join(workdir, f"ckpt_{opt_cls.__name__}")
+        dcp.save({"model": net.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+        for t in range(3, 5):
+            fsdp_step(net, opt, t)
+        expected = [p.full_tensor() for p in net.parameters()]
+        net2, _ = sharded_net(99)  # different weights: all must come from the checkpoint
+        opt2 = opt_cls(fastmuon.param_groups(net2), ns_dtype=F32, **kwargs)
+        opt2.init_state()
+        state = {"model": net2.state_dict(), "optim": opt2.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        net2.load_state_dict(state["model"])
+        opt2.load_state_dict(state["optim"])
+        for t in range(3, 5):
+            fsdp_step(net2, opt2, t)
+        resumed = [p.full_tensor() for p in net2.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(resumed, expected)), "resume differs"
+        if rank == 0:
+            log(f"FSDP2 {opt_cls.__name__}: checkpoint save/load/resume identical")
+
+
+def check_state_dict_api(workdir: str) -> None:
+    """torch's get/set_optimizer_state_dict (FQN keys) with dcp: a fresh optimizer resumes exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    path = os.path.join(workdir, "ckpt_fqn")
+    net, _ = sharded_net(5)
+    opt = fastmuon.MuSGD(fastmuon.param_groups(net), ns_dtype=F32, **MUSGD_KW)
+    twin, _ = sharded_net(5)
+    twin_opt = fastmuon.MuSGD(fastmuon.param_groups(twin), ns_dtype=F32, **MUSGD_KW)
+    for t in range(2):
+        fsdp_step(net, opt, t)
+        fsdp_step(twin, twin_opt, t)
+    dcp.save({"optim": get_optimizer_state_dict(net, opt)}, checkpoint_id=path)
+    for t in range(2, 4):
+        fsdp_step(net, opt, t)
+    # a fresh optimizer on the twin (same weights): torch initialises its state with a zero step
+    twin.zero_grad(set_to_none=True)
+    fresh = fastmuon.MuSGD(fastmuon.param_groups(twin), ns_dtype=F32, **MUSGD_KW)
+    state = {"optim": get_optimizer_state_dict(twin, fresh)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(twin, fresh, state["optim"])
+    for t in range(2, 4):
+        fsdp_step(twin, fresh, t)
+    same = all(
+        torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(net.parameters(), twin.parameters())
+    )
+    assert same, "resume through get/set_optimizer_state_dict differs"
+    if dist.get_rank() == 0:
+        log("FSDP2 MuSGD: get/set_optimizer_state_dict + dcp resume identical")
+
+
+def TinyNet_init(seed: int) -> TinyNet:  # noqa: N802 - the initial weights of sharded_net(seed)
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def split_by_ns_dtype(groups):
+    """Linear weights orthogonalised in float64, convs in float32: two NS dtypes, two exchanges."""
+    out = []
+    for g in groups:
+        g = {k: v for k, v in g.items() if k != "param_names"}
+        if not g["use_muon"]:
+            out.append(g)
+            continue
+        convs = [p for p in g["params"] if p.ndim == 4]
+        out.append(dict(params=convs, use_muon=True, ns_dtype=F32))
+        out.append(
+            dict(params=[p for p in g["params"] if p.ndim != 4], use_muon=True, ns_dtype=torch.float64)
+        )
+    return out
+
+
+def check_fsdp_reference() -> None:
+    """FSDP2 MuSGD against the per-parameter formulas, driven by the gathered gradients."""
+    net, twin = sharded_net(11)
+    opt = fastmuon.MuSGD(split_by_ns_dtype(fastmuon.param_groups(net)), ns_dtype=F32, **MUSGD_KW)
+    groups = fastmuon.param_groups(twin)
+    use = {id(p): g.get("use_muon") for g in groups for p in g["params"]}
+    ref = [p.detach().clone() for p in twin.parameters()]
+    states = [{} for _ in ref]
+    for t in range(2):
+        grads = fsdp_step(net, opt, t)
+        for p, q, g, st in zip(twin.parameters(), ref, grads, states):
+            if g is not None:
+                musgd_reference_step(q, g, st, use_muon=use[id(p)], **MUSGD_KW)
+    check_reference("FSDP2 MuSGD", [p.full_tensor() for p in net.parameters()], ref)
+    assert len({b.dtype for b in opt.last_plan.buckets}) == 2, opt.last_plan.describe()
+    if dist.get_rank() == 0:
+        log("FSDP2 MuSGD with two NS dtypes: equal to the per-parameter reference")
+
+
+def check_errors() -> None:
+    """Unsupported set-ups fail on every rank with a message that says what to do."""
+    net, _ = sharded_net(3)
+    plain = nn.Parameter(torch.randn(4, 4))
+    cases = [
+        (fastmuon.MuSGD(net.parameters(), foreach=False, ns_dtype=F32), "foreach=True"),
+        (fastmuon.MuSGD([net.fc2.weight, plain], ns_dtype=F32), "fully_shard"),
+    ]
+    for opt, hint in cases:
+        net(batch(0)).sum().backward()
+        plain.grad = torch.ones_like(plain)
+        try:
+            opt.step()
+        except ValueError as e:
+            assert hint in str(e), str(e)
+        else:
+            raise AssertionError(f"expected a ValueError mentioning {hint!r}")
+        opt.zero_grad()
+        net.zero_grad()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
+    )
+    try:
+        check_ddp(dist.group.WORLD)
+        check_ddp(dist.new_group(list(range(args.world))))
+        check_missing_grads(dist.group.WORLD)
+        check_fsdp(args.dir)
+        check_fsdp_reference()
+        check_state_dict_api(args.dir)
+        check_errors()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The faster NS variants keep the orthogonality of standard 5-step NS in fp32 (issue #4)."""
+
+import pytest
+
+from fastmuon.accuracy import run_accuracy
+
+
+@pytest.fixture(scope="module")
+def table():
+    rows = run_accuracy(rows=32, cols=288)
+    return {(r["input"], r["variant"]): r for r in rows}
+
+
+def test_gram_space_keeps_the_baseline_band(table):
+    inputs = {k[0] for k in table}
+    assert len(inputs) == 3
+    for kind in inputs:
+        base, gram = table[(kind, "standard fp32 (baseline)")], table[(kind, "gram fp32")]
+        assert gram["sv_min"] == pytest.approx(base["sv_min"], abs=2e-3)
+        assert gram["sv_max"] == pytest.approx(base["sv_max"], abs=2e-3)
+        # far closer to exact NS than the bf16 NS that Muon is normally run with
+        assert gram["rel_err_vs_fp64"] < 1e-3 < table[(kind, "standard bf16")]["rel_err_vs_fp64"]
+
+
+def test_per_step_presets_tighten_the_band_on_random_input(table):
+    base = table[("random", "standard fp32 (baseline)")]
+    for name in ("polar_express fp32", "you (6 steps) fp32"):
+        r = table[("random", name)]
+        assert r["sv_min"] > base["sv_min"] and r["sv_max"] < 1.15
