@@ -109,3 +109,40 @@ class AllocationTracker(TorchDispatchMode):
         if entry[1] == 0:
             self.live -= entry[0]
             del self._refs[ptr]
+
+
+def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: str) -> None:
+    """One rank of a replicated (DDP-style) MuSGD whose rank 1 alone sees a NaN gradient."""
+    import torch.distributed as dist
+
+    import fastmuon
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        params = make_params([(6, 4), (6, 4), (5,)])
+        opt = fastmuon.MuSGD(
+            params,
+            lr=0.1,
+            momentum=0.9,
+            ns_dtype=torch.float32,
+            process_group=dist.group.WORLD,
+            nonfinite=mode,
+        )
+        for step in range(2):
+            for p, g in zip(params, random_grads(params, step)):
+                p.grad = g
+            if step == 1 and rank == 1:
+                params[0].grad[0, 0] = float("nan")
+            before = [p.detach().clone() for p in params]
+            try:
+                opt.step()
+                outcome = "stepped"
+            except FloatingPointError:
+                outcome = "raised"
+        torch.save(
+            {"outcome": outcome, "before": before, "after": [p.detach() for p in params]},
+            f"{out_dir}/{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()

@@ -470,3 +470,25 @@ def test_compiled_training_step_matches_eager(backend):
         torch.testing.assert_close(compiled_step(), eager_step(), rtol=1e-5, atol=1e-6)
     for p, q in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+@pytest.mark.parametrize("mode", ["skip", "raise"])
+def test_ranks_agree_on_a_nan_only_one_of_them_sees(mode, tmp_path):
+    """Rank 1 alone has a NaN: both ranks skip that parameter (and step the rest alike), or
+    both raise — none is left waiting in a collective."""
+    from reliability_support import nonfinite_worker
+
+    torch.multiprocessing.spawn(
+        nonfinite_worker, args=(2, str(tmp_path / "init"), mode, str(tmp_path)), nprocs=2, join=True
+    )
+    results = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
+    if mode == "raise":
+        assert [r["outcome"] for r in results] == ["raised", "raised"]
+        return
+    assert [r["outcome"] for r in results] == ["stepped", "stepped"]
+    for r in results:
+        assert torch.equal(r["after"][0], r["before"][0])  # skipped on both ranks
+        assert not torch.equal(r["after"][1], r["before"][1])
+    for a, b in zip(results[0]["after"], results[1]["after"]):
+        assert torch.equal(a, b)
