@@ -269,7 +269,7 @@ class MatrixOptimizer(Optimizer):
             if distributed or p.grad is not None
         ]
         params = [g["params"][j] for g, j in owners]
-        grads = [_local(p.grad) if p.grad is not None else _local(p)[:0] for p in params]
+        grads = [_local(p.grad) if p.grad is not None else _local(p).new_empty(0) for p in params]
         if self.nonfinite == "raise" and not distributed:
             raise_if_nonfinite(grads, lambda k: self.param_name(*owners[k]))
             return None
