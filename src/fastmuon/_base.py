@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,6 @@ _PLAN_CACHE_SIZE = 4
 def _local(t: Tensor) -> Tensor:
     """A DTensor's local shard (a view: writing to it writes the DTensor), else ``t``."""
     return t.to_local() if is_dtensor(t) else t
-
-
-#: ``(sources, params, configs) -> updates``: how a step hands its matrices to the engine.
-Orthogonalize = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[NSConfig]], list[Tensor]]
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
@@ -154,6 +150,32 @@ class MatrixOptimizer(Optimizer):
     def float_lr(group: dict[str, Any]) -> float:
         lr = group["lr"]
         return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+
+    # ----- the step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient: gather the lists (``_collect``), then
+        run the subclass's update (``_apply``) between the non-finite guard's check and restore."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.begin_step()
+        items = self.local_items(*self._collect())
+        guard = self.guard_nonfinite()
+        try:
+            self._apply(*items)
+        finally:
+            self.end_nonfinite(guard)
+        return loss
+
+    def _collect(self) -> tuple[list, ...]:
+        """This step's work items (one list per kind of update)."""
+        raise NotImplementedError
+
+    def _apply(self, *items: list) -> None:
+        """Update the parameters from the items ``_collect`` gathered."""
+        raise NotImplementedError
 
     # ----- distributed steps (DDP process group, FSDP2 DTensors): see distributed.py -------
     def grad_of(self, p: Tensor) -> Tensor | None:

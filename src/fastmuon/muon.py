@@ -7,35 +7,19 @@ to ``(out, everything else)``) and to non-matrix parameters, which AdamW updates
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ._base import MatrixOptimizer, Orthogonalize, check_fraction, check_nonnegative, state_buffer
+from ._base import MatrixOptimizer, check_fraction, check_nonnegative, state_buffer
 from .adamw import AdamWItem, adamw_state, multi_tensor_adamw, single_tensor_adamw
-from .compute import compute_dtype
-from .engine import NSConfig
-from .newton_schulz import newton_schulz
+from .matrix_update import MatrixItem, multi_tensor_matrix_update, single_tensor_matrix_update
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from .transforms import ADJUST_LR, apply_updates_, ema_momentum_, lr_scale, partition
+from .transforms import ADJUST_LR, lr_scale
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
-
-
-@dataclass
-class MuonItem:
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    beta: float
-    nesterov: bool
-    decay: float  # p ← p·decay before the update: 1 − lr·wd
-    scale: float  # the adjusted learning rate
-    config: NSConfig
 
 
 class Muon(MatrixOptimizer):
@@ -127,8 +111,8 @@ class Muon(MatrixOptimizer):
                         "with use_muon=False (AdamW)"
                     )
 
-    def _collect(self) -> tuple[list[MuonItem], list[AdamWItem]]:
-        matrices: list[MuonItem] = []
+    def _collect(self) -> tuple[list[MatrixItem], list[AdamWItem]]:
+        matrices: list[MatrixItem] = []
         others: list[AdamWItem] = []
         for group in self.param_groups:
             lr, wd = self.float_lr(group), group["weight_decay"]
@@ -144,15 +128,15 @@ class Muon(MatrixOptimizer):
                 state = self.state[p]
                 if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
                     matrices.append(
-                        MuonItem(
+                        MatrixItem(
                             p,
                             grad,
                             state_buffer(state, "momentum_buffer", p),
                             group["momentum"],
                             group["nesterov"],
-                            1 - lr * wd,
                             lr * lr_scale(adjust, p.shape),
                             config,
+                            decay=1 - lr * wd,
                         )
                     )
                 elif use_muon is not True:
@@ -172,52 +156,10 @@ class Muon(MatrixOptimizer):
                     )
         return matrices, others
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.begin_step()
-        matrices, others = self.local_items(*self._collect())
-        guard = self.guard_nonfinite()
-        try:
-            if self.foreach:
-                _multi_tensor_muon(matrices, self.orthogonalize)
-                multi_tensor_adamw(others)
-            else:
-                _single_tensor_muon(matrices)
-                single_tensor_adamw(others)
-        finally:
-            self.end_nonfinite(guard)
-        return loss
-
-
-def _multi_tensor_muon(matrices: list[MuonItem], orthogonalize: Orthogonalize) -> None:
-    sources: list[Tensor] = []
-    ordered: list[MuonItem] = []
-    for items in partition(matrices, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values():
-        sources += ema_momentum_(
-            [i.buf for i in items], [i.grad for i in items], items[0].beta, items[0].nesterov
-        )
-        ordered += items
-    if not ordered:
-        return
-    params = [i.param for i in ordered]
-    updates = orthogonalize(sources, params, [i.config for i in ordered])
-    decays = [i.decay for i in ordered]
-    if any(d != 1 for d in decays):
-        torch._foreach_mul_(params, decays)
-    apply_updates_(params, updates, [i.scale for i in ordered], owned=True)
-
-
-def _single_tensor_muon(matrices: list[MuonItem]) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path."""
-    for it in matrices:
-        it.buf.lerp_(it.grad, 1 - it.beta)
-        u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
-        c = it.config
-        dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
-        it.param.mul_(it.decay)
-        it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
+    def _apply(self, matrices: list[MatrixItem], others: list[AdamWItem]) -> None:
+        if self.foreach:
+            multi_tensor_matrix_update(matrices, self.orthogonalize)
+            multi_tensor_adamw(others)
+        else:
+            single_tensor_matrix_update(matrices)
+            single_tensor_adamw(others)

@@ -12,34 +12,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MatrixOptimizer, Orthogonalize, check_nonnegative, state_buffer
-from .compute import compute_dtype
-from .engine import NSConfig
-from .newton_schulz import newton_schulz
+from ._base import MatrixOptimizer, check_nonnegative, state_buffer
+from .matrix_update import (
+    MatrixItem,
+    Orthogonalize,
+    multi_tensor_matrix_update,
+    single_tensor_matrix_update,
+)
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .transforms import (
     ADJUST_LR,
     apply_updates_,
     coupled_weight_decay,
-    ema_momentum_,
     heavy_ball_,
     lr_scale,
     partition,
 )
-
-
-@dataclass
-class MatrixItem:
-    """One matrix's share of the Muon half: ``p ← p − scale·NS(momentum)``."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    beta: float
-    nesterov: bool
-    scale: float
-    config: NSConfig
 
 
 @dataclass
@@ -179,40 +168,16 @@ class MuSGD(MatrixOptimizer):
                 )
         return matrices, elementwise
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.begin_step()
-        matrices, elementwise = self.local_items(*self._collect())
-        guard = self.guard_nonfinite()
+    def _apply(self, matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
         step_fn = _multi_tensor_musgd if self.foreach else _single_tensor_musgd
-        try:
-            step_fn(matrices, elementwise, self.orthogonalize)
-        finally:
-            self.end_nonfinite(guard)
-        return loss
+        step_fn(matrices, elementwise, self.orthogonalize)
 
 
 def _multi_tensor_musgd(
     matrices: list[MatrixItem], elementwise: list[SGDItem], orthogonalize: Orthogonalize
 ) -> None:
-    # 1. momentum, one foreach call per (β, nesterov, device, dtype)
-    sources: list[Tensor] = []
-    ordered: list[MatrixItem] = []
-    for items in partition(matrices, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values():
-        sources += ema_momentum_(
-            [i.buf for i in items], [i.grad for i in items], items[0].beta, items[0].nesterov
-        )
-        ordered += items
-    if ordered:
-        # 2. orthogonalise, one NS call per bucket; 3–4. scale and apply
-        params = [i.param for i in ordered]
-        updates = orthogonalize(sources, params, [i.config for i in ordered])
-        apply_updates_(params, updates, [i.scale for i in ordered], owned=True)
-    # 5. the SGD half (and plain SGD parameters), on p after the Muon update
+    multi_tensor_matrix_update(matrices, orthogonalize)
+    # the SGD half (and plain SGD parameters), on p after the Muon update
     for items in partition(
         elementwise, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
     ).values():
@@ -228,13 +193,7 @@ def _single_tensor_musgd(
     matrices: list[MatrixItem], elementwise: list[SGDItem], orthogonalize: Orthogonalize
 ) -> None:
     """The same update, one parameter at a time: the per-parameter reference path."""
-    for it in matrices:
-        it.buf.lerp_(it.grad, 1 - it.beta)
-        u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
-        c = it.config
-        dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
-        it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
+    single_tensor_matrix_update(matrices)
     for it in elementwise:
         g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
         if it.beta == 0:

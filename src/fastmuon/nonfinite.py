@@ -42,10 +42,15 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
     for i, g in enumerate(grads):
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
             groups.setdefault((g.device, g.dtype), []).append(i)
-    return [
-        (indices, torch.stack(torch._foreach_norm([grads[i] for i in indices], ord=float("inf"))).isfinite())
-        for indices in groups.values()
-    ]
+    return [(indices, _max_abs([grads[i] for i in indices]).isfinite()) for indices in groups.values()]
+
+
+def _max_abs(tensors: list[Tensor]) -> Tensor:
+    """Each tensor's largest |entry|, stacked. On a CPU the fused inf-norm runs one slow kernel
+    per tensor (~3x slower than abs + max there, measured on yolo26n's gradients)."""
+    if tensors[0].device.type == "cpu":
+        return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
+    return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
 
 
 def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:

@@ -53,23 +53,40 @@ def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) 
     return reps * flops / elapsed
 
 
-def ns_floor_seconds(plan: Plan, min_seconds: float = 0.02) -> float:
-    """Our own floor for a step's NS: the plan's FLOPs at the batched-matmul throughput this
-    machine reaches at each bucket's shape (``bmm(X, Xᵀ)`` on a ``(B, R, C)`` batch, timed)."""
+def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
+    """Our own floor for a step's NS: every matrix product the plan's buckets perform, each
+    timed as a bare ``bmm`` at its own shape on this machine, added up. What a step costs
+    beyond it is normalisation, packing, the elementwise work and Python."""
     total = 0.0
     for bucket in plan.buckets:
         b, r, c = bucket.shape
         X = torch.randn(bucket.shape, device=bucket.device).to(bucket.dtype)
-        torch.bmm(X, X.mT)
-        synchronize(bucket.device)
-        reps, start = 0, time.perf_counter()
-        while reps < 3 or time.perf_counter() - start < min_seconds:
-            torch.bmm(X, X.mT)
-            reps += 1
-        synchronize(bucket.device)
-        rate = reps * 2 * b * r * r * c / (time.perf_counter() - start)
-        total += bucket.flops(plan.steps) / rate
+        A = torch.randn(b, r, r, device=bucket.device).to(bucket.dtype)
+        gram_xt, small, wide = (
+            _seconds(X, X.mT, min_seconds),
+            _seconds(A, A, min_seconds),
+            _seconds(A, X, min_seconds),
+        )
+        steps = plan.steps
+        if bucket.method == "gram":  # X·Xᵀ and Q·X once, then R×R products only
+            total += gram_xt + wide + (4 * steps - 3) * small
+        else:  # X·Xᵀ, A·A, B·X every step
+            total += steps * (gram_xt + small + wide)
     return total
+
+
+def _seconds(left: torch.Tensor, right: torch.Tensor, min_seconds: float) -> float:
+    """Best time of ``bmm(left, right)`` over repeats filling ``min_seconds``."""
+    torch.bmm(left, right)
+    synchronize(left.device)
+    best, spent = float("inf"), 0.0
+    while spent < min_seconds or best == float("inf"):
+        start = time.perf_counter()
+        torch.bmm(left, right)
+        synchronize(left.device)
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+    return best
 
 
 def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:

@@ -151,8 +151,8 @@ def describe(document: dict[str, Any]) -> list[str]:
         floor = r.get("extra", {}).get("ns_floor_ms")
         if floor and r.get("median_ms"):
             lines.append(
-                f"{r['name']}: NS floor {floor:.1f} ms (its plan's FLOPs at the bmm throughput measured at "
-                f"each bucket's shape); median step {r['median_ms'] / floor:.2f}× the floor"
+                f"{r['name']}: NS floor {floor:.1f} ms (every matrix product of its plan, timed alone as a bare "
+                f"bmm at its shape); median step {r['median_ms'] / floor:.2f}× the floor"
             )
     for r in document["results"]:
         if r["skipped"]:
