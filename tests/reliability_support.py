@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def make_params(shapes, *, dtype=torch.float32, channels_last=(), seed=0) -> list[torch.nn.Parameter]:
@@ -63,52 +60,6 @@ def reference_muon_step(params, grads, states, group: dict) -> None:
             )
         else:
             adamw_reference_step(p, g, state, lr=group["lr"], weight_decay=group["weight_decay"])
-
-
-class AllocationTracker(TorchDispatchMode):
-    """Live bytes of the tensors created by the ops run under it, and their peak.
-
-    A new storage (one that no input of the op shares) counts from the op that makes it until
-    the last tensor viewing it is garbage collected; storages that existed before (parameters,
-    state, persistent bucket buffers) and kernels' private scratch space are not counted.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._refs: dict[int, list] = {}  # data_ptr -> [nbytes, live tensor count]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
-                self._track(t, inputs)
-        return out
-
-    def _track(self, t: torch.Tensor, inputs: set[int]) -> None:
-        ptr = t.untyped_storage().data_ptr()
-        entry = self._refs.get(ptr)
-        if entry is None:
-            if ptr in inputs:
-                return  # an in-place result or a view of something that predates the tracker
-            entry = self._refs[ptr] = [t.untyped_storage().nbytes(), 0]
-            self.live += entry[0]
-            self.peak = max(self.peak, self.live)
-        entry[1] += 1
-        weakref.finalize(t, self._release, ptr)
-
-    def _release(self, ptr: int) -> None:
-        entry = self._refs[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self._refs[ptr]
 
 
 def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: str) -> None:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from reference_impl import ns_reference
 from reliability_support import (
-    AllocationTracker,
     make_params,
     random_grads,
     reference_muon_step,
@@ -18,6 +17,7 @@ from reliability_support import (
 from torch import nn
 
 import fastmuon
+from fastmuon.bench.memory import AllocationTracker
 from fastmuon.newton_schulz import _normalize
 from fastmuon.nonfinite import DEFAULT_NONFINITE
 
@@ -392,7 +392,7 @@ def _step_peak(params, opt) -> int:
         p.grad = g
     with AllocationTracker() as tracker:
         opt.step()
-    return tracker.peak
+    return tracker.peak_bytes
 
 
 @pytest.mark.parametrize("cap", [40_000, 200_000])
