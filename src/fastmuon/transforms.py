@@ -44,15 +44,23 @@ def coupled_weight_decay(grads: list[Tensor], params: list[Tensor], weight_decay
 def apply_updates_(
     params: list[Tensor], updates: list[Tensor], scales: Sequence[float], *, owned: bool
 ) -> None:
-    """``p ← p − scale·u``. With ``owned`` the updates are ours and may be scaled in place."""
+    """``p ← p − scale·u``. With ``owned`` the updates are ours and may be scaled in place.
+
+    Few distinct scales (typically one per learning rate) take one fused ``add_`` each, a single
+    pass over the data; many take a scaling pass and a subtracting pass over all of them. On a
+    GPU every call is a launch, so there "few" means at most two.
+    """
     if not params:
         return
-    if all(s == scales[0] for s in scales):
-        torch._foreach_add_(params, updates, alpha=-scales[0])
+    by_scale = partition(range(len(params)), lambda i: scales[i])
+    limit = 8 if params[0].device.type == "cpu" else 2
+    if len(by_scale) <= limit:
+        for scale, idx in by_scale.items():
+            torch._foreach_add_([params[i] for i in idx], [updates[i] for i in idx], alpha=-scale)
         return
-    scaled = updates if owned else None
     if owned:
         torch._foreach_mul_(updates, list(scales))
+        scaled = updates
     else:
         scaled = torch._foreach_mul(updates, list(scales))
     torch._foreach_sub_(params, scaled)
