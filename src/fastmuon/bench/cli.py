@@ -31,8 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ns-dtype",
         choices=("auto", *NS_DTYPES),
         default="auto",
-        help="Newton–Schulz precision for fastmuon and the per-parameter loop; auto: bfloat16 on "
-        "CUDA, on a CPU whichever of bfloat16/float32 multiplies faster (measured)",
+        help="Newton–Schulz precision for fastmuon and the per-parameter loop; auto: the "
+        "optimizers' bfloat16, except on a CPU where it would really run in bf16 (bf16 matmul "
+        "units, or --cpu-low-precision native): there whichever of bfloat16/float32 multiplies "
+        "faster (measured)",
     )
     p.add_argument(
         "--cpu-low-precision",
