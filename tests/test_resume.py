@@ -37,6 +37,14 @@ def _uninterrupted(kind, channels_last=False):
     return model, opt, sched
 
 
+def _map_state_tensors(ckpt: dict, fn) -> None:
+    """Replace every tensor in the checkpoint's optimizer state by ``fn(tensor)``."""
+    for state in ckpt["opt"]["state"].values():
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor):
+                state[key] = fn(v)
+
+
 def _checkpoint_after_k(kind, channels_last=False) -> io.BytesIO:
     model, opt, sched = resume_job.build(kind, channels_last)
     resume_job.train(model, opt, sched, 0, K)
@@ -86,10 +94,7 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path: Path):
 def test_fp16_compressed_state_is_cast_back(kind):
     """Buffers saved in fp16 load as the parameters' dtype; the run continues close to exact."""
     ckpt = torch.load(_checkpoint_after_k(kind), weights_only=True)
-    for s in ckpt["opt"]["state"].values():
-        for key, v in s.items():
-            if isinstance(v, torch.Tensor):
-                s[key] = v.half()  # the step count too: it must come back as a float32 CPU scalar
+    _map_state_tensors(ckpt, torch.Tensor.half)  # the step count too: it must come back as fp32 on the CPU
     model, opt, sched = resume_job.build(kind)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
@@ -110,10 +115,7 @@ def test_fp16_compressed_state_is_cast_back(kind):
 @pytest.mark.parametrize("kind", resume_job.KINDS)
 def test_state_saved_on_another_device_loads_bitwise(kind):
     ckpt = torch.load(_checkpoint_after_k(kind), weights_only=True)
-    for s in ckpt["opt"]["state"].values():
-        for key, v in s.items():
-            if isinstance(v, torch.Tensor):
-                s[key] = v.cuda()
+    _map_state_tensors(ckpt, torch.Tensor.cuda)
     model, opt, sched = resume_job.build(kind)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .compute import synchronize
 from .planner import COST_MODELS, CostModel
 
 
@@ -42,17 +43,12 @@ def _calibrate(device: torch.device, dtypes: tuple[torch.dtype, ...], threads: i
 def _median_seconds(fn, device: torch.device, rounds: int, per_round: int) -> float:
     """Median over ``rounds`` of the mean time of ``per_round`` back-to-back calls."""
     fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         for _ in range(per_round):
             fn()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) / per_round)
     return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -42,6 +42,13 @@ def cpu_low_precision(mode: str) -> Iterator[None]:
         set_cpu_low_precision(previous)
 
 
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a no-op on a CPU): what every timing here needs."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype NS matmuls run in for a requested ``dtype`` on ``device``."""
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):

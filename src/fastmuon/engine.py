@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .compute import compute_dtype
+from .layout import memory_order
 from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
 from .nonfinite import zero_rejected_
 from .planner import (
@@ -62,8 +63,8 @@ class TensorLayout:
 
     @classmethod
     def of(cls, t: Tensor) -> TensorLayout:
-        perm = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
-        if not t.permute(perm).is_contiguous():  # overlapping or gappy strides: use a copy
+        perm = memory_order(t)
+        if perm is None:  # overlapping or gappy strides: use a copy
             return cls(tuple(t.shape), _contiguous_strides(t.shape), tuple(range(t.ndim)))
         return cls(tuple(t.shape), tuple(t.stride()), perm)
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .layout import memory_order
+
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
 #: Refuse loudly by default: a NaN gradient usually means a diverging run or a bug, and naming
@@ -121,8 +123,7 @@ def zero_rejected_(batch: Tensor, keep: Sequence[Tensor]) -> None:
 
 def _memory_view(t: Tensor) -> Tensor | None:
     """``t``'s elements as a 1-D view in memory order, or None if its memory has gaps/overlaps."""
-    perm = sorted(range(t.ndim), key=lambda d: -t.stride(d))
-    if not t.permute(perm).is_contiguous():
+    if memory_order(t) is None:
         return None
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
 

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..compute import synchronize
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -136,10 +138,10 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
             for engine in opt._plans.values():
                 engine.profile = True
             dist.barrier()
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             opt.step()
-            _sync(device)
+            synchronize(device)
             step_seconds = time.perf_counter() - t0
             dist.barrier()
             unshared.step()
@@ -196,20 +198,15 @@ def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
     inner = opt.orthogonalize
 
     def timed(*args):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         out = inner(*args)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
         return out
 
     opt.orthogonalize = timed  # the step looks the method up on the instance
     return opt, times
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ----- CLI ------------------------------------------------------------------------------------

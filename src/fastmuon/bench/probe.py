@@ -6,14 +6,8 @@ import time
 
 import torch
 
-from ..compute import compute_dtype
+from ..compute import compute_dtype, synchronize
 from ..planner import Plan
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 _RATES: dict[tuple[str, torch.dtype], float] = {}
 

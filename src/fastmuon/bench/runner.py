@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compute import synchronize
 from .contenders import (
     CONTENDER_LABELS,
     CONTENDERS,
@@ -31,7 +32,7 @@ from .contenders import (
 from .counter import KernelCounter
 from .manifest import Manifest
 from .memory import peak_extra_bytes
-from .probe import matmul_rate, ns_floor_seconds, synchronize
+from .probe import matmul_rate, ns_floor_seconds
 
 
 @dataclass

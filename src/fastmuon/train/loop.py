@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from ..compute import synchronize
 from .contenders import Contender, lr_multiplier
 from .tasks import CharsTask, DigitsTask
 
@@ -51,11 +52,6 @@ class RunResult:
         d["step_share"] = self.step_share
         d["ms_per_step"] = 1e3 * self.wall_s / max(1, len(self.step_loss))
         return d
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def eval_steps(steps: int, evals: int) -> set[int]:
@@ -103,17 +99,17 @@ def train_run(
     evaluate(0)
     model.train()
     for step in range(1, steps + 1):
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         x, y = task.batch(batches)
         loss = task.loss(model, x, y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        _sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         optimizer.step()
         scheduler.step()
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         result.wall_s += t2 - t0
         result.optimizer_s += t2 - t1
