@@ -11,3 +11,9 @@ fi
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+# Ultralytics' MuSGD, the peer the benchmark and one equivalence test compare with. Only its
+# optimizer module is used, which needs nothing but torch: --no-deps keeps its torchvision/OpenCV
+# requirements (and a second torch) out. Best effort: without it those rows and that test skip.
+.venv/bin/python -m pip show -q ultralytics >/dev/null 2>&1 \
+  || .venv/bin/python -m pip install -q --no-deps "ultralytics==8.4.190" \
+  || echo "setup: ultralytics not installed; its benchmark rows and equivalence test will skip" >&2

@@ -116,3 +116,33 @@ def test_per_step_presets(preset, steps):
 def test_unknown_method():
     with pytest.raises(ValueError, match="unknown Newton-Schulz method 'svd'"):
         newton_schulz(torch.randn(3, 4), method="svd")
+
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("eps", [1e-7, 0.0])
+def test_every_scale_matches_the_reference_on_either_normalisation_path(method, eps):
+    """On a CPU the normalisation takes a plain two-pass (or, in Gram space, trace-based) path
+    when every norm is in its exact range and falls back to the power-of-two rescaling
+    otherwise; a batch mixing both, and a zero matrix, must give the reference's answer.
+
+    The reference runs on the same problem scaled by an exact power of two into a safe range
+    (eps scaled alike), which has the same exact answer."""
+    torch.manual_seed(0)
+    base = torch.randn(5, 12, 40)
+    exponents = [-110, -30, 0, 20, 110]  # 2**±110: squares leave the fp32 range
+    scales = torch.tensor([2.0**e for e in exponents]).view(-1, 1, 1)
+    batch = torch.cat([base * scales, torch.zeros(1, 12, 40)])
+    for members in (batch, batch[2:4], batch[2:3], batch[4:]):
+        out = newton_schulz(members, eps=eps, dtype=torch.float32, method=method)
+        for k, matrix in enumerate(members):
+            expected = _reference_at_scale(matrix, eps)
+            assert rel_err(out[k], expected) <= 1e-5 or expected.abs().max() == 0, (method, eps, k)
+            assert torch.isfinite(out[k]).all()
+
+
+def _reference_at_scale(matrix: torch.Tensor, eps: float) -> torch.Tensor:
+    peak = matrix.abs().max()
+    if peak == 0:
+        return torch.zeros_like(matrix)
+    shift = 2.0 ** torch.floor(torch.log2(peak)).item()
+    return ns_reference(matrix / shift, eps=eps / shift)

@@ -132,6 +132,21 @@ def newton_schulz(
 def _normalize(X: Tensor, eps: float) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
+    Where a host check is free (a CPU, not under ``torch.compile``) this is the plain two-pass
+    ``X / (‖X‖ + eps)`` whenever every norm is in the range where its squares can neither
+    overflow nor underflow; otherwise (and on accelerators, where the step must not
+    synchronise) :func:`_normalize_safe`, which gives the same value bit for bit in that range.
+    """
+    if _host_check_is_free(X):
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+        if _plain_norm_is_exact(norm):
+            return X / _plus_eps(norm, eps)
+    return _normalize_safe(X, eps)
+
+
+def _normalize_safe(X: Tensor, eps: float) -> Tensor:
+    """``X / (‖X‖ + eps)`` computed so that huge or tiny matrices neither overflow nor underflow.
+
     Computed as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest
     |entry|: the same value, bit for bit (scaling by a power of two is exact), but the norm can
     neither overflow (|x| ~ 1e30 squares past the fp32/bf16 range) nor underflow (|x| ~ 1e-30).
@@ -142,6 +157,28 @@ def _normalize(X: Tensor, eps: float) -> Tensor:
     X = X / scale  # a new tensor: the division below may work in place
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     return X.div_(norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny))
+
+
+#: Norms in this range come from sums of squares that stayed normal fp32 numbers, so the plain
+#: formula is exact there. A zero norm is not trusted: tiny entries square to zero too.
+_PLAIN_NORM_RANGE = (2.0**-40, 2.0**60)
+
+
+def _host_check_is_free(X: Tensor) -> bool:
+    return (
+        X.device.type == "cpu"
+        and X.dtype in (torch.float32, torch.float64)
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _plain_norm_is_exact(norm: Tensor) -> bool:
+    low, high = _PLAIN_NORM_RANGE
+    return bool(((norm >= low) & (norm <= high)).all())
+
+
+def _plus_eps(norm: Tensor, eps: float) -> Tensor:
+    return norm + eps if eps else norm.clamp_min(torch.finfo(norm.dtype).tiny)
 
 
 def _max_abs(X: Tensor) -> Tensor:
@@ -186,8 +223,7 @@ def _iterate_gram(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor
     Squaring into ``A`` doubles the dynamic range, so this is used for fp32 and wider dtypes.
     (Gram-space NS is discussed in Dion and in the Polar Express paper, Amsel et al. 2025.)
     """
-    X = _normalize(X, eps)
-    A = torch.bmm(X, X.mT)
+    X, A, inv_norm = _normalized_gram(X, eps)
     Q = None
     for k, (a, b, c) in enumerate(schedule):
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # P = a·I + B
@@ -199,7 +235,26 @@ def _iterate_gram(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
             Q = torch.baddbmm(Q, B, Q, beta=a)  # P·Q
+    if inv_norm is not None:
+        Q.mul_(inv_norm)  # Q·X₀ = (Q/(‖X‖+eps))·X: the normalisation rides on the R×R side
     return torch.bmm(Q, X)
+
+
+def _normalized_gram(X: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten.
+
+    ``‖X‖²`` is the trace of ``X·Xᵀ``, so the normalisation costs two ``R×R`` passes instead of
+    three passes over ``X``. Where that would not be exact (norms out of the safe range), or a
+    host check is not free, returns ``(X₀, X₀·X₀ᵀ, None)`` from :func:`_normalize_safe`.
+    """
+    if _host_check_is_free(X):
+        A = torch.bmm(X, X.mT)
+        norm = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min_(0).sqrt_().view(-1, 1, 1)
+        if _plain_norm_is_exact(norm):
+            inv_norm = _plus_eps(norm, eps).reciprocal_()
+            return X, A.mul_(inv_norm.square()), inv_norm
+    X0 = _normalize_safe(X, eps)
+    return X0, torch.bmm(X0, X0.mT), None
 
 
 METHODS = {"standard": _iterate, "gram": _iterate_gram}

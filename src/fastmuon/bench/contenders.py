@@ -9,9 +9,12 @@ Factories are listed per update rule in :data:`CONTENDERS`; add one there to com
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +22,7 @@ from torch import Tensor, nn
 
 from .. import Muon, MuSGD
 from ..compute import compute_dtype
+from ..newton_schulz import newton_schulz
 from ..planner import COST_MODELS, Plan, ns_flops
 from ..reference import ReferenceMuon, ReferenceMuSGD
 from .manifest import Manifest
@@ -248,37 +252,91 @@ def sgd_contender(wb: Workbench) -> Contender:
 
 
 def ultralytics_contender(wb: Workbench) -> Contender:
-    """Ultralytics' MuSGD, when the ``ultralytics`` package is installed (run as a black box)."""
-    if wb.optimizer != "musgd":
-        raise Unavailable("Ultralytics ships MuSGD only: run with --optimizer musgd")
-    cls = None
-    for module in ("ultralytics.optim.muon", "ultralytics.optim"):
-        try:
-            cls = getattr(importlib.import_module(module), "MuSGD", None)
-        except ImportError:
-            continue
-        if cls is not None:
-            break
-    if cls is None:
-        raise Unavailable("the ultralytics package is not installed (pip install ultralytics)")
-    version = getattr(importlib.import_module("ultralytics"), "__version__", "?")
+    """Ultralytics' MuSGD as shipped (run as a black box: its own batching, NS in bfloat16)."""
+    _needs_musgd(wb)
+    cls, version = load_ultralytics_musgd()
+    return _ultralytics(wb, cls, version, torch.bfloat16, "its own batched NS, bfloat16")
+
+
+def ultralytics_fp32_contender(wb: Workbench) -> Contender:
+    """Ultralytics' MuSGD with its NS function swapped for the same iteration in fp32.
+
+    Its batching, padding and foreach code run unchanged; only the matmul precision moves to
+    what fastmuon computes in here. Shown when fastmuon's NS does not run in bf16 (a CPU
+    without bf16 matmul units), so that one row compares the two at equal precision.
+    """
+    _needs_musgd(wb)
+    if compute_dtype(wb.ns_dtype, wb.device) == torch.bfloat16:
+        raise Unavailable("fastmuon runs NS in bfloat16 here too: the bf16 row is the equal-precision one")
+    cls, version = load_ultralytics_musgd(fp32_ns=True)
+    return _ultralytics(wb, cls, version, torch.float32, "its own batched NS, swapped to float32")
+
+
+def _ultralytics(wb: Workbench, cls: type, version: str, dtype: torch.dtype, note: str) -> Contender:
     kwargs, _ = _accepted(cls, wb.manifest.optimizer_kwargs)
     try:
         opt = cls(wb.groups(), **kwargs)
     except Exception as e:  # an API we do not know: say so rather than guess
         raise Unavailable(f"ultralytics {version} MuSGD rejected the groups: {e}") from None
+    suffix = "" if dtype == torch.bfloat16 else f" (NS in {_dtype_name(dtype)})"
     return Contender(
-        f"Ultralytics MuSGD {version}",
-        [opt],
-        torch.bfloat16,
-        "its own NS, bfloat16",
-        ns_useful_flops=wb.matrix_flops(),
+        f"Ultralytics MuSGD {version}{suffix}", [opt], dtype, note, ns_useful_flops=wb.matrix_flops()
     )
+
+
+def _needs_musgd(wb: Workbench) -> None:
+    if wb.optimizer != "musgd":
+        raise Unavailable("Ultralytics ships MuSGD only: run with --optimizer musgd")
+
+
+def load_ultralytics_musgd(fp32_ns: bool = False) -> tuple[type, str]:
+    """Ultralytics' ``MuSGD`` class and the package version, loaded from its own module file.
+
+    ``import ultralytics`` pulls in torchvision, OpenCV and more, which may not load beside the
+    installed torch; the optimizer module itself needs only torch, so it is loaded on its own
+    (``pip install --no-deps ultralytics`` is enough). With ``fp32_ns`` a private copy of the
+    module gets :func:`_fp32_newton_schulz5` in place of its bf16 NS function. Raises
+    :class:`Unavailable` with the reason when it cannot.
+    """
+    try:
+        spec = importlib.util.find_spec("ultralytics")
+        version = importlib.metadata.version("ultralytics")
+    except (ImportError, ValueError, importlib.metadata.PackageNotFoundError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable("the ultralytics package is not installed (pip install --no-deps ultralytics)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "optim" / "muon.py"
+    if not path.is_file():
+        raise Unavailable(f"ultralytics {version} has no optim/muon.py (MuSGD arrived in 8.4)")
+    name = f"_fastmuon_bench_ultralytics_muon{'_fp32' if fp32_ns else ''}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    cls = getattr(module, "MuSGD", None)
+    if cls is None:
+        raise Unavailable(f"ultralytics {version}: optim/muon.py defines no MuSGD")
+    if fp32_ns:
+        if not callable(getattr(module, "zeropower_via_newtonschulz5", None)):
+            raise Unavailable(f"ultralytics {version}: no zeropower_via_newtonschulz5 to run in fp32")
+        module.zeropower_via_newtonschulz5 = _fp32_newton_schulz5
+    return cls, version
+
+
+def _fp32_newton_schulz5(G: Tensor, eps: float = 1e-7) -> Tensor:
+    """Standard 5-step NS (Jordan's coefficients) on a matrix or batch, in fp32: what Ultralytics'
+    bf16 function computes, at fastmuon's precision here. Our own code (``fastmuon.newton_schulz``)."""
+    return newton_schulz(G, steps=5, coefficients="jordan", eps=eps, dtype=torch.float32, method="standard")
 
 
 #: update rule -> contender factories, in report order (the first is the one the others are compared to)
 CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
-    "musgd": [fastmuon_contender, reference_contender, ultralytics_contender, sgd_contender],
+    "musgd": [
+        fastmuon_contender,
+        reference_contender,
+        ultralytics_contender,
+        ultralytics_fp32_contender,
+        sgd_contender,
+    ],
     "muon": [fastmuon_contender, reference_contender, torch_muon_contender, sgd_contender],
 }
 
@@ -289,4 +347,5 @@ CONTENDER_LABELS = {
     torch_muon_contender: "torch.optim.Muon",
     sgd_contender: "torch.optim.SGD foreach",
     ultralytics_contender: "Ultralytics MuSGD",
+    ultralytics_fp32_contender: "Ultralytics MuSGD (NS in float32)",
 }

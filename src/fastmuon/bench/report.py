@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -36,12 +38,9 @@ def machine_facts(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(device)
         facts["cuda"] = torch.version.cuda
-    try:
-        import ultralytics
-
-        facts["ultralytics"] = ultralytics.__version__
-    except ImportError:
-        pass
+    # the installed version, without importing the package (see contenders._ultralytics_musgd)
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        facts["ultralytics"] = importlib.metadata.version("ultralytics")
     return facts
 
 
