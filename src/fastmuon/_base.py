@@ -272,7 +272,8 @@ class MatrixOptimizer(Optimizer):
             cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         )
         configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
-        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile)
+        # the step applies the results at once, so they may be views into reused buffers
+        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile, result_views=True)
 
     # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
     def guard_nonfinite(self) -> SkipGuard | None:

@@ -94,10 +94,49 @@ class _Run:
 
     def slots(self, batch: Tensor) -> Tensor:
         """The run's region of a ``(B, R, C)`` batch, as ``(k, *shape)`` in the tensors' own shape."""
-        rows, cols = self.layout.matrix
-        region = batch[self.start : self.stop]
-        region = region[:, :cols, :rows].mT if self.transposed else region[:, :rows, :cols]
-        return region.view(self.stop - self.start, *self.layout.shape)
+        return _region(batch[self.start : self.stop], self.layout, self.transposed)
+
+
+def _region(slots: Tensor, layout: TensorLayout, transposed: bool) -> Tensor:
+    """``(k, R, C)`` bucket slots holding tensors of ``layout`` as a ``(k, *shape)`` view."""
+    rows, cols = layout.matrix
+    region = slots[:, :cols, :rows].mT if transposed else slots[:, :rows, :cols]
+    return region.view(len(slots), *layout.shape)
+
+
+def _slot_view(batch: Tensor, slot: int, layout: TensorLayout, transposed: bool) -> Tensor:
+    """The tensor in ``slot`` of a ``(B, R, C)`` batch, as a view with its own shape."""
+    return _region(batch[slot : slot + 1], layout, transposed)[0]
+
+
+class ScratchArena:
+    """Temporaries of the NS kernels, kept between steps and shared by the buckets in turn.
+
+    A CPU allocator returns large blocks to the OS when they are freed, so every fresh
+    temporary is page-faulted in again, zero-filled, on every step: on yolo26n (1 thread) that
+    was ~40 ms of a ~190 ms step. One flat arena per (role, dtype), sized to the largest
+    request, serves every bucket, since buckets run one after another. (On CUDA the caching
+    allocator already reuses memory, so the engine does not use this there.)
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._arenas: dict[tuple[str, torch.dtype], Tensor] = {}
+
+    def for_dtype(self, dtype: torch.dtype):
+        """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch)."""
+
+        def take(tag: str, shape: tuple[int, ...]) -> Tensor:
+            numel = _numel(shape)
+            arena = self._arenas.get((tag, dtype))
+            if arena is None or arena.numel() < numel:
+                arena = self._arenas[(tag, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+            return arena[:numel].view(shape)
+
+        return take
+
+    def tensors(self) -> list[Tensor]:
+        return list(self._arenas.values())
 
 
 #: Buckets holding more than this many runs are packed with one index copy instead of a copy
@@ -111,7 +150,9 @@ class Orthogonalizer:
 
     Per bucket: :meth:`pack` the sources into the persistent ``(B, R, C)`` buffer,
     :meth:`run_bucket` (one batched NS), :meth:`unpack` into results with each source's shape
-    and strides. Subclasses (e.g. the distributed engine) override these steps.
+    and strides. With ``result_views`` (for a caller that consumes the results at once, as the
+    optimizers do) a CPU run's results are instead views into its output buffers, valid until
+    the next call: no unpacking copy.
     """
 
     def __init__(
@@ -120,15 +161,19 @@ class Orthogonalizer:
         layouts: Sequence[TensorLayout],
         configs: dict[Hashable, NSConfig],
         compile: bool = False,
+        result_views: bool = False,
     ):
         self.plan = plan
         self.compile = compile
+        self.result_views = result_views
         self.layouts = list(layouts)
         self.configs = configs
         self._runs = [self._split_runs(b) for b in plan.buckets]
         self._gathers = [self._gather_index(b, runs) for b, runs in zip(plan.buckets, self._runs)]
         self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
+        self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
+        self._scratch: ScratchArena | None = None
 
     def _split_runs(self, bucket: Bucket) -> list[_Run]:
         runs: list[_Run] = []
@@ -178,11 +223,36 @@ class Orthogonalizer:
         return results  # type: ignore[return-value]
 
     def run_bucket(self, b: int, batch: Tensor) -> Tensor:
-        """One batched Newton–Schulz call on bucket ``b``'s packed batch."""
+        """One batched Newton–Schulz call on bucket ``b``'s packed batch.
+
+        On a CPU the result lands in the bucket's persistent output buffer (valid until the next
+        call) and the kernel's temporaries in the shared scratch arena: no fresh memory per step.
+        """
         bucket = self.plan.buckets[b]
         config = self.configs[bucket.key]
-        kernel = compiled_kernel(bucket.method) if self.compile else METHODS[bucket.method]
-        return kernel(batch, list(config.coefficients), config.eps)
+        coefficients = list(config.coefficients)
+        if self.compile:
+            return compiled_kernel(bucket.method)(batch, coefficients, config.eps)
+        if not self._reuses_memory(batch):
+            return METHODS[bucket.method](batch, coefficients, config.eps)
+        out = self._outputs[b]
+        if out is None:
+            out = self._outputs[b] = torch.empty_like(batch)
+        if self._scratch is None:
+            self._scratch = ScratchArena(batch.device)
+        scratch = self._scratch.for_dtype(batch.dtype)
+        return METHODS[bucket.method](batch, coefficients, config.eps, scratch, out)
+
+    @staticmethod
+    def _reuses_memory(batch: Tensor) -> bool:
+        """Keep NS results and temporaries between steps: on CPUs (see :class:`ScratchArena`)."""
+        return batch.device.type == "cpu"
+
+    def workspaces(self) -> list[Tensor]:
+        """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
+        kept = [*self._buffers, *self._staging, *self._outputs, *self._gathers]
+        kept += self._scratch.tensors() if self._scratch is not None else []
+        return [t for t in kept if t is not None]
 
     def buffer(self, b: int, device: torch.device) -> Tensor:
         """Bucket ``b``'s persistent input buffer: zeros once, so padding stays zero."""
@@ -230,6 +300,11 @@ class Orthogonalizer:
         dtype = out_dtypes[bucket.members[0].index]
         if any(out_dtypes[m.index] != dtype for m in bucket.members):
             raise ValueError("tensors packed together must share one output dtype")
+        if self.result_views and out.dtype == dtype and self._reuses_memory(out):
+            # the output buffer outlives the step: hand out views of it, no unpacking copy
+            for m in bucket.members:
+                results[m.index] = _slot_view(out, m.slot, self.layouts[m.index], m.transposed)
+            return
         if index is not None:
             flat = out.reshape(-1).index_select(0, index)
             flat = flat if flat.dtype == dtype else flat.to(dtype)

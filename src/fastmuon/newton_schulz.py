@@ -9,7 +9,7 @@ The quintic form and the "jordan" coefficients come from Keller Jordan's Muon wr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Union
 
 import torch
@@ -129,22 +129,33 @@ def newton_schulz(
     return Y.squeeze(0) if single else Y
 
 
-def _normalize(X: Tensor, eps: float) -> Tensor:
+#: Where a kernel takes its temporaries: ``scratch(tag, shape)`` returns a tensor of the input's
+#: dtype and device to write into, or ``None`` to allocate. Tags name roles, so two temporaries
+#: alive at once never share memory (the engine keeps them between steps; see engine.Scratch).
+Scratch = Callable[[str, tuple[int, ...]], Union[Tensor, None]]
+
+
+def _fresh(tag: str, shape: tuple[int, ...]) -> None:
+    return None
+
+
+def _normalize(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
     Where a host check is free (a CPU, not under ``torch.compile``) this is the plain two-pass
     ``X / (‖X‖ + eps)`` whenever every norm is in the range where its squares can neither
     overflow nor underflow; otherwise (and on accelerators, where the step must not
     synchronise) :func:`_normalize_safe`, which gives the same value bit for bit in that range.
+    The result is a new tensor (``out`` if given), never ``X``.
     """
     if _host_check_is_free(X):
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
         if _plain_norm_is_exact(norm):
-            return X / _plus_eps(norm, eps)
-    return _normalize_safe(X, eps)
+            return torch.div(X, _plus_eps(norm, eps), out=out)
+    return _normalize_safe(X, eps, out)
 
 
-def _normalize_safe(X: Tensor, eps: float) -> Tensor:
+def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """``X / (‖X‖ + eps)`` computed so that huge or tiny matrices neither overflow nor underflow.
 
     Computed as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest
@@ -154,7 +165,7 @@ def _normalize_safe(X: Tensor, eps: float) -> Tensor:
     is scale invariant and a zero matrix still gives zero (not 0/0).
     """
     scale = _power_of_two_below(_max_abs(X))
-    X = X / scale  # a new tensor: the division below may work in place
+    X = torch.div(X, scale, out=out)  # a new tensor: the division below may work in place
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     return X.div_(norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny))
 
@@ -202,17 +213,25 @@ def _power_of_two_below(x: Tensor) -> Tensor:
     return (y.view(as_int) & mask).view(wide).to(x.dtype)
 
 
-def _iterate(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor:
-    """The NS loop on a wide batch (rows <= cols). ``X`` is never modified in place."""
-    X = _normalize(X, eps)
-    for a, b, c in schedule:
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+def _iterate(
+    X: Tensor, schedule: list[Coefficients], eps: float, scratch: Scratch = _fresh, out: Tensor | None = None
+) -> Tensor:
+    """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
+    written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch."""
+    R = X.size(-2)
+    X = _normalize(X, eps, out=scratch("X", X.shape))
+    spare = scratch("Y", X.shape)
+    for k, (a, b, c) in enumerate(schedule):
+        A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))
+        target = out if k + 1 == len(schedule) else spare
+        X, spare = torch.baddbmm(X, B, X, beta=a, out=target), X
     return X
 
 
-def _iterate_gram(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor:
+def _iterate_gram(
+    X: Tensor, schedule: list[Coefficients], eps: float, scratch: Scratch = _fresh, out: Tensor | None = None
+) -> Tensor:
     """The same iteration carried out on the small ``R×R`` side, for wide ``R×C`` batches.
 
     Every iterate is ``X_k = Q_k·X_0`` with ``Q_k`` a polynomial in ``A_0 = X_0·X_0ᵀ``: each step
@@ -222,39 +241,42 @@ def _iterate_gram(X: Tensor, schedule: list[Coefficients], eps: float) -> Tensor
     of ``k·(4R²C + 2R³)``, a win once ``C >= 2R`` (e.g. 3×3 convs, where ``C = 9·C_in``).
     Squaring into ``A`` doubles the dynamic range, so this is used for fp32 and wider dtypes.
     (Gram-space NS is discussed in Dion and in the Polar Express paper, Amsel et al. 2025.)
+    ``X`` is never modified; the result goes to ``out`` (which must not be ``X``) when given.
     """
-    X, A, inv_norm = _normalized_gram(X, eps)
-    Q = None
+    X, A, inv_norm = _normalized_gram(X, eps, scratch)
+    Q = spare = None
     for k, (a, b, c) in enumerate(schedule):
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # P = a·I + B
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))  # P = a·I + B
         if k + 1 < len(schedule):
-            PA = torch.baddbmm(A, B, A, beta=a)  # P·A
-            A = torch.baddbmm(PA, PA, B, beta=a)  # P·A·P
-        if Q is None:
-            Q = B  # B is not needed any more: turn it into P = Q₁ in place
+            PA = torch.baddbmm(A, B, A, beta=a, out=scratch("PA", A.shape))  # P·A
+            A = torch.baddbmm(PA, PA, B, beta=a, out=A)  # P·A·P, over A (not an input here)
+        if Q is None:  # Q₁ = P = a·I + B
+            Q = torch.add(B, 0, out=scratch("Q", A.shape))
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            spare = scratch("Q'", A.shape)
         else:
-            Q = torch.baddbmm(Q, B, Q, beta=a)  # P·Q
+            Q, spare = torch.baddbmm(Q, B, Q, beta=a, out=spare), Q  # P·Q
     if inv_norm is not None:
         Q.mul_(inv_norm)  # Q·X₀ = (Q/(‖X‖+eps))·X: the normalisation rides on the R×R side
-    return torch.bmm(Q, X)
+    return torch.bmm(Q, X, out=out)
 
 
-def _normalized_gram(X: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor | None]:
+def _normalized_gram(X: Tensor, eps: float, scratch: Scratch) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten.
 
     ``‖X‖²`` is the trace of ``X·Xᵀ``, so the normalisation costs two ``R×R`` passes instead of
     three passes over ``X``. Where that would not be exact (norms out of the safe range), or a
     host check is not free, returns ``(X₀, X₀·X₀ᵀ, None)`` from :func:`_normalize_safe`.
     """
+    gram_shape = (X.size(0), X.size(1), X.size(1))
     if _host_check_is_free(X):
-        A = torch.bmm(X, X.mT)
+        A = torch.bmm(X, X.mT, out=scratch("A", gram_shape))
         norm = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min_(0).sqrt_().view(-1, 1, 1)
         if _plain_norm_is_exact(norm):
             inv_norm = _plus_eps(norm, eps).reciprocal_()
             return X, A.mul_(inv_norm.square()), inv_norm
-    X0 = _normalize_safe(X, eps)
-    return X0, torch.bmm(X0, X0.mT), None
+    X0 = _normalize_safe(X, eps, out=scratch("X", X.shape))
+    return X0, torch.bmm(X0, X0.mT, out=scratch("A", gram_shape)), None
 
 
 METHODS = {"standard": _iterate, "gram": _iterate_gram}

@@ -183,7 +183,10 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
 
     def workspaces() -> list[Tensor]:
         # whatever tensors the cached plan executors keep between steps (bucket buffers, indices)
-        return [t for engine in getattr(opt, "_plans", {}).values() for t in _tensors(vars(engine))]
+        kept: list[Tensor] = []
+        for engine in getattr(opt, "_plans", {}).values():
+            kept += engine.workspaces() if hasattr(engine, "workspaces") else list(_tensors(vars(engine)))
+        return kept
 
     name = f"{label} {'MuSGD' if wb.optimizer == 'musgd' else 'Muon'}"
     useful = wb.matrix_flops()
