@@ -173,6 +173,7 @@ class Orthogonalizer:
         self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
+        self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
         self._scratch: ScratchArena | None = None
 
     def _split_runs(self, bucket: Bucket) -> list[_Run]:
@@ -301,9 +302,15 @@ class Orthogonalizer:
         if any(out_dtypes[m.index] != dtype for m in bucket.members):
             raise ValueError("tensors packed together must share one output dtype")
         if self.result_views and out.dtype == dtype and self._reuses_memory(out):
-            # the output buffer outlives the step: hand out views of it, no unpacking copy
-            for m in bucket.members:
-                results[m.index] = _slot_view(out, m.slot, self.layouts[m.index], m.transposed)
+            # the output buffer outlives the step: hand out views of it, no unpacking copy (the
+            # views of a persistent buffer are made once: a view costs Python time per matrix)
+            views = self._result_views[b] if out is self._outputs[b] else None
+            if views is None:
+                views = [_slot_view(out, m.slot, self.layouts[m.index], m.transposed) for m in bucket.members]
+                if out is self._outputs[b]:
+                    self._result_views[b] = views
+            for m, view in zip(bucket.members, views):
+                results[m.index] = view
             return
         if index is not None:
             flat = out.reshape(-1).index_select(0, index)
