@@ -12,6 +12,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -200,9 +201,24 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
 
 def torch_muon_contender(wb: Workbench) -> Contender:
     """``torch.optim.Muon`` on the matrices (2D only: >2D weights as flattened views), AdamW on the rest."""
+    return _torch_muon(wb, torch.optim.Muon if hasattr(torch.optim, "Muon") else None, torch.bfloat16)
+
+
+def torch_muon_fp32_contender(wb: Workbench) -> Contender:
+    """``torch.optim.Muon`` with its NS function swapped for the same iteration in fp32.
+
+    torch fixes its NS to bf16; on a CPU without bf16 matmul units fastmuon computes in fp32,
+    so this row is the equal-precision comparison there (and is not shown elsewhere).
+    """
+    if compute_dtype(wb.ns_dtype, wb.device) == torch.bfloat16:
+        raise Unavailable("fastmuon runs NS in bfloat16 here too: the bf16 row is the equal-precision one")
+    return _torch_muon(wb, _torch_muon_with_fp32_ns(), torch.float32)
+
+
+def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contender:
     if wb.optimizer != "muon":
         raise Unavailable("a Muon optimizer, not MuSGD: run with --optimizer muon to compare it")
-    if not hasattr(torch.optim, "Muon"):
+    if cls is None:
         raise Unavailable(f"torch {torch.__version__} has no torch.optim.Muon (needs torch >= 2.9)")
     muon_groups, flattened = [], 0
     for g in wb.groups(wb.is_matrix):
@@ -224,20 +240,54 @@ def torch_muon_contender(wb: Workbench) -> Contender:
     ]
     optimizers: list[torch.optim.Optimizer] = []
     if muon_groups:
-        optimizers.append(torch.optim.Muon(muon_groups))
+        optimizers.append(cls(muon_groups))
     if others:
         optimizers.append(torch.optim.AdamW(others, betas=(0.9, 0.95), foreach=True))
-    note = "NS in bfloat16 (fixed by torch); rest: torch.optim.AdamW(foreach=True)"
+    precision = "bfloat16 (fixed by torch)" if dtype == torch.bfloat16 else "float32 (torch's swapped)"
+    note = f"NS in {precision}; rest: torch.optim.AdamW(foreach=True)"
     note += f"; {flattened} >2D weights flattened to (out, rest) views" if flattened else "; all matrices 2D"
+    suffix = "" if dtype == torch.bfloat16 else f" (NS in {_dtype_name(dtype)})"
     return Contender(
-        "torch.optim.Muon",
+        f"torch.optim.Muon{suffix}",
         optimizers,
-        torch.bfloat16,
+        dtype,
         note,
         ns_useful_flops=wb.matrix_flops(),
         ns_flops=wb.matrix_flops(),
         extra={"flattened_weights": flattened},
     )
+
+
+def _torch_muon_with_fp32_ns() -> type | None:
+    """A ``torch.optim.Muon`` whose steps run its per-matrix NS in fp32 instead of bf16.
+
+    Its step looks the NS function up in its own module, so each step swaps that one global
+    for :func:`_fp32_zeropower` and restores it afterwards; everything else is torch's code.
+    """
+    if not hasattr(torch.optim, "Muon"):
+        return None
+    module = sys.modules[torch.optim.Muon.__init__.__module__]  # the defining module (torch.optim._muon)
+    if not callable(getattr(module, "_zeropower_via_newtonschulz", None)):
+        raise Unavailable(f"torch {torch.__version__}: no _zeropower_via_newtonschulz to run in fp32")
+
+    class TorchMuonFp32NS(torch.optim.Muon):
+        def step(self, closure=None):
+            original = module._zeropower_via_newtonschulz
+            module._zeropower_via_newtonschulz = _fp32_zeropower
+            try:
+                return super().step(closure)
+            finally:
+                module._zeropower_via_newtonschulz = original
+
+    return TorchMuonFp32NS
+
+
+def _fp32_zeropower(grad: Tensor, ns_coefficients: tuple, ns_steps: int, eps: float) -> Tensor:
+    """torch.optim.Muon's NS contract (2D, its norm clamped at ``eps``) computed in fp32 by our
+    own kernel, ``fastmuon.newton_schulz`` (standard form, per matrix as torch does)."""
+    X = grad.float()
+    X = X / X.norm().clamp(min=eps)
+    return newton_schulz(X, ns_steps, ns_coefficients, eps=0.0, dtype=torch.float32, method="standard")
 
 
 def sgd_contender(wb: Workbench) -> Contender:
@@ -340,7 +390,13 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
         ultralytics_fp32_contender,
         sgd_contender,
     ],
-    "muon": [fastmuon_contender, reference_contender, torch_muon_contender, sgd_contender],
+    "muon": [
+        fastmuon_contender,
+        reference_contender,
+        torch_muon_contender,
+        torch_muon_fp32_contender,
+        sgd_contender,
+    ],
 }
 
 #: what each factory is called when it is unavailable
@@ -348,6 +404,7 @@ CONTENDER_LABELS = {
     fastmuon_contender: "fastmuon",
     reference_contender: "per-parameter",
     torch_muon_contender: "torch.optim.Muon",
+    torch_muon_fp32_contender: "torch.optim.Muon (NS in float32)",
     sgd_contender: "torch.optim.SGD foreach",
     ultralytics_contender: "Ultralytics MuSGD",
     ultralytics_fp32_contender: "Ultralytics MuSGD (NS in float32)",
