@@ -1,9 +1,10 @@
 import pytest
 import torch
 from conftest import MIXED_SHAPES, rel_err
+from helpers import clone_params, make_grads, make_params, run_musgd_reference, run_optimizer
 from reference_impl import ns_reference
 
-from fastmuon import engine, orthogonalize
+from fastmuon import MuSGD, engine, orthogonalize
 from fastmuon.compute import compute_dtype, cpu_low_precision, set_cpu_low_precision
 
 
@@ -101,3 +102,25 @@ def test_compiled_ns_matches_eager():
         results.append(params)
     for eager, compiled in zip(*results):
         assert rel_err(compiled.detach(), eager.detach()) <= 1e-5
+
+
+@pytest.mark.parametrize("reuse_max_rows", [0, 12, 10**6])
+@pytest.mark.parametrize("policy", ["exact", "min_launches"])
+def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reuse_max_rows, policy):
+    """On a CPU, buckets of short matrices keep their NS output and temporaries between steps
+    and hand the step views into them; the others allocate afresh. Either way, over several
+    steps (buffers reused, views cached), the optimizer takes the reference's steps."""
+    monkeypatch.setattr(engine, "REUSE_MAX_ROWS", reuse_max_rows)
+    params = make_params(MIXED_SHAPES, channels_last=(1, 9))
+    grads = make_grads(params, steps=3)
+    hyper = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.5, sgd=0.5)
+    ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": True})], hyper)
+    ours = clone_params(params)
+    opt = MuSGD(ours, **hyper, ns_dtype=torch.float32, policy=policy)
+    run_optimizer(opt, ours, grads)
+    (eng,) = opt._plans.values()
+    kept = [out is not None for out in eng._outputs]
+    expected = [b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
+    assert kept == expected
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape

@@ -151,7 +151,8 @@ def describe(document: dict[str, Any]) -> list[str]:
         if floor and r.get("median_ms"):
             lines.append(
                 f"{r['name']}: NS floor {floor:.1f} ms (every matrix product of its plan, timed alone as a bare "
-                f"bmm at its shape); median step {r['median_ms'] / floor:.2f}× the floor"
+                f"bmm at its shape, best of repeats); median step {r['median_ms'] / floor:.2f}× the floor, "
+                f"fastest step {r['min_ms'] / floor:.2f}× (best against best)"
             )
     for r in document["results"]:
         if r["skipped"]:
