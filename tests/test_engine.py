@@ -5,6 +5,7 @@ from helpers import clone_params, make_grads, make_params, run_musgd_reference, 
 from reference_impl import ns_reference
 
 from fastmuon import MuSGD, engine, orthogonalize
+from fastmuon import newton_schulz as fastmuon_newton_schulz
 from fastmuon.compute import compute_dtype, cpu_low_precision, set_cpu_low_precision
 
 
@@ -124,3 +125,14 @@ def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reu
     assert kept == expected
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
+
+
+def test_low_precision_gram_space_through_the_engine_equals_the_kernel_alone():
+    """The engine's kept buffers (restart iterates ping-pong in scratch) change nothing: bf16
+    Gram-space NS through a plan equals the kernel called on each matrix with fresh memory."""
+    tensors = [torch.randn(16, 8, 3, 3), torch.randn(16, 8, 3, 3), torch.randn(24, 100)]
+    with cpu_low_precision("native"):
+        outs = orthogonalize(tensors, dtype=torch.bfloat16, policy="exact", method="gram")
+        for t, o in zip(tensors, outs):
+            alone = fastmuon_newton_schulz(t.reshape(t.shape[0], -1), dtype=torch.bfloat16, method="gram")
+            assert torch.equal(o.reshape(alone.shape), alone)

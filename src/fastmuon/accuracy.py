@@ -31,6 +31,7 @@ VARIANTS = (
     Variant("standard fp32 (baseline)"),
     Variant("gram fp32", method="gram"),
     Variant("standard bf16", dtype=torch.bfloat16),
+    Variant("gram bf16 (restarts)", method="gram", dtype=torch.bfloat16),
     Variant("polar_express fp32", coefficients="polar_express"),
     Variant("polar_express gram fp32", method="gram", coefficients="polar_express"),
     Variant("you (6 steps) fp32", coefficients="you", steps=6),

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .newton_schulz import gram_segments
+
 POLICIES = ("auto", "exact", "min_launches")
 DEFAULT_MAX_BUCKET_BYTES = 512 * 2**20
 
@@ -81,11 +83,11 @@ class Bucket:
     def flops(self, steps: int) -> int:
         """FLOPs the padded batch actually computes."""
         b, r, c = self.shape
-        return b * ns_flops(r, c, steps, self.method)
+        return b * ns_flops(r, c, steps, self.method, self.dtype)
 
     def useful_flops(self, steps: int) -> int:
         """FLOPs the members would cost unpadded (with the bucket's method)."""
-        return sum(ns_flops(*m.oriented, steps, self.method) for m in self.members)
+        return sum(ns_flops(*m.oriented, steps, self.method, self.dtype) for m in self.members)
 
 
 @dataclass(frozen=True)
@@ -127,11 +129,18 @@ COST_MODELS: dict[str, CostModel] = {
 METHODS = ("standard", "gram")
 
 
-def ns_flops(rows: int, cols: int, steps: int, method: str = "standard") -> int:
-    """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c)."""
+def ns_flops(
+    rows: int, cols: int, steps: int, method: str = "standard", dtype: torch.dtype | None = None
+) -> int:
+    """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c).
+
+    Gram space (see newton_schulz._iterate_gram): ``X`` is touched twice per run from a fresh
+    ``A`` (``A = X·Xᵀ`` and ``Q·X``), the rest is ``R×R``; low precision restarts, so runs ``s > 1``.
+    """
     r, c = min(rows, cols), max(rows, cols)
-    if method == "gram":  # A0 and Q·X0 touch X; the loop is R×R (see newton_schulz._iterate_gram)
-        return 4 * r * r * c + (8 * steps - 6) * r * r * r
+    if method == "gram":
+        s = gram_segments(steps, dtype)
+        return 4 * s * r * r * c + (8 * steps - 6 * s) * r * r * r
     return steps * (4 * r * r * c + 2 * r * r * r)
 
 
@@ -274,7 +283,7 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, allowed: str) ->
 
     def flops(g: _Group) -> int:
         method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest)
-        return len(g.members) * ns_flops(g.rows, g.cols, steps, method)
+        return len(g.members) * ns_flops(g.rows, g.cols, steps, method, dtype)
 
     def score(a: _Group, b: _Group) -> tuple[float, float] | None:
         """Lower is better; ``None`` means this merge does not help."""
