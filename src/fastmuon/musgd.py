@@ -21,14 +21,7 @@ from .matrix_update import (
 )
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from .transforms import (
-    ADJUST_LR,
-    apply_updates_,
-    coupled_weight_decay,
-    heavy_ball_,
-    lr_scale,
-    partition,
-)
+from .transforms import ADJUST_LR, lr_scale, partition, sgd_momentum_step_
 
 
 @dataclass
@@ -182,11 +175,15 @@ def _multi_tensor_musgd(
         elementwise, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
     ).values():
         first = items[0]
-        params = [i.param for i in items]
-        bufs = [i.buf for i in items]
-        grads = coupled_weight_decay([i.grad for i in items], params, first.weight_decay)
-        updates = heavy_ball_(bufs, grads, first.beta, first.nesterov)
-        apply_updates_(params, updates, [i.lr for i in items], owned=updates is not bufs)
+        sgd_momentum_step_(
+            [i.param for i in items],
+            [i.grad for i in items],
+            [i.buf for i in items],
+            [i.lr for i in items],
+            first.beta,
+            first.nesterov,
+            first.weight_decay,
+        )
 
 
 def _single_tensor_musgd(
