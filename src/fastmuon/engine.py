@@ -123,18 +123,28 @@ class ScratchArena:
     def __init__(self, device: torch.device):
         self.device = device
         self._arenas: dict[tuple[str, torch.dtype], Tensor] = {}
+        self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], Tensor] = {}
 
     def for_dtype(self, dtype: torch.dtype):
         """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch)."""
 
         def take(tag: str, shape: tuple[int, ...]) -> Tensor:
-            numel = _numel(shape)
-            arena = self._arenas.get((tag, dtype))
-            if arena is None or arena.numel() < numel:
-                arena = self._arenas[(tag, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
-            return arena[:numel].view(shape)
+            view = self._views.get((tag, dtype, shape))  # made once: a view costs Python time
+            if view is None:
+                view = self._view(tag, dtype, tuple(shape))
+            return view
 
         return take
+
+    def _view(self, tag: str, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+        numel = _numel(shape)
+        arena = self._arenas.get((tag, dtype))
+        if arena is None or arena.numel() < numel:
+            arena = self._arenas[(tag, dtype)] = torch.empty(numel, dtype=dtype, device=self.device)
+            for key in [k for k in self._views if k[:2] == (tag, dtype)]:
+                del self._views[key]  # views of the old, smaller arena
+        view = self._views[(tag, dtype, shape)] = arena[:numel].view(shape)
+        return view
 
     def tensors(self) -> list[Tensor]:
         return list(self._arenas.values())
