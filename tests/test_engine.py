@@ -105,7 +105,7 @@ def test_compiled_ns_matches_eager():
         assert rel_err(compiled.detach(), eager.detach()) <= 1e-5
 
 
-@pytest.mark.parametrize("reuse_max_rows", [0, 12, 10**6])
+@pytest.mark.parametrize("reuse_max_rows", [0, 12, None])
 @pytest.mark.parametrize("policy", ["exact", "min_launches"])
 def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reuse_max_rows, policy):
     """On a CPU, buckets of short matrices keep their NS output and temporaries between steps
@@ -121,7 +121,7 @@ def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reu
     run_optimizer(opt, ours, grads)
     (eng,) = opt._plans.values()
     kept = [out is not None for out in eng._outputs]
-    expected = [b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
+    expected = [reuse_max_rows is None or b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
     assert kept == expected
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape

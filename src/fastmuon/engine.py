@@ -150,9 +150,12 @@ class ScratchArena:
         return list(self._arenas.values())
 
 
-#: Buckets of matrices with at most this many rows (after orienting them wide) keep their NS
-#: output and temporaries between steps on a CPU (see Orthogonalizer._reuses_memory).
-REUSE_MAX_ROWS = 256
+#: On a CPU, buckets of matrices with at most this many rows (after orienting them wide) keep
+#: their NS output and temporaries between steps; None: every bucket. Kept buffers paid off at
+#: every size measured (yolo26n, R <= 256: NS 8-13% faster; GPT-2, R = 768: a step of 10.4-10.9 s
+#: against 11.3-12.8 s) for workspace memory (GPT-2: 972 MiB against 324); a number here trades
+#: that speed back for memory on the larger matrices.
+REUSE_MAX_ROWS: int | None = None
 
 #: Buckets holding more than this many runs are packed with one index copy instead of a copy
 #: per run (fewer launches), as long as the int64 index stays small.
@@ -261,11 +264,9 @@ class Orthogonalizer:
 
     @staticmethod
     def _reuses_memory(batch: Tensor) -> bool:
-        """Keep NS results and temporaries between steps: on CPUs (see :class:`ScratchArena`), for
-        buckets of short matrices. NS costs ~``4·R·steps`` FLOPs per element of an ``R×C`` matrix,
-        so fresh memory only weighs on small ``R``; for GPT-2's ``R = 768`` it is <1% of the
-        step, while keeping its buffers took state + workspace from 949 to 1597 MiB (measured)."""
-        return batch.device.type == "cpu" and batch.size(-2) <= REUSE_MAX_ROWS
+        """Keep NS results and temporaries between steps: on CPUs (see :class:`ScratchArena`),
+        up to :data:`REUSE_MAX_ROWS`."""
+        return batch.device.type == "cpu" and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
