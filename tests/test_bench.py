@@ -180,6 +180,9 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     assert ours["padding_overhead"] == pytest.approx(ours["ns_flops"] / ours["ns_useful_flops"] - 1)
     assert ours["kernels_per_step"] < loop["kernels_per_step"]  # three matrices, one loop each
     assert sgd["ns_flops"] == 0
+    # the floor is measured in every round next to the steps: median and lowest
+    assert 0 < ours["extra"]["ns_floor_ms_best"] <= ours["extra"]["ns_floor_ms"]
+    assert "ns_floor_ms" not in loop["extra"]  # no plan, no floor
     names = [r["name"] for r in doc["results"] if r["median_ms"]]
     assert set(doc["speedups"]) == set(names)
     assert doc["speedups"][names[0]][names[1]] == pytest.approx(

@@ -148,11 +148,13 @@ def describe(document: dict[str, Any]) -> list[str]:
         )
     for r in document["results"]:
         floor = r.get("extra", {}).get("ns_floor_ms")
+        best = r.get("extra", {}).get("ns_floor_ms_best", floor)
         if floor and r.get("median_ms"):
             lines.append(
                 f"{r['name']}: NS floor {floor:.1f} ms (every matrix product of its plan, timed alone as a bare "
-                f"bmm at its shape, best of repeats); median step {r['median_ms'] / floor:.2f}× the floor, "
-                f"fastest step {r['min_ms'] / floor:.2f}× (best against best)"
+                f"bmm at its shape, best of repeats; median over the rounds, measured next to the steps); "
+                f"median step {r['median_ms'] / floor:.2f}× the floor, fastest step {r['min_ms'] / best:.2f}× "
+                "the lowest floor (best against best)"
             )
     for r in document["results"]:
         if r["skipped"]:
