@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .transforms import partition
+from .transforms import foreach_scalar, partition
 
 
 @dataclass
@@ -51,7 +51,7 @@ def multi_tensor_adamw(items: list[AdamWItem]) -> None:
         if wd:
             torch._foreach_mul_(params, [1 - i.lr * wd for i in part])
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_mul_(exp_avg_sqs, foreach_scalar(beta2, exp_avg_sqs[0]))
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, [math.sqrt(1 - beta2**s) for s in steps])

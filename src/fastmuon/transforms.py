@@ -49,7 +49,7 @@ def sgd_momentum_step_(
     if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
         torch._foreach_copy_(bufs, grads)
     else:
-        torch._foreach_mul_(bufs, beta)
+        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0]))
         torch._foreach_add_(bufs, grads)
     if not nesterov:
         apply_updates_(params, bufs, lrs, owned=False)
@@ -59,6 +59,13 @@ def sgd_momentum_step_(
     else:
         apply_updates_(params, grads, lrs, owned=False)
         apply_updates_(params, bufs, [lr * beta for lr in lrs], owned=False)
+
+
+def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
+    """``value`` for a foreach multiply: on a CPU a 0-d tensor, since there each tensor's ``mul_``
+    by a Python number first wraps the number in a new tensor (five extra ops per tensor:
+    2.6 vs 1.4 ms per call over yolo26n's 366 tensors, measured)."""
+    return torch.tensor(value, dtype=torch.float32) if like.device.type == "cpu" else value
 
 
 def apply_updates_(
