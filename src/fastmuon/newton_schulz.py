@@ -131,7 +131,7 @@ def newton_schulz(
 
 #: Where a kernel takes its temporaries: ``scratch(tag, shape)`` returns a tensor of the input's
 #: dtype and device to write into, or ``None`` to allocate. Tags name roles, so two temporaries
-#: alive at once never share memory (the engine keeps them between steps; see engine.Scratch).
+#: alive at once never share memory (the engine keeps them between steps: engine.ScratchArena).
 Scratch = Callable[[str, tuple[int, ...]], Union[Tensor, None]]
 
 
