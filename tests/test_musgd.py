@@ -5,6 +5,7 @@ from helpers import clone_params, make_grads, make_params, run_musgd_reference, 
 
 from fastmuon import MuSGD
 from fastmuon.reference import ReferenceMuSGD
+from fastmuon.transforms import foreach_scalar
 
 HP = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.3, sgd=0.7)
 VECTORS = [(32,), (16,), (100,)]
@@ -163,3 +164,13 @@ def test_defaults_match_ultralytics_signature():
         1e-7,
         "ultralytics",
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_foreach_scalar_multiplies_bit_for_bit_like_a_python_number(dtype):
+    """The CPU shortcut for foreach multiplies (a 0-d tensor instead of a number) changes no bit."""
+    x = torch.randn(1000, dtype=torch.float64).to(dtype)
+    by_number, by_tensor = [x.clone()], [x.clone()]
+    torch._foreach_mul_(by_number, 0.937)
+    torch._foreach_mul_(by_tensor, foreach_scalar(0.937, x))
+    assert torch.equal(by_number[0], by_tensor[0])
