@@ -210,9 +210,19 @@ def torch_muon_fp32_contender(wb: Workbench) -> Contender:
     torch fixes its NS to bf16; on a CPU without bf16 matmul units fastmuon computes in fp32,
     so this row is the equal-precision comparison there (and is not shown elsewhere).
     """
+    _needs_fp32_row(wb)
+    return _torch_muon(wb, _torch_muon_with_fp32_ns(), torch.float32)
+
+
+def _needs_fp32_row(wb: Workbench) -> None:
+    """A peer's fp32-swapped row is the equal-precision one only where fastmuon computes in fp32."""
     if compute_dtype(wb.ns_dtype, wb.device) == torch.bfloat16:
         raise Unavailable("fastmuon runs NS in bfloat16 here too: the bf16 row is the equal-precision one")
-    return _torch_muon(wb, _torch_muon_with_fp32_ns(), torch.float32)
+
+
+def _swapped_suffix(dtype: torch.dtype) -> str:
+    """How a peer's row is named when its NS was swapped away from its own bf16."""
+    return "" if dtype == torch.bfloat16 else f" (NS in {_dtype_name(dtype)})"
 
 
 def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contender:
@@ -246,9 +256,8 @@ def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contende
     precision = "bfloat16 (fixed by torch)" if dtype == torch.bfloat16 else "float32 (torch's swapped)"
     note = f"NS in {precision}; rest: torch.optim.AdamW(foreach=True)"
     note += f"; {flattened} >2D weights flattened to (out, rest) views" if flattened else "; all matrices 2D"
-    suffix = "" if dtype == torch.bfloat16 else f" (NS in {_dtype_name(dtype)})"
     return Contender(
-        f"torch.optim.Muon{suffix}",
+        f"torch.optim.Muon{_swapped_suffix(dtype)}",
         optimizers,
         dtype,
         note,
@@ -319,8 +328,7 @@ def ultralytics_fp32_contender(wb: Workbench) -> Contender:
     without bf16 matmul units), so that one row compares the two at equal precision.
     """
     _needs_musgd(wb)
-    if compute_dtype(wb.ns_dtype, wb.device) == torch.bfloat16:
-        raise Unavailable("fastmuon runs NS in bfloat16 here too: the bf16 row is the equal-precision one")
+    _needs_fp32_row(wb)
     cls, version = load_ultralytics_musgd(fp32_ns=True)
     return _ultralytics(wb, cls, version, torch.float32, "its own batched NS, swapped to float32")
 
@@ -331,9 +339,12 @@ def _ultralytics(wb: Workbench, cls: type, version: str, dtype: torch.dtype, not
         opt = cls(wb.groups(), **kwargs)
     except Exception as e:  # an API we do not know: say so rather than guess
         raise Unavailable(f"ultralytics {version} MuSGD rejected the groups: {e}") from None
-    suffix = "" if dtype == torch.bfloat16 else f" (NS in {_dtype_name(dtype)})"
     return Contender(
-        f"Ultralytics MuSGD {version}{suffix}", [opt], dtype, note, ns_useful_flops=wb.matrix_flops()
+        f"Ultralytics MuSGD {version}{_swapped_suffix(dtype)}",
+        [opt],
+        dtype,
+        note,
+        ns_useful_flops=wb.matrix_flops(),
     )
 
 
