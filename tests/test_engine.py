@@ -89,8 +89,6 @@ def test_low_precision_output_dtype_and_cpu_compute_modes():
 
 
 def test_compiled_ns_matches_eager():
-    from fastmuon import MuSGD
-
     shapes = [(6, 4, 3, 3), (6, 4, 3, 3), (10, 8)]
     grads = [torch.randn(s) for s in shapes]
     results = []

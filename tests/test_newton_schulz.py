@@ -6,7 +6,9 @@ from conftest import rel_err
 from reference_impl import ns_reference
 
 from fastmuon import PRESETS, newton_schulz
+from fastmuon.accuracy import Variant, make_inputs, measure
 from fastmuon.newton_schulz import resolve_coefficients
+from fastmuon.planner import ns_flops
 
 
 @pytest.mark.parametrize("shape", [(32, 64), (64, 32), (40, 40), (1, 17), (17, 1)])
@@ -154,8 +156,6 @@ def test_low_precision_gram_space_restarts_and_stays_in_standard_bf16_band(monke
     """In bf16 the rounding of A₀ = X·Xᵀ leaves tiny negative eigenvalues that Gram-space NS
     grows ~12× per step; restarting from X_k = Q_k·X₀ keeps it in standard bf16 NS's band.
     Without the restart the same inputs blow up, which is what makes this test able to fail."""
-    from fastmuon.accuracy import Variant, make_inputs, measure
-
     gram, standard = Variant("g", method="gram", dtype=torch.bfloat16), Variant("s", dtype=torch.bfloat16)
     for kind, G in make_inputs().items():
         ours, base = measure(gram, G), measure(standard, G)
@@ -168,8 +168,6 @@ def test_low_precision_gram_space_restarts_and_stays_in_standard_bf16_band(monke
 
 
 def test_gram_space_flops_count_the_restarts():
-    from fastmuon.planner import ns_flops
-
     r, c = 64, 576
     assert ns_flops(r, c, 5, "gram", torch.float32) == 4 * r * r * c + 34 * r**3
     assert ns_flops(r, c, 5, "gram", torch.bfloat16) == 12 * r * r * c + 22 * r**3  # 3 runs: 2+2+1
