@@ -134,3 +134,44 @@ def test_low_precision_gram_space_through_the_engine_equals_the_kernel_alone():
         for t, o in zip(tensors, outs):
             alone = fastmuon_newton_schulz(t.reshape(t.shape[0], -1), dtype=torch.bfloat16, method="gram")
             assert torch.equal(o.reshape(alone.shape), alone)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("policy", ["exact", "min_launches"])
+def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov, policy):
+    """On a CPU the momentum step writes each matrix's NS input straight into its slot of the
+    bucket buffer (tall matrices transposed, channels_last in its own order, padding around it).
+    The steps are the reference's, the padding stays zero, and no slot aliases the state."""
+    params = make_params(MIXED_SHAPES, channels_last=(1, 9))
+    grads = make_grads(params, steps=3)
+    hyper = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=5e-4, muon=0.5, sgd=0.5)
+    ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": True})], hyper)
+    ours = clone_params(params)
+    opt = MuSGD(ours, **hyper, ns_dtype=torch.float32, policy=policy)
+    run_optimizer(opt, ours, grads)
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+    (eng,) = opt._plans.values()
+    views = eng.input_views([p.dtype for p in ours])
+    assert views is not None and len(views) == len(ours)
+    assert policy != "min_launches" or eng._gathers[0] is not None
+    assert all(staging is None for staging in eng._staging)  # the packing copy never ran
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    for v in views:
+        assert not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in state)
+    for b, bucket in enumerate(eng.plan.buckets):
+        padding = eng._buffers[b].clone()
+        for m in bucket.members:
+            engine._slot_view(padding, m.slot, eng.layouts[m.index], m.transposed).zero_()
+        assert torch.count_nonzero(padding) == 0
+
+
+def test_no_ns_input_views_where_the_compute_dtype_differs():
+    """bf16 parameters whose NS runs in fp32 (this CPU, or any with ``ns_dtype=float32``) are cast
+    while packing, so the engine offers no views to write into; the step still packs them."""
+    params = make_params([(8, 4, 3, 3), (12, 20)], dtype=torch.bfloat16)
+    opt = MuSGD(params, lr=0.02, momentum=0.9, ns_dtype=torch.float32)
+    run_optimizer(opt, params, make_grads(params, steps=2))
+    (eng,) = opt._plans.values()
+    assert eng.input_views([p.dtype for p in params]) is None
+    assert all(torch.isfinite(p).all() for p in params)

@@ -88,6 +88,7 @@ class MatrixOptimizer(Optimizer):
         self.nonfinite = check_mode(nonfinite)
         self._keep: dict[int, Tensor] | None = None  # id(param) -> finite flag, during a "skip" step
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
+        self._prepared: tuple[Sequence[Tensor], Orthogonalizer] | None = None  # see ns_inputs
         self.last_plan: Plan | None = None
         self.process_group = process_group  # DDP: ranks share the NS work (see distributed.py)
         self.state_initialised = False
@@ -224,6 +225,16 @@ class MatrixOptimizer(Optimizer):
         return self._global_of.get(id(p), p)
 
     # ----- the batching plan --------------------------------------------------------------
+    def ns_inputs(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> list[Tensor] | None:
+        """Where this step's NS will read each matrix's source from, for the momentum step to write
+        there directly (see :meth:`Orthogonalizer.input_views`); ``None``: hand the sources over
+        to :meth:`orthogonalize` as tensors. The engine found here serves that call too."""
+        engine = self._engine(params, configs)
+        self._prepared = (params, engine)
+        if not isinstance(engine, Orthogonalizer):
+            return None  # distributed engines exchange the sources themselves
+        return engine.input_views([p.dtype for p in params])
+
     def orthogonalize(
         self,
         sources: Sequence[Tensor],
@@ -231,6 +242,18 @@ class MatrixOptimizer(Optimizer):
         configs: Sequence[NSConfig],
     ) -> list[Tensor]:
         """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes."""
+        prepared, self._prepared = self._prepared, None
+        engine = prepared[1] if prepared is not None and prepared[0] is params else self._engine(params, configs)
+        dtypes = [p.dtype for p in params]
+        if self._keep is None:
+            return engine(sources, dtypes)
+        keep = [self._keep[id(self.global_param(p))] for p in params]
+        if isinstance(engine, Orthogonalizer):
+            return engine(sources, dtypes, keep=keep)
+        return engine([torch.where(k, s, 0) for k, s in zip(keep, sources)], dtypes)  # distributed
+
+    def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> Orthogonalizer:
+        """The cached engine for these matrices in this order (built on first sight)."""
         policy = self.policy
         keyed = [self.global_param(p) for p in params] if self._global_of else params
         key = (
@@ -246,13 +269,7 @@ class MatrixOptimizer(Optimizer):
         else:
             self._plans.move_to_end(key)
         self.last_plan = engine.plan
-        dtypes = [p.dtype for p in params]
-        if self._keep is None:
-            return engine(sources, dtypes)
-        keep = [self._keep[id(self.global_param(p))] for p in params]
-        if isinstance(engine, Orthogonalizer):
-            return engine(sources, dtypes, keep=keep)
-        return engine([torch.where(k, s, 0) for k, s in zip(keep, sources)], dtypes)  # distributed
+        return engine
 
     def _build(self, params, configs, policy) -> Orthogonalizer:
         if self.process_group is not None or self._global_of:
@@ -343,3 +360,4 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("nonfinite", DEFAULT_NONFINITE)
         self.__dict__.setdefault("_keep", None)
+        self.__dict__.setdefault("_prepared", None)

@@ -192,6 +192,7 @@ class Orthogonalizer:
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
         self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
+        self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
 
     def _split_runs(self, bucket: Bucket) -> list[_Run]:
@@ -282,8 +283,37 @@ class Orthogonalizer:
             buf = self._buffers[b] = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
         return buf
 
+    def input_views(self, dtypes: Sequence[torch.dtype]) -> list[Tensor] | None:
+        """Where NS reads each tensor from: a view of its slot in its bucket's buffer, in the
+        tensor's own shape (``dtypes``: the tensors' dtypes, as given to ``__call__``). A caller that writes its sources there itself (e.g. the momentum step,
+        with ``out=``) and passes these views back as the sources skips packing: on yolo26n that
+        saves a fresh tensor per matrix and two copies of the whole set.
+
+        CPU only, and only where every bucket computes in its tensors' dtype (else ``None``, and
+        the sources are packed, cast included): on a GPU the strided per-tensor writes would cost
+        a launch per matrix, where a pack costs two.
+        """
+        if self._input_views is None:
+            views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
+            for b, bucket in enumerate(self.plan.buckets):
+                if bucket.device.type != "cpu" or any(dtypes[m.index] != bucket.dtype for m in bucket.members):
+                    views = []
+                    break
+                buf = self.buffer(b, bucket.device)
+                for m in bucket.members:
+                    views[m.index] = _slot_view(buf, m.slot, self.layouts[m.index], m.transposed)
+            self._input_views = views
+        return self._input_views or None
+
+    def _packed_already(self, b: int, sources: Sequence[Tensor]) -> bool:
+        """Whether bucket ``b``'s sources are its :meth:`input_views` (written in place by the caller)."""
+        views = self._input_views
+        return bool(views) and all(sources[m.index] is views[m.index] for m in self.plan.buckets[b].members)
+
     def pack(self, b: int, sources: Sequence[Tensor]) -> Tensor:
         bucket, runs = self.plan.buckets[b], self._runs[b]
+        if self._packed_already(b, sources):
+            return self._buffers[b]  # type: ignore[return-value]
         buf = self.buffer(b, sources[bucket.members[0].index].device)
         index = self._gathers[b]
         if index is not None:

@@ -19,6 +19,9 @@ from .transforms import apply_updates_, ema_momentum_, partition
 
 #: ``(sources, params, configs) -> updates``: how a step hands its matrices to the engine.
 Orthogonalize = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[NSConfig]], list[Tensor]]
+#: ``(params, configs) -> views or None``: where the engine will read each source from, so the
+#: momentum step can write it there (``MatrixOptimizer.ns_inputs``).
+NSInputs = Callable[[Sequence[Tensor], Sequence[NSConfig]], "list[Tensor] | None"]
 
 
 @dataclass
@@ -35,20 +38,29 @@ class MatrixItem:
     decay: float = 1.0  # 1 − lr·wd for decoupled weight decay
 
 
-def multi_tensor_matrix_update(items: list[MatrixItem], orthogonalize: Orthogonalize) -> None:
-    """The batched path: one foreach call per set of shared scalars, one NS call per bucket."""
-    sources: list[Tensor] = []
-    ordered: list[MatrixItem] = []
-    # 1. momentum, one foreach call per (β, nesterov, device, dtype)
-    for part in partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values():
-        bufs, grads = [i.buf for i in part], [i.grad for i in part]
-        sources += ema_momentum_(bufs, grads, part[0].beta, part[0].nesterov)
-        ordered += part
+def multi_tensor_matrix_update(
+    items: list[MatrixItem], orthogonalize: Orthogonalize, ns_inputs: NSInputs | None = None
+) -> None:
+    """The batched path: one foreach call per set of shared scalars, one NS call per bucket.
+
+    With ``ns_inputs`` the momentum step writes its result straight into the NS engine's input
+    buffers where the engine offers them (a CPU), instead of into fresh tensors that the engine
+    then copies in: one pass over the matrices and an allocation fewer.
+    """
+    parts = list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+    ordered = [i for part in parts for i in part]
     if not ordered:
         return
+    params, configs = [i.param for i in ordered], [i.config for i in ordered]
+    inputs = ns_inputs(params, configs) if ns_inputs is not None else None
+    # 1. momentum, one foreach call per (β, nesterov, device, dtype)
+    sources: list[Tensor] = []
+    for part in parts:
+        out = inputs[len(sources) : len(sources) + len(part)] if inputs is not None else None
+        bufs, grads = [i.buf for i in part], [i.grad for i in part]
+        sources += ema_momentum_(bufs, grads, part[0].beta, part[0].nesterov, out=out)
     # 2. orthogonalise, one NS call per bucket of the cached plan
-    params = [i.param for i in ordered]
-    updates = orthogonalize(sources, params, [i.config for i in ordered])
+    updates = orthogonalize(sources, params, configs)
     # 3-4. decay, scale and apply
     decays = [i.decay for i in ordered]
     if any(d != 1 for d in decays):

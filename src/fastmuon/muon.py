@@ -158,7 +158,7 @@ class Muon(MatrixOptimizer):
 
     def _apply(self, matrices: list[MatrixItem], others: list[AdamWItem]) -> None:
         if self.foreach:
-            multi_tensor_matrix_update(matrices, self.orthogonalize)
+            multi_tensor_matrix_update(matrices, self.orthogonalize, self.ns_inputs)
             multi_tensor_adamw(others)
         else:
             single_tensor_matrix_update(matrices)

@@ -15,6 +15,7 @@ from torch import Tensor
 from ._base import MatrixOptimizer, check_nonnegative, state_buffer
 from .matrix_update import (
     MatrixItem,
+    NSInputs,
     Orthogonalize,
     multi_tensor_matrix_update,
     single_tensor_matrix_update,
@@ -162,14 +163,19 @@ class MuSGD(MatrixOptimizer):
         return matrices, elementwise
 
     def _apply(self, matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
-        step_fn = _multi_tensor_musgd if self.foreach else _single_tensor_musgd
-        step_fn(matrices, elementwise, self.orthogonalize)
+        if self.foreach:
+            _multi_tensor_musgd(matrices, elementwise, self.orthogonalize, self.ns_inputs)
+        else:
+            _single_tensor_musgd(matrices, elementwise)
 
 
 def _multi_tensor_musgd(
-    matrices: list[MatrixItem], elementwise: list[SGDItem], orthogonalize: Orthogonalize
+    matrices: list[MatrixItem],
+    elementwise: list[SGDItem],
+    orthogonalize: Orthogonalize,
+    ns_inputs: NSInputs | None = None,
 ) -> None:
-    multi_tensor_matrix_update(matrices, orthogonalize)
+    multi_tensor_matrix_update(matrices, orthogonalize, ns_inputs)
     # the SGD half (and plain SGD parameters), on p after the Muon update
     for items in partition(
         elementwise, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
@@ -186,9 +192,7 @@ def _multi_tensor_musgd(
         )
 
 
-def _single_tensor_musgd(
-    matrices: list[MatrixItem], elementwise: list[SGDItem], orthogonalize: Orthogonalize
-) -> None:
+def _single_tensor_musgd(matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
     """The same update, one parameter at a time: the per-parameter reference path."""
     single_tensor_matrix_update(matrices)
     for it in elementwise:

@@ -20,10 +20,22 @@ ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "none")
 T = TypeVar("T")
 
 
-def ema_momentum_(bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool) -> list[Tensor]:
-    """``M ← β·M + (1−β)·g`` in place; returns ``β·M + (1−β)·g`` (Nesterov, new tensors) or ``M``."""
+def ema_momentum_(
+    bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor] | None = None
+) -> list[Tensor]:
+    """``M ← β·M + (1−β)·g`` in place; returns the update ``β·M + (1−β)·g`` (Nesterov) or ``M``.
+
+    Without ``out`` the Nesterov update is new tensors and the plain one is ``M`` itself; with
+    ``out`` (tensors of the same shapes, e.g. views into the NS engine's input buffers) the
+    update is written there and ``out`` returned, computed by the same operations.
+    """
     torch._foreach_lerp_(bufs, grads, 1 - beta)
-    return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs
+    if out is None:
+        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs
+    torch._foreach_copy_(out, grads if nesterov else bufs)
+    if nesterov:
+        torch._foreach_lerp_(out, bufs, beta)  # g + β·(M − g), as the out-of-place lerp computes it
+    return out
 
 
 def sgd_momentum_step_(
