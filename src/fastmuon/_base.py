@@ -243,7 +243,9 @@ class MatrixOptimizer(Optimizer):
     ) -> list[Tensor]:
         """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes."""
         prepared, self._prepared = self._prepared, None
-        engine = prepared[1] if prepared is not None and prepared[0] is params else self._engine(params, configs)
+        engine = (
+            prepared[1] if prepared is not None and prepared[0] is params else self._engine(params, configs)
+        )
         dtypes = [p.dtype for p in params]
         if self._keep is None:
             return engine(sources, dtypes)

@@ -296,7 +296,9 @@ class Orthogonalizer:
         if self._input_views is None:
             views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
             for b, bucket in enumerate(self.plan.buckets):
-                if bucket.device.type != "cpu" or any(dtypes[m.index] != bucket.dtype for m in bucket.members):
+                if bucket.device.type != "cpu" or any(
+                    dtypes[m.index] != bucket.dtype for m in bucket.members
+                ):
                     views = []
                     break
                 buf = self.buffer(b, bucket.device)
