@@ -59,7 +59,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender before measuring")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps per contender before measuring (the first builds state and plans; the "
+        "last one's time sets how many steps fit the budget)",
+    )
     p.add_argument(
         "--budget", type=float, default=3.0, help="timed seconds per contender when --steps is unset"
     )

@@ -1,7 +1,8 @@
 """Run the contenders side by side: same tensors, same gradients, interleaved rounds.
 
-Order of work per contender: ``warmup`` timed steps (state and plans get built; the last one
-sets how many steps a round gets within the time budget), one probe step
+Order of work per contender: ``warmup`` timed steps (state and plans get built in the first;
+the last one sets how many steps a round gets within the time budget, so with one warm-up a
+plan-building step would set it and leave a median of a handful of steps), one probe step
 under the kernel counter and the allocation tracker (not timed: both add overhead), then
 ``rounds`` rounds of ``steps`` timed steps, the contenders taking turns (A B C A B C …) so
 that drifts of the machine (clock, other load) hit every contender alike.
@@ -45,7 +46,7 @@ class Settings:
     cost_model: str = "device"
     steps: int | None = None  # None: as many as fit the budget, at most ``max_steps``
     rounds: int = 3
-    warmup: int = 1
+    warmup: int = 2
     budget_s: float = 3.0  # timed seconds per contender, all rounds together
     max_steps: int = 20
     max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
