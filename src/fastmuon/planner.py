@@ -126,7 +126,17 @@ COST_MODELS: dict[str, CostModel] = {
 }
 
 
-METHODS = ("standard", "gram")
+METHODS = ("standard", "gram", "eigh")
+
+#: Nominal FLOPs of a symmetric eigendecomposition with eigenvectors, in units of ``R³``
+#: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less). LAPACK runs it
+#: well below matmul speed, so the planner does not choose by this count (see choose_method).
+EIGH_FLOPS_PER_R3 = 9
+
+#: ``auto`` picks the eigendecomposition route on CPUs for buckets at least this tall: measured
+#: on this project's CPU (1 thread, fp32), it beats the Gram loop from R≈256 (break-even) and
+#: clearly from 384 (1.1x at 384, 1.9x at 512, 2x at 768), and loses below 200.
+EIGH_MIN_ROWS = 384
 
 
 def ns_flops(
@@ -138,6 +148,8 @@ def ns_flops(
     ``A`` (``A = X·Xᵀ`` and ``Q·X``), the rest is ``R×R``; low precision restarts, so runs ``s > 1``.
     """
     r, c = min(rows, cols), max(rows, cols)
+    if method == "eigh":  # A = X·Xᵀ, the eigendecomposition, V·h·Vᵀ, Q·X
+        return 4 * r * r * c + (EIGH_FLOPS_PER_R3 + 2) * r * r * r
     if method == "gram":
         s = gram_segments(steps, dtype)
         return 4 * s * r * r * c + (8 * steps - 6 * s) * r * r * r
@@ -145,14 +157,24 @@ def ns_flops(
 
 
 def choose_method(
-    allowed: str, rows: int, cols: int, steps: int, dtype: torch.dtype, narrowest: float = math.inf
+    allowed: str,
+    rows: int,
+    cols: int,
+    steps: int,
+    dtype: torch.dtype,
+    narrowest: float = math.inf,
+    device_type: str = "cpu",
 ) -> str:
     """Gram-space NS where it is cheaper and safe: fp32+ (``X·Xᵀ`` squares the dynamic range)
     and every member at least twice as wide as tall (``narrowest`` = min cols/rows), since a
-    square matrix's small singular values are what Gram space resolves least accurately."""
+    square matrix's small singular values are what Gram space resolves least accurately.
+    On a CPU, buckets of at least :data:`EIGH_MIN_ROWS` rows take the eigendecomposition route
+    (``rows`` is the bucket's short side); GPUs run eigendecompositions slowly, so not there."""
     if allowed != "auto":
         return allowed
     safe = dtype in (torch.float32, torch.float64) and narrowest >= 2
+    if safe and device_type == "cpu" and min(rows, cols) >= EIGH_MIN_ROWS:
+        return "eigh"
     if safe and ns_flops(rows, cols, steps, "gram") < ns_flops(rows, cols, steps, "standard"):
         return "gram"
     return "standard"
@@ -245,9 +267,9 @@ def plan_buckets(
         model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
         groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
         if policy != "exact":
-            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, allowed)
+            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, allowed, device.type)
         for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
-            method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest)
+            method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest, device.type)
             buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes, method))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
@@ -275,14 +297,16 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
     return max(1, cap // (rows * cols * itemsize))
 
 
-def _merge(groups, policy, steps, dtype, cap, model: CostModel, allowed: str) -> list[_Group]:
+def _merge(
+    groups, policy, steps, dtype, cap, model: CostModel, allowed: str, device_type: str
+) -> list[_Group]:
     """Greedy agglomeration: apply the best merge until none helps."""
     itemsize = _itemsize(dtype)
     launch = model.launch_seconds * kernels_per_bucket(steps)
     per_flop = model.flop_seconds(dtype)
 
     def flops(g: _Group) -> int:
-        method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest)
+        method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest, device_type)
         return len(g.members) * ns_flops(g.rows, g.cols, steps, method, dtype)
 
     def score(a: _Group, b: _Group) -> tuple[float, float] | None:

@@ -49,7 +49,8 @@ def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) 
 
 def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
     """Our own floor for a step's NS: every matrix product the plan's buckets perform, each
-    timed as a bare ``bmm`` at its own shape on this machine, added up. What a step costs
+    timed as a bare ``bmm`` at its own shape on this machine (and the eigendecompositions of
+    ``method="eigh"`` buckets, timed alone likewise), added up. What a step costs
     beyond it is normalisation, packing, the elementwise work and Python."""
     total = 0.0
     for bucket in plan.buckets:
@@ -62,7 +63,9 @@ def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
             _seconds(A, X, min_seconds),
         )
         steps = plan.steps
-        if bucket.method == "gram":  # X·Xᵀ and Q·X once, then R×R products only
+        if bucket.method == "eigh":  # X·Xᵀ, the eigendecomposition, V·h·Vᵀ and Q·X
+            total += gram_xt + _eigh_seconds(X, min_seconds) + small + wide
+        elif bucket.method == "gram":  # X·Xᵀ and Q·X once, then R×R products only
             total += gram_xt + wide + (4 * steps - 3) * small
         else:  # X·Xᵀ, A·A, B·X every step
             total += steps * (gram_xt + small + wide)
@@ -71,16 +74,27 @@ def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
 
 def _seconds(left: torch.Tensor, right: torch.Tensor, min_seconds: float) -> float:
     """Best time of ``bmm(left, right)`` over repeats filling ``min_seconds``."""
-    torch.bmm(left, right)
-    synchronize(left.device)
+    return _best_seconds(lambda: torch.bmm(left, right), left.device, min_seconds)
+
+
+def _best_seconds(run, device: torch.device, min_seconds: float) -> float:
+    run()
+    synchronize(device)
     best, spent = float("inf"), 0.0
     while spent < min_seconds or best == float("inf"):
         start = time.perf_counter()
-        torch.bmm(left, right)
-        synchronize(left.device)
+        run()
+        synchronize(device)
         elapsed = time.perf_counter() - start
         best, spent = min(best, elapsed), spent + elapsed
     return best
+
+
+def _eigh_seconds(X: torch.Tensor, min_seconds: float) -> float:
+    """Best time of ``eigh`` on the Gram matrices of ``X`` (in fp32 at least, as the kernel runs it)."""
+    S = X.float() @ X.float().mT
+    S = S.double() if X.dtype == torch.float64 else S
+    return _best_seconds(lambda: torch.linalg.eigh(S), S.device, min_seconds)
 
 
 def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:
