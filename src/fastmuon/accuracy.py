@@ -1,7 +1,7 @@
 """``fastmuon accuracy``: how well each NS variant orthogonalises, measured, not assumed.
 
-For each input kind (random, low-rank plus noise, ill-conditioned) and each variant (standard
-or Gram-space formulation, dtype, coefficient preset) it reports the band of output singular
+For each input kind (random, low-rank plus noise, ill-conditioned) and each variant (standard,
+Gram-space or eigendecomposition formulation, dtype, coefficient preset) it reports the band of output singular
 values over the input's significant directions, next to standard 5-step "jordan" NS in fp32,
 and the error against standard NS computed in fp64 with the same coefficients.
 """
@@ -32,6 +32,8 @@ VARIANTS = (
     Variant("gram fp32", method="gram"),
     Variant("standard bf16", dtype=torch.bfloat16),
     Variant("gram bf16 (restarts)", method="gram", dtype=torch.bfloat16),
+    Variant("eigh fp32", method="eigh"),
+    Variant("eigh bf16", method="eigh", dtype=torch.bfloat16),
     Variant("polar_express fp32", coefficients="polar_express"),
     Variant("polar_express gram fp32", method="gram", coefficients="polar_express"),
     Variant("you (6 steps) fp32", coefficients="you", steps=6),

@@ -428,8 +428,16 @@ def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec
     NS will really run in there; tensors of different dtypes or NS settings never share."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
+    requested = config.dtype if config.dtype != dtype else None
     return MatrixSpec(
-        rows, cols, dtype, t.device, (t.dtype, config), (layout.shape, layout.stride), config.method
+        rows,
+        cols,
+        dtype,
+        t.device,
+        (t.dtype, config),
+        (layout.shape, layout.stride),
+        config.method,
+        requested,
     )
 
 

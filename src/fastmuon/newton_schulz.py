@@ -317,32 +317,38 @@ def _iterate_eigh(
     ``p_k(λ) = a + b·λ + c·λ²``, i.e. NS run on each singular value ``σ = √λ`` exactly as the
     matrix iteration runs it. One ``R×R`` eigendecomposition and one product replace the 4k−3
     ``R×R`` products of the Gram loop, whatever the number of steps: on a CPU, for R >= 384,
-    1.1-2x faster than the Gram loop (measured; see docs/performance.md). (Computing a polar
-    factor from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of
-    Matrices*, ch. 8; here it evaluates the NS polynomial instead of the exact polar factor.)
+    1.1-2x faster than the Gram loop (measured; docs/performance.md). (Computing a polar factor
+    from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of Matrices*,
+    ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
 
-    The eigendecomposition runs in fp32 at least (``torch.linalg.eigh`` has no bf16/fp16), and
-    ``h(λ)·√λ`` stays in NS's band for any ``λ`` in [0, 1], so rounding in ``A₀`` cannot blow
-    up the output as it can in the Gram loop. A matrix LAPACK cannot decompose (NaN or inf
-    entries) falls back to the Gram loop, which propagates them as the other methods do.
+    Accuracy (``fastmuon accuracy``): the same singular-value band as fp32 NS on every input;
+    on an ill-conditioned one (1 .. 1e-6) the entries are off by up to ~1.6e-3 of the largest
+    (fp32 Gram loop 2.8e-4, bf16 NS 0.33), since fp32 eigenvalues are only resolved to ~1e-7
+    of the largest. That is why ``auto`` uses it only where bf16/fp16 NS was asked for.
+    Everything up to ``Q`` runs in fp32 at least (``eigh`` has no bf16, and a bf16 ``A₀`` would
+    not match ``X₀``'s directions); only the final ``Q·X₀`` runs in a lower input dtype.
+    A matrix LAPACK cannot decompose (NaN or inf entries) falls back to the Gram loop, which
+    propagates them as the other methods do.
     """
-    X_in = X
-    X, A, inv_norm = _normalized_gram(X, eps, scratch)
-    work = torch.float64 if A.dtype == torch.float64 else torch.float32
+    low = X.dtype not in (torch.float32, torch.float64)
+    Xw, A, inv_norm = _normalized_gram(X.float() if low else X, eps, _fresh if low else scratch)
     try:
-        lam, V = torch.linalg.eigh(A.to(work))
+        lam, V = torch.linalg.eigh(A)
     except torch.linalg.LinAlgError:
-        return _iterate_gram(X_in, schedule, eps, scratch, out)
+        return _iterate_gram(X, schedule, eps, scratch, out)
     lam = lam.clamp_min_(0)  # A₀ is positive semi-definite; rounding leaves tiny negatives
     h = torch.ones_like(lam)
     for a, b, c in schedule:
         p = (lam * c).add_(b).mul_(lam).add_(a)  # a + b·λ + c·λ²
         h.mul_(p)
         lam.mul_(p).mul_(p)
-    Q = torch.matmul(V * h.unsqueeze(-2), V.mT).to(X.dtype)
+    Q = torch.matmul(V * h.unsqueeze(-2), V.mT)
     if inv_norm is not None:
-        Q.mul_(inv_norm)
-    return torch.bmm(Q, X, out=out)
+        Q.mul_(inv_norm)  # Q·X = (Q/(‖X‖+eps))·X, as in the Gram loop
+        X0 = X
+    else:  # the safe normalisation returned X₀ itself
+        X0 = Xw.to(X.dtype) if low else Xw
+    return torch.bmm(Q.to(X.dtype), X0, out=out)
 
 
 METHODS = {"standard": _iterate, "gram": _iterate_gram, "eigh": _iterate_eigh}

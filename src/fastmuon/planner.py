@@ -10,6 +10,7 @@ Nothing here touches tensor data; the plan is easy to test alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,9 @@ class MatrixSpec:
     ``key`` separates matrices that must never share a bucket (e.g. different NS settings);
     ``layout`` only orders members inside a bucket, so that tensors the engine packs with one
     copy (same original shape and strides) sit next to each other. ``method`` is the NS
-    formulation allowed: "standard", "gram", or "auto" (the cheaper one where it is safe).
+    formulation allowed: "standard", "gram", "eigh", or "auto" (the cheaper one where it is
+    safe). ``requested`` is the precision the user asked NS for, when ``dtype`` (what it runs
+    in) is higher: a bf16 request computed in fp32 tolerates the eigendecomposition route.
     """
 
     rows: int
@@ -39,6 +42,7 @@ class MatrixSpec:
     key: Hashable = None
     layout: Hashable = None
     method: str = "auto"
+    requested: torch.dtype | None = None
 
     @property
     def transposed(self) -> bool:
@@ -164,16 +168,21 @@ def choose_method(
     dtype: torch.dtype,
     narrowest: float = math.inf,
     device_type: str = "cpu",
+    requested: torch.dtype | None = None,
 ) -> str:
     """Gram-space NS where it is cheaper and safe: fp32+ (``X·Xᵀ`` squares the dynamic range)
     and every member at least twice as wide as tall (``narrowest`` = min cols/rows), since a
     square matrix's small singular values are what Gram space resolves least accurately.
-    On a CPU, buckets of at least :data:`EIGH_MIN_ROWS` rows take the eigendecomposition route
-    (``rows`` is the bucket's short side); GPUs run eigendecompositions slowly, so not there."""
+
+    On a CPU, such buckets of at least :data:`EIGH_MIN_ROWS` rows take the eigendecomposition
+    route instead when NS was asked for in bf16/fp16 (``requested``) and runs in fp32 here: its
+    accuracy is below fp32 NS's but far above what was asked for (see
+    ``newton_schulz._iterate_eigh``). GPUs run eigendecompositions slowly, so never there."""
     if allowed != "auto":
         return allowed
     safe = dtype in (torch.float32, torch.float64) and narrowest >= 2
-    if safe and device_type == "cpu" and min(rows, cols) >= EIGH_MIN_ROWS:
+    low_request = requested in (torch.bfloat16, torch.float16)
+    if safe and low_request and device_type == "cpu" and min(rows, cols) >= EIGH_MIN_ROWS:
         return "eigh"
     if safe and ns_flops(rows, cols, steps, "gram") < ns_flops(rows, cols, steps, "standard"):
         return "gram"
@@ -259,17 +268,20 @@ def plan_buckets(
             raise ValueError(f"matrix {i} has an empty shape ({s.rows}, {s.cols}); nothing to plan")
         if s.method not in ("auto", *METHODS):
             raise ValueError(f"matrix {i}: unknown NS method {s.method!r}; choose 'auto' or one of {METHODS}")
-        part = partitions.setdefault((s.dtype, torch.device(s.device), s.key, s.method), {})
+        part = partitions.setdefault((s.dtype, torch.device(s.device), s.key, s.method, s.requested), {})
         part.setdefault(s.oriented, []).append(i)
 
     buckets: list[Bucket] = []
-    for (dtype, device, key, allowed), by_shape in partitions.items():
+    for (dtype, device, key, allowed, requested), by_shape in partitions.items():
         model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
         groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
         if policy != "exact":
-            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, allowed, device.type)
+            chooser = functools.partial(
+                choose_method, allowed, steps=steps, dtype=dtype, device_type=device.type, requested=requested
+            )
+            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, chooser)
         for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
-            method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest, device.type)
+            method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest, device.type, requested)
             buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes, method))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
@@ -297,16 +309,14 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
     return max(1, cap // (rows * cols * itemsize))
 
 
-def _merge(
-    groups, policy, steps, dtype, cap, model: CostModel, allowed: str, device_type: str
-) -> list[_Group]:
+def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser) -> list[_Group]:
     """Greedy agglomeration: apply the best merge until none helps."""
     itemsize = _itemsize(dtype)
     launch = model.launch_seconds * kernels_per_bucket(steps)
     per_flop = model.flop_seconds(dtype)
 
     def flops(g: _Group) -> int:
-        method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest, device_type)
+        method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
         return len(g.members) * ns_flops(g.rows, g.cols, steps, method, dtype)
 
     def score(a: _Group, b: _Group) -> tuple[float, float] | None:
