@@ -27,3 +27,11 @@ def test_per_step_presets_tighten_the_band_on_random_input(table):
     for name in ("polar_express fp32", "you (6 steps) fp32"):
         r = table[("random", name)]
         assert r["sv_min"] > base["sv_min"] and r["sv_max"] < 1.15
+
+
+def test_eigh_keeps_the_baseline_band(table):
+    for kind in {k[0] for k in table}:
+        base, eigh = table[(kind, "standard fp32 (baseline)")], table[(kind, "eigh fp32")]
+        assert eigh["sv_min"] == pytest.approx(base["sv_min"], abs=2e-3)
+        assert eigh["sv_max"] == pytest.approx(base["sv_max"], abs=2e-3)
+        assert eigh["rel_err_vs_fp64"] < 5e-3 < table[(kind, "standard bf16")]["rel_err_vs_fp64"]

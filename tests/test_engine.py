@@ -175,3 +175,31 @@ def test_no_ns_input_views_where_the_compute_dtype_differs():
     (eng,) = opt._plans.values()
     assert eng.input_views([p.dtype for p in params]) is None
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_eigh_route_through_the_engine_is_exact_with_padding():
+    """Zero padding leaves zero eigenvalues in the Gram matrix and zero rows in X₀, so padded
+    members get exactly their own result, as with the loop methods."""
+    tensors = [torch.randn(16, 8, 3, 3), torch.randn(20, 50), torch.randn(60, 12), torch.randn(6, 6)]
+    outs = orthogonalize(tensors, dtype=torch.float32, policy="min_launches", method="eigh")
+    for t, o in zip(tensors, outs):
+        assert rel_err(o, reference(t)) <= 1e-5, t.shape
+
+
+def test_muon_asked_for_bf16_on_a_cpu_computing_fp32_takes_the_eigh_route():
+    """``auto`` picks the eigendecomposition route for wide buckets of >= 384 rows when bf16 NS
+    is asked for and computed in fp32; the steps are still the fp32 reference's."""
+    from fastmuon import Muon
+
+    params = make_params([(384, 800), (24, 40)])
+    grads = make_grads(params, steps=2)
+    with cpu_low_precision("fp32"):
+        ours = clone_params(params)
+        opt = Muon(ours, lr=0.02, momentum=0.95, ns_dtype=torch.bfloat16)
+        run_optimizer(opt, ours, grads)
+        methods = sorted(b.method for b in opt.plan().buckets)
+        loop = clone_params(params)
+        run_optimizer(Muon(loop, lr=0.02, momentum=0.95, ns_dtype=torch.bfloat16, foreach=False), loop, grads)
+    assert methods == ["eigh", "standard"]
+    for o, r in zip(ours, loop):
+        assert rel_err(o.detach(), r.detach()) <= 1e-5, o.shape

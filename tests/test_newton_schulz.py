@@ -122,7 +122,7 @@ def test_unknown_method():
         newton_schulz(torch.randn(3, 4), method="svd")
 
 
-@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
 @pytest.mark.parametrize("eps", [1e-7, 0.0])
 def test_every_scale_matches_the_reference_on_either_normalisation_path(method, eps):
     """On a CPU the normalisation takes a plain two-pass (or, in Gram space, trace-based) path
@@ -172,3 +172,52 @@ def test_gram_space_flops_count_the_restarts():
     assert ns_flops(r, c, 5, "gram", torch.float32) == 4 * r * r * c + 34 * r**3
     assert ns_flops(r, c, 5, "gram", torch.bfloat16) == 12 * r * r * c + 22 * r**3  # 3 runs: 2+2+1
     assert ns_flops(r, c, 5, "gram", torch.bfloat16) < ns_flops(r, c, 5, "standard")
+
+
+@pytest.mark.parametrize("shape", [(16, 144), (3, 40, 100), (100, 40), (1, 30), (2, 24, 24)])
+def test_eigh_matches_reference(shape):
+    """The eigendecomposition route evaluates the same polynomial as the matrix iteration.
+    A square random matrix has singular values near zero, whose eigenvalues fp32 resolves
+    least well (measured 6e-5 against 2e-6 for the loop): ``auto`` never picks it for those."""
+    G = torch.randn(shape)
+    out = newton_schulz(G, dtype=torch.float32, method="eigh")
+    ref = torch.stack([ns_reference(g) for g in G]) if G.ndim == 3 else ns_reference(G)
+    assert rel_err(out, ref) <= (1e-3 if shape[-1] == shape[-2] else 1e-5)
+
+
+@pytest.mark.parametrize("steps,preset", [(5, "jordan"), (8, "polar_express"), (6, "you")])
+def test_eigh_follows_every_schedule(steps, preset):
+    G = torch.randn(24, 200)
+    out = newton_schulz(G, steps=steps, coefficients=preset, dtype=torch.float32, method="eigh")
+    assert rel_err(out, ns_reference(G, steps=steps, coefficients=PRESETS[preset])) <= 1e-5
+
+
+def test_eigh_keeps_the_fp32_band_on_hard_inputs():
+    """fp32 eigenvalues resolve ~1e-7 of the largest, so ill-conditioned inputs lose accuracy
+    (measured 1.6e-3, Gram loop 2.8e-4) but keep the band; bf16 NS is off by ~0.3 there."""
+    eigh, base = Variant("e", method="eigh"), Variant("s")
+    for kind, G in make_inputs().items():
+        ours, ref = measure(eigh, G), measure(base, G)
+        assert ours["sv_min"] == pytest.approx(ref["sv_min"], abs=2e-3), kind
+        assert ours["sv_max"] == pytest.approx(ref["sv_max"], abs=2e-3), kind
+        assert ours["rel_err_vs_fp64"] <= 5e-3, kind
+
+
+def test_eigh_in_bf16_stays_in_standard_bf16_band():
+    """bf16 input: the Gram matrix and its eigendecomposition still run in fp32 (a bf16 A₀
+    gave singular values up to 2.5 on the ill-conditioned input), only Q·X₀ in bf16."""
+    eigh, standard = Variant("e", method="eigh", dtype=torch.bfloat16), Variant("s", dtype=torch.bfloat16)
+    for kind, G in make_inputs().items():
+        ours, base = measure(eigh, G), measure(standard, G)
+        assert ours["sv_min"] >= base["sv_min"] - 0.05 and ours["sv_max"] <= base["sv_max"] + 0.1, kind
+        assert ours["rel_err_vs_fp64"] <= 1.2 * max(base["rel_err_vs_fp64"], 1e-2), kind
+
+
+def test_eigh_non_finite_matrix_falls_back_and_propagates():
+    """LAPACK refuses a NaN matrix; the batch then runs the Gram loop: NaN stays in its matrix."""
+    G = torch.randn(3, 8, 20)
+    G[1, 0, 0] = float("nan")
+    out = newton_schulz(G, dtype=torch.float32, method="eigh")
+    assert torch.isnan(out[1]).all()
+    for k in (0, 2):
+        assert rel_err(out[k], ns_reference(G[k])) <= 1e-5

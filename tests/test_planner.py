@@ -169,6 +169,18 @@ def test_gram_chosen_for_wide_fp32_only():
     assert ns_flops(64, 576, 5, "gram") == 4 * 64 * 64 * 576 + 34 * 64**3
 
 
+def test_eigh_chosen_on_cpu_for_tall_wide_buckets_where_low_precision_was_requested():
+    asked_bf16 = dict(dtype=torch.float32, requested=torch.bfloat16)
+    assert plan_buckets([MatrixSpec(384, 1152, **asked_bf16)]).buckets[0].method == "eigh"
+    assert plan_buckets([MatrixSpec(1152, 384, **asked_bf16)]).buckets[0].method == "eigh"  # oriented
+    assert plan_buckets([MatrixSpec(384, 1152)]).buckets[0].method == "gram"  # fp32 asked: accuracy
+    assert plan_buckets([MatrixSpec(256, 1152, **asked_bf16)]).buckets[0].method == "gram"  # too small
+    assert plan_buckets([MatrixSpec(512, 512, **asked_bf16)]).buckets[0].method == "standard"  # square
+    on_gpu = MatrixSpec(384, 1152, device=torch.device("cuda"), **asked_bf16)
+    assert plan_buckets([on_gpu]).buckets[0].method == "gram"
+    assert ns_flops(384, 1152, 5, "eigh") == 4 * 384 * 384 * 1152 + 11 * 384**3
+
+
 def test_unknown_method_rejected():
     with pytest.raises(ValueError, match="unknown NS method 'fast'"):
         plan_buckets([MatrixSpec(2, 3, method="fast")])
