@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ns-method",
-        choices=("auto", "standard", "gram"),
+        choices=("auto", "standard", "gram", "eigh"),
         default="auto",
-        help="fastmuon's NS formulation: auto picks Gram-space NS for wide fp32 buckets",
+        help="fastmuon's NS formulation: auto picks Gram-space NS for wide fp32 buckets, and on "
+        "CPUs the eigh route for wide buckets of >= 384 rows when bf16 NS runs in fp32",
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
