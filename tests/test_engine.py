@@ -110,19 +110,26 @@ def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reu
     and hand the step views into them; the others allocate afresh. Either way, over several
     steps (buffers reused, views cached), the optimizer takes the reference's steps."""
     monkeypatch.setattr(engine, "REUSE_MAX_ROWS", reuse_max_rows)
-    params = make_params(MIXED_SHAPES, channels_last=(1, 9))
-    grads = make_grads(params, steps=3)
-    hyper = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.5, sgd=0.5)
-    ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": True})], hyper)
-    ours = clone_params(params)
-    opt = MuSGD(ours, **hyper, ns_dtype=torch.float32, policy=policy)
-    run_optimizer(opt, ours, grads)
+    opt, _ = _musgd_steps_match_the_reference(policy, nesterov=True)
     (eng,) = opt._plans.values()
     kept = [out is not None for out in eng._outputs]
     expected = [reuse_max_rows is None or b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
     assert kept == expected
+
+
+def _musgd_steps_match_the_reference(policy: str, nesterov: bool):
+    """Three MuSGD steps on mixed shapes (channels_last among them) equal the per-parameter
+    fp32 reference's; returns the optimizer and its parameters for further checks."""
+    params = make_params(MIXED_SHAPES, channels_last=(1, 9))
+    grads = make_grads(params, steps=3)
+    hyper = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=5e-4, muon=0.5, sgd=0.5)
+    ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": True})], hyper)
+    ours = clone_params(params)
+    opt = MuSGD(ours, **hyper, ns_dtype=torch.float32, policy=policy)
+    run_optimizer(opt, ours, grads)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
+    return opt, ours
 
 
 def test_low_precision_gram_space_through_the_engine_equals_the_kernel_alone():
@@ -142,15 +149,7 @@ def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov,
     """On a CPU the momentum step writes each matrix's NS input straight into its slot of the
     bucket buffer (tall matrices transposed, channels_last in its own order, padding around it).
     The steps are the reference's, the padding stays zero, and no slot aliases the state."""
-    params = make_params(MIXED_SHAPES, channels_last=(1, 9))
-    grads = make_grads(params, steps=3)
-    hyper = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=5e-4, muon=0.5, sgd=0.5)
-    ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": True})], hyper)
-    ours = clone_params(params)
-    opt = MuSGD(ours, **hyper, ns_dtype=torch.float32, policy=policy)
-    run_optimizer(opt, ours, grads)
-    for o, r in zip(ours, ref):
-        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+    opt, ours = _musgd_steps_match_the_reference(policy, nesterov)
     (eng,) = opt._plans.values()
     views = eng.input_views([p.dtype for p in ours])
     assert views is not None and len(views) == len(ours)
