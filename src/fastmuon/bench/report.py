@@ -152,7 +152,8 @@ def describe(document: dict[str, Any]) -> list[str]:
         if floor and r.get("median_ms"):
             lines.append(
                 f"{r['name']}: NS floor {floor:.1f} ms (every matrix product of its plan, timed alone as a bare "
-                f"bmm at its shape, best of repeats; median over the rounds, measured next to the steps); "
+                f"bmm at its shape, and any eigendecomposition likewise, best of >= 3 repeats; median over the "
+                f"rounds, measured next to the steps); "
                 f"median step {r['median_ms'] / floor:.2f}× the floor, fastest step {r['min_ms'] / best:.2f}× "
                 "the lowest floor (best against best)"
             )
