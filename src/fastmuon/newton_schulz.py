@@ -317,7 +317,7 @@ def _iterate_eigh(
     ``p_k(λ) = a + b·λ + c·λ²``, i.e. NS run on each singular value ``σ = √λ`` exactly as the
     matrix iteration runs it. One ``R×R`` eigendecomposition and one product replace the 4k−3
     ``R×R`` products of the Gram loop, whatever the number of steps: on a CPU, for R >= 384,
-    1.1-2x faster than the Gram loop (measured; docs/performance.md). (Computing a polar factor
+    1.2-1.9x faster than the Gram loop (measured; docs/performance.md). (Computing a polar factor
     from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of Matrices*,
     ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
 

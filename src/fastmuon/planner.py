@@ -138,8 +138,8 @@ METHODS = ("standard", "gram", "eigh")
 EIGH_FLOPS_PER_R3 = 9
 
 #: ``auto`` picks the eigendecomposition route on CPUs for buckets at least this tall: measured
-#: on this project's CPU (1 thread, fp32), it beats the Gram loop from R≈256 (break-even) and
-#: clearly from 384 (1.1x at 384, 1.9x at 512, 2x at 768), and loses below 200.
+#: on this project's CPU (1 thread, fp32), it ties with the Gram loop at R=256 and beats it
+#: from 384 (1.6x at 384x1152, 1.2x at 512x4608, 1.9x at 768x2304), and loses below ~200.
 EIGH_MIN_ROWS = 384
 
 
