@@ -275,13 +275,13 @@ def plan_buckets(
     for (dtype, device, key, allowed, requested), by_shape in partitions.items():
         model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
         groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
+        chooser = functools.partial(
+            choose_method, allowed, steps=steps, dtype=dtype, device_type=device.type, requested=requested
+        )
         if policy != "exact":
-            chooser = functools.partial(
-                choose_method, allowed, steps=steps, dtype=dtype, device_type=device.type, requested=requested
-            )
             groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, chooser)
         for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
-            method = choose_method(allowed, g.rows, g.cols, steps, dtype, g.narrowest, device.type, requested)
+            method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
             buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes, method))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
