@@ -180,9 +180,11 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     assert ours["padding_overhead"] == pytest.approx(ours["ns_flops"] / ours["ns_useful_flops"] - 1)
     assert ours["kernels_per_step"] < loop["kernels_per_step"]  # three matrices, one loop each
     assert sgd["ns_flops"] == 0
-    # the floor is measured in every round next to the steps: median and lowest
+    # the floors are measured in every round next to the steps: median and lowest; the run of the
+    # plan's products back to back as often as the steps, the ideal one once per round
     assert 0 < ours["extra"]["ns_floor_ms_best"] <= ours["extra"]["ns_floor_ms"]
-    assert "ns_floor_ms" not in loop["extra"]  # no plan, no floor
+    assert 0 < ours["extra"]["ns_floor_run_ms_best"] <= ours["extra"]["ns_floor_run_ms"]
+    assert "ns_floor_ms" not in loop["extra"] and "ns_floor_run_ms" not in loop["extra"]  # no plan
     names = [r["name"] for r in doc["results"] if r["median_ms"]]
     assert set(doc["speedups"]) == set(names)
     assert doc["speedups"][names[0]][names[1]] == pytest.approx(
@@ -196,7 +198,12 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     else:
         # run, or listed as skipped with the reason
         assert any(r["name"].startswith("Ultralytics") for r in doc["results"])
-    assert "fastmuon bench: tiny" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "fastmuon bench: tiny" in printed
+    name = ours["name"]
+    run_ratio = ours["median_ms"] / ours["extra"]["ns_floor_run_ms"]
+    assert f"{name}: NS floor" in printed and f"median step {run_ratio:.2f}× the floor" in printed
+    assert f"{name}: ideal NS floor" in printed
 
 
 def test_bench_plot(tmp_path):

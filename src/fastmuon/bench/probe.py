@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
+from torch import Tensor
 
 from ..compute import compute_dtype, synchronize
+from ..newton_schulz import gram_restart_interval
 from ..planner import Plan
 
 _RATES: dict[tuple[str, torch.dtype], float] = {}
@@ -47,29 +50,106 @@ def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) 
     return reps * flops / elapsed
 
 
-def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
-    """Our own floor for a step's NS: every matrix product the plan's buckets perform, each
-    timed as a bare ``bmm`` at its own shape on this machine (and the eigendecompositions of
-    ``method="eigh"`` buckets, timed alone likewise), added up. What a step costs
-    beyond it is normalisation, packing, the elementwise work and Python."""
-    total = 0.0
-    for bucket in plan.buckets:
-        b, r, c = bucket.shape
-        X = torch.randn(bucket.shape, device=bucket.device).to(bucket.dtype)
-        A = torch.randn(b, r, r, device=bucket.device).to(bucket.dtype)
-        gram_xt, small, wide = (
-            _seconds(X, X.mT, min_seconds),
-            _seconds(A, A, min_seconds),
-            _seconds(A, X, min_seconds),
-        )
+#: One step of a floor sequence: ``(bucket index, kind)``, kind one of "gram" (``X·Xᵀ``),
+#: "square" (an ``R×R`` product), "wide" (``R×R`` times ``R×C``) and "eigh" (``R×R``).
+FloorOp = tuple[int, str]
+
+
+def floor_products(plan: Plan) -> list[FloorOp]:
+    """Every matrix product (and eigendecomposition) the plan's NS performs, in the order a
+    step runs them: a pure function of the plan, so its FLOPs can be checked against
+    :meth:`Plan.flops`."""
+    ops: list[FloorOp] = []
+    for b, bucket in enumerate(plan.buckets):
         steps = plan.steps
         if bucket.method == "eigh":  # X·Xᵀ, the eigendecomposition, V·h·Vᵀ and Q·X
-            total += gram_xt + _eigh_seconds(X, min_seconds) + small + wide
-        elif bucket.method == "gram":  # X·Xᵀ and Q·X once, then R×R products only
-            total += gram_xt + wide + (4 * steps - 3) * small
+            ops += [(b, "gram"), (b, "eigh"), (b, "square"), (b, "wide")]
+        elif bucket.method == "gram":  # per run from a fresh A: X·Xᵀ, 4L−3 R×R products, Q·X
+            for length in _segment_lengths(steps, gram_restart_interval(bucket.dtype)):
+                ops += [(b, "gram"), *[(b, "square")] * (4 * length - 3), (b, "wide")]
         else:  # X·Xᵀ, A·A, B·X every step
-            total += steps * (gram_xt + small + wide)
+            ops += [(b, "gram"), (b, "square"), (b, "wide")] * steps
+    return ops
+
+
+def _segment_lengths(steps: int, restart: int | None) -> list[int]:
+    """Steps per run of Gram-space NS from a fresh ``A`` (newton_schulz.gram_restart_interval)."""
+    interval = restart or steps
+    return [min(interval, steps - start) for start in range(0, steps, interval)]
+
+
+def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
+    """The ideal floor for a step's NS: each of :func:`floor_products` timed alone as a bare
+    ``bmm`` at its shape (eigendecompositions likewise), best of at least 3 repeats, added up.
+    A sum of per-product minima, which no real run of the sum reaches: see :class:`FloorRun`
+    for the floor measured the way steps are."""
+    total = 0.0
+    for b, kinds in _by_bucket(floor_products(plan)).items():
+        bucket = plan.buckets[b]
+        bsz, r, _ = bucket.shape
+        X = torch.randn(bucket.shape, device=bucket.device).to(bucket.dtype)
+        A = torch.randn(bsz, r, r, device=bucket.device).to(bucket.dtype)
+        timed = {
+            "gram": lambda: _seconds(X, X.mT, min_seconds),
+            "square": lambda: _seconds(A, A, min_seconds),
+            "wide": lambda: _seconds(A, X, min_seconds),
+            "eigh": lambda: _eigh_seconds(X, min_seconds),
+        }
+        seconds = {kind: timed[kind]() for kind in set(kinds)}
+        total += sum(seconds[kind] for kind in kinds)
     return total
+
+
+def _by_bucket(ops: list[FloorOp]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for b, kind in ops:
+        out.setdefault(b, []).append(kind)
+    return out
+
+
+class FloorRun:
+    """The plan's NS products run back to back, in a step's order, as one call to time.
+
+    The floor measured the way a step is: the bench times it as often as the steps, each run
+    right before a step, and compares medians (and best against best). The operands live in one
+    set of buffers sized to the largest bucket and shared by all (as the engine's scratch is),
+    made once: fresh outputs would be page-faulted in on every call. Products go into kept
+    outputs as bare ``bmm`` (no additive input, no normalisation): what is left of a step beyond
+    this is NS overhead, packing, the elementwise work and Python.
+    """
+
+    def __init__(self, plan: Plan):
+        self.ops = floor_products(plan)
+        self.device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
+        self._calls: list = []
+        if not plan.buckets:
+            return
+        arenas: dict[torch.dtype, tuple[Tensor, ...]] = {}
+        for dtype in {b.dtype for b in plan.buckets}:
+            wide = max(b * r * c for (b, r, c) in (k.shape for k in plan.buckets if k.dtype == dtype))
+            square = max(b * r * r for (b, r, _) in (k.shape for k in plan.buckets if k.dtype == dtype))
+            make = lambda n, dtype=dtype: torch.randn(n, device=self.device).div_(n**0.25).to(dtype)  # noqa: E731
+            arenas[dtype] = (make(wide), make(wide), make(square), make(square))
+        for b, kind in self.ops:
+            bucket = plan.buckets[b]
+            bsz, r, c = bucket.shape
+            X_, Y_, A_, O_ = arenas[bucket.dtype]
+            X, Y = X_[: bsz * r * c].view(bsz, r, c), Y_[: bsz * r * c].view(bsz, r, c)
+            A, O = A_[: bsz * r * r].view(bsz, r, r), O_[: bsz * r * r].view(bsz, r, r)
+            if kind == "gram":
+                self._calls.append(functools.partial(torch.bmm, X, X.mT, out=O))
+            elif kind == "square":
+                self._calls.append(functools.partial(torch.bmm, A, A, out=O))
+            elif kind == "wide":
+                self._calls.append(functools.partial(torch.bmm, A, X, out=Y))
+            else:
+                S = torch.bmm(X.float(), X.float().mT)
+                S = S.double() if bucket.dtype == torch.float64 else S
+                self._calls.append(functools.partial(torch.linalg.eigh, S))
+
+    def __call__(self) -> None:
+        for call in self._calls:
+            call()
 
 
 def _seconds(left: torch.Tensor, right: torch.Tensor, min_seconds: float) -> float:
