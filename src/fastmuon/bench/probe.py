@@ -89,15 +89,19 @@ def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:
         bsz, r, _ = bucket.shape
         X = torch.randn(bucket.shape, device=bucket.device).to(bucket.dtype)
         A = torch.randn(bsz, r, r, device=bucket.device).to(bucket.dtype)
-        timed = {
-            "gram": lambda: _seconds(X, X.mT, min_seconds),
-            "square": lambda: _seconds(A, A, min_seconds),
-            "wide": lambda: _seconds(A, X, min_seconds),
-            "eigh": lambda: _eigh_seconds(X, min_seconds),
-        }
-        seconds = {kind: timed[kind]() for kind in set(kinds)}
+        seconds = {kind: _kind_seconds(kind, X, A, min_seconds) for kind in set(kinds)}
         total += sum(seconds[kind] for kind in kinds)
     return total
+
+
+def _kind_seconds(kind: str, X: Tensor, A: Tensor, min_seconds: float) -> float:
+    if kind == "gram":
+        return _seconds(X, X.mT, min_seconds)
+    if kind == "square":
+        return _seconds(A, A, min_seconds)
+    if kind == "wide":
+        return _seconds(A, X, min_seconds)
+    return _eigh_seconds(X, min_seconds)
 
 
 def _by_bucket(ops: list[FloorOp]) -> dict[int, list[str]]:
