@@ -186,8 +186,9 @@ def test_eigh_route_through_the_engine_is_exact_with_padding():
 
 
 def test_muon_asked_for_bf16_on_a_cpu_computing_fp32_takes_the_eigh_route():
-    """``auto`` picks the eigendecomposition route for wide buckets of >= 384 rows when bf16 NS
-    is asked for and computed in fp32; the steps are still the fp32 reference's."""
+    """``auto`` picks the eigendecomposition route for a large bucket when bf16 NS is asked for
+    and computed in fp32 (not for a small one: LAPACK's overheads); the steps are still the fp32
+    reference's."""
     from fastmuon import Muon
 
     params = make_params([(384, 800), (24, 40)])

@@ -5,7 +5,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastmuon.planner import COST_MODELS, MatrixSpec, ns_flops, plan_buckets
+from fastmuon.planner import (
+    COST_MODELS,
+    EIGH_FLOPS_PER_R3,
+    MatrixSpec,
+    eigh_cost_r3,
+    ns_cost,
+    ns_flops,
+    plan_buckets,
+)
 
 MODELS = Path(__file__).resolve().parents[1] / "src" / "fastmuon" / "models"
 
@@ -169,16 +177,31 @@ def test_gram_chosen_for_wide_fp32_only():
     assert ns_flops(64, 576, 5, "gram") == 4 * 64 * 64 * 576 + 34 * 64**3
 
 
-def test_eigh_chosen_on_cpu_for_tall_wide_buckets_where_low_precision_was_requested():
+def test_eigh_chosen_on_cpu_where_low_precision_was_requested_and_it_costs_less():
     asked_bf16 = dict(dtype=torch.float32, requested=torch.bfloat16)
-    assert plan_buckets([MatrixSpec(384, 1152, **asked_bf16)]).buckets[0].method == "eigh"
-    assert plan_buckets([MatrixSpec(1152, 384, **asked_bf16)]).buckets[0].method == "eigh"  # oriented
-    assert plan_buckets([MatrixSpec(384, 1152)]).buckets[0].method == "gram"  # fp32 asked: accuracy
-    assert plan_buckets([MatrixSpec(256, 1152, **asked_bf16)]).buckets[0].method == "gram"  # too small
-    assert plan_buckets([MatrixSpec(512, 512, **asked_bf16)]).buckets[0].method == "standard"  # square
+
+    def method(spec, threads=1):
+        return plan_buckets([spec], threads=threads).buckets[0].method
+
+    assert method(MatrixSpec(384, 1152, **asked_bf16)) == "eigh"
+    assert method(MatrixSpec(1152, 384, **asked_bf16)) == "eigh"  # oriented
+    assert method(MatrixSpec(256, 384, **asked_bf16)) == "eigh"  # square-ish: 1.5x faster, measured
+    assert method(MatrixSpec(512, 512, **asked_bf16)) == "eigh"
+    assert method(MatrixSpec(384, 1152)) == "gram"  # fp32 asked: accuracy
+    assert method(MatrixSpec(128, 1152, **asked_bf16)) == "gram"  # small: LAPACK's overheads dominate
+    assert method(MatrixSpec(256, 256, **asked_bf16)) == "standard"  # a tie at 1 thread, measured
+    assert method(MatrixSpec(256, 384, **asked_bf16), threads=16) == "standard"  # matmuls scale, eigh not
     on_gpu = MatrixSpec(384, 1152, device=torch.device("cuda"), **asked_bf16)
-    assert plan_buckets([on_gpu]).buckets[0].method == "gram"
-    assert ns_flops(384, 1152, 5, "eigh") == 4 * 384 * 384 * 1152 + 11 * 384**3
+    assert method(on_gpu) == "gram"
+    assert ns_flops(384, 1152, 5, "eigh") == 4 * 384 * 384 * 1152 + 11 * 384**3  # the nominal count
+
+
+def test_eigh_cost_falls_with_size_and_rises_with_threads():
+    costs = [eigh_cost_r3(r) for r in (64, 128, 256, 512, 1024)]
+    assert costs == sorted(costs, reverse=True) and costs[-1] > EIGH_FLOPS_PER_R3
+    assert eigh_cost_r3(256, threads=2) > eigh_cost_r3(256)
+    assert ns_cost(256, 384, 5, "eigh") == 4 * 256 * 256 * 384 + (2 + eigh_cost_r3(256)) * 256**3
+    assert ns_cost(256, 384, 5, "gram") == ns_flops(256, 384, 5, "gram")
 
 
 def test_unknown_method_rejected():

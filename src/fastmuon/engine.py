@@ -455,9 +455,9 @@ def orthogonalize(
     """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
 
     Each tensor is treated as the matrix ``t.flatten(1)``. ``method`` picks the NS formulation
-    ("auto": Gram-space where cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition
-    route for wide matrices of >= 384 rows when a bf16/fp16 ``dtype`` runs in fp32; "standard",
-    "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
+    ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
+    cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
+    less and a bf16/fp16 ``dtype`` runs in fp32; "standard", "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
     buffers; this function plans afresh each call.
     """
     tensors = list(tensors)

@@ -49,8 +49,9 @@ class MuSGD(MatrixOptimizer):
         params: parameters or param groups; a group may set ``use_muon``.
         lr, momentum, nesterov, weight_decay, muon, sgd: as in Ultralytics' MuSGD.
         ns_steps, ns_coefficients, ns_dtype, eps: the Newton–Schulz settings.
-        ns_method: "auto" (Gram-space NS for wide fp32 buckets, where it is cheaper; on CPUs the
-            eigendecomposition route for wide buckets of >= 384 rows when bf16 NS runs in fp32),
+        ns_method: "auto" (the cheapest accurate formulation per bucket: Gram-space NS for wide
+            fp32 buckets; on CPUs, where bf16 NS runs in fp32, the eigendecomposition route where
+            it costs less, e.g. from 256 rows on 1 thread; see planner.choose_method),
             "standard", "gram", "eigh".
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw", "none".

@@ -316,15 +316,18 @@ def _iterate_eigh(
     and ``h(λ)`` is the scalar recursion ``h ← h·p_k(λ_k)``, ``λ_{k+1} = λ_k·p_k(λ_k)²`` with
     ``p_k(λ) = a + b·λ + c·λ²``, i.e. NS run on each singular value ``σ = √λ`` exactly as the
     matrix iteration runs it. One ``R×R`` eigendecomposition and one product replace the 4k−3
-    ``R×R`` products of the Gram loop, whatever the number of steps: on a CPU, for R >= 384,
-    1.2-1.9x faster than the Gram loop (measured; docs/performance.md). (Computing a polar factor
+    ``R×R`` products of the Gram loop, whatever the number of steps (and ``k`` passes over ``X``
+    for standard NS): on a CPU, 1 thread, 1.2-1.9x faster than the Gram loop from R = 384 and
+    1.5x faster than standard NS at 256×384 (measured; docs/performance.md); LAPACK's
+    overheads make it slower below R ≈ 200. (Computing a polar factor
     from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of Matrices*,
     ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
 
     Accuracy (``fastmuon accuracy``): the same singular-value band as fp32 NS on every input;
     on an ill-conditioned one (1 .. 1e-6) the entries are off by up to ~1.6e-3 of the largest
     (fp32 Gram loop 2.8e-4, bf16 NS 0.33), since fp32 eigenvalues are only resolved to ~1e-7
-    of the largest. That is why ``auto`` uses it only where bf16/fp16 NS was asked for.
+    of the largest; on square inputs (128×128, 256×256) up to 1.1e-3 (bf16 NS 0.17-1.1). That
+    is why ``auto`` uses it only where bf16/fp16 NS was asked for.
     Everything up to ``Q`` runs in fp32 at least (``eigh`` has no bf16, and a bf16 ``A₀`` would
     not match ``X₀``'s directions); only the final ``Q·X₀`` runs in a lower input dtype.
     A matrix LAPACK cannot decompose (NaN or inf entries) falls back to the Gram loop, which

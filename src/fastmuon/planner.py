@@ -133,14 +133,26 @@ COST_MODELS: dict[str, CostModel] = {
 METHODS = ("standard", "gram", "eigh")
 
 #: Nominal FLOPs of a symmetric eigendecomposition with eigenvectors, in units of ``R³``
-#: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less). LAPACK runs it
-#: well below matmul speed, so the planner does not choose by this count (see choose_method).
+#: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less): what the plan's
+#: FLOP counts report. LAPACK runs it well below matmul speed, so the planner chooses by
+#: :func:`eigh_cost_r3` instead.
 EIGH_FLOPS_PER_R3 = 9
 
-#: ``auto`` picks the eigendecomposition route on CPUs for buckets at least this tall: measured
-#: on this project's CPU (1 thread, fp32), it ties with the Gram loop at R=256 and beats it
-#: from 384 (1.6x at 384x1152, 1.2x at 512x4608, 1.9x at 768x2304), and loses below ~200.
-EIGH_MIN_ROWS = 384
+#: What one ``R×R`` eigendecomposition costs on a CPU in FLOPs of batched matmul, per ``R³``:
+#: ``(BASE + PER_INVERSE_ROW / R) · threads ** THREAD_EXPONENT``. Measured on this project's
+#: CPU (AMD EPYC, AVX2; ``torch.linalg.eigh`` against ``bmm`` of the same size, fp32): 1 thread
+#: 67-72 at R=64, 32-41 at 128, 30 at 192, 20-26 at 256, 17-20 at 384, 11-17 at 512, 11-13 at
+#: 768; with 2 threads 1.2-1.4x more (matmul scales with threads, LAPACK's tridiagonalisation
+#: hardly does). The constants sit at the upper side of that; beyond 2 threads the exponent is
+#: an extrapolation.
+EIGH_COST_BASE = 9.0
+EIGH_COST_PER_INVERSE_ROW = 4400.0
+EIGH_THREAD_EXPONENT = 0.4
+
+
+def eigh_cost_r3(rows: int, threads: int = 1) -> float:
+    """The cost of one ``rows×rows`` eigendecomposition in matmul FLOPs per ``rows³`` (see above)."""
+    return (EIGH_COST_BASE + EIGH_COST_PER_INVERSE_ROW / rows) * max(threads, 1) ** EIGH_THREAD_EXPONENT
 
 
 def ns_flops(
@@ -160,6 +172,17 @@ def ns_flops(
     return steps * (4 * r * r * c + 2 * r * r * r)
 
 
+def ns_cost(
+    rows: int, cols: int, steps: int, method: str, dtype: torch.dtype | None = None, threads: int = 1
+) -> float:
+    """What the planner minimises: :func:`ns_flops`, with an eigendecomposition counted at what
+    it costs on a CPU in matmul FLOPs (:func:`eigh_cost_r3`) instead of its nominal count."""
+    if method != "eigh":
+        return ns_flops(rows, cols, steps, method, dtype)
+    r, c = min(rows, cols), max(rows, cols)
+    return 4 * r * r * c + (2 + eigh_cost_r3(r, threads)) * r**3
+
+
 def choose_method(
     allowed: str,
     rows: int,
@@ -169,24 +192,30 @@ def choose_method(
     narrowest: float = math.inf,
     device_type: str = "cpu",
     requested: torch.dtype | None = None,
+    threads: int = 1,
 ) -> str:
-    """Gram-space NS where it is cheaper and safe: fp32+ (``X·Xᵀ`` squares the dynamic range)
-    and every member at least twice as wide as tall (``narrowest`` = min cols/rows), since a
-    square matrix's small singular values are what Gram space resolves least accurately.
+    """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
-    On a CPU, such buckets of at least :data:`EIGH_MIN_ROWS` rows take the eigendecomposition
-    route instead when NS was asked for in bf16/fp16 (``requested``) and runs in fp32 here: its
-    accuracy is below fp32 NS's but far above what was asked for (see
-    ``newton_schulz._iterate_eigh``). GPUs run eigendecompositions slowly, so never there."""
+    Standard NS always qualifies. Gram-space NS needs fp32+ (``X·Xᵀ`` squares the dynamic
+    range) and, where fp32 NS was asked for, every member at least twice as wide as tall
+    (``narrowest`` = min cols/rows), since a square matrix's small singular values are what
+    Gram space resolves least accurately (2e-5 against 2e-6 on a square random matrix). Where
+    bf16/fp16 NS was asked for (``requested``) and runs in fp32 here, what was asked for is far
+    less precise than either alternative on any shape (errors of 1e-6..1e-3 against bf16 NS's
+    0.02..1.6, ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so the Gram loop
+    qualifies on any shape and, on a CPU, so does the eigendecomposition route
+    (``newton_schulz._iterate_eigh``). GPUs run eigendecompositions slowly: never there."""
     if allowed != "auto":
         return allowed
-    safe = dtype in (torch.float32, torch.float64) and narrowest >= 2
-    low_request = requested in (torch.bfloat16, torch.float16)
-    if safe and low_request and device_type == "cpu" and min(rows, cols) >= EIGH_MIN_ROWS:
-        return "eigh"
-    if safe and ns_flops(rows, cols, steps, "gram") < ns_flops(rows, cols, steps, "standard"):
-        return "gram"
-    return "standard"
+    if dtype not in (torch.float32, torch.float64):
+        return "standard"
+    tolerant = requested in (torch.bfloat16, torch.float16)
+    candidates = ["standard"]
+    if narrowest >= 2:
+        candidates.append("gram")
+    if tolerant and device_type == "cpu":
+        candidates.append("eigh")
+    return min(candidates, key=lambda m: ns_cost(rows, cols, steps, m, dtype, threads))  # ties: first
 
 
 def kernels_per_bucket(steps: int) -> int:
@@ -249,6 +278,7 @@ def plan_buckets(
     steps: int = 5,
     max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
     cost_model: CostModel | None = None,
+    threads: int | None = None,
 ) -> Plan:
     """Assign every matrix to exactly one bucket.
 
@@ -257,6 +287,8 @@ def plan_buckets(
     padded FLOPs first; ``"auto"`` merges while the cost model (launch time + FLOP time) falls.
     ``cost_model`` overrides the per-device-type default. Buckets larger than
     ``max_bucket_bytes`` are split (a single matrix larger than the cap gets a bucket alone).
+    ``threads``: the CPU threads the step will run with (``None``: ``torch.get_num_threads()``),
+    which sets what an eigendecomposition costs against matmuls (:func:`eigh_cost_r3`).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")
@@ -271,15 +303,22 @@ def plan_buckets(
         part = partitions.setdefault((s.dtype, torch.device(s.device), s.key, s.method, s.requested), {})
         part.setdefault(s.oriented, []).append(i)
 
+    threads = torch.get_num_threads() if threads is None else threads
     buckets: list[Bucket] = []
     for (dtype, device, key, allowed, requested), by_shape in partitions.items():
         model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
         groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
         chooser = functools.partial(
-            choose_method, allowed, steps=steps, dtype=dtype, device_type=device.type, requested=requested
+            choose_method,
+            allowed,
+            steps=steps,
+            dtype=dtype,
+            device_type=device.type,
+            requested=requested,
+            threads=threads,
         )
         if policy != "exact":
-            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, chooser)
+            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, chooser, threads)
         for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
             method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
             buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes, method))
@@ -309,21 +348,21 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
     return max(1, cap // (rows * cols * itemsize))
 
 
-def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser) -> list[_Group]:
-    """Greedy agglomeration: apply the best merge until none helps."""
+def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int) -> list[_Group]:
+    """Greedy agglomeration: apply the best merge until none helps (costs in matmul FLOPs)."""
     itemsize = _itemsize(dtype)
     launch = model.launch_seconds * kernels_per_bucket(steps)
     per_flop = model.flop_seconds(dtype)
 
     def flops(g: _Group) -> int:
         method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
-        return len(g.members) * ns_flops(g.rows, g.cols, steps, method, dtype)
+        return len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, threads)
 
     def score(a: _Group, b: _Group) -> tuple[float, float] | None:
         """Lower is better; ``None`` means this merge does not help."""
         m = a.union(b)
         saved_launches = a.chunks(itemsize, cap) + b.chunks(itemsize, cap) - m.chunks(itemsize, cap)
-        extra_flops = flops(m) - flops(a) - flops(b)
+        extra_flops = flops(m) - flops(a) - flops(b)  # FLOP-equivalents: eigh at its cost
         if policy == "min_launches":
             return (-saved_launches, extra_flops) if saved_launches > 0 else None
         delta = extra_flops * per_flop - saved_launches * launch

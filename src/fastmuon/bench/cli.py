@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ns-method",
         choices=("auto", "standard", "gram", "eigh"),
         default="auto",
-        help="fastmuon's NS formulation: auto picks Gram-space NS for wide fp32 buckets, and on "
-        "CPUs the eigh route for wide buckets of >= 384 rows when bf16 NS runs in fp32",
+        help="fastmuon's NS formulation: auto picks the cheapest accurate one per bucket (Gram-space "
+        "NS for wide fp32 buckets; on CPUs where bf16 NS runs in fp32, the eigh route where it costs less)",
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
