@@ -35,3 +35,11 @@ def test_eigh_keeps_the_baseline_band(table):
         assert eigh["sv_min"] == pytest.approx(base["sv_min"], abs=2e-3)
         assert eigh["sv_max"] == pytest.approx(base["sv_max"], abs=2e-3)
         assert eigh["rel_err_vs_fp64"] < 5e-3 < table[(kind, "standard bf16")]["rel_err_vs_fp64"]
+
+
+@pytest.mark.parametrize("rows, cols", [(48, 48), (64, 96)])
+def test_eigh_keeps_the_baseline_band_on_square_ish_inputs(rows, cols):
+    """``auto`` takes the eigendecomposition route for square-ish buckets too where bf16 NS was
+    asked for (planner.choose_method): there its error must stay far below bf16 NS's."""
+    measured = {(r["input"], r["variant"]): r for r in run_accuracy(rows=rows, cols=cols)}
+    test_eigh_keeps_the_baseline_band(measured)
