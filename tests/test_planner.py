@@ -10,6 +10,7 @@ from fastmuon.planner import (
     EIGH_FLOPS_PER_R3,
     MatrixSpec,
     eigh_cost_r3,
+    kernels_per_bucket,
     ns_cost,
     ns_flops,
     plan_buckets,
@@ -230,3 +231,20 @@ def test_optimizer_accepts_calibrate():
     assert opt.plan().num_matrices == 1
     with pytest.raises(ValueError, match="cost_model must be"):
         MuSGD([p], cost_model="guess")
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_kernels_per_bucket_is_what_the_kernel_dispatches(method, steps):
+    """The planner's launch count per bucket (what merging saves) matches the kernels' real op count."""
+    from fastmuon.bench.counter import KernelCounter
+    from fastmuon.engine import ScratchArena
+    from fastmuon.newton_schulz import METHODS, resolve_coefficients
+
+    schedule = resolve_coefficients("jordan", steps)
+    X, out = torch.randn(3, 16, 64), torch.empty(3, 16, 64)
+    scratch = ScratchArena(X.device).for_dtype(X.dtype)
+    METHODS[method](X, schedule, 1e-7, scratch, out)  # the first call makes the scratch views
+    with KernelCounter() as counter:
+        METHODS[method](X, schedule, 1e-7, scratch, out)
+    assert abs(counter.count - kernels_per_bucket(steps, method)) <= 2, counter.ops

@@ -218,8 +218,15 @@ def choose_method(
     return min(candidates, key=lambda m: ns_cost(rows, cols, steps, m, dtype, threads))  # ties: first
 
 
-def kernels_per_bucket(steps: int) -> int:
-    """Launches a bucket costs however many matrices it holds: normalise (3) plus 3 per step."""
+def kernels_per_bucket(steps: int, method: str = "standard") -> int:
+    """Launches a bucket costs however many matrices it holds (counted with bench.counter on
+    the kernels): standard NS normalises (3) and runs 3 per step; the Gram loop builds and
+    scales ``A₀`` (9) and runs ~4 per step; the eigh route runs the scalar recursion on the
+    eigenvalues (7 per step) around its 16 fixed ones."""
+    if method == "gram":
+        return 9 + 4 * steps
+    if method == "eigh":
+        return 16 + 7 * steps
     return 3 + 3 * steps
 
 
@@ -351,21 +358,26 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
 def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int) -> list[_Group]:
     """Greedy agglomeration: apply the best merge until none helps (costs in matmul FLOPs)."""
     itemsize = _itemsize(dtype)
-    launch = model.launch_seconds * kernels_per_bucket(steps)
     per_flop = model.flop_seconds(dtype)
 
-    def flops(g: _Group) -> int:
-        method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
-        return len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, threads)
+    def method(g: _Group) -> str:
+        return chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
+
+    def flops(g: _Group) -> float:
+        return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, threads)
+
+    def launches(g: _Group) -> int:
+        return g.chunks(itemsize, cap) * kernels_per_bucket(steps, method(g))
 
     def score(a: _Group, b: _Group) -> tuple[float, float] | None:
         """Lower is better; ``None`` means this merge does not help."""
         m = a.union(b)
-        saved_launches = a.chunks(itemsize, cap) + b.chunks(itemsize, cap) - m.chunks(itemsize, cap)
         extra_flops = flops(m) - flops(a) - flops(b)  # FLOP-equivalents: eigh at its cost
-        if policy == "min_launches":
-            return (-saved_launches, extra_flops) if saved_launches > 0 else None
-        delta = extra_flops * per_flop - saved_launches * launch
+        if policy == "min_launches":  # fewer batched calls, whatever each costs
+            saved_calls = a.chunks(itemsize, cap) + b.chunks(itemsize, cap) - m.chunks(itemsize, cap)
+            return (-saved_calls, extra_flops) if saved_calls > 0 else None
+        saved_launches = launches(a) + launches(b) - launches(m)
+        delta = extra_flops * per_flop - saved_launches * model.launch_seconds
         return (delta, extra_flops) if delta < 0 else None
 
     groups = sorted(groups, key=lambda g: (g.rows, g.cols))
