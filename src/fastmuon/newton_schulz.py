@@ -340,17 +340,20 @@ def _iterate_eigh(
     except torch.linalg.LinAlgError:
         return _iterate_gram(X, schedule, eps, scratch, out)
     lam = lam.clamp_min_(0)  # A₀ is positive semi-definite; rounding leaves tiny negatives
-    h = torch.ones_like(lam)
+    h = None
     for a, b, c in schedule:
         p = (lam * c).add_(b).mul_(lam).add_(a)  # a + b·λ + c·λ²
-        h.mul_(p)
+        h = p if h is None else h.mul_(p)
         lam.mul_(p).mul_(p)
-    Q = torch.matmul(V * h.unsqueeze(-2), V.mT)
     if inv_norm is not None:
-        Q.mul_(inv_norm)  # Q·X = (Q/(‖X‖+eps))·X, as in the Gram loop
+        h.mul_(inv_norm.view(-1, 1))  # Q·X = (Q/(‖X‖+eps))·X, as in the Gram loop: R numbers each
         X0 = X
     else:  # the safe normalisation returned X₀ itself
         X0 = Xw.to(X.dtype) if low else Xw
+    if low:
+        scratch = _fresh  # the kept temporaries are in X's dtype; these are fp32
+    Vh = torch.mul(V, h.unsqueeze(-2), out=scratch("Vh", V.shape))
+    Q = torch.bmm(Vh, V.mT, out=scratch("Q", V.shape))
     return torch.bmm(Q.to(X.dtype), X0, out=out)
 
 

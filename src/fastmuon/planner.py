@@ -222,11 +222,11 @@ def kernels_per_bucket(steps: int, method: str = "standard") -> int:
     """Launches a bucket costs however many matrices it holds (counted with bench.counter on
     the kernels): standard NS normalises (3) and runs 3 per step; the Gram loop builds and
     scales ``A₀`` (9) and runs ~4 per step; the eigh route runs the scalar recursion on the
-    eigenvalues (7 per step) around its 16 fixed ones."""
+    eigenvalues (7 per step) around its 13 fixed ones."""
     if method == "gram":
         return 9 + 4 * steps
     if method == "eigh":
-        return 16 + 7 * steps
+        return 13 + 7 * steps
     return 3 + 3 * steps
 
 
