@@ -7,9 +7,10 @@ import torch
 
 from fastmuon.planner import (
     COST_MODELS,
+    CPU_EIGH,
     EIGH_FLOPS_PER_R3,
+    CostModel,
     MatrixSpec,
-    eigh_cost_r3,
     kernels_per_bucket,
     ns_cost,
     ns_flops,
@@ -198,11 +199,21 @@ def test_eigh_chosen_on_cpu_where_low_precision_was_requested_and_it_costs_less(
 
 
 def test_eigh_cost_falls_with_size_and_rises_with_threads():
-    costs = [eigh_cost_r3(r) for r in (64, 128, 256, 512, 1024)]
+    costs = [CPU_EIGH.per_r3(r) for r in (64, 128, 256, 512, 1024)]
     assert costs == sorted(costs, reverse=True) and costs[-1] > EIGH_FLOPS_PER_R3
-    assert eigh_cost_r3(256, threads=2) > eigh_cost_r3(256)
-    assert ns_cost(256, 384, 5, "eigh") == 4 * 256 * 256 * 384 + (2 + eigh_cost_r3(256)) * 256**3
-    assert ns_cost(256, 384, 5, "gram") == ns_flops(256, 384, 5, "gram")
+    assert CPU_EIGH.per_r3(256, threads=2) > CPU_EIGH.per_r3(256)
+    eigh_cost = ns_cost(256, 384, 5, "eigh", eigh=CPU_EIGH)
+    assert eigh_cost == 4 * 256 * 256 * 384 + (2 + CPU_EIGH.per_r3(256)) * 256**3
+    assert ns_cost(256, 384, 5, "eigh") == ns_flops(256, 384, 5, "eigh")  # unpriced: nominal
+    assert ns_cost(256, 384, 5, "gram", eigh=CPU_EIGH) == ns_flops(256, 384, 5, "gram")
+
+
+def test_eigh_is_left_to_cost_models_that_price_it():
+    asked_bf16 = MatrixSpec(384, 1152, torch.float32, requested=torch.bfloat16)
+    assert COST_MODELS["cpu"].eigh is CPU_EIGH and COST_MODELS["cuda"].eigh is None
+    assert plan_buckets([asked_bf16], cost_model=COST_MODELS["cuda"]).buckets[0].method == "gram"
+    unpriced = CostModel(launch_seconds=15e-6)
+    assert plan_buckets([asked_bf16], cost_model=unpriced).buckets[0].method == "gram"
 
 
 def test_unknown_method_rejected():

@@ -2,7 +2,8 @@
 
 Two numbers decide whether padding two groups into one bucket pays: the time one more kernel
 costs and the time one more FLOP costs. Both are measured once per (device, dtypes, threads)
-and cached; a few hundred milliseconds on a CPU, less on a GPU.
+and cached; a few hundred milliseconds on a CPU, less on a GPU. What an eigendecomposition
+costs against matmuls is kept from the device type's built-in model (``planner.CPU_EIGH``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _calibrate(device: torch.device, dtypes: tuple[torch.dtype, ...], threads: i
         a = torch.randn(b, r, r, device=device).to(dtype)
         seconds = _median_seconds(lambda x=x, a=a: torch.baddbmm(x, a, x, beta=0.5), device, 5, 1)
         per_flop[dtype] = max(seconds - launch, 1e-9) / (2 * b * r * r * c)
-    return CostModel(launch, per_flop, fallback.default_seconds_per_flop)
+    return CostModel(launch, per_flop, fallback.default_seconds_per_flop, fallback.eigh)
 
 
 def _median_seconds(fn, device: torch.device, rounds: int, per_round: int) -> float:

@@ -95,20 +95,45 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class EighCost:
+    """What one ``R×R`` eigendecomposition costs on a device, in FLOPs of batched matmul per
+    ``R³``: ``(base + per_inverse_row / R) · threads ** thread_exponent``. Small ones are
+    dominated by LAPACK's fixed overheads; with more threads matmuls speed up more than the
+    eigendecomposition's tridiagonalisation does."""
+
+    base: float
+    per_inverse_row: float
+    thread_exponent: float = 0.0
+
+    def per_r3(self, rows: int, threads: int = 1) -> float:
+        return (self.base + self.per_inverse_row / rows) * max(threads, 1) ** self.thread_exponent
+
+
+@dataclass(frozen=True)
 class CostModel:
-    """Seconds per kernel launch and per FLOP (by dtype) on one kind of device."""
+    """Seconds per kernel launch and per FLOP (by dtype) on one kind of device, and what an
+    eigendecomposition costs there (``eigh=None``: too slow to consider, as on GPUs)."""
 
     launch_seconds: float
     seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
     default_seconds_per_flop: float = 1e-11
+    eigh: EighCost | None = None
 
     def flop_seconds(self, dtype: torch.dtype) -> float:
         return self.seconds_per_flop.get(dtype, self.default_seconds_per_flop)
 
 
+#: What an eigendecomposition costs on a CPU, measured on this project's (AMD EPYC, AVX2;
+#: ``torch.linalg.eigh`` against ``bmm`` of the same size, fp32), in matmul FLOPs per ``R³``:
+#: 1 thread 67-72 at R=64, 32-41 at 128, 30 at 192, 20-26 at 256, 17-20 at 384, 11-17 at 512,
+#: 11-13 at 768; 2 threads 1.2-1.4x that. The constants sit at the upper side of those
+#: figures; beyond 2 threads the exponent is an extrapolation.
+CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
+
 # Rough constants: a CPU op costs ~15 µs of dispatch and threading and does ~100-400 GFLOP/s on
 # small matrices; a GPU launch costs ~6 µs while the GPU does tens to hundreds of TFLOP/s, so
-# on CUDA one saved launch is worth ~10^8-10^9 padded FLOPs and on a CPU only ~10^6.
+# on CUDA one saved launch is worth ~10^8-10^9 padded FLOPs and on a CPU only ~10^6. GPUs run
+# eigendecompositions slowly (and with host synchronisation), so their model leaves eigh out.
 COST_MODELS: dict[str, CostModel] = {
     "cpu": CostModel(
         launch_seconds=15e-6,
@@ -117,6 +142,7 @@ COST_MODELS: dict[str, CostModel] = {
             torch.bfloat16: 1 / 4e11,
             torch.float16: 1 / 2e11,
         },
+        eigh=CPU_EIGH,
     ),
     "cuda": CostModel(
         launch_seconds=6e-6,
@@ -134,25 +160,9 @@ METHODS = ("standard", "gram", "eigh")
 
 #: Nominal FLOPs of a symmetric eigendecomposition with eigenvectors, in units of ``R³``
 #: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less): what the plan's
-#: FLOP counts report. LAPACK runs it well below matmul speed, so the planner chooses by
-#: :func:`eigh_cost_r3` instead.
+#: FLOP counts report. LAPACK runs it well below matmul speed, so the planner chooses by what
+#: it costs (:class:`EighCost`) instead.
 EIGH_FLOPS_PER_R3 = 9
-
-#: What one ``R×R`` eigendecomposition costs on a CPU in FLOPs of batched matmul, per ``R³``:
-#: ``(BASE + PER_INVERSE_ROW / R) · threads ** THREAD_EXPONENT``. Measured on this project's
-#: CPU (AMD EPYC, AVX2; ``torch.linalg.eigh`` against ``bmm`` of the same size, fp32): 1 thread
-#: 67-72 at R=64, 32-41 at 128, 30 at 192, 20-26 at 256, 17-20 at 384, 11-17 at 512, 11-13 at
-#: 768; with 2 threads 1.2-1.4x more (matmul scales with threads, LAPACK's tridiagonalisation
-#: hardly does). The constants sit at the upper side of that; beyond 2 threads the exponent is
-#: an extrapolation.
-EIGH_COST_BASE = 9.0
-EIGH_COST_PER_INVERSE_ROW = 4400.0
-EIGH_THREAD_EXPONENT = 0.4
-
-
-def eigh_cost_r3(rows: int, threads: int = 1) -> float:
-    """The cost of one ``rows×rows`` eigendecomposition in matmul FLOPs per ``rows³`` (see above)."""
-    return (EIGH_COST_BASE + EIGH_COST_PER_INVERSE_ROW / rows) * max(threads, 1) ** EIGH_THREAD_EXPONENT
 
 
 def ns_flops(
@@ -173,14 +183,20 @@ def ns_flops(
 
 
 def ns_cost(
-    rows: int, cols: int, steps: int, method: str, dtype: torch.dtype | None = None, threads: int = 1
+    rows: int,
+    cols: int,
+    steps: int,
+    method: str,
+    dtype: torch.dtype | None = None,
+    eigh: EighCost | None = None,
+    threads: int = 1,
 ) -> float:
     """What the planner minimises: :func:`ns_flops`, with an eigendecomposition counted at what
-    it costs on a CPU in matmul FLOPs (:func:`eigh_cost_r3`) instead of its nominal count."""
-    if method != "eigh":
+    it costs on the device in matmul FLOPs (``eigh``; ``None``: its nominal count)."""
+    if method != "eigh" or eigh is None:
         return ns_flops(rows, cols, steps, method, dtype)
     r, c = min(rows, cols), max(rows, cols)
-    return 4 * r * r * c + (2 + eigh_cost_r3(r, threads)) * r**3
+    return 4 * r * r * c + (2 + eigh.per_r3(r, threads)) * r**3
 
 
 def choose_method(
@@ -190,8 +206,8 @@ def choose_method(
     steps: int,
     dtype: torch.dtype,
     narrowest: float = math.inf,
-    device_type: str = "cpu",
     requested: torch.dtype | None = None,
+    eigh: EighCost | None = None,
     threads: int = 1,
 ) -> str:
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
@@ -203,8 +219,8 @@ def choose_method(
     bf16/fp16 NS was asked for (``requested``) and runs in fp32 here, what was asked for is far
     less precise than either alternative on any shape (errors of 1e-6..1e-3 against bf16 NS's
     0.02..1.6, ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so the Gram loop
-    qualifies on any shape and, on a CPU, so does the eigendecomposition route
-    (``newton_schulz._iterate_eigh``). GPUs run eigendecompositions slowly: never there."""
+    qualifies on any shape and, where the device's cost model prices it (``eigh``: CPUs), so
+    does the eigendecomposition route (``newton_schulz._iterate_eigh``)."""
     if allowed != "auto":
         return allowed
     if dtype not in (torch.float32, torch.float64):
@@ -213,9 +229,9 @@ def choose_method(
     candidates = ["standard"]
     if narrowest >= 2:
         candidates.append("gram")
-    if tolerant and device_type == "cpu":
+    if tolerant and eigh is not None:
         candidates.append("eigh")
-    return min(candidates, key=lambda m: ns_cost(rows, cols, steps, m, dtype, threads))  # ties: first
+    return min(candidates, key=lambda m: ns_cost(rows, cols, steps, m, dtype, eigh, threads))  # ties: first
 
 
 def kernels_per_bucket(steps: int, method: str = "standard") -> int:
@@ -295,7 +311,7 @@ def plan_buckets(
     ``cost_model`` overrides the per-device-type default. Buckets larger than
     ``max_bucket_bytes`` are split (a single matrix larger than the cap gets a bucket alone).
     ``threads``: the CPU threads the step will run with (``None``: ``torch.get_num_threads()``),
-    which sets what an eigendecomposition costs against matmuls (:func:`eigh_cost_r3`).
+    which sets what an eigendecomposition costs against matmuls (:class:`EighCost`).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")
@@ -320,8 +336,8 @@ def plan_buckets(
             allowed,
             steps=steps,
             dtype=dtype,
-            device_type=device.type,
             requested=requested,
+            eigh=model.eigh,
             threads=threads,
         )
         if policy != "exact":
@@ -364,7 +380,7 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads
         return chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
 
     def flops(g: _Group) -> float:
-        return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, threads)
+        return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads)
 
     def launches(g: _Group) -> int:
         return g.chunks(itemsize, cap) * kernels_per_bucket(steps, method(g))
