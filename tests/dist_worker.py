@@ -20,6 +20,7 @@ from reference_impl import adamw_reference_step, muon_reference_step, musgd_refe
 from torch import nn
 
 import fastmuon
+from fastmuon.compute import cpu_low_precision
 
 F32 = torch.float32
 MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
@@ -163,6 +164,29 @@ def check_missing_grads(group) -> None:
     assert all(len(opt.state[p]) > 0 for p in params), "state missing for a parameter (eager init)"
     if rank == 0:
         log("missing gradients: same plan on every rank, zeros where a rank has no gradient")
+
+
+def check_thread_counts_differ(group) -> None:
+    """Ranks with different thread counts (which price eigendecompositions differently) must
+    still build one plan: rank 0's count decides (at 1 thread a 256×384 bf16-asked matrix takes
+    the eigh route on a CPU, at 8 threads standard NS)."""
+    rank = dist.get_rank()
+    params = make_params([(256, 384), (256, 384), (16, 24)], 5, None)
+    opt = fastmuon.Muon(params, ns_dtype=torch.bfloat16, process_group=group, lr=0.02, momentum=0.95)
+    torch.set_num_threads(1 if rank == 0 else 8)
+    try:
+        with cpu_low_precision("fp32"):
+            set_grads(params, 11)
+            opt.step()
+    finally:
+        torch.set_num_threads(1)
+    methods = [b.method for b in opt.plan().buckets]
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, methods, group=group)
+    assert all(m == gathered[0] for m in gathered), f"plans differ across ranks: {gathered}"
+    assert "eigh" in gathered[0], gathered[0]
+    if rank == 0:
+        log(f"thread counts differing by rank: one plan, rank 0's ({gathered[0]})")
 
 
 # ----- FSDP2 ------------------------------------------------------------------------------------
@@ -366,6 +390,7 @@ def main() -> int:
         check_ddp(dist.group.WORLD)
         check_ddp(dist.new_group(list(range(args.world))))
         check_missing_grads(dist.group.WORLD)
+        check_thread_counts_differ(dist.group.WORLD)
         check_fsdp(args.dir)
         check_fsdp_reference()
         check_state_dict_api(args.dir)

@@ -73,4 +73,5 @@ def launch(world: int, workdir: Path, timeout: float = 600) -> str:
 def test_distributed_world(world, tmp_path):
     report = launch(world, tmp_path)
     assert "checkpoint save/load/resume identical" in report
+    assert "thread counts differing by rank: one plan" in report
     print(report)

@@ -386,21 +386,25 @@ def build_distributed(
 
 
 def _plan(opt, specs, configs, policy, group) -> Plan:
-    """The plan every rank builds alike; a calibrated cost model is rank 0's, sent to all."""
+    """The plan every rank builds alike: what varies by rank and steers the planner (a
+    calibrated cost model, the thread count that prices eigendecompositions) is rank 0's,
+    sent to all."""
     cost_model = opt.cost_model
+    box: list[Any] = [cost_model, torch.get_num_threads()]
     if cost_model == "calibrate" and specs:
         from .calibrate import calibrated_cost_model
 
-        box = [calibrated_cost_model(specs[0].device, {s.dtype for s in specs})]
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(box, src=src, group=group)
-        cost_model = box[0]
+        box[0] = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    cost_model, threads = box
     return plan_buckets(
         specs,
         policy=policy,
         steps=max((c.steps for c in configs), default=5),
         max_bucket_bytes=opt.max_bucket_bytes,
         cost_model=cost_model if isinstance(cost_model, CostModel) else None,
+        threads=threads,
     )
 
 
