@@ -228,6 +228,8 @@ def test_calibrated_cost_model_is_measured_and_usable():
     assert 0 < model.launch_seconds < 1e-2
     assert 0 < model.flop_seconds(torch.float32) < 1e-8
     assert calibrated_cost_model("cpu", [torch.float32]) is model  # cached
+    # eigendecompositions priced as measured here: dearer per R³ when small (LAPACK's overheads)
+    assert model.eigh is not None and model.eigh.per_r3(64) >= model.eigh.per_r3(256) > 0
     specs = yolo_specs()
     check_invariants(plan_buckets(specs, cost_model=model), specs)
 

@@ -2,8 +2,9 @@
 
 Two numbers decide whether padding two groups into one bucket pays: the time one more kernel
 costs and the time one more FLOP costs. Both are measured once per (device, dtypes, threads)
-and cached; a few hundred milliseconds on a CPU, less on a GPU. What an eigendecomposition
-costs against matmuls is kept from the device type's built-in model (``planner.CPU_EIGH``).
+and cached; a few hundred milliseconds on a CPU, less on a GPU. Where the device type's model
+prices eigendecompositions (CPUs: ``planner.CPU_EIGH``), their cost against matmuls is measured
+too, at two sizes; where it does not (GPUs), they stay out of the plan.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from .compute import synchronize
-from .planner import COST_MODELS, CostModel
+from .planner import COST_MODELS, CostModel, EighCost
 
 
 def calibrated_cost_model(device: torch.device | str, dtypes: Iterable[torch.dtype]) -> CostModel:
@@ -33,12 +34,37 @@ def _calibrate(device: torch.device, dtypes: tuple[torch.dtype, ...], threads: i
     launch = _median_seconds(lambda: tiny.add_(1.0), device, rounds=5, per_round=40)
     per_flop = {}
     for dtype in dtypes:
-        b, r, c = 8, 128, 512
-        x = torch.randn(b, r, c, device=device).to(dtype)
-        a = torch.randn(b, r, r, device=device).to(dtype)
-        seconds = _median_seconds(lambda x=x, a=a: torch.baddbmm(x, a, x, beta=0.5), device, 5, 1)
-        per_flop[dtype] = max(seconds - launch, 1e-9) / (2 * b * r * r * c)
-    return CostModel(launch, per_flop, fallback.default_seconds_per_flop, fallback.eigh)
+        per_flop[dtype] = _per_flop(device, dtype, launch)
+    eigh = _eigh_cost(device) if fallback.eigh is not None else None  # fp32, whatever NS's dtype
+    return CostModel(launch, per_flop, fallback.default_seconds_per_flop, eigh)
+
+
+def _per_flop(device: torch.device, dtype: torch.dtype, launch: float) -> float:
+    b, r, c = 8, 128, 512
+    x = torch.randn(b, r, c, device=device).to(dtype)
+    a = torch.randn(b, r, r, device=device).to(dtype)
+    seconds = _median_seconds(lambda: torch.baddbmm(x, a, x, beta=0.5), device, 5, 1)
+    return max(seconds - launch, 1e-9) / (2 * b * r * r * c)
+
+
+def _eigh_cost(device: torch.device, sizes: tuple[int, int] = (64, 256)) -> EighCost:
+    """``(base + per_inverse_row / R)`` fitted through ``eigh`` timed at two sizes, each in FLOPs
+    of ``bmm`` of the same size per ``R³`` (as ``planner.CPU_EIGH`` was measured; at this thread
+    count, so no thread exponent); a constant where the two points do not fit that form (noise)."""
+    per_r3 = {}
+    for r in sizes:
+        x = torch.randn(r, 2 * r, device=device)
+        spd = x @ x.mT / (2 * r)
+        a, out = torch.randn(4, r, r, device=device), torch.empty(4, r, r, device=device)
+        eigh = _median_seconds(lambda spd=spd: torch.linalg.eigh(spd), device, rounds=3, per_round=1)
+        bmm = _median_seconds(lambda a=a, out=out: torch.bmm(a, a, out=out), device, rounds=3, per_round=2)
+        per_r3[r] = eigh / (bmm / (4 * 2 * r**3)) / r**3
+    small, large = sizes
+    per_inverse_row = (per_r3[small] - per_r3[large]) / (1 / small - 1 / large)
+    base = per_r3[large] - per_inverse_row / large
+    if per_inverse_row < 0 or base < 0:
+        return EighCost(max(per_r3.values()), 0.0)
+    return EighCost(base, per_inverse_row)
 
 
 def _median_seconds(fn, device: torch.device, rounds: int, per_round: int) -> float:
