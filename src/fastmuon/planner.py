@@ -213,14 +213,14 @@ def choose_method(
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
     Standard NS always qualifies. Gram-space NS needs fp32+ (``X·Xᵀ`` squares the dynamic
-    range) and, where fp32 NS was asked for, every member at least twice as wide as tall
-    (``narrowest`` = min cols/rows), since a square matrix's small singular values are what
-    Gram space resolves least accurately (2e-5 against 2e-6 on a square random matrix). Where
-    bf16/fp16 NS was asked for (``requested``) and runs in fp32 here, what was asked for is far
-    less precise than either alternative on any shape (errors of 1e-6..1e-3 against bf16 NS's
-    0.02..1.6, ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so the Gram loop
-    qualifies on any shape and, where the device's cost model prices it (``eigh``: CPUs), so
-    does the eigendecomposition route (``newton_schulz._iterate_eigh``)."""
+    range) and every member at least twice as wide as tall (``narrowest`` = min cols/rows),
+    since a square matrix's small singular values are what Gram space resolves least accurately
+    (2e-5 against 2e-6 on a square random matrix). Where bf16/fp16 NS was asked for
+    (``requested``) and runs in fp32 here, what was asked for is far less precise than the
+    eigendecomposition route on any shape (errors of 1e-6..1.6e-3 against bf16 NS's 0.02..1.6,
+    ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so that route
+    (``newton_schulz._iterate_eigh``) qualifies too, wherever the device's cost model prices it
+    (``eigh``: CPUs). (The Gram loop on square buckets in that case measured no faster.)"""
     if allowed != "auto":
         return allowed
     if dtype not in (torch.float32, torch.float64):

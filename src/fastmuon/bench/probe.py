@@ -124,16 +124,14 @@ class FloorRun:
 
     def __init__(self, plan: Plan):
         self.ops = floor_products(plan)
-        self.device = plan.buckets[0].device if plan.buckets else torch.device("cpu")
         self._calls: list = []
-        if not plan.buckets:
-            return
         arenas: dict[torch.dtype, tuple[Tensor, ...]] = {}
         for dtype in {b.dtype for b in plan.buckets}:
-            wide = max(b * r * c for (b, r, c) in (k.shape for k in plan.buckets if k.dtype == dtype))
-            square = max(b * r * r for (b, r, _) in (k.shape for k in plan.buckets if k.dtype == dtype))
-            make = lambda n, dtype=dtype: torch.randn(n, device=self.device).div_(n**0.25).to(dtype)  # noqa: E731
-            arenas[dtype] = (make(wide), make(wide), make(square), make(square))
+            shapes = [k.shape for k in plan.buckets if k.dtype == dtype]
+            wide = max(b * r * c for b, r, c in shapes)
+            square = max(b * r * r for b, r, _ in shapes)
+            device = plan.buckets[0].device
+            arenas[dtype] = tuple(_operand(n, dtype, device) for n in (wide, wide, square, square))
         for b, kind in self.ops:
             bucket = plan.buckets[b]
             bsz, r, c = bucket.shape
@@ -154,6 +152,11 @@ class FloorRun:
     def __call__(self) -> None:
         for call in self._calls:
             call()
+
+
+def _operand(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Random values of a modest scale (products neither overflow nor go subnormal)."""
+    return torch.randn(numel, device=device).div_(numel**0.25).to(dtype)
 
 
 def _seconds(left: torch.Tensor, right: torch.Tensor, min_seconds: float) -> float:
