@@ -174,3 +174,39 @@ def test_foreach_scalar_multiplies_bit_for_bit_like_a_python_number(dtype):
     torch._foreach_mul_(by_number, 0.937)
     torch._foreach_mul_(by_tensor, foreach_scalar(0.937, x))
     assert torch.equal(by_number[0], by_tensor[0])
+
+
+def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
+    """fp32 tensors whose gradient and buffer share their layout take torch's fused SGD kernel
+    (one pass); a channels_last weight with a contiguous gradient (the kernel would walk them
+    out of step) and bf16 tensors (its low-precision path misreads the buffer) take foreach.
+    Either way: the reference's steps, and the gradients untouched."""
+    from fastmuon import transforms
+
+    fused_sizes = []
+    real = torch._fused_sgd_
+
+    def counting(params, *args, **kwargs):
+        fused_sizes.extend(p.numel() for p in params)
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_sgd_", counting)
+    shapes = [(8, 4, 3, 3), (8, 4, 3, 3), (24, 40), (40,)]
+    params = make_params(shapes, channels_last=(0, 1))
+    grads = make_grads(params, steps=2)
+    for step in grads:  # weight 0: a channels_last gradient, as autograd gives; weight 1: contiguous
+        step[0] = step[0].contiguous(memory_format=torch.channels_last)
+    ref, _ = run_musgd_reference(params, grads, [([0, 1, 2, 3], {"use_muon": None})], HP)
+    ours = clone_params(params)
+    opt = MuSGD(ours, **HP, ns_dtype=torch.float32)
+    for step in grads:
+        for p, g in zip(ours, step):
+            p.grad = g.clone()
+        kept = [p.grad.clone() for p in ours]
+        opt.step()
+        assert all(torch.equal(p.grad, k) for p, k in zip(ours, kept))
+    for o, r in zip(ours, ref):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+    assert sorted(fused_sizes) == sorted([40, 24 * 40, 8 * 4 * 3 * 3] * 2)  # not weight 1
+    assert transforms._fusable(*[torch.zeros(4)] * 3)
+    assert not transforms._fusable(*[torch.zeros(4, dtype=torch.bfloat16)] * 3)
