@@ -72,6 +72,43 @@ def test_adamw_part_matches_torch_adamw():
         assert rel_err(o.detach(), t.detach()) <= 1e-6
 
 
+def test_adamw_part_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
+    """fp32 tensors whose gradient shares their layout take torch's fused AdamW kernel; a
+    channels_last tensor with a contiguous gradient (the kernel would walk them out of step)
+    and a bf16 one take foreach. Either way torch.optim.AdamW's steps, gradients untouched."""
+    fused_sizes = []
+    real = torch._fused_adamw_
+
+    def counting(params, *args, **kwargs):
+        fused_sizes.extend(p.numel() for p in params)
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    params = make_params([(10,), (3, 4), (4, 2, 3, 3), (4, 2, 3, 3)], channels_last=(2, 3))
+    grads = make_grads(params, steps=3)
+    for step in grads:  # tensor 2: a channels_last gradient, as autograd gives; tensor 3: contiguous
+        step[2] = step[2].contiguous(memory_format=torch.channels_last)
+    theirs, ours = clone_params(params), clone_params(params)
+    run_optimizer(
+        torch.optim.AdamW(theirs, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), theirs, grads
+    )
+    opt = Muon([{"params": ours, "use_muon": False}], lr=0.01, weight_decay=0.1)
+    for step in grads:
+        for p, g in zip(ours, step):
+            p.grad = g.clone()
+        kept = [p.grad.clone() for p in ours]
+        opt.step()
+        assert all(torch.equal(p.grad, k) for p, k in zip(ours, kept))
+    for o, t in zip(ours, theirs):
+        assert rel_err(o.detach(), t.detach()) <= 1e-6
+    assert sorted(fused_sizes) == sorted([10, 12, 72] * 3)  # not tensor 3
+    assert all(float(opt.state[p]["step"]) == 3 for p in ours)
+    low = make_params([(10,)], dtype=torch.bfloat16)
+    fused_sizes.clear()
+    run_optimizer(Muon([{"params": low, "use_muon": False}], lr=0.01), low, make_grads(low, steps=1))
+    assert fused_sizes == []
+
+
 def test_use_muon_absent_splits_by_ndim_and_foreach_false_agrees():
     params = make_params([(16, 8, 3, 3), (20, 30), (30,)])
     grads = make_grads(params, steps=2)

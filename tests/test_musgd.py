@@ -208,5 +208,5 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
     assert sorted(fused_sizes) == sorted([40, 24 * 40, 8 * 4 * 3 * 3] * 2)  # not weight 1
-    assert transforms._fusable(*[torch.zeros(4)] * 3)
-    assert not transforms._fusable(*[torch.zeros(4, dtype=torch.bfloat16)] * 3)
+    assert transforms.fusable(*[torch.zeros(4)] * 3)
+    assert not transforms.fusable(*[torch.zeros(4, dtype=torch.bfloat16)] * 3)
