@@ -64,3 +64,27 @@ def run_muon_reference(params, grads, groups, defaults, adamw_defaults):
 
 def clone_params(params):
     return [torch.nn.Parameter(copy.deepcopy(p.detach())) for p in params]
+
+
+def count_fused_tensors(monkeypatch, op_name):
+    """Patch ``torch.<op_name>`` (a fused optimizer op) to record the sizes of the parameters it
+    is given; returns that list."""
+    sizes = []
+    real = getattr(torch, op_name)
+
+    def counting(params, *args, **kwargs):
+        sizes.extend(p.numel() for p in params)
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, op_name, counting)
+    return sizes
+
+
+def run_checking_grads_untouched(opt, params, grads):
+    """``run_optimizer``, asserting after every step that no gradient was written to."""
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        kept = [p.grad.clone() for p in params]
+        opt.step()
+        assert all(torch.equal(p.grad, k) for p, k in zip(params, kept)), "a gradient was modified"

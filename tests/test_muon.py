@@ -1,7 +1,15 @@
 import pytest
 import torch
 from conftest import MIXED_SHAPES, rel_err
-from helpers import clone_params, make_grads, make_params, run_muon_reference, run_optimizer
+from helpers import (
+    clone_params,
+    count_fused_tensors,
+    make_grads,
+    make_params,
+    run_checking_grads_untouched,
+    run_muon_reference,
+    run_optimizer,
+)
 
 from fastmuon import Muon, param_groups
 from fastmuon.compute import cpu_low_precision
@@ -76,14 +84,7 @@ def test_adamw_part_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     """fp32 tensors whose gradient shares their layout take torch's fused AdamW kernel; a
     channels_last tensor with a contiguous gradient (the kernel would walk them out of step)
     and a bf16 one take foreach. Either way torch.optim.AdamW's steps, gradients untouched."""
-    fused_sizes = []
-    real = torch._fused_adamw_
-
-    def counting(params, *args, **kwargs):
-        fused_sizes.extend(p.numel() for p in params)
-        return real(params, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    fused_sizes = count_fused_tensors(monkeypatch, "_fused_adamw_")
     params = make_params([(10,), (3, 4), (4, 2, 3, 3), (4, 2, 3, 3)], channels_last=(2, 3))
     grads = make_grads(params, steps=3)
     for step in grads:  # tensor 2: a channels_last gradient, as autograd gives; tensor 3: contiguous
@@ -93,12 +94,7 @@ def test_adamw_part_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
         torch.optim.AdamW(theirs, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), theirs, grads
     )
     opt = Muon([{"params": ours, "use_muon": False}], lr=0.01, weight_decay=0.1)
-    for step in grads:
-        for p, g in zip(ours, step):
-            p.grad = g.clone()
-        kept = [p.grad.clone() for p in ours]
-        opt.step()
-        assert all(torch.equal(p.grad, k) for p, k in zip(ours, kept))
+    run_checking_grads_untouched(opt, ours, grads)
     for o, t in zip(ours, theirs):
         assert rel_err(o.detach(), t.detach()) <= 1e-6
     assert sorted(fused_sizes) == sorted([10, 12, 72] * 3)  # not tensor 3

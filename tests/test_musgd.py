@@ -1,7 +1,15 @@
 import pytest
 import torch
 from conftest import MIXED_SHAPES, rel_err
-from helpers import clone_params, make_grads, make_params, run_musgd_reference, run_optimizer
+from helpers import (
+    clone_params,
+    count_fused_tensors,
+    make_grads,
+    make_params,
+    run_checking_grads_untouched,
+    run_musgd_reference,
+    run_optimizer,
+)
 
 from fastmuon import MuSGD
 from fastmuon.reference import ReferenceMuSGD
@@ -183,14 +191,7 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     Either way: the reference's steps, and the gradients untouched."""
     from fastmuon import transforms
 
-    fused_sizes = []
-    real = torch._fused_sgd_
-
-    def counting(params, *args, **kwargs):
-        fused_sizes.extend(p.numel() for p in params)
-        return real(params, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "_fused_sgd_", counting)
+    fused_sizes = count_fused_tensors(monkeypatch, "_fused_sgd_")
     shapes = [(8, 4, 3, 3), (8, 4, 3, 3), (24, 40), (40,)]
     params = make_params(shapes, channels_last=(0, 1))
     grads = make_grads(params, steps=2)
@@ -198,13 +199,7 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
         step[0] = step[0].contiguous(memory_format=torch.channels_last)
     ref, _ = run_musgd_reference(params, grads, [([0, 1, 2, 3], {"use_muon": None})], HP)
     ours = clone_params(params)
-    opt = MuSGD(ours, **HP, ns_dtype=torch.float32)
-    for step in grads:
-        for p, g in zip(ours, step):
-            p.grad = g.clone()
-        kept = [p.grad.clone() for p in ours]
-        opt.step()
-        assert all(torch.equal(p.grad, k) for p, k in zip(ours, kept))
+    run_checking_grads_untouched(MuSGD(ours, **HP, ns_dtype=torch.float32), ours, grads)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
     assert sorted(fused_sizes) == sorted([40, 24 * 40, 8 * 4 * 3 * 3] * 2)  # not weight 1
