@@ -376,8 +376,12 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads
     itemsize = _itemsize(dtype)
     per_flop = model.flop_seconds(dtype)
 
+    @functools.cache  # every score asks for three groups' methods: choose each shape's once
+    def method_of(rows: int, cols: int, narrowest: float) -> str:
+        return chooser(rows=rows, cols=cols, narrowest=narrowest)
+
     def method(g: _Group) -> str:
-        return chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
+        return method_of(g.rows, g.cols, g.narrowest)
 
     def flops(g: _Group) -> float:
         return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads)

@@ -54,8 +54,8 @@ def sgd_momentum_step_(
     reads ``p``, ``g``, ``B`` and writes ``p``, ``B`` (it writes the gradients only when given a
     grad scale, which it never is here); the rest takes :func:`_foreach_sgd_momentum_step_`.
     """
-    fused = [i for i in range(len(params)) if beta and fusable(params[i], grads[i], bufs[i])]
-    for lr, idx in partition(fused, lambda i: lrs[i]).items():
+    by_kernel = partition(range(len(params)), lambda i: bool(beta) and fusable(params[i], grads[i], bufs[i]))
+    for lr, idx in partition(by_kernel.get(True, []), lambda i: lrs[i]).items():
         torch._fused_sgd_(
             [params[i] for i in idx],
             [grads[i] for i in idx],
@@ -68,8 +68,8 @@ def sgd_momentum_step_(
             maximize=False,
             is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
         )
-    if len(fused) < len(params):
-        rest = sorted(set(range(len(params))) - set(fused))
+    rest = by_kernel.get(False)
+    if rest:
         _foreach_sgd_momentum_step_(
             [params[i] for i in rest],
             [grads[i] for i in rest],

@@ -125,17 +125,16 @@ class FloorRun:
     def __init__(self, plan: Plan):
         self.ops = floor_products(plan)
         self._calls: list = []
-        arenas: dict[torch.dtype, tuple[Tensor, ...]] = {}
-        for dtype in {b.dtype for b in plan.buckets}:
-            shapes = [k.shape for k in plan.buckets if k.dtype == dtype]
+        arenas: dict[tuple[torch.dtype, torch.device], tuple[Tensor, ...]] = {}
+        for dtype, device in {(b.dtype, b.device) for b in plan.buckets}:
+            shapes = [k.shape for k in plan.buckets if (k.dtype, k.device) == (dtype, device)]
             wide = max(b * r * c for b, r, c in shapes)
             square = max(b * r * r for b, r, _ in shapes)
-            device = plan.buckets[0].device
-            arenas[dtype] = tuple(_operand(n, dtype, device) for n in (wide, wide, square, square))
+            arenas[dtype, device] = tuple(_operand(n, dtype, device) for n in (wide, wide, square, square))
         for b, kind in self.ops:
             bucket = plan.buckets[b]
             bsz, r, c = bucket.shape
-            X_, Y_, A_, O_ = arenas[bucket.dtype]
+            X_, Y_, A_, O_ = arenas[bucket.dtype, bucket.device]
             X, Y = X_[: bsz * r * c].view(bsz, r, c), Y_[: bsz * r * c].view(bsz, r, c)
             A, O = A_[: bsz * r * r].view(bsz, r, r), O_[: bsz * r * r].view(bsz, r, r)
             if kind == "gram":
@@ -145,9 +144,7 @@ class FloorRun:
             elif kind == "wide":
                 self._calls.append(functools.partial(torch.bmm, A, X, out=Y))
             else:
-                S = torch.bmm(X.float(), X.float().mT)
-                S = S.double() if bucket.dtype == torch.float64 else S
-                self._calls.append(functools.partial(torch.linalg.eigh, S))
+                self._calls.append(functools.partial(torch.linalg.eigh, _eigh_input(X)))
 
     def __call__(self) -> None:
         for call in self._calls:
@@ -182,10 +179,15 @@ def _best_seconds(run, device: torch.device, min_seconds: float, min_repeats: in
 
 
 def _eigh_seconds(X: torch.Tensor, min_seconds: float) -> float:
-    """Best time of ``eigh`` on the Gram matrices of ``X`` (in fp32 at least, as the kernel runs it)."""
-    S = X.float() @ X.float().mT
-    S = S.double() if X.dtype == torch.float64 else S
+    """Best time of ``eigh`` on the Gram matrices of ``X``."""
+    S = _eigh_input(X)
     return _best_seconds(lambda: torch.linalg.eigh(S), S.device, min_seconds)
+
+
+def _eigh_input(X: Tensor) -> Tensor:
+    """The Gram matrices of ``X`` in the dtype the eigh route decomposes them in (fp32 at least)."""
+    S = X.float() @ X.float().mT
+    return S.double() if X.dtype == torch.float64 else S
 
 
 def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:
