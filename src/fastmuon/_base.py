@@ -16,13 +16,16 @@ from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .nonfinite import (
     DEFAULT_NONFINITE,
+    FiniteCheck,
     SkipGuard,
+    SkipPlan,
     agree_across_ranks,
     check_mode,
     finite_flags,
     raise_if_nonfinite,
 )
 from .planner import POLICIES, CostModel, Plan, plan_buckets
+from .program import Gather, StepProgram
 from .state import check_state_layout
 
 _PLAN_CACHE_SIZE = 4
@@ -74,6 +77,7 @@ class MatrixOptimizer(Optimizer):
         compile: bool,
         process_group=None,
         nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
     ):
         if policy not in POLICIES:
             raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
@@ -86,13 +90,14 @@ class MatrixOptimizer(Optimizer):
             raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
         self.cost_model: CostModel | str | None = cost_model
         self.nonfinite = check_mode(nonfinite)
-        self._keep: dict[int, Tensor] | None = None  # id(param) -> finite flag, during a "skip" step
+        self.capturable = bool(capturable)
         self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
-        self._prepared: tuple[Sequence[Tensor], Orthogonalizer] | None = None  # see ns_inputs
+        self._programs: dict[Hashable, StepProgram] = {}
+        self._version = 0  # bumped whenever the groups or the state are replaced
+        self._flat: tuple[int, list[Tensor]] | None = None
         self.last_plan: Plan | None = None
         self.process_group = process_group  # DDP: ranks share the NS work (see distributed.py)
         self.state_initialised = False
-        self._zero_grads: dict[Tensor, Tensor] = {}
         self._global_of: dict[int, Tensor] = {}
         self._sharded = False  # any FSDP2 DTensor parameter
         super().__init__(params, defaults)
@@ -111,6 +116,8 @@ class MatrixOptimizer(Optimizer):
                     "parameters only (view it as real with torch.view_as_real and optimise that)"
                 )
         self._plans.clear()
+        if hasattr(self, "_programs"):
+            self.invalidate()
         self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -155,69 +162,159 @@ class MatrixOptimizer(Optimizer):
     # ----- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter with a gradient: gather the lists (``_collect``), then
-        run the subclass's update (``_apply``) between the non-finite guard's check and restore."""
+        """One update of every parameter with a gradient.
+
+        The batched path runs a :class:`StepProgram`: built on the first step (and again when
+        the set of parameters with gradients, their layouts, the groups or the equality classes
+        of their hyperparameters change), it holds every list the step needs, so a step reads
+        the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and
+        NS calls. The per-parameter reference path (``foreach=False``) collects its items anew.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.begin_step()
-        items = self.local_items(*self._collect())
-        guard = self.guard_nonfinite()
+        zero_grads = self.begin_step()
+        params = self._flat_params()
+        grads = [p.grad for p in params]
+        if zero_grads:
+            grads = [zero_grads.get(p) if g is None else g for p, g in zip(params, grads)]
+        if not self.foreach:
+            self._reference_step(params, grads)
+            return loss
+        pattern, scalars = self.step_scalars()
+        key = (tuple(g is None for g in grads), pattern)
+        program = self._programs.get(key)
+        live = program.live(grads) if program is not None else None
+        if program is None or not program.fits(live):
+            program = self._make_program(params, grads, key)
+            live = program.live(grads)
+        elif any(g.is_sparse for g in live):
+            self._collect(params, grads)  # raises, naming the parameter
+        keep = self._check_nonfinite(program, live)
+        saved = program.skip.snapshot() if keep is not None else None
         try:
-            self._apply(*items)
+            program.run(live, scalars, keep, self._ns_runner(program))
         finally:
-            self.end_nonfinite(guard)
+            if saved is not None:
+                program.skip.restore(saved, keep)
         return loss
 
-    def _collect(self) -> tuple[list, ...]:
-        """This step's work items (one list per kind of update)."""
+    def _collect(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, ...]:
+        """This step's work items (one list per kind of update), creating missing state."""
         raise NotImplementedError
 
-    def _apply(self, *items: list) -> None:
-        """Update the parameters from the items ``_collect`` gathered."""
+    def step_scalars(self) -> tuple[Hashable, Any]:
+        """This step's hyperparameters, read once per group: ``(pattern, scalars)``, where the
+        pattern (equality classes and structure) decides whether a program still fits."""
         raise NotImplementedError
+
+    def _build_program(self, items: tuple[list, ...], pattern: Any) -> Any:
+        """The subclass's update prepared for these items: ``run(grads, scalars, keep, ns)``."""
+        raise NotImplementedError
+
+    def _apply_reference(self, *items: list) -> None:
+        """The per-parameter reference update of the items ``_collect`` gathered."""
+        raise NotImplementedError
+
+    def _flat_params(self) -> list[Tensor]:
+        flat = self._flat
+        if flat is None or flat[0] != self._version:
+            flat = self._flat = (self._version, [p for g in self.param_groups for p in g["params"]])
+        return flat[1]
+
+    def invalidate(self) -> None:
+        """Forget the prepared step programs (done by ``add_param_group`` and ``load_state_dict``;
+        call it after replacing state tensors or a group's ``params`` list by hand)."""
+        self._version += 1
+        self._programs.clear()
+
+    def _make_program(self, params: list[Tensor], grads: list[Tensor | None], key: Hashable) -> StepProgram:
+        items = self.local_items(*self._collect(params, grads))
+        distributed = self.process_group is not None or self._sharded
+        positions = [k for k, g in enumerate(grads) if g is not None]
+        local = [_local(params[k]) for k in positions]
+        live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
+        skip = None
+        if self.nonfinite == "skip" and positions:
+            owners = range(len(positions))
+            states = [{k: _local(v) for k, v in self.state[params[k]].items()} for k in positions]
+            skip = SkipPlan(local, states, owners)
+        owners_names = [self._owner(params[k]) for k in positions]
+        program = StepProgram(
+            self._build_program(items, key[1]),
+            Gather(positions),
+            FiniteCheck(live_grads),
+            skip,
+            owners_names,
+            localize=self._sharded,
+        )
+        if not distributed:  # a distributed step's lists hold this step's local shards
+            self._programs[key] = program
+            if len(self._programs) > _PLAN_CACHE_SIZE:
+                del self._programs[next(iter(self._programs))]
+        return program
+
+    def _owner(self, p: Tensor) -> tuple[dict[str, Any], int]:
+        for g in self.param_groups:
+            for j, q in enumerate(g["params"]):
+                if q is p:
+                    return g, j
+        raise KeyError("parameter not in this optimizer")
+
+    def _ns_runner(self, program: StepProgram):
+        matrices = program.matrices
+        if matrices is None or not matrices.items:
+            return None
+        engine = matrices.engine
+        orthogonalize = self.orthogonalize  # looked up per step: an instance may wrap it
+        return lambda sources, keep: orthogonalize(
+            sources, matrices.params, matrices.configs, keep=keep, engine=engine
+        )
+
+    def _reference_step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
+        items = self.local_items(*self._collect(params, grads))
+        if self._global_of:
+            raise ValueError(
+                f"{type(self).__name__}(foreach=False) is the per-parameter reference path and cannot "
+                "orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
+            )
+        guard = self.guard_nonfinite()
+        try:
+            self._apply_reference(*items)
+        finally:
+            if guard is not None:
+                guard.restore()
 
     # ----- distributed steps (DDP process group, FSDP2 DTensors): see distributed.py -------
-    def grad_of(self, p: Tensor) -> Tensor | None:
-        """``p.grad``, or zeros when another rank has a gradient for ``p`` and this one has none."""
-        return p.grad if p.grad is not None else self._zero_grads.get(p)
-
     def init_state(self) -> None:
         """Create every parameter's state (zeros) now, as its first step would.
 
         Distributed steps call it on the first step, so state dicts are rank-symmetric; call it
         on a fresh optimizer before loading a ``torch.distributed.checkpoint`` into its state dict.
         """
-        saved, self._zero_grads = self._zero_grads, {p: p for g in self.param_groups for p in g["params"]}
-        try:
-            self._collect()
-        finally:
-            self._zero_grads = saved
+        params = self._flat_params()
+        self._collect(params, list(params))
         self.state_initialised = True
 
-    def begin_step(self) -> None:
-        """In a distributed run, agree with the other ranks on which parameters step."""
+    def begin_step(self) -> dict[Tensor, Tensor]:
+        """In a distributed run, agree with the other ranks on which parameters step; returns
+        zero gradients for those that step elsewhere but have none here (else ``{}``)."""
         self._global_of = {}
         if self.process_group is not None or self._sharded:
             from .distributed import begin_step
 
-            self._zero_grads = begin_step(self)
+            return begin_step(self)
+        return {}
 
     def local_items(self, *item_lists):
         """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
-        self._zero_grads = {}
         if not self._sharded:
             return item_lists
         from .distributed import localize
 
         for items in item_lists:
             self._global_of.update(localize(self, items))
-        if self._global_of and not getattr(self, "foreach", True):
-            raise ValueError(
-                f"{type(self).__name__}(foreach=False) is the per-parameter reference path and cannot "
-                "orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
-            )
         return item_lists
 
     def global_param(self, p: Tensor) -> Tensor:
@@ -226,11 +323,10 @@ class MatrixOptimizer(Optimizer):
 
     # ----- the batching plan --------------------------------------------------------------
     def ns_inputs(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> list[Tensor] | None:
-        """Where this step's NS will read each matrix's source from, for the momentum step to write
+        """Where the plan's NS reads each matrix's source from, for the momentum step to write
         there directly (see :meth:`Orthogonalizer.input_views`); ``None``: hand the sources over
-        to :meth:`orthogonalize` as tensors. The engine found here serves that call too."""
+        to :meth:`orthogonalize` as tensors."""
         engine = self._engine(params, configs)
-        self._prepared = (params, engine)
         if not isinstance(engine, Orthogonalizer):
             return None  # distributed engines exchange the sources themselves
         return engine.input_views([p.dtype for p in params])
@@ -240,19 +336,22 @@ class MatrixOptimizer(Optimizer):
         sources: Sequence[Tensor],
         params: Sequence[Tensor],
         configs: Sequence[NSConfig],
+        keep: Tensor | None = None,
+        engine: Any = None,
     ) -> list[Tensor]:
-        """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes."""
-        prepared, self._prepared = self._prepared, None
-        engine = (
-            prepared[1] if prepared is not None and prepared[0] is params else self._engine(params, configs)
-        )
+        """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes.
+
+        ``keep`` (one bool per source, on the device) zeroes the rejected sources first;
+        ``engine``: the plan's executor when the caller holds it (else looked up by the params).
+        """
+        if engine is None:
+            engine = self._engine(params, configs)
         dtypes = [p.dtype for p in params]
-        if self._keep is None:
+        if keep is None:
             return engine(sources, dtypes)
-        keep = [self._keep[id(self.global_param(p))] for p in params]
         if isinstance(engine, Orthogonalizer):
             return engine(sources, dtypes, keep=keep)
-        return engine([torch.where(k, s, 0) for k, s in zip(keep, sources)], dtypes)  # distributed
+        return engine([torch.where(k, s, 0) for k, s in zip(keep.unbind(0), sources)], dtypes)
 
     def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> Orthogonalizer:
         """The cached engine for these matrices in this order (built on first sight)."""
@@ -295,44 +394,42 @@ class MatrixOptimizer(Optimizer):
         return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile, result_views=True)
 
     # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
-    def guard_nonfinite(self) -> SkipGuard | None:
+    def _check_nonfinite(self, program: StepProgram, grads: list[Tensor]) -> Tensor | None:
         """Call after the state buffers exist and before anything is written: raises ("raise"),
-        or returns the guard whose ``restore()`` undoes the step where gradients were bad ("skip").
+        or returns the keep vector (one bool per parameter with a gradient, on the device) whose
+        ``False`` entries the step puts back ("skip"); ``None``: nothing to put back.
 
         In a distributed run every rank must decide alike (a NaN may sit in one rank's shard
-        only), so the flags of all parameters are combined with one all-reduce (MIN)."""
-        if self.nonfinite == "ignore":
+        only), so the flags are combined with one all-reduce (MIN)."""
+        if self.nonfinite == "ignore" or not grads:
             return None
         distributed = self.process_group is not None or self._sharded
-        owners = [
-            (g, j)
-            for g in self.param_groups
-            for j, p in enumerate(g["params"])
-            if distributed or p.grad is not None
-        ]
-        params = [g["params"][j] for g, j in owners]
-        grads = [_local(p.grad) if p.grad is not None else _local(p).new_empty(0) for p in params]
+        name = program.name_of(self)
         if self.nonfinite == "raise" and not distributed:
+            if not program.check.screen(grads):
+                raise_if_nonfinite(grads, name)
+            return None
+        keep = program.check(grads)
+        if distributed:
+            keep = agree_across_ranks(keep, self.process_group)
+        if self.nonfinite == "raise":
+            raise_if_nonfinite(list(keep.unbind(0)), name, flags_given=True)
+            return None
+        return keep
+
+    def guard_nonfinite(self) -> SkipGuard | None:
+        """The reference path's guard: raises ("raise"), or returns the guard whose ``restore()``
+        undoes the step where gradients were bad ("skip")."""
+        if self.nonfinite == "ignore":
+            return None
+        owners = [(g, j) for g in self.param_groups for j, p in enumerate(g["params"]) if p.grad is not None]
+        params = [g["params"][j] for g, j in owners]
+        grads = [p.grad for p in params]
+        if self.nonfinite == "raise":
             raise_if_nonfinite(grads, lambda k: self.param_name(*owners[k]))
             return None
         flags = finite_flags(grads)
-        if distributed and flags:
-            flags = list(agree_across_ranks(flags, self.process_group))
-        if self.nonfinite == "raise":
-            raise_if_nonfinite(flags, lambda k: self.param_name(*owners[k]), flags_given=True)
-            return None
-        self._keep = {id(p): f for p, f in zip(params, flags)}
-        live = [k for k, p in enumerate(params) if p.grad is not None]
-        return SkipGuard(
-            [_local(params[k]) for k in live],
-            [flags[k] for k in live],
-            [{key: _local(v) for key, v in self.state[params[k]].items()} for k in live],
-        )
-
-    def end_nonfinite(self, guard: SkipGuard | None) -> None:
-        self._keep = None
-        if guard is not None:
-            guard.restore()
+        return SkipGuard(params, flags, [self.state[p] for p in params])
 
     # ----- state --------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -346,6 +443,7 @@ class MatrixOptimizer(Optimizer):
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device.type != "cpu"):
                 state["step"] = step.to("cpu", torch.float32)  # read on the host every step
         self._plans.clear()
+        self.invalidate()
 
     def plan(self) -> Plan | None:
         """The plan the last step used (``None`` before the first step)."""
@@ -357,9 +455,10 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("last_plan", None)
         self.__dict__.setdefault("process_group", None)
         self.__dict__.setdefault("state_initialised", False)
-        self.__dict__.setdefault("_zero_grads", {})
         self.__dict__.setdefault("_global_of", {})
         self.__dict__.setdefault("_sharded", False)
         self.__dict__.setdefault("nonfinite", DEFAULT_NONFINITE)
-        self.__dict__.setdefault("_keep", None)
-        self.__dict__.setdefault("_prepared", None)
+        self.__dict__["_programs"] = {}
+        self.__dict__["_flat"] = None
+        self.__dict__.setdefault("_version", 0)
+        self.__dict__.setdefault("capturable", False)

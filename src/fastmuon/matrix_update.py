@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -15,6 +16,7 @@ from torch import Tensor
 from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
+from .program import Gather, Scalar, apply_scaled_, scale_limit
 from .transforms import apply_updates_, ema_momentum_, partition
 
 #: ``(sources, params, configs) -> updates``: how a step hands its matrices to the engine.
@@ -36,6 +38,9 @@ class MatrixItem:
     scale: float  # lr times the optimizer's factors
     config: NSConfig
     decay: float = 1.0  # 1 − lr·wd for decoupled weight decay
+    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
+    index: int = 0  # its position among the step's parameters with gradients
+    factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
 
 
 def multi_tensor_matrix_update(
@@ -79,3 +84,93 @@ def single_tensor_matrix_update(items: list[MatrixItem]) -> None:
         if it.decay != 1:
             it.param.mul_(it.decay)
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
+
+
+@dataclass
+class MatrixScalars:
+    """This step's hyperparameters of the matrix update, one entry per param group."""
+
+    beta: Sequence[float]
+    nesterov: Sequence[bool]
+    base: Sequence[Scalar]  # scale = base · factor (lr·muon for MuSGD, lr for Muon)
+    decay: Sequence[Scalar] | None = None  # 1 − lr·wd (Muon); None: no decay
+
+
+#: ``(sources, keep) -> updates``: the plan's NS over the program's matrices, in its order.
+RunNS = Callable[[Sequence[Tensor], "Tensor | None"], list[Tensor]]
+
+
+class MatrixProgram:
+    """:func:`multi_tensor_matrix_update` prepared once for a fixed set of matrices.
+
+    Built from one step's items; each later step with the same equality classes of
+    hyperparameters (see :mod:`fastmuon.program`) runs the same calls with that step's values:
+    one ``lerp`` per momentum part, the plan's NS, one decay call, one ``add_`` per scale class.
+    """
+
+    def __init__(
+        self,
+        items: list[MatrixItem],
+        base_class: Sequence[int],
+        engine_for: Callable[[list, list], Any] | None = None,
+    ):
+        parts = list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+        ordered = [i for part in parts for i in part]
+        self.items = ordered
+        self.params = [i.param for i in ordered]
+        self.configs = [i.config for i in ordered]
+        self.dtypes = [p.dtype for p in self.params]
+        self.positions = [i.index for i in ordered]  # among the step's gradients
+        # the plan's executor, and where it reads each source from (momentum is written there)
+        self.engine = engine_for(self.params, self.configs) if engine_for is not None and ordered else None
+        views = getattr(self.engine, "input_views", None)
+        inputs = views(self.dtypes) if views is not None else None
+        self.parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None]] = []
+        start = 0
+        for part in parts:
+            out = inputs[start : start + len(part)] if inputs is not None else None
+            self.parts.append(([i.buf for i in part], Gather([i.index for i in part]), part[0].group, out))
+            start += len(part)
+        self.item_groups = [i.group for i in ordered]
+        self.groups = sorted(set(self.item_groups))
+        # scale = base · factor: one class per (class of the group's base, factor)
+        by_scale = partition(range(len(ordered)), lambda k: (base_class[ordered[k].group], ordered[k].factor))
+        self.scale_keys = [(ordered[idx[0]].group, ordered[idx[0]].factor) for idx in by_scale.values()]
+        self.scale_params = [[self.params[k] for k in idx] for idx in by_scale.values()]
+        self.scale_updates = [Gather(idx) for idx in by_scale.values()]
+        self.limit = scale_limit(self.params[0].device) if ordered else 0
+        self._keep_index: Tensor | None = None
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return True
+
+    def keep_of(self, keep: Tensor | None) -> Tensor | None:
+        """The matrices' entries of a step's keep vector (one per parameter with a gradient)."""
+        if keep is None or not self.items:
+            return None
+        index = self._keep_index
+        if index is None or index.device != keep.device:
+            index = self._keep_index = torch.tensor(self.positions, device=keep.device)
+        return keep.index_select(0, index)
+
+    def run(self, grads: Sequence[Tensor], scalars: MatrixScalars, ns: RunNS, keep: Tensor | None) -> None:
+        if not self.items:
+            return
+        # 1. momentum, one foreach call per (β, nesterov, device, dtype)
+        sources: list[Tensor] = []
+        for bufs, pick, g, out in self.parts:
+            sources += ema_momentum_(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
+        # 2. orthogonalise, one NS call per bucket of the cached plan
+        updates = ns(sources, self.keep_of(keep))
+        # 3-4. decay, scale and apply
+        decay = scalars.decay
+        if decay is not None:
+            if any(isinstance(decay[g], Tensor) for g in self.groups):
+                for g in self.groups:
+                    torch._foreach_mul_([p for p, h in zip(self.params, self.item_groups) if h == g], decay[g])
+            elif any(decay[g] != 1 for g in self.groups):
+                torch._foreach_mul_(self.params, [decay[g] for g in self.item_groups])
+        scales = [scalars.base[g] * f for g, f in self.scale_keys]
+        apply_scaled_(
+            self.scale_params, [pick(updates) for pick in self.scale_updates], scales, owned=True, limit=self.limit
+        )

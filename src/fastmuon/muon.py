@@ -59,6 +59,7 @@ class Muon(MatrixOptimizer):
         compile: bool = False,
         process_group=None,
         nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -84,6 +85,7 @@ class Muon(MatrixOptimizer):
             compile=compile,
             process_group=process_group,
             nonfinite=nonfinite,
+            capturable=capturable,
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ README's table) with batched Newton–Schulz and fused elementwise work.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from torch import Tensor
 from ._base import MatrixOptimizer, check_nonnegative, state_buffer
 from .matrix_update import (
     MatrixItem,
+    MatrixProgram,
+    MatrixScalars,
     NSInputs,
     Orthogonalize,
     multi_tensor_matrix_update,
@@ -22,7 +25,8 @@ from .matrix_update import (
 )
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from .transforms import ADJUST_LR, lr_scale, partition, sgd_momentum_step_
+from .program import Gather, Scalar, apply_scaled_, classes, scale_limit
+from .transforms import ADJUST_LR, foreach_scalar, fusable, lr_scale, partition, sgd_momentum_step_
 
 
 @dataclass
@@ -36,6 +40,9 @@ class SGDItem:
     nesterov: bool
     weight_decay: float
     lr: float
+    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
+    index: int = 0  # its position among the step's parameters with gradients
+    muon_group: bool = False  # lr·sgd (a Muon-group parameter's SGD half) rather than lr
 
 
 class MuSGD(MatrixOptimizer):
@@ -89,6 +96,7 @@ class MuSGD(MatrixOptimizer):
         compile: bool = False,
         process_group=None,
         nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -114,6 +122,7 @@ class MuSGD(MatrixOptimizer):
             compile=compile,
             process_group=process_group,
             nonfinite=nonfinite,
+            capturable=capturable,
         )
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -125,21 +134,26 @@ class MuSGD(MatrixOptimizer):
                 f"unknown adjust_lr {group['adjust_lr']!r} in {where}; choose one of {ADJUST_LR}"
             )
 
-    def _collect(self) -> tuple[list[MatrixItem], list[SGDItem]]:
+    def _collect(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list[MatrixItem], list[SGDItem]]:
         matrices: list[MatrixItem] = []
         elementwise: list[SGDItem] = []
-        for group in self.param_groups:
-            lr, beta, nesterov = self.float_lr(group), group["momentum"], group["nesterov"]
+        flat = 0
+        live = 0
+        for gi, group in enumerate(self.param_groups):
+            lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
             use_muon = group.get("use_muon")
             config = self.ns_config(group)
             for j, p in enumerate(group["params"]):
-                grad = self.grad_of(p)
+                grad = grads[flat]
+                flat += 1
                 if grad is None:
                     continue
+                index, live = live, live + 1
                 self.check_grad(group, j, grad)
                 state = self.state[p]
                 muon_group = use_muon if use_muon is not None else p.ndim >= 2
                 if muon_group and p.ndim >= 2 and p.numel() > 0:
+                    factor = lr_scale(group["adjust_lr"], p.shape)
                     matrices.append(
                         MatrixItem(
                             p,
@@ -147,8 +161,11 @@ class MuSGD(MatrixOptimizer):
                             state_buffer(state, "momentum_buffer", p),
                             beta,
                             nesterov,
-                            lr * group["muon"] * lr_scale(group["adjust_lr"], p.shape),
+                            lr * group["muon"] * factor,
                             config,
+                            group=gi,
+                            index=index,
+                            factor=factor,
                         )
                     )
                 key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
@@ -161,38 +178,183 @@ class MuSGD(MatrixOptimizer):
                         nesterov,
                         group["weight_decay"],
                         lr * (group["sgd"] if muon_group else 1.0),
+                        group=gi,
+                        index=index,
+                        muon_group=muon_group,
                     )
                 )
         return matrices, elementwise
 
-    def _apply(self, matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
-        if self.foreach:
-            _multi_tensor_musgd(matrices, elementwise, self.orthogonalize, self.ns_inputs)
-        else:
-            _single_tensor_musgd(matrices, elementwise)
-
-
-def _multi_tensor_musgd(
-    matrices: list[MatrixItem],
-    elementwise: list[SGDItem],
-    orthogonalize: Orthogonalize,
-    ns_inputs: NSInputs | None = None,
-) -> None:
-    multi_tensor_matrix_update(matrices, orthogonalize, ns_inputs)
-    # the SGD half (and plain SGD parameters), on p after the Muon update
-    for items in partition(
-        elementwise, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
-    ).values():
-        first = items[0]
-        sgd_momentum_step_(
-            [i.param for i in items],
-            [i.grad for i in items],
-            [i.buf for i in items],
-            [i.lr for i in items],
-            first.beta,
-            first.nesterov,
-            first.weight_decay,
+    def step_scalars(self) -> tuple[Hashable, MuSGDScalars]:
+        groups = self.param_groups
+        lr = [g["lr"] for g in groups]
+        beta = [g["momentum"] for g in groups]
+        nesterov = [g["nesterov"] for g in groups]
+        wd = [g["weight_decay"] for g in groups]
+        base = [r * g["muon"] for r, g in zip(lr, groups)]
+        lr_sgd = [r * g["sgd"] for r, g in zip(lr, groups)]
+        lr_plain = [r * 1.0 for r in lr]
+        structure = tuple((g.get("use_muon"), g["adjust_lr"], self.ns_config(g)) for g in groups)
+        pattern = (
+            classes(beta),
+            classes(nesterov),
+            classes(wd),
+            classes(base),
+            classes(lr_sgd + lr_plain),
+            tuple(b == 0 for b in beta),
+            structure,
         )
+        return pattern, MuSGDScalars(MatrixScalars(beta, nesterov, base), beta, nesterov, wd, lr_sgd, lr_plain)
+
+    def _build_program(self, items, pattern) -> MuSGDProgram:
+        matrices, elementwise = items
+        base_class, lr_class = pattern[3], pattern[4]
+        return MuSGDProgram(
+            MatrixProgram(matrices, base_class, self._engine),
+            SGDProgram(elementwise, lr_class, len(self.param_groups), fused_ok=not self.capturable),
+        )
+
+    def _apply_reference(self, matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
+        _single_tensor_musgd(matrices, elementwise)
+
+
+@dataclass
+class MuSGDScalars:
+    """This step's hyperparameters, one entry per param group."""
+
+    matrices: MatrixScalars
+    beta: list[float]
+    nesterov: list[bool]
+    weight_decay: list[float]
+    lr_sgd: list[Scalar]  # lr·sgd: the SGD half of a Muon-group parameter
+    lr_plain: list[Scalar]  # lr: a plain SGD parameter
+
+
+class SGDProgram:
+    """The SGD half (and plain SGD) prepared once: per (β, nesterov, wd, device, dtype), torch's
+    fused kernel per learning rate where it is exact (:func:`~fastmuon.transforms.fusable`),
+    else foreach calls with one scale class per learning rate."""
+
+    def __init__(self, items: list[SGDItem], lr_class: Sequence[int], num_groups: int, fused_ok: bool):
+        def lr_key(i: SGDItem) -> int:  # classes over lr_sgd + lr_plain, as step_scalars lists them
+            return lr_class[i.group + (0 if i.muon_group else num_groups)]
+
+        self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
+        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list]] = []
+        parts = partition(items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype))
+        for part in parts.values():
+            by_kernel = partition(
+                part, lambda i: fused_ok and bool(i.beta) and fusable(i.param, i.grad, i.buf)
+            )
+            g = part[0].group
+            for by_lr in partition(by_kernel.get(True, []), lr_key).values():
+                first = by_lr[0]
+                self.fused.append(
+                    (
+                        g,
+                        [i.param for i in by_lr],
+                        Gather([i.index for i in by_lr]),
+                        [i.buf for i in by_lr],
+                        lr_key(first),
+                        [i.grad.stride() for i in by_lr],
+                        [i.param.stride() for i in by_lr],
+                    )
+                )
+            rest = by_kernel.get(False, [])
+            if rest:
+                by_lr = partition(range(len(rest)), lambda k: lr_key(rest[k]))
+                self.rest.append(
+                    (
+                        g,
+                        [i.param for i in rest],
+                        Gather([i.index for i in rest]),
+                        [i.buf for i in rest],
+                        [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
+                        [lr_key(rest[idx[0]]) for idx in by_lr.values()],
+                    )
+                )
+        self.num_groups = num_groups
+        self.limit = scale_limit(items[0].param.device) if items else 0
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        """The fused kernel walks memory without looking at strides: gradients and parameters
+        must still have the layouts it was chosen for."""
+        for _, params, pick, _, _, grad_strides, param_strides in self.fused:
+            if [g.stride() for g in pick(grads)] != grad_strides or [p.stride() for p in params] != param_strides:
+                return False
+        return True
+
+    def run(self, grads: Sequence[Tensor], s: MuSGDScalars) -> None:
+        lr_of = [*s.lr_sgd, *s.lr_plain]  # a class is the index of its first member's value
+        for g, params, pick, bufs, c, _, _ in self.fused:
+            torch._fused_sgd_(
+                params,
+                pick(grads),
+                bufs,
+                weight_decay=s.weight_decay[g],
+                momentum=s.beta[g],
+                lr=lr_of[c],
+                dampening=0.0,
+                nesterov=s.nesterov[g],
+                maximize=False,
+                is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
+            )
+        for g, params, pick, bufs, by_lr, lr_classes in self.rest:
+            foreach_sgd_step_(
+                params, pick(grads), bufs, by_lr, [lr_of[c] for c in lr_classes],
+                s.beta[g], s.nesterov[g], s.weight_decay[g], self.limit,
+            )
+
+
+class MuSGDProgram:
+    """A MuSGD step prepared once: the Muon half, then the SGD half on ``p`` after it."""
+
+    def __init__(self, matrices: MatrixProgram, sgd: SGDProgram):
+        self.matrices = matrices
+        self.sgd = sgd
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return self.sgd.fits(grads)
+
+    def run(self, grads: Sequence[Tensor], scalars: MuSGDScalars, keep: Tensor | None, ns) -> None:
+        self.matrices.run(grads, scalars.matrices, ns, keep)
+        self.sgd.run(grads, scalars)
+
+
+def foreach_sgd_step_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    by_lr: list[tuple[Gather, list[Tensor]]],
+    lrs: list[Scalar],
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    limit: int,
+) -> None:
+    """:func:`~fastmuon.transforms.sgd_momentum_step_`'s foreach path over prepared lists:
+    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each)."""
+    owned = bool(weight_decay)
+    if owned:  # g' as new tensors: the gradients themselves are never touched
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
+        torch._foreach_copy_(bufs, grads)
+    else:
+        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0]))
+        torch._foreach_add_(bufs, grads)
+    class_params = [ps for _, ps in by_lr]
+
+    def apply(updates: list[Tensor], scales: list[Scalar], owned: bool) -> None:
+        apply_scaled_(class_params, [pick(updates) for pick, _ in by_lr], scales, owned=owned, limit=limit)
+
+    if not nesterov:
+        apply(bufs, lrs, False)
+    elif owned:
+        torch._foreach_add_(grads, bufs, alpha=beta)
+        apply(grads, lrs, True)
+    else:
+        apply(grads, lrs, False)
+        apply(bufs, [lr * beta for lr in lrs], False)
 
 
 def _single_tensor_musgd(matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:

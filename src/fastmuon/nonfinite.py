@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .layout import memory_order
+from .program import Gather
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
@@ -190,3 +191,72 @@ class SkipGuard:
             group.restore()
         for t, saved, flag in self._loose:
             t.copy_(torch.where(flag.to(t.device), t, saved))
+
+
+# ----- prepared once per step program ---------------------------------------------------------
+class FiniteCheck:
+    """Which of a fixed list of gradients are finite, as one bool vector on the first one's
+    device: one fused max-abs per (device, dtype), no host read (the lists are made once)."""
+
+    def __init__(self, grads: Sequence[Tensor]):
+        self.size = len(grads)
+        self.device = grads[0].device if grads else torch.device("cpu")
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, g in enumerate(grads):
+            if g.numel() > 0:
+                groups.setdefault((g.device, g.dtype), []).append(i)
+        self._groups = [(Gather(idx), torch.tensor(idx, device=self.device)) for idx in groups.values()]
+        by_device: dict[torch.device, list[int]] = {}
+        for (device, _), idx in groups.items():
+            by_device.setdefault(device, []).extend(idx)
+        self._by_device = [Gather(idx) for idx in by_device.values()]
+
+    def __call__(self, grads: Sequence[Tensor]) -> Tensor:
+        keep = torch.ones(self.size, dtype=torch.bool, device=self.device)
+        for pick, positions in self._groups:
+            ok = _max_abs(pick(grads)).isfinite()
+            keep.index_copy_(0, positions, ok.to(self.device))
+        return keep
+
+    def screen(self, grads: Sequence[Tensor]) -> bool:
+        """Whether every gradient is finite (one host read per device): the cheap test of "raise"."""
+        return all(bool(torch.stack(torch._foreach_norm(pick(grads))).isfinite().all()) for pick in self._by_device)
+
+
+class SkipPlan:
+    """:class:`SkipGuard` prepared once: which tensors to snapshot, grouped by (device, dtype).
+
+    ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
+    ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and
+    :meth:`restore` after it with the keep vector.
+    """
+
+    def __init__(self, params: Sequence[Tensor], states: Sequence[dict], owners: Sequence[int]):
+        grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
+        self._loose: list[tuple[Tensor, int]] = []
+        for p, state, owner in zip(params, states, owners):
+            for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
+                view = _memory_view(t)
+                if view is None:
+                    self._loose.append((t, owner))
+                else:
+                    grouped.setdefault((t.device, t.dtype), []).append((view, owner))
+        self._groups = []
+        for (device, _), entries in grouped.items():
+            views = [v for v, _ in entries]
+            sizes = [v.numel() for v in views]
+            owner_index = torch.tensor([o for _, o in entries], device=device)
+            repeats = torch.tensor(sizes, device=device)
+            self._groups.append((views, sizes, owner_index, repeats, sum(sizes)))
+
+    def snapshot(self) -> list[Tensor]:
+        return [torch.cat(views) for views, *_ in self._groups] + [t.clone() for t, _ in self._loose]
+
+    def restore(self, saved: list[Tensor], keep: Tensor) -> None:
+        for (views, sizes, owner_index, repeats, total), snap in zip(self._groups, saved):
+            k = keep.to(snap.device).index_select(0, owner_index)
+            mask = torch.repeat_interleave(k, repeats, output_size=total)
+            merged = torch.where(mask, torch.cat(views), snap, out=snap)
+            torch._foreach_copy_(views, list(merged.split(sizes)))
+        for (t, owner), snap in zip(self._loose, saved[len(self._groups) :]):
+            t.copy_(torch.where(keep[owner].to(t.device), t, snap))

@@ -1,0 +1,135 @@
+"""The pieces of a step program: what is prepared once per plan and what is read every step.
+
+A step's lists (parameters, state buffers, NS input views, foreach partitions) depend only on
+which parameters have gradients, their layouts, and which hyperparameters are *equal* across
+param groups; the hyperparameter values themselves may change every step (learning-rate
+schedules, momentum warm-up). So a program is built from one step's values, partitioned by the
+equality classes of those values, and reused while the classes stay the same: each step reads
+the values once per param group and runs a fixed sequence of foreach and NS calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from operator import itemgetter
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
+Scalar = Any
+
+
+def classes(values: Sequence[Hashable]) -> tuple[int, ...]:
+    """Each value's class: the index of its first equal value (equality of floats, identity of
+    tensors). Two steps with equal classes partition the parameters alike."""
+    first: dict[Hashable, int] = {}
+    return tuple(first.setdefault(v, i) for i, v in enumerate(values))
+
+
+class Gather:
+    """Picks fixed positions out of a per-step list (e.g. the gradients of one foreach call)."""
+
+    __slots__ = ("indices", "_pick")
+
+    def __init__(self, indices: Sequence[int]):
+        self.indices = list(indices)
+        if len(self.indices) == 1:
+            (only,) = self.indices
+            self._pick = lambda seq: [seq[only]]
+        elif self.indices:
+            getter = itemgetter(*self.indices)
+            self._pick = lambda seq: list(getter(seq))
+        else:
+            self._pick = lambda seq: []
+
+    def __call__(self, seq: Sequence[Any]) -> list[Any]:
+        return self._pick(seq)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def scale_limit(device: torch.device) -> int:
+    """How many distinct scales take one fused ``add_`` each before one scaling pass and one
+    subtracting pass over all of them cost less: every call is a launch on a GPU."""
+    return 8 if device.type == "cpu" else 2
+
+
+def apply_scaled_(
+    params: Sequence[list[Tensor]],
+    updates: Sequence[list[Tensor]],
+    scales: Sequence[Scalar],
+    *,
+    owned: bool,
+    limit: int,
+) -> None:
+    """``p ← p − scale·u`` for each class of (params, updates, scale).
+
+    Few classes take one fused ``add_`` each (one pass); many take one scaling pass and one
+    subtracting pass over all of them. A tensor scale is used as a tensor (no host read): a
+    scaling pass and a subtracting pass for its class. With ``owned`` the updates may be scaled
+    in place.
+    """
+    if any(isinstance(s, Tensor) for s in scales):
+        for ps, us, s in zip(params, updates, scales):
+            if not ps:
+                continue
+            if owned:
+                torch._foreach_mul_(us, s)
+            else:
+                us = torch._foreach_mul(us, s)
+            torch._foreach_sub_(ps, us)
+        return
+    if len(scales) <= limit:
+        for ps, us, s in zip(params, updates, scales):
+            if ps:
+                torch._foreach_add_(ps, us, alpha=-s)
+        return
+    all_params = [p for ps in params for p in ps]
+    all_updates = [u for us in updates for u in us]
+    per_item = [s for ps, s in zip(params, scales) for _ in ps]
+    if not all_params:
+        return
+    if owned:
+        torch._foreach_mul_(all_updates, per_item)
+        scaled = all_updates
+    else:
+        scaled = torch._foreach_mul(all_updates, per_item)
+    torch._foreach_sub_(all_params, scaled)
+
+
+class StepProgram:
+    """One step, prepared: the update's program and what every step around it needs.
+
+    ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
+    ``check`` tests their gradients for NaN/Inf; ``skip`` (``nonfinite="skip"``) snapshots and
+    restores what the update writes; ``owners`` name the parameters in errors.
+    """
+
+    def __init__(self, update: Any, live: Gather, check: Any, skip: Any, owners: list, localize: bool):
+        self.update = update
+        self.matrices = getattr(update, "matrices", None)
+        self.live_pick = live
+        self.check = check
+        self.skip = skip
+        self.owners = owners
+        self.localize = localize
+
+    def live(self, grads: Sequence[Any]) -> list[Tensor]:
+        """This step's gradients of the parameters the program updates (local shards if sharded)."""
+        picked = self.live_pick(grads)
+        if self.localize:
+            picked = [g.to_local() if hasattr(g, "to_local") else g for g in picked]
+        return picked
+
+    def fits(self, grads: list[Tensor]) -> bool:
+        """Whether this step's gradients have the layouts the program was built for."""
+        return self.update.fits(grads)
+
+    def name_of(self, optimizer: Any):
+        return lambda k: optimizer.param_name(*self.owners[k])
+
+    def run(self, grads: list[Tensor], scalars: Any, keep: Tensor | None, ns: Any) -> None:
+        self.update.run(grads, scalars, keep, ns)
