@@ -154,11 +154,6 @@ class MatrixOptimizer(Optimizer):
                 "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
             )
 
-    @staticmethod
-    def float_lr(group: dict[str, Any]) -> float:
-        lr = group["lr"]
-        return float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-
     # ----- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):

@@ -8,11 +8,13 @@ else a few foreach calls per set of shared hyperparameters.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .program import Gather, Scalar
 from .transforms import foreach_scalar, fusable, partition
 
 
@@ -27,66 +29,18 @@ class AdamWItem:
     betas: tuple[float, float]
     eps: float
     weight_decay: float
+    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
+    index: int = 0  # its position among the step's parameters with gradients
 
 
-def adamw_state(state: dict, p: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def adamw_state(state: dict, p: Tensor, capturable: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The state of ``p``, created on its first step. The step count is a float32 scalar on the
+    CPU (reading it never syncs a GPU) or, ``capturable``, on ``p``'s device (never read)."""
     if "exp_avg" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if capturable else None)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state["exp_avg"], state["exp_avg_sq"], state["step"]
-
-
-def multi_tensor_adamw(items: list[AdamWItem]) -> None:
-    """AdamW on every item: torch's fused kernel where :func:`~fastmuon.transforms.fusable`
-    (GPT-2's 39.5M embedding and norm values, 2 threads: 26 ms against 304 ms for the foreach
-    path, measured), the foreach path for the rest."""
-    by_kernel = partition(items, lambda i: fusable(i.param, i.grad, i.exp_avg, i.exp_avg_sq))
-    fused = by_kernel.get(True, [])
-    for part in partition(fused, lambda i: (i.lr, i.betas, i.eps, i.weight_decay, i.param.dtype)).values():
-        first = part[0]
-        steps = [i.step for i in part]
-        torch._foreach_add_(steps, 1.0)
-        torch._fused_adamw_(
-            [i.param for i in part],
-            [i.grad for i in part],
-            [i.exp_avg for i in part],
-            [i.exp_avg_sq for i in part],
-            [],  # no amsgrad
-            steps,
-            lr=first.lr,
-            beta1=first.betas[0],
-            beta2=first.betas[1],
-            weight_decay=first.weight_decay,
-            eps=first.eps,
-            amsgrad=False,
-            maximize=False,
-        )
-    _foreach_adamw(by_kernel.get(False, []))
-
-
-def _foreach_adamw(items: list[AdamWItem]) -> None:
-    for part in partition(
-        items, lambda i: (i.betas, i.eps, i.weight_decay, i.param.device, i.param.dtype)
-    ).values():
-        beta1, beta2 = part[0].betas
-        eps, wd = part[0].eps, part[0].weight_decay
-        params = [i.param for i in part]
-        grads = [i.grad for i in part]
-        exp_avgs = [i.exp_avg for i in part]
-        exp_avg_sqs = [i.exp_avg_sq for i in part]
-        torch._foreach_add_([i.step for i in part], 1.0)
-        steps = [float(i.step) for i in part]
-        if wd:
-            torch._foreach_mul_(params, [1 - i.lr * wd for i in part])
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, foreach_scalar(beta2, exp_avg_sqs[0]))
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, [math.sqrt(1 - beta2**s) for s in steps])
-        torch._foreach_add_(denom, eps)
-        step_sizes = [-i.lr / (1 - beta1**s) for i, s in zip(part, steps)]
-        torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
 
 
 def single_tensor_adamw(items: list[AdamWItem]) -> None:
@@ -99,3 +53,143 @@ def single_tensor_adamw(items: list[AdamWItem]) -> None:
         it.exp_avg_sq.mul_(beta2).addcmul_(it.grad, it.grad, value=1 - beta2)
         denom = (it.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**s)).add_(it.eps)
         it.param.addcdiv_(it.exp_avg, denom, value=-it.lr / (1 - beta1**s))
+
+
+@dataclass
+class AdamWScalars:
+    """This step's AdamW hyperparameters, one entry per param group."""
+
+    lr: Sequence[Scalar]
+    betas: Sequence[tuple[float, float]]
+    eps: Sequence[float]
+    weight_decay: Sequence[float]
+
+
+class AdamWProgram:
+    """:func:`multi_tensor_adamw` prepared once: fused parts per class of (lr, betas, eps, wd,
+    dtype), foreach parts per class of (betas, eps, wd, device, dtype).
+
+    With ``capturable`` no kernel reads a value on the host: the step counts live on the
+    parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
+    reads its step count on the host)."""
+
+    def __init__(self, items: list[AdamWItem], pattern: dict[str, Sequence[int]], capturable: bool):
+        lr_c, betas_c, eps_c, wd_c = pattern["lr"], pattern["betas"], pattern["eps"], pattern["wd"]
+        self.capturable = capturable
+        by_kernel = partition(
+            items, lambda i: not capturable and fusable(i.param, i.grad, i.exp_avg, i.exp_avg_sq)
+        )
+
+        def lists(part: list[AdamWItem]):
+            return (
+                part[0].group,
+                [i.param for i in part],
+                Gather([i.index for i in part]),
+                [i.exp_avg for i in part],
+                [i.exp_avg_sq for i in part],
+                [i.step for i in part],
+            )
+
+        fused = by_kernel.get(True, [])
+        self.fused = [
+            (*lists(part), [i.grad.stride() for i in part], [i.param.stride() for i in part])
+            for part in partition(
+                fused,
+                lambda i: (lr_c[i.group], betas_c[i.group], eps_c[i.group], wd_c[i.group], i.param.dtype),
+            ).values()
+        ]
+        rest = by_kernel.get(False, [])
+        # one learning rate per part: it may be a tensor, used as one
+        self.rest = [
+            lists(part)
+            for part in partition(
+                rest,
+                lambda i: (
+                    betas_c[i.group],
+                    eps_c[i.group],
+                    wd_c[i.group],
+                    i.param.device,
+                    i.param.dtype,
+                    lr_c[i.group],
+                ),
+            ).values()
+        ]
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        """The fused kernel walks memory without looking at strides (see ``transforms.fusable``)."""
+        for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
+            if [g.stride() for g in pick(grads)] != grad_strides or [
+                p.stride() for p in params
+            ] != param_strides:
+                return False
+        return True
+
+    def run(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, _, _ in self.fused:
+            beta1, beta2 = s.betas[g]
+            torch._foreach_add_(steps, 1.0)
+            torch._fused_adamw_(
+                params,
+                pick(grads),
+                exp_avgs,
+                exp_avg_sqs,
+                [],  # no amsgrad
+                steps,
+                lr=s.lr[g],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=s.weight_decay[g],
+                eps=s.eps[g],
+                amsgrad=False,
+                maximize=False,
+            )
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps in self.rest:
+            lr = s.lr[g]
+            args = (params, pick(grads), exp_avgs, exp_avg_sqs, steps)
+            if self.capturable or isinstance(lr, Tensor):
+                _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g])
+            else:
+                _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g])
+
+
+def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd) -> None:
+    """The foreach AdamW step with the step counts read on the host (they live on the CPU)."""
+    beta1, beta2 = betas
+    torch._foreach_add_(steps, 1.0)
+    counts = [float(s) for s in steps]
+    if wd:
+        torch._foreach_mul_(params, [1 - lr * wd for lr in lrs])
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, foreach_scalar(beta2, exp_avg_sqs[0]))
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [math.sqrt(1 - beta2**c) for c in counts])
+    torch._foreach_add_(denom, eps)
+    step_sizes = [-lr / (1 - beta1**c) for lr, c in zip(lrs, counts)]
+    torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
+
+
+def _capturable_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, wd) -> None:
+    """The foreach AdamW step with nothing read on the host: bias corrections from the step
+    counts on the device, the learning rate used as given (a number or a 0-d tensor)."""
+    beta1, beta2 = betas
+    torch._foreach_add_(steps, 1.0)
+    if wd:
+        torch._foreach_mul_(params, 1 - lr * wd)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    correction1 = torch._foreach_pow(beta1, steps)  # β1^t
+    torch._foreach_sub_(correction1, 1)
+    torch._foreach_neg_(correction1)  # 1 − β1^t
+    correction2 = torch._foreach_pow(beta2, steps)
+    torch._foreach_sub_(correction2, 1)
+    torch._foreach_neg_(correction2)
+    torch._foreach_sqrt_(correction2)  # √(1 − β2^t)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, correction2)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(exp_avgs, denom)
+    torch._foreach_div_(update, correction1)
+    torch._foreach_mul_(update, lr)
+    torch._foreach_sub_(params, update)

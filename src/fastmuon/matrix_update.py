@@ -17,13 +17,7 @@ from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
 from .program import Gather, Scalar, apply_scaled_, scale_limit
-from .transforms import apply_updates_, ema_momentum_, partition
-
-#: ``(sources, params, configs) -> updates``: how a step hands its matrices to the engine.
-Orthogonalize = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[NSConfig]], list[Tensor]]
-#: ``(params, configs) -> views or None``: where the engine will read each source from, so the
-#: momentum step can write it there (``MatrixOptimizer.ns_inputs``).
-NSInputs = Callable[[Sequence[Tensor], Sequence[NSConfig]], "list[Tensor] | None"]
+from .transforms import ema_momentum_, partition
 
 
 @dataclass
@@ -41,36 +35,6 @@ class MatrixItem:
     group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
     index: int = 0  # its position among the step's parameters with gradients
     factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
-
-
-def multi_tensor_matrix_update(
-    items: list[MatrixItem], orthogonalize: Orthogonalize, ns_inputs: NSInputs | None = None
-) -> None:
-    """The batched path: one foreach call per set of shared scalars, one NS call per bucket.
-
-    With ``ns_inputs`` the momentum step writes its result straight into the NS engine's input
-    buffers where the engine offers them (a CPU), instead of into fresh tensors that the engine
-    then copies in: one pass over the matrices and an allocation fewer.
-    """
-    parts = list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
-    ordered = [i for part in parts for i in part]
-    if not ordered:
-        return
-    params, configs = [i.param for i in ordered], [i.config for i in ordered]
-    inputs = ns_inputs(params, configs) if ns_inputs is not None else None
-    # 1. momentum, one foreach call per (β, nesterov, device, dtype)
-    sources: list[Tensor] = []
-    for part in parts:
-        out = inputs[len(sources) : len(sources) + len(part)] if inputs is not None else None
-        bufs, grads = [i.buf for i in part], [i.grad for i in part]
-        sources += ema_momentum_(bufs, grads, part[0].beta, part[0].nesterov, out=out)
-    # 2. orthogonalise, one NS call per bucket of the cached plan
-    updates = orthogonalize(sources, params, configs)
-    # 3-4. decay, scale and apply
-    decays = [i.decay for i in ordered]
-    if any(d != 1 for d in decays):
-        torch._foreach_mul_(params, decays)
-    apply_updates_(params, updates, [i.scale for i in ordered], owned=True)
 
 
 def single_tensor_matrix_update(items: list[MatrixItem]) -> None:
@@ -167,10 +131,16 @@ class MatrixProgram:
         if decay is not None:
             if any(isinstance(decay[g], Tensor) for g in self.groups):
                 for g in self.groups:
-                    torch._foreach_mul_([p for p, h in zip(self.params, self.item_groups) if h == g], decay[g])
+                    torch._foreach_mul_(
+                        [p for p, h in zip(self.params, self.item_groups) if h == g], decay[g]
+                    )
             elif any(decay[g] != 1 for g in self.groups):
                 torch._foreach_mul_(self.params, [decay[g] for g in self.item_groups])
         scales = [scalars.base[g] * f for g, f in self.scale_keys]
         apply_scaled_(
-            self.scale_params, [pick(updates) for pick in self.scale_updates], scales, owned=True, limit=self.limit
+            self.scale_params,
+            [pick(updates) for pick in self.scale_updates],
+            scales,
+            owned=True,
+            limit=self.limit,
         )

@@ -7,15 +7,19 @@ to ``(out, everything else)``) and to non-matrix parameters, which AdamW updates
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ._base import MatrixOptimizer, check_fraction, check_nonnegative, state_buffer
-from .adamw import AdamWItem, adamw_state, multi_tensor_adamw, single_tensor_adamw
-from .matrix_update import MatrixItem, multi_tensor_matrix_update, single_tensor_matrix_update
+from .adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
+from .matrix_update import MatrixItem, MatrixProgram, MatrixScalars, single_tensor_matrix_update
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
+from .program import classes
 from .transforms import ADJUST_LR, lr_scale
 
 ADAMW_EPS = 1e-8
@@ -113,22 +117,29 @@ class Muon(MatrixOptimizer):
                         "with use_muon=False (AdamW)"
                     )
 
-    def _collect(self) -> tuple[list[MatrixItem], list[AdamWItem]]:
+    def _collect(
+        self, params: list[Tensor], grads: list[Tensor | None]
+    ) -> tuple[list[MatrixItem], list[AdamWItem]]:
         matrices: list[MatrixItem] = []
         others: list[AdamWItem] = []
-        for group in self.param_groups:
-            lr, wd = self.float_lr(group), group["weight_decay"]
+        flat = 0
+        live = 0
+        for gi, group in enumerate(self.param_groups):
+            lr, wd = group["lr"], group["weight_decay"]
             use_muon = group.get("use_muon")
             config = self.ns_config(group)
             adjust = group["adjust_lr_fn"] or "original"
             adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
             for j, p in enumerate(group["params"]):
-                grad = self.grad_of(p)
+                grad = grads[flat]
+                flat += 1
                 if grad is None:
                     continue
+                index, live = live, live + 1
                 self.check_grad(group, j, grad)
                 state = self.state[p]
                 if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
+                    factor = lr_scale(adjust, p.shape)
                     matrices.append(
                         MatrixItem(
                             p,
@@ -136,13 +147,16 @@ class Muon(MatrixOptimizer):
                             state_buffer(state, "momentum_buffer", p),
                             group["momentum"],
                             group["nesterov"],
-                            lr * lr_scale(adjust, p.shape),
+                            lr * factor,
                             config,
                             decay=1 - lr * wd,
+                            group=gi,
+                            index=index,
+                            factor=factor,
                         )
                     )
                 elif use_muon is not True:
-                    exp_avg, exp_avg_sq, step = adamw_state(state, p)
+                    exp_avg, exp_avg_sq, step = adamw_state(state, p, self.capturable)
                     others.append(
                         AdamWItem(
                             p,
@@ -154,14 +168,64 @@ class Muon(MatrixOptimizer):
                             tuple(group["betas"]),
                             adamw_eps,
                             wd,
+                            group=gi,
+                            index=index,
                         )
                     )
         return matrices, others
 
-    def _apply(self, matrices: list[MatrixItem], others: list[AdamWItem]) -> None:
-        if self.foreach:
-            multi_tensor_matrix_update(matrices, self.orthogonalize, self.ns_inputs)
-            multi_tensor_adamw(others)
-        else:
-            single_tensor_matrix_update(matrices)
-            single_tensor_adamw(others)
+    def step_scalars(self) -> tuple[Hashable, MuonScalars]:
+        groups = self.param_groups
+        lr = [g["lr"] for g in groups]
+        wd = [g["weight_decay"] for g in groups]
+        beta = [g["momentum"] for g in groups]
+        nesterov = [g["nesterov"] for g in groups]
+        decay = [1 - r * w for r, w in zip(lr, wd)]
+        betas = [tuple(g["betas"]) for g in groups]
+        eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]
+        structure = tuple((g.get("use_muon"), g["adjust_lr_fn"], self.ns_config(g)) for g in groups)
+        pattern = (
+            classes(beta),
+            classes(nesterov),
+            classes(lr),
+            classes(betas),
+            classes(eps),
+            classes(wd),
+            structure,
+        )
+        scalars = MuonScalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
+        return pattern, scalars
+
+    def _build_program(self, items, pattern) -> MuonProgram:
+        matrices, others = items
+        lr_class = pattern[2]
+        adamw_classes = {"lr": lr_class, "betas": pattern[3], "eps": pattern[4], "wd": pattern[5]}
+        return MuonProgram(
+            MatrixProgram(matrices, lr_class, self._engine),
+            AdamWProgram(others, adamw_classes, self.capturable),
+        )
+
+    def _apply_reference(self, matrices: list[MatrixItem], others: list[AdamWItem]) -> None:
+        single_tensor_matrix_update(matrices)
+        single_tensor_adamw(others)
+
+
+@dataclass
+class MuonScalars:
+    matrices: MatrixScalars
+    adamw: AdamWScalars
+
+
+class MuonProgram:
+    """A Muon step prepared once: the matrices' update, then AdamW on the rest."""
+
+    def __init__(self, matrices: MatrixProgram, adamw: AdamWProgram):
+        self.matrices = matrices
+        self.adamw = adamw
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return self.adamw.fits(grads)
+
+    def run(self, grads: Sequence[Tensor], scalars: MuonScalars, keep: Tensor | None, ns) -> None:
+        self.matrices.run(grads, scalars.matrices, ns, keep)
+        self.adamw.run(grads, scalars.adamw)

@@ -18,15 +18,12 @@ from .matrix_update import (
     MatrixItem,
     MatrixProgram,
     MatrixScalars,
-    NSInputs,
-    Orthogonalize,
-    multi_tensor_matrix_update,
     single_tensor_matrix_update,
 )
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .program import Gather, Scalar, apply_scaled_, classes, scale_limit
-from .transforms import ADJUST_LR, foreach_scalar, fusable, lr_scale, partition, sgd_momentum_step_
+from .transforms import ADJUST_LR, foreach_scalar, fusable, lr_scale, partition
 
 
 @dataclass
@@ -134,7 +131,9 @@ class MuSGD(MatrixOptimizer):
                 f"unknown adjust_lr {group['adjust_lr']!r} in {where}; choose one of {ADJUST_LR}"
             )
 
-    def _collect(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list[MatrixItem], list[SGDItem]]:
+    def _collect(
+        self, params: list[Tensor], grads: list[Tensor | None]
+    ) -> tuple[list[MatrixItem], list[SGDItem]]:
         matrices: list[MatrixItem] = []
         elementwise: list[SGDItem] = []
         flat = 0
@@ -204,7 +203,9 @@ class MuSGD(MatrixOptimizer):
             tuple(b == 0 for b in beta),
             structure,
         )
-        return pattern, MuSGDScalars(MatrixScalars(beta, nesterov, base), beta, nesterov, wd, lr_sgd, lr_plain)
+        return pattern, MuSGDScalars(
+            MatrixScalars(beta, nesterov, base), beta, nesterov, wd, lr_sgd, lr_plain
+        )
 
     def _build_program(self, items, pattern) -> MuSGDProgram:
         matrices, elementwise = items
@@ -241,7 +242,9 @@ class SGDProgram:
 
         self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
         self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list]] = []
-        parts = partition(items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype))
+        parts = partition(
+            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
+        )
         for part in parts.values():
             by_kernel = partition(
                 part, lambda i: fused_ok and bool(i.beta) and fusable(i.param, i.grad, i.buf)
@@ -262,7 +265,7 @@ class SGDProgram:
                 )
             rest = by_kernel.get(False, [])
             if rest:
-                by_lr = partition(range(len(rest)), lambda k: lr_key(rest[k]))
+                by_lr = partition(range(len(rest)), lambda k, rest=rest: lr_key(rest[k]))
                 self.rest.append(
                     (
                         g,
@@ -280,7 +283,9 @@ class SGDProgram:
         """The fused kernel walks memory without looking at strides: gradients and parameters
         must still have the layouts it was chosen for."""
         for _, params, pick, _, _, grad_strides, param_strides in self.fused:
-            if [g.stride() for g in pick(grads)] != grad_strides or [p.stride() for p in params] != param_strides:
+            if [g.stride() for g in pick(grads)] != grad_strides or [
+                p.stride() for p in params
+            ] != param_strides:
                 return False
         return True
 
@@ -301,8 +306,15 @@ class SGDProgram:
             )
         for g, params, pick, bufs, by_lr, lr_classes in self.rest:
             foreach_sgd_step_(
-                params, pick(grads), bufs, by_lr, [lr_of[c] for c in lr_classes],
-                s.beta[g], s.nesterov[g], s.weight_decay[g], self.limit,
+                params,
+                pick(grads),
+                bufs,
+                by_lr,
+                [lr_of[c] for c in lr_classes],
+                s.beta[g],
+                s.nesterov[g],
+                s.weight_decay[g],
+                self.limit,
             )
 
 
@@ -332,8 +344,15 @@ def foreach_sgd_step_(
     weight_decay: float,
     limit: int,
 ) -> None:
-    """:func:`~fastmuon.transforms.sgd_momentum_step_`'s foreach path over prepared lists:
-    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each)."""
+    """SGD with heavy-ball momentum and coupled weight decay, in place, with foreach ops: with
+    ``g' = g + wd·p``, ``B ← β·B + g'`` and ``p ← p − lr·u``, ``u = g' + β·B`` (Nesterov) or ``B``.
+    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each).
+
+    Written to allocate at most one list, the decayed gradients, which then take the Nesterov
+    update in place; without decay the Nesterov update is applied as two passes over ``p``.
+    A fresh list as large as the model costs more than a pass over it on a CPU (yolo26n, 1
+    thread: 17 ms for this step against 27 ms with two fresh lists, measured).
+    """
     owned = bool(weight_decay)
     if owned:  # g' as new tensors: the gradients themselves are never touched
         grads = torch._foreach_add(grads, params, alpha=weight_decay)

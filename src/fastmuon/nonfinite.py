@@ -220,7 +220,9 @@ class FiniteCheck:
 
     def screen(self, grads: Sequence[Tensor]) -> bool:
         """Whether every gradient is finite (one host read per device): the cheap test of "raise"."""
-        return all(bool(torch.stack(torch._foreach_norm(pick(grads))).isfinite().all()) for pick in self._by_device)
+        return all(
+            bool(torch.stack(torch._foreach_norm(pick(grads))).isfinite().all()) for pick in self._by_device
+        )
 
 
 class SkipPlan:

@@ -38,49 +38,6 @@ def ema_momentum_(
     return out
 
 
-def sgd_momentum_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor],
-    lrs: Sequence[float],
-    beta: float,
-    nesterov: bool,
-    weight_decay: float,
-) -> None:
-    """SGD with heavy-ball momentum and coupled weight decay, in place: with ``g' = g + wd·p``,
-    ``B ← β·B + g'`` and ``p ← p − lr·u``, ``u = g' + β·B`` (Nesterov) or ``B``.
-
-    Where torch's fused SGD kernel computes this exactly (:func:`fusable`), one pass per tensor
-    reads ``p``, ``g``, ``B`` and writes ``p``, ``B`` (it writes the gradients only when given a
-    grad scale, which it never is here); the rest takes :func:`_foreach_sgd_momentum_step_`.
-    """
-    by_kernel = partition(range(len(params)), lambda i: bool(beta) and fusable(params[i], grads[i], bufs[i]))
-    for lr, idx in partition(by_kernel.get(True, []), lambda i: lrs[i]).items():
-        torch._fused_sgd_(
-            [params[i] for i in idx],
-            [grads[i] for i in idx],
-            [bufs[i] for i in idx],
-            weight_decay=weight_decay,
-            momentum=beta,
-            lr=lr,
-            dampening=0.0,
-            nesterov=nesterov,
-            maximize=False,
-            is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
-        )
-    rest = by_kernel.get(False)
-    if rest:
-        _foreach_sgd_momentum_step_(
-            [params[i] for i in rest],
-            [grads[i] for i in rest],
-            [bufs[i] for i in rest],
-            [lrs[i] for i in rest],
-            beta,
-            nesterov,
-            weight_decay,
-        )
-
-
 def fusable(p: Tensor, *others: Tensor) -> bool:
     """Whether torch's fused CPU optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
     and its gradient and state (``others``) right. They walk the tensors' memory in step without
@@ -98,73 +55,12 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
     )
 
 
-def _foreach_sgd_momentum_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor],
-    lrs: Sequence[float],
-    beta: float,
-    nesterov: bool,
-    weight_decay: float,
-) -> None:
-    """:func:`sgd_momentum_step_` with foreach ops, a few passes over the data.
-
-    Written to allocate at most one list, the decayed gradients, which then take the Nesterov
-    update in place; without decay the Nesterov update is applied as two passes over ``p``.
-    A fresh list as large as the model costs more than a pass over it on a CPU (yolo26n, 1
-    thread: 17 ms for this step against 27 ms with two fresh lists, measured).
-    """
-    if not params:
-        return
-    owned = bool(weight_decay)
-    if owned:  # g' as new tensors: the gradients themselves are never touched
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
-        torch._foreach_copy_(bufs, grads)
-    else:
-        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0]))
-        torch._foreach_add_(bufs, grads)
-    if not nesterov:
-        apply_updates_(params, bufs, lrs, owned=False)
-    elif owned:
-        torch._foreach_add_(grads, bufs, alpha=beta)
-        apply_updates_(params, grads, lrs, owned=True)
-    else:
-        apply_updates_(params, grads, lrs, owned=False)
-        apply_updates_(params, bufs, [lr * beta for lr in lrs], owned=False)
-
-
 def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
     """``value`` for a foreach multiply: on a CPU a 0-d tensor, since there each tensor's ``mul_``
     by a Python number first wraps the number in a new tensor (five extra ops per tensor:
     2.6 vs 1.4 ms per call over yolo26n's 366 tensors, measured). It takes ``like``'s dtype, as
     that wrapping does, so the products are bit for bit the same (any other dtype rounds differently)."""
     return torch.tensor(value, dtype=like.dtype) if like.device.type == "cpu" else value
-
-
-def apply_updates_(
-    params: list[Tensor], updates: list[Tensor], scales: Sequence[float], *, owned: bool
-) -> None:
-    """``p ← p − scale·u``. With ``owned`` the updates are ours and may be scaled in place.
-
-    Few distinct scales (typically one per learning rate) take one fused ``add_`` each, a single
-    pass over the data; many take a scaling pass and a subtracting pass over all of them. On a
-    GPU every call is a launch, so there "few" means at most two.
-    """
-    if not params:
-        return
-    by_scale = partition(range(len(params)), lambda i: scales[i])
-    limit = 8 if params[0].device.type == "cpu" else 2
-    if len(by_scale) <= limit:
-        for scale, idx in by_scale.items():
-            torch._foreach_add_([params[i] for i in idx], [updates[i] for i in idx], alpha=-scale)
-        return
-    if owned:
-        torch._foreach_mul_(updates, list(scales))
-        scaled = updates
-    else:
-        scaled = torch._foreach_mul(updates, list(scales))
-    torch._foreach_sub_(params, scaled)
 
 
 def lr_scale(mode: str, shape: Sequence[int]) -> float:

@@ -35,7 +35,9 @@ def python_self_times(step: Callable[[], object], steps: int = 10) -> list[float
     for _ in range(steps):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
-        self_us = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("Optimizer.step#"))
+        self_us = sum(
+            e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("Optimizer.step#")
+        )
         times.append(self_us / 1e6)
     return times
 
