@@ -118,8 +118,8 @@ def test_skip_zeroes_the_bad_matrix_inside_its_bucket():
     seen = []
     original = opt.orthogonalize
 
-    def spy(sources, ps, configs):
-        out = original(sources, ps, configs)
+    def spy(sources, ps, configs, **kwargs):
+        out = original(sources, ps, configs, **kwargs)
         seen.append([o.clone() for o in out])
         return out
 

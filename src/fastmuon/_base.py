@@ -262,6 +262,7 @@ class MatrixOptimizer(Optimizer):
         if matrices is None or not matrices.items:
             return None
         engine = matrices.engine
+        self.last_plan = engine.plan
         orthogonalize = self.orthogonalize  # looked up per step: an instance may wrap it
         return lambda sources, keep: orthogonalize(
             sources, matrices.params, matrices.configs, keep=keep, engine=engine

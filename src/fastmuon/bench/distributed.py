@@ -197,10 +197,10 @@ def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
     times: list[float] = []
     inner = opt.orthogonalize
 
-    def timed(*args):
+    def timed(*args, **kwargs):
         synchronize(device)
         t0 = time.perf_counter()
-        out = inner(*args)
+        out = inner(*args, **kwargs)
         synchronize(device)
         times.append(time.perf_counter() - t0)
         return out
