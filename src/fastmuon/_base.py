@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from .calibrate import calibrated_cost_model
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .newton_schulz import HOST_READS
 from .nonfinite import (
     DEFAULT_NONFINITE,
     FiniteCheck,
@@ -188,9 +189,12 @@ class MatrixOptimizer(Optimizer):
             self._collect(params, grads)  # raises, naming the parameter
         keep = self._check_nonfinite(program, live)
         saved = program.skip.snapshot() if keep is not None else None
+        token = HOST_READS.set(False) if self.capturable else None
         try:
             program.run(live, scalars, keep, self._ns_runner(program))
         finally:
+            if token is not None:
+                HOST_READS.reset(token)
             if saved is not None:
                 program.skip.restore(saved, keep)
         return loss
@@ -434,10 +438,12 @@ class MatrixOptimizer(Optimizer):
         layout fails clearly instead of pairing buffers with the wrong parameters."""
         check_state_layout(self, state_dict)
         super().load_state_dict(state_dict)
-        for state in self.state.values():
+        for p, state in self.state.items():
             step = state.get("step")
-            if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device.type != "cpu"):
-                state["step"] = step.to("cpu", torch.float32)  # read on the host every step
+            # read on the host every step, or (capturable) kept on the parameter's device
+            device = _local(p).device if self.capturable else torch.device("cpu")
+            if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != device):
+                state["step"] = step.to(device, torch.float32)
         self._plans.clear()
         self.invalidate()
 

@@ -9,6 +9,7 @@ The quintic form and the "jordan" coefficients come from Keller Jordan's Muon wr
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Sequence
 from typing import Union
 
@@ -176,9 +177,15 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
 _PLAIN_NORM_RANGE = (2.0**-40, 2.0**60)
 
 
+#: Off while a step must read nothing on the host (``capturable=True``): the CPU then runs the
+#: code an accelerator runs.
+HOST_READS = contextvars.ContextVar("fastmuon_ns_host_reads", default=True)
+
+
 def _host_check_is_free(X: Tensor) -> bool:
     return (
-        X.device.type == "cpu"
+        HOST_READS.get()
+        and X.device.type == "cpu"
         and X.dtype in (torch.float32, torch.float64)
         and not torch.compiler.is_compiling()
     )
