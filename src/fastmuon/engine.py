@@ -10,7 +10,8 @@ steps, so the zero padding is written once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+import weakref
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +193,16 @@ class Orthogonalizer:
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
         self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
+        self._member_indices: list[Tensor | None] = [None] * len(plan.buckets)
+        # packing from the same source tensors step after step: the copies, their views made once
+        self._pack_seen: list[tuple[weakref.ref, ...] | None] = [None] * len(plan.buckets)
+        self._pack_ops: list[list[Callable[[], object]] | None] = [None] * len(plan.buckets)
+        self._pack_staging: list[list[Tensor]] = [[] for _ in plan.buckets]
+        # unpacking a cast into kept buffers (result views): the copies and the views made once
+        self._unpack_ops: list[tuple[list[Callable[[], object]], list[Tensor]] | None] = [None] * len(
+            plan.buckets
+        )
+        self._unpack_buffers: list[list[Tensor]] = [[] for _ in plan.buckets]
         self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
 
@@ -228,19 +239,30 @@ class Orthogonalizer:
         self,
         sources: Sequence[Tensor],
         out_dtypes: Sequence[torch.dtype],
-        keep: Sequence[Tensor] | None = None,
+        keep: Tensor | Sequence[Tensor] | None = None,
     ) -> list[Tensor]:
         """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``.
 
-        ``keep`` (0-d bool tensors, one per source) zeroes the rejected sources inside their bucket.
+        ``keep`` (one bool per source: a vector, or 0-d tensors) zeroes the rejected sources
+        inside their bucket.
         """
         results: list[Tensor | None] = [None] * len(sources)
+        if keep is not None and not isinstance(keep, Tensor):
+            keep = torch.stack(list(keep))
         for b in range(len(self.plan.buckets)):
             batch = self.pack(b, sources)
             if keep is not None:
-                zero_rejected_(batch, [keep[m.index] for m in self.plan.buckets[b].members])
+                zero_rejected_(batch, keep.index_select(0, self._member_index(b, keep.device)))
             self.unpack(b, self.run_bucket(b, batch), out_dtypes, results)
         return results  # type: ignore[return-value]
+
+    def _member_index(self, b: int, device: torch.device) -> Tensor:
+        """Bucket ``b``'s members' source indices, in slot order (made once per device)."""
+        index = self._member_indices[b]
+        if index is None or index.device != device:
+            members = self.plan.buckets[b].members
+            index = self._member_indices[b] = torch.tensor([m.index for m in members], device=device)
+        return index
 
     def run_bucket(self, b: int, batch: Tensor) -> Tensor:
         """One batched Newton–Schulz call on bucket ``b``'s packed batch.
@@ -272,6 +294,7 @@ class Orthogonalizer:
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
         kept = [*self._buffers, *self._staging, *self._outputs, *self._gathers]
+        kept += [t for ts in (*self._pack_staging, *self._unpack_buffers) for t in ts]
         kept += self._scratch.tensors() if self._scratch is not None else []
         return [t for t in kept if t is not None]
 
@@ -316,6 +339,18 @@ class Orthogonalizer:
         bucket, runs = self.plan.buckets[b], self._runs[b]
         if self._packed_already(b, sources):
             return self._buffers[b]  # type: ignore[return-value]
+        mine = tuple(sources[m.index] for m in bucket.members)
+        seen = self._pack_seen[b]  # weak: the engine must not keep a step's sources alive
+        if seen is not None and all(a is c() for a, c in zip(mine, seen)):
+            ops = self._pack_ops[b]
+            if ops is None:
+                ops = self._pack_ops[b] = self._prepare_pack(b, mine) or []
+            if ops:
+                for op in ops:
+                    op()
+                return self._buffers[b]  # type: ignore[return-value]
+        else:  # new sources: pack them the plain way, and prepare if they come again
+            self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
         buf = self.buffer(b, sources[bucket.members[0].index].device)
         index = self._gathers[b]
         if index is not None:
@@ -346,6 +381,50 @@ class Orthogonalizer:
             run.slots(buf).copy_(layout.logical_view(src, len(srcs)))
         return buf
 
+    def _prepare_pack(self, b: int, sources: tuple[Tensor, ...]) -> list[Callable[[], object]] | None:
+        """The copies that pack bucket ``b`` from exactly these tensors (in member order), with
+        every view made now; ``None`` where a source is not in its planned layout (it is copied
+        into one each step) or its memory cannot be viewed flat."""
+        bucket, runs = self.plan.buckets[b], self._runs[b]
+        layouts = [self.layouts[m.index] for m in bucket.members]
+        if any(s.stride() != lay.stride for s, lay in zip(sources, layouts)):
+            return None
+        try:
+            flat = [s.permute(lay.perm).view(-1) for s, lay in zip(sources, layouts)]
+        except RuntimeError:
+            return None
+        buf = self.buffer(b, sources[0].device)
+        index = self._gathers[b]
+        if index is not None:
+            if index.device != buf.device:
+                index = self._gathers[b] = index.to(buf.device)
+            staging = self._staging[b]
+            if staging is None:
+                staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+            target = buf.view(-1)
+            return [
+                functools.partial(torch.cat, flat, out=staging),  # one copy, with the cast
+                functools.partial(target.index_copy_, 0, index, staging),
+            ]
+        ops: list[Callable[[], object]] = []
+        by_slot = {m.index: k for k, m in enumerate(bucket.members)}
+        for run in runs:
+            layout = run.layout
+            picked = [flat[by_slot[i]] for i in run.tensors]
+            dense = not run.transposed and layout.matrix == bucket.shape[1:]
+            if dense and layout.perm == tuple(range(len(layout.shape))):
+                region = buf[run.start : run.stop].view(-1)
+                ops.append(functools.partial(torch.cat, picked, out=region))
+                continue
+            if len(picked) > 1:
+                src = torch.empty(sum(f.numel() for f in picked), dtype=picked[0].dtype, device=buf.device)
+                self._pack_staging[b].append(src)
+                ops.append(functools.partial(torch.cat, picked, out=src))
+            else:
+                src = picked[0]
+            ops.append(functools.partial(run.slots(buf).copy_, layout.logical_view(src, len(picked))))
+        return ops
+
     def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
         """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
         bucket, index = self.plan.buckets[b], self._gathers[b]
@@ -363,6 +442,17 @@ class Orthogonalizer:
             for m, view in zip(bucket.members, views):
                 results[m.index] = view
             return
+        if self.result_views and out is self._outputs[b]:
+            # a kept output cast into kept buffers: the copies and every view made once
+            prepared = self._unpack_ops[b]
+            if prepared is None:
+                prepared = self._unpack_ops[b] = self._prepare_unpack(b, out, dtype)
+            ops, views = prepared
+            for op in ops:
+                op()
+            for m, view in zip(bucket.members, views):
+                results[m.index] = view
+            return
         if index is not None:
             flat = out.reshape(-1).index_select(0, index)
             flat = flat if flat.dtype == dtype else flat.to(dtype)
@@ -374,6 +464,42 @@ class Orthogonalizer:
             return
         for run in self._runs[b]:
             self._unpack_run(run, out, dtype, results)
+
+    def _prepare_unpack(
+        self, b: int, out: Tensor, dtype: torch.dtype
+    ) -> tuple[list[Callable[[], object]], list[Tensor]]:
+        """For a kept output buffer ``out``: the copies that cast bucket ``b``'s results into kept
+        buffers of ``dtype`` and the results' views there (member order); the same operations as
+        the unkept path, so the same values."""
+        bucket, index = self.plan.buckets[b], self._gathers[b]
+        kept = self._unpack_buffers[b]
+        ops: list[Callable[[], object]] = []
+        views: dict[int, Tensor] = {}
+        if index is not None:
+            if index.device != out.device:
+                index = self._gathers[b] = index.to(out.device)
+            picked = torch.empty(index.numel(), dtype=out.dtype, device=out.device)
+            cast = torch.empty(index.numel(), dtype=dtype, device=out.device)
+            kept += [picked, cast]
+            ops += [
+                functools.partial(torch.index_select, out.reshape(-1), 0, index, out=picked),
+                functools.partial(cast.copy_, picked),
+            ]
+            offset = 0
+            for m in bucket.members:
+                layout = self.layouts[m.index]
+                views[m.index] = torch.as_strided(cast, layout.shape, layout.stride, offset)
+                offset += _numel(layout.shape)
+        else:
+            for run in self._runs[b]:
+                layout, count = run.layout, run.stop - run.start
+                numel = _numel(layout.shape)
+                flat = torch.empty(count * numel, dtype=dtype, device=out.device)
+                kept.append(flat)
+                ops.append(functools.partial(layout.logical_view(flat, count).copy_, run.slots(out)))
+                for j, i in enumerate(run.tensors):
+                    views[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+        return ops, [views[m.index] for m in bucket.members]
 
     def _unpack_run(self, run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> None:
         layout, count = run.layout, run.stop - run.start

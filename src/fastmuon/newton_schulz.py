@@ -183,12 +183,9 @@ HOST_READS = contextvars.ContextVar("fastmuon_ns_host_reads", default=True)
 
 
 def _host_check_is_free(X: Tensor) -> bool:
-    return (
-        HOST_READS.get()
-        and X.device.type == "cpu"
-        and X.dtype in (torch.float32, torch.float64)
-        and not torch.compiler.is_compiling()
-    )
+    if torch.compiler.is_compiling():  # first: the compiler cannot trace a ContextVar
+        return False
+    return HOST_READS.get() and X.device.type == "cpu" and X.dtype in (torch.float32, torch.float64)
 
 
 def _plain_norm_is_exact(norm: Tensor) -> bool:

@@ -113,12 +113,14 @@ def raise_if_nonfinite(
         )
 
 
-def zero_rejected_(batch: Tensor, keep: Sequence[Tensor]) -> None:
+def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:
     """Zero the slots of a ``(B, R, C)`` bucket whose matrix is not kept (in place, one call).
 
-    A zero matrix orthogonalises to zero, so a NaN never enters the batched Newton–Schulz.
+    ``keep``: one bool per slot (a vector, or 0-d tensors). A zero matrix orthogonalises to
+    zero, so a NaN never enters the batched Newton–Schulz.
     """
-    rejected = ~torch.stack(list(keep)).view(-1, 1, 1)
+    keep = keep if isinstance(keep, Tensor) else torch.stack(list(keep))
+    rejected = ~keep.view(-1, 1, 1)
     batch.masked_fill_(rejected, 0)
 
 
