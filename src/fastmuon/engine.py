@@ -197,7 +197,7 @@ class Orthogonalizer:
         # packing from the same source tensors step after step: the copies, their views made once
         self._pack_seen: list[tuple[weakref.ref, ...] | None] = [None] * len(plan.buckets)
         self._pack_ops: list[list[Callable[[], object]] | None] = [None] * len(plan.buckets)
-        self._pack_staging: list[list[Tensor]] = [[] for _ in plan.buckets]
+        self._slot_regions: list[tuple[Tensor, list[Tensor]] | None] = [None] * len(plan.buckets)
         # unpacking a cast into kept buffers (result views): the copies and the views made once
         self._unpack_ops: list[tuple[list[Callable[[], object]], list[Tensor]] | None] = [None] * len(
             plan.buckets
@@ -294,7 +294,7 @@ class Orthogonalizer:
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
         kept = [*self._buffers, *self._staging, *self._outputs, *self._gathers]
-        kept += [t for ts in (*self._pack_staging, *self._unpack_buffers) for t in ts]
+        kept += [t for ts in self._unpack_buffers for t in ts]
         kept += self._scratch.tensors() if self._scratch is not None else []
         return [t for t in kept if t is not None]
 
@@ -336,9 +336,22 @@ class Orthogonalizer:
         return bool(views) and all(sources[m.index] is views[m.index] for m in self.plan.buckets[b].members)
 
     def pack(self, b: int, sources: Sequence[Tensor]) -> Tensor:
-        bucket, runs = self.plan.buckets[b], self._runs[b]
+        """Copy bucket ``b``'s sources (cast to the NS dtype) into its persistent buffer.
+
+        A bucket of few runs takes one ``stack`` per run straight into the run's slots (a view
+        made once), whatever the sources' strides; one of many runs takes one ``cat`` into a
+        staging buffer and one index copy, with every source's flat view made once while the
+        sources are the same tensors step after step.
+        """
+        bucket = self.plan.buckets[b]
         if self._packed_already(b, sources):
             return self._buffers[b]  # type: ignore[return-value]
+        buf = self.buffer(b, sources[bucket.members[0].index].device)
+        index = self._gathers[b]
+        if index is None:
+            for run, slots in zip(self._runs[b], self._run_slots(b, buf)):
+                torch.stack([sources[i] for i in run.tensors], out=slots)
+            return buf
         mine = tuple(sources[m.index] for m in bucket.members)
         seen = self._pack_seen[b]  # weak: the engine must not keep a step's sources alive
         if seen is not None and all(a is c() for a, c in zip(mine, seen)):
@@ -348,45 +361,31 @@ class Orthogonalizer:
             if ops:
                 for op in ops:
                     op()
-                return self._buffers[b]  # type: ignore[return-value]
+                return buf
         else:  # new sources: pack them the plain way, and prepare if they come again
             self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
-        buf = self.buffer(b, sources[bucket.members[0].index].device)
-        index = self._gathers[b]
-        if index is not None:
-            if index.device != buf.device:
-                index = self._gathers[b] = index.to(buf.device)
-            flat = [
-                _in_layout(sources[m.index], self.layouts[m.index])
-                .permute(self.layouts[m.index].perm)
-                .reshape(-1)
-                for m in bucket.members
-            ]
-            staging = self._staging[b]
-            if staging is None:
-                staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
-            torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
-            buf.view(-1).index_copy_(0, index, staging)
-            return buf
-        for run in runs:
-            layout = run.layout
-            srcs = [_in_layout(sources[i], layout) for i in run.tensors]
-            dense = not run.transposed and layout.matrix == bucket.shape[1:]
-            if dense and layout.perm == tuple(range(len(layout.shape))):
-                # Contiguous, unpadded, upright: concatenate straight into the buffer (cast included).
-                torch.cat([s.reshape(-1) for s in srcs], out=buf[run.start : run.stop].view(-1))
-                continue
-            flat = [s.permute(layout.perm).reshape(-1) for s in srcs]
-            src = torch.cat(flat) if len(flat) > 1 else flat[0]
-            run.slots(buf).copy_(layout.logical_view(src, len(srcs)))
+        if index.device != buf.device:
+            index = self._gathers[b] = index.to(buf.device)
+        flat = [_memory_flat(sources[m.index], self.layouts[m.index]) for m in bucket.members]
+        staging = self._staging[b]
+        if staging is None:
+            staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+        torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
+        buf.view(-1).index_copy_(0, index, staging)
         return buf
 
+    def _run_slots(self, b: int, buf: Tensor) -> list[Tensor]:
+        """Each run's region of bucket ``b``'s buffer as ``(k, *shape)`` (views made once)."""
+        views = self._slot_regions[b]
+        if views is None or views[0] is not buf:
+            views = self._slot_regions[b] = (buf, [run.slots(buf) for run in self._runs[b]])
+        return views[1]
+
     def _prepare_pack(self, b: int, sources: tuple[Tensor, ...]) -> list[Callable[[], object]] | None:
-        """The copies that pack bucket ``b`` from exactly these tensors (in member order), with
-        every view made now; ``None`` where a source is not in its planned layout (it is copied
-        into one each step) or its memory cannot be viewed flat."""
-        bucket, runs = self.plan.buckets[b], self._runs[b]
-        layouts = [self.layouts[m.index] for m in bucket.members]
+        """The two copies that pack gather bucket ``b`` from exactly these tensors (in member
+        order), with every flat view made now; ``None`` where a source is not in its planned
+        layout (it is copied into one each step) or cannot be viewed flat."""
+        layouts = [self.layouts[m.index] for m in self.plan.buckets[b].members]
         if any(s.stride() != lay.stride for s, lay in zip(sources, layouts)):
             return None
         try:
@@ -395,35 +394,16 @@ class Orthogonalizer:
             return None
         buf = self.buffer(b, sources[0].device)
         index = self._gathers[b]
-        if index is not None:
-            if index.device != buf.device:
-                index = self._gathers[b] = index.to(buf.device)
-            staging = self._staging[b]
-            if staging is None:
-                staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
-            target = buf.view(-1)
-            return [
-                functools.partial(torch.cat, flat, out=staging),  # one copy, with the cast
-                functools.partial(target.index_copy_, 0, index, staging),
-            ]
-        ops: list[Callable[[], object]] = []
-        by_slot = {m.index: k for k, m in enumerate(bucket.members)}
-        for run in runs:
-            layout = run.layout
-            picked = [flat[by_slot[i]] for i in run.tensors]
-            dense = not run.transposed and layout.matrix == bucket.shape[1:]
-            if dense and layout.perm == tuple(range(len(layout.shape))):
-                region = buf[run.start : run.stop].view(-1)
-                ops.append(functools.partial(torch.cat, picked, out=region))
-                continue
-            if len(picked) > 1:
-                src = torch.empty(sum(f.numel() for f in picked), dtype=picked[0].dtype, device=buf.device)
-                self._pack_staging[b].append(src)
-                ops.append(functools.partial(torch.cat, picked, out=src))
-            else:
-                src = picked[0]
-            ops.append(functools.partial(run.slots(buf).copy_, layout.logical_view(src, len(picked))))
-        return ops
+        if index.device != buf.device:
+            index = self._gathers[b] = index.to(buf.device)
+        staging = self._staging[b]
+        if staging is None:
+            staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+        target = buf.view(-1)
+        return [
+            functools.partial(torch.cat, flat, out=staging),  # one copy, with the cast
+            functools.partial(target.index_copy_, 0, index, staging),
+        ]
 
     def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
         """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
@@ -525,6 +505,15 @@ def compiled_kernel(method: str):
     """The NS loop through ``torch.compile`` (whole graph, static shapes: one compile per bucket
     shape, then the elementwise scaling fuses into the matmul epilogues where the backend can)."""
     return torch.compile(METHODS[method], fullgraph=True, dynamic=False)
+
+
+def _memory_flat(t: Tensor, layout: TensorLayout) -> Tensor:
+    """``t``'s elements in the planned layout's memory order, as a 1-D tensor (a view when ``t``
+    has the planned strides; a contiguous one takes one view op, not two)."""
+    t = _in_layout(t, layout)
+    if layout.perm == tuple(range(t.ndim)):
+        return t.view(-1)
+    return t.permute(layout.perm).reshape(-1)
 
 
 def _in_layout(t: Tensor, layout: TensorLayout) -> Tensor:
