@@ -38,6 +38,10 @@ class Muon(MatrixOptimizer):
     parameters are detected without it (see :mod:`fastmuon.distributed`).
     ``nonfinite`` ("raise" by default, "skip" or "ignore") says what a NaN/Inf gradient does,
     as in :class:`~fastmuon.MuSGD`.
+    ``capturable=True`` keeps AdamW's step counts on the parameters' devices (bias corrections
+    computed there), uses a tensor ``lr`` as a tensor and reads nothing on the host, so that with
+    ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph; the batched step
+    is a program prepared once, as in :class:`~fastmuon.MuSGD`.
     """
 
     def __init__(

@@ -68,6 +68,13 @@ class MuSGD(MatrixOptimizer):
             of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
         nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter), "skip"s that
             parameter for the step (weights and state untouched, no host sync) or is "ignore"d.
+        capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
+            fused CPU kernel, no host-side NS range check), so that with ``nonfinite`` "skip" or
+            "ignore" a step can be captured in a CUDA graph (see the README's host-time section).
+
+    The batched step runs a program built on the first step and reused while the parameters
+    with gradients, their layouts and the equality classes of the groups' hyperparameters stay
+    the same; the hyperparameters' values are read from the groups at every step.
     """
 
     def __init__(
