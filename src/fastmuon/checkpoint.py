@@ -311,8 +311,10 @@ def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
                 for k, v in saved_buffers.items()
                 if k not in known
             }
-            if carried or extra:
-                state[pid] = {**extra, **carried}
+            merged = {**extra, **carried}
+            if merged:  # in the saved order, so a same-optimizer round trip is the same dict
+                in_saved_order = {k: merged[k] for k in saved_buffers if k in merged}
+                state[pid] = {**in_saved_order, **merged}
         groups.append(group)
     for key, value in saved_state.items():
         if key not in owned:

@@ -144,7 +144,7 @@ class Muon(MatrixOptimizer):
             return {"momentum_buffer": EMA}
         if use_muon is True:
             return {}
-        return {"exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ, "step": ADAM_STEP}
+        return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
 
     def _collect(self) -> tuple[list[MatrixItem], list[AdamWItem]]:
         matrices: list[MatrixItem] = []
