@@ -320,3 +320,126 @@ def test_loaded_buffers_do_not_share_storage_with_the_state_dict():
     for pid, st in saved["state"].items():
         for k, v in st.items():
             assert torch.equal(v, before["state"][pid][k])
+
+
+# ----- refusals leave the optimizer as it was ------------------------------------------------
+def snapshot(opt):
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    params = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return groups, params, state
+
+
+def assert_same(a, b):
+    assert a[0] == b[0] and a[1] == b[1]
+    assert a[2].keys() == b[2].keys()
+    for pid in a[2]:
+        assert a[2][pid].keys() == b[2][pid].keys()
+        for k in a[2][pid]:
+            assert torch.equal(a[2][pid][k], b[2][pid][k])
+
+
+def _break(sd, how):
+    g0, first = sd["param_groups"][0], sd["param_groups"][0]["params"][0]
+    if how == "shape":
+        sd["state"][first]["momentum_buffer"] = torch.zeros(3, 3)
+    elif how == "groups":
+        sd["param_groups"] = sd["param_groups"][:1]
+    elif how == "params":
+        g0["params"] = g0["params"][:-1]
+    elif how == "lr":
+        g0["lr"] = "0.01"
+    elif how == "momentum":
+        g0["momentum"] = [0.9]
+    elif how == "nesterov":
+        g0["nesterov"] = "yes"
+    elif how == "buffer_type":
+        sd["state"][first]["momentum_buffer"] = "zeros"
+    elif how == "buffer_dtype":
+        buf = sd["state"][first]["momentum_buffer"]
+        sd["state"][first]["momentum_buffer"] = torch.zeros(buf.shape, dtype=torch.int64)
+    elif how == "state_entry":
+        sd["state"][first] = [1, 2]
+    elif how == "no_params":
+        del g0["params"]
+    return sd
+
+
+@pytest.mark.parametrize(
+    "how, match",
+    [
+        ("shape", r"parameter 0 of param group 0 .*'momentum_buffer' has shape \(3, 3\)"),
+        ("groups", "1 param groups, this optimizer 2"),
+        ("params", "param group 0 has 2 parameters in the state dict and 3"),
+        ("lr", r"learning rate .* param group 0 of the state dict.*state_dict\['param_groups'\]\[0\]"),
+        ("momentum", "momentum .* param group 0"),
+        ("nesterov", "nesterov in param group 0"),
+        ("buffer_type", "parameter 0 of param group 0 .*'momentum_buffer' is 'zeros'.*drop that entry"),
+        ("buffer_dtype", "torch.int64 tensor, not a floating-point buffer"),
+        ("state_entry", "parameter 0 of param group 0 .*not a dict"),
+        ("no_params", "param group 0 of the state dict has no 'params' list"),
+    ],
+)
+def test_unusable_state_dict_is_refused_and_changes_nothing(how, match):
+    mats, others = model_params(9)
+    opt = MuSGD(musgd_groups(mats, others), momentum=0.9, **F32)
+    step_with(opt, mats + others, 0)
+    bad = _break(copy.deepcopy(opt.state_dict()), how)
+    before = snapshot(opt)
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.load_state_dict(bad)
+    assert_same(before, snapshot(opt))
+    step_with(opt, mats + others, 1)  # still usable
+
+
+# ----- load hooks ------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+def test_post_hook_may_store_anything_and_runs_after_the_clean_up(cls):
+    mats, others = model_params(10)
+    groups = [{"params": mats, "use_muon": True}, {"params": others, "use_muon": False}]
+    opt = cls(groups, momentum=0.9, **F32)
+    step_with(opt, mats + others, 0)
+    sd = opt.state_dict()
+    for st in sd["state"].values():  # a step saved as float64 (as some tools rewrite it)
+        if "step" in st:
+            st["step"] = st["step"].double()
+    seen = []
+
+    def post_hook(optimizer):
+        seen.append(
+            [s["step"].dtype for s in optimizer.state.values() if isinstance(s, dict) and "step" in s]
+        )
+        seen.append(len(optimizer._plans))
+        optimizer.state["loaded_by_hook"] = True  # not a parameter's dict
+
+    opt.register_load_state_dict_post_hook(post_hook)
+    opt.load_state_dict(sd)
+    opt.load_state_dict(sd)  # the stored value does not upset a second load either
+    assert opt.state["loaded_by_hook"] is True
+    assert all(dtype == torch.float32 for dtype in seen[0]) and seen[1] == 0
+    step_with(opt, mats + others, 1)
+
+
+def test_pre_hooks_run_first_and_may_replace_the_state_dict():
+    mats, others = model_params(11)
+    opt = MuSGD(musgd_groups(mats, others), momentum=0.9, **F32)
+    step_with(opt, mats + others, 0)
+    sd = opt.state_dict()
+    order = []
+
+    def set_lr(optimizer, state_dict):
+        order.append("pre1")
+        state_dict["param_groups"][0]["lr"] = 0.123
+
+    def replace(optimizer, state_dict):
+        order.append("pre2")
+        new = copy.deepcopy(state_dict)
+        new["param_groups"][1]["lr"] = 0.456
+        return new
+
+    opt.register_load_state_dict_pre_hook(set_lr)
+    opt.register_load_state_dict_pre_hook(replace)
+    opt.register_load_state_dict_post_hook(lambda o: order.append("post"))
+    opt.load_state_dict(sd)
+    assert order == ["pre1", "pre2", "post"]
+    assert [g["lr"] for g in opt.param_groups] == [0.123, 0.456]

@@ -78,24 +78,17 @@ def test_a_group_without_use_muon_is_plain_sgd_as_in_ultralytics():
     # use_muon=True as the default: the matrices go to Muon, their groups need not say
     opt = MuSGD([{"params": ours[:1]}], use_muon=True)
     assert opt.param_groups[0]["use_muon"] is True
+    # fastmuon.param_groups says use_muon in every group, so its users see no change
+    groups = fastmuon.param_groups(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3)))
+    assert [g["use_muon"] for g in MuSGD(groups).param_groups] == [True, False]
 
 
-def test_param_groups_sets_use_muon_explicitly():
-    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
-    groups = fastmuon.param_groups(model)
-    assert all(isinstance(g["use_muon"], bool) for g in groups)
-    opt = MuSGD(groups)
-    assert [g["use_muon"] for g in opt.param_groups] == [True, False]
-
-
-def test_muon_signature_is_torch_optim_muons():
+def test_muon_keeps_torch_optim_muons_signature_and_its_spectral_unclamped_mode():
+    """torch's positionals in torch's order, and ``adjust_lr_fn="spectral_unclamped"`` (added in
+    torch 2.14): ``sqrt(A/B)``, below 1 for wide matrices."""
     ours = [(p.name, p.default) for p in _positional(Muon)]
     theirs = [(p.name, p.default) for p in _positional(torch.optim.Muon)]
     assert ours[: len(theirs)] == theirs
-
-
-def test_spectral_unclamped_is_sqrt_of_rows_over_cols_unclamped():
-    """torch's ``adjust_lr_fn="spectral_unclamped"``: ``sqrt(A/B)``, below 1 for wide matrices."""
     assert lr_scale("spectral_unclamped", (64, 16)) == pytest.approx(2.0)
     assert lr_scale("spectral_unclamped", (16, 64)) == pytest.approx(0.5)
     assert lr_scale("original", (16, 64)) == 1.0
