@@ -420,7 +420,7 @@ def test_post_hook_may_store_anything_and_runs_after_the_clean_up(cls):
     step_with(opt, mats + others, 1)
 
 
-def test_pre_hooks_run_first_and_may_replace_the_state_dict():
+def test_pre_hooks_run_before_the_checks_and_may_replace_the_state_dict():
     mats, others = model_params(11)
     opt = MuSGD(musgd_groups(mats, others), momentum=0.9, **F32)
     step_with(opt, mats + others, 0)
@@ -434,9 +434,11 @@ def test_pre_hooks_run_first_and_may_replace_the_state_dict():
     def replace(optimizer, state_dict):
         order.append("pre2")
         new = copy.deepcopy(state_dict)
+        new["param_groups"] = new["param_groups"][:2]  # drops the group the checks would refuse
         new["param_groups"][1]["lr"] = 0.456
         return new
 
+    sd["param_groups"].append({**sd["param_groups"][1], "params": []})  # a group this optimizer lacks
     opt.register_load_state_dict_pre_hook(set_lr)
     opt.register_load_state_dict_pre_hook(replace)
     opt.register_load_state_dict_post_hook(lambda o: order.append("post"))
