@@ -20,15 +20,18 @@ from .transforms import ADJUST_LR, lr_scale
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
+ADAMW_LR = 3e-4
 
 
 class Muon(MatrixOptimizer):
     """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
 
     Groups with ``use_muon=False`` (and, when a group does not say, parameters with fewer
-    than 2 dims) are updated by AdamW with the group's ``lr``, ``weight_decay``, ``betas``
-    (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
-    matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
+    than 2 dims) are updated by AdamW with the group's ``lr`` (default ``adamw_lr=3e-4`` in
+    such groups: Muon's learning rates are far too large for AdamW; in a group that also holds
+    matrices, ``lr`` is shared), ``weight_decay``, ``betas`` (default (0.9, 0.95)) and ``eps``
+    (default 1e-8 in such groups; in a group that also holds matrices, ``eps`` is
+    Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
     A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
     ``process_group`` (DDP) splits the Newton–Schulz work between ranks; FSDP2 DTensor
     parameters are detected without it (see :mod:`fastmuon.distributed`).
@@ -53,6 +56,7 @@ class Muon(MatrixOptimizer):
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
+        adamw_lr: float = ADAMW_LR,
         foreach: bool = True,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
@@ -75,6 +79,8 @@ class Muon(MatrixOptimizer):
             adamw_eps=adamw_eps,
         )
         self.foreach = foreach
+        check_nonnegative("adamw_lr", adamw_lr, "Muon")
+        self.adamw_lr = adamw_lr
         super().__init__(
             params,
             defaults,
@@ -87,8 +93,11 @@ class Muon(MatrixOptimizer):
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if param_group.get("use_muon") is False and "eps" not in param_group:
-            param_group = {**param_group, "eps": ADAMW_EPS}
+        if isinstance(param_group, dict) and param_group.get("use_muon") is False:
+            adamw_defaults = {"eps": ADAMW_EPS, "lr": self.adamw_lr}
+            missing = {k: v for k, v in adamw_defaults.items() if k not in param_group}
+            if missing:
+                param_group = {**param_group, **missing}
         super().add_param_group(param_group)
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
