@@ -68,11 +68,12 @@ def test_layers_inside_repeated_blocks_are_not_heads():
             self.fc, self.output = nn.Linear(8, 8), nn.Linear(8, 8)
 
     model = nn.Module()
+    model.table = nn.Embedding(8, 8)  # shaped like every block's Linear
     model.layers = nn.ModuleList(Block() for _ in range(2))
     model.proj = nn.Linear(8, 3)
     assert output_layers(model) == []
-    (muon, _) = param_groups(model)
-    assert len(muon["params"]) == 5
+    muon, other, _ = param_groups(model)
+    assert len(muon["params"]) == 5 and other["param_names"] == ["table.weight"]
 
 
 def test_tied_and_untied_lm_heads():

@@ -97,3 +97,20 @@ def test_trainer_resumes_from_its_checkpoint(transformers, first_run, tmp_path):
     assert [g["param_names"] for g in resumed_opt.param_groups] == [
         g["param_names"] for g in opt.param_groups
     ]
+
+
+def test_param_groups_finds_transformers_heads(transformers):
+    """An untied LM head (Llama) and a classifier (BERT) leave Muon; so do all embedding tables."""
+    small = dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small, num_key_value_heads=2))
+    muon, other, _ = fastmuon.param_groups(llama)
+    assert other["param_names"] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert len(muon["params"]) == 7  # q, k, v, o, gate, up, down
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(**small))
+    muon, other, _ = fastmuon.param_groups(bert)
+    assert other["param_names"] == [
+        f"bert.embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")
+    ] + ["classifier.weight"]
+    assert "bert.pooler.dense.weight" in muon["param_names"]

@@ -51,8 +51,9 @@ def param_groups(
 
     ``head="auto"`` finds the output layer: the shallowest modules named like one
     (:data:`HEAD_NAMES`: ``lm_head``, ``head``, ``classifier``, ``fc``, ...) outside repeated
-    blocks (no numeric part in their path), plus any ``nn.Linear`` shaped like an embedding
-    table (an untied LM head); a head tied to an embedding shares its tensor and so follows it.
+    blocks (no numeric part in their path), plus any ``nn.Linear`` outside repeated blocks
+    shaped like an embedding table (an untied LM head); a head tied to an embedding shares its
+    tensor and so follows it.
     If none is found and ``model`` is an ``nn.Sequential``, its last ``nn.Linear`` is the head.
     Say which it is with ``head=`` (a :data:`Selector`), or ``head=None`` for none.
 
@@ -87,17 +88,22 @@ def embedding_weights(model: nn.Module) -> set[int]:
 
 def output_layers(model: nn.Module) -> list[nn.Module]:
     """The modules ``param_groups(head="auto")`` treats as the output layer (see there)."""
+    outside_blocks = [
+        (name, m) for name, m in model.named_modules() if not any(part.isdigit() for part in name.split("."))
+    ]
     named = [
         (name, m)
-        for name, m in model.named_modules()
-        if name.rpartition(".")[2] in HEAD_NAMES
-        and not any(part.isdigit() for part in name.split("."))
-        and any(p.ndim >= 2 for p in m.parameters())
+        for name, m in outside_blocks
+        if name.rpartition(".")[2] in HEAD_NAMES and any(p.ndim >= 2 for p in m.parameters())
     ]
     depth = min((name.count(".") for name, _ in named), default=None)
     found = [m for name, m in named if name.count(".") == depth]
     tables = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
-    found += [m for m in model.modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) in tables]
+    found += [
+        m
+        for _, m in outside_blocks
+        if isinstance(m, nn.Linear) and tuple(m.weight.shape) in tables and all(m is not f for f in found)
+    ]
     if not found and isinstance(model, nn.Sequential):
         found = [m for m in model.modules() if isinstance(m, nn.Linear)][-1:]
     return found
