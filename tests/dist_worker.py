@@ -88,7 +88,13 @@ def set_grads(params, seed: int) -> None:
 
 
 def run_steps(opt_cls, params, kwargs, steps: int, group, grads_seed: int):
-    opt = opt_cls(params, ns_dtype=F32, process_group=group, **kwargs)
+    groups = params
+    if opt_cls is fastmuon.MuSGD:  # matrices to Muon, the rest to SGD, as the reference routes them
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "use_muon": True},
+            {"params": [p for p in params if p.ndim < 2], "use_muon": False},
+        ]
+    opt = opt_cls(groups, ns_dtype=F32, process_group=group, **kwargs)
     for t in range(steps):
         set_grads(params, grads_seed + t)
         opt.step()
@@ -340,14 +346,16 @@ def check_fsdp_reference() -> None:
     net, twin = sharded_net(11)
     opt = fastmuon.MuSGD(split_by_ns_dtype(fastmuon.param_groups(net)), ns_dtype=F32, **MUSGD_KW)
     groups = fastmuon.param_groups(twin)
-    use = {id(p): g.get("use_muon") for g in groups for p in g["params"]}
+    group_of = {id(p): g for g in groups for p in g["params"]}
     ref = [p.detach().clone() for p in twin.parameters()]
     states = [{} for _ in ref]
     for t in range(2):
         grads = fsdp_step(net, opt, t)
         for p, q, g, st in zip(twin.parameters(), ref, grads, states):
             if g is not None:
-                musgd_reference_step(q, g, st, use_muon=use[id(p)], **MUSGD_KW)
+                group = group_of[id(p)]  # its use_muon, and weight decay 0 for norms and biases
+                hyper = {**MUSGD_KW, "weight_decay": group.get("weight_decay", MUSGD_KW["weight_decay"])}
+                musgd_reference_step(q, g, st, use_muon=group["use_muon"], **hyper)
     check_reference("FSDP2 MuSGD", [p.full_tensor() for p in net.parameters()], ref)
     assert len({b.dtype for b in opt.last_plan.buckets}) == 2, opt.last_plan.describe()
     if dist.get_rank() == 0:
@@ -360,7 +368,7 @@ def check_errors() -> None:
     plain = nn.Parameter(torch.randn(4, 4))
     cases = [
         (fastmuon.MuSGD(net.parameters(), foreach=False, ns_dtype=F32), "foreach=True"),
-        (fastmuon.MuSGD([net.fc2.weight, plain], ns_dtype=F32), "fully_shard"),
+        (fastmuon.MuSGD([net.fc2.weight, plain], use_muon=True, ns_dtype=F32), "fully_shard"),
     ]
     for opt, hint in cases:
         net(batch(0)).sum().backward()

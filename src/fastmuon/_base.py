@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .calibrate import calibrated_cost_model
+from .checkpoint import adapt_state_dict
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .newton_schulz import HOST_READS
@@ -25,9 +26,9 @@ from .nonfinite import (
     finite_flags,
     raise_if_nonfinite,
 )
+from .param_names import agree_on_names, restore_names
 from .planner import POLICIES, CostModel, Plan, plan_buckets
 from .program import Gather, StepProgram
-from .state import check_state_layout
 
 _PLAN_CACHE_SIZE = 4
 
@@ -50,6 +51,18 @@ def check_nonnegative(name: str, value: Any, where: str) -> None:
         value = value.item() if value.numel() == 1 else math.nan
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
         raise ValueError(f"invalid {name} {value!r} in {where}: it must be a number >= 0")
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
+    torch's optimizers' checks, a ``ValueError``)."""
+
+
+def check_foreach(foreach: Any) -> bool | None:
+    """``foreach`` as torch's optimizers take it: ``None`` (pick the fast path), True or False."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ArgumentTypeError(f"foreach must be None, True or False, got {foreach!r}")
+    return foreach
 
 
 def check_fraction(name: str, value: Any, where: str) -> None:
@@ -105,6 +118,7 @@ class MatrixOptimizer(Optimizer):
 
     # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group, held_names = agree_on_names(param_group, self.param_groups)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
@@ -120,9 +134,15 @@ class MatrixOptimizer(Optimizer):
         if hasattr(self, "_programs"):
             self.invalidate()
         self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
+        restore_names(self.param_groups, held_names)
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
-        check_nonnegative("learning rate (lr)", group["lr"], where)
+        lr = group["lr"]
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")  # torch's optimizers' wording
+        if not isinstance(group["nesterov"], bool):
+            raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
+        check_nonnegative("learning rate (lr)", lr, where)
         check_fraction("momentum", group["momentum"], where)
         check_nonnegative("weight_decay", group["weight_decay"], where)
         check_nonnegative("eps", group["eps"], where)
@@ -175,7 +195,7 @@ class MatrixOptimizer(Optimizer):
         grads = [p.grad for p in params]
         if zero_grads:
             grads = [zero_grads.get(p) if g is None else g for p, g in zip(params, grads)]
-        if not self.foreach:
+        if self.foreach is False:
             self._reference_step(params, grads)
             return loss
         pattern, scalars = self.step_scalars()
@@ -433,14 +453,46 @@ class MatrixOptimizer(Optimizer):
 
     # ----- state --------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does (casting buffers to each parameter's dtype and device), after
-        checking that every saved buffer fits its parameter: a state dict from another model
-        layout fails clearly instead of pairing buffers with the wrong parameters."""
-        check_state_layout(self, state_dict)
-        super().load_state_dict(state_dict)
+        """Load as torch does, from this optimizer's state dicts and from those of Ultralytics'
+        MuSGD, ``torch.optim`` SGD/Muon/AdamW and older fastmuon versions (translated by
+        :func:`fastmuon.checkpoint.adapt_state_dict`: missing group keys from this optimizer's
+        groups, buffers carried where the maths agrees, cast to each parameter's dtype).
+
+        A state dict that cannot be used (another model's layout, a non-numeric hyperparameter,
+        a malformed buffer) raises ``ValueError`` naming the group or parameter, and the optimizer
+        is left as it was. Hooks run where torch runs them: pre-hooks first (on the state dict as
+        given), post-hooks last, after this optimizer's own clean-up.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"load_state_dict takes an optimizer's state_dict() (a dict), got {type(state_dict).__name__}"
+            )
+        state_dict = state_dict.copy()  # shallow, as torch's loader (a pre-hook may replace entries)
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        adapted = adapt_state_dict(self, state_dict)
+        pre_hooks, post_hooks = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # ran above
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run below, after the clean-up
+        try:
+            super().load_state_dict(adapted)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
+        self._after_load()
+        for post_hook in list(post_hooks.values()):
+            post_hook(self)
+
+    def _after_load(self) -> None:
+        """AdamW's ``step`` as float32 on the host (read there every step) or, ``capturable``, on
+        its parameter's device (never read); the plans and step programs rebuilt."""
         for p, state in self.state.items():
-            step = state.get("step")
-            # read on the host every step, or (capturable) kept on the parameter's device
+            step = state.get("step") if isinstance(state, dict) else None
             device = _local(p).device if self.capturable else torch.device("cpu")
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != device):
                 state["step"] = step.to(device, torch.float32)

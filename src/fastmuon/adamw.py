@@ -66,7 +66,9 @@ class AdamWScalars:
 
 
 class AdamWProgram:
-    """:func:`multi_tensor_adamw` prepared once: fused parts per class of (lr, betas, eps, wd,
+    """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
+    (``transforms.fusable``; GPT-2's 39.5M embedding and norm values, 2 threads: 26 ms against
+    304 ms for the foreach path, measured), fused parts per class of (lr, betas, eps, wd,
     dtype), foreach parts per class of (betas, eps, wd, device, dtype).
 
     With ``capturable`` no kernel reads a value on the host: the step counts live on the

@@ -65,11 +65,14 @@ RunNS = Callable[[Sequence[Tensor], "Tensor | None"], list[Tensor]]
 
 
 class MatrixProgram:
-    """:func:`multi_tensor_matrix_update` prepared once for a fixed set of matrices.
+    """The batched matrix update prepared once for a fixed set of matrices.
 
     Built from one step's items; each later step with the same equality classes of
     hyperparameters (see :mod:`fastmuon.program`) runs the same calls with that step's values:
     one ``lerp`` per momentum part, the plan's NS, one decay call, one ``add_`` per scale class.
+    Where the engine offers its input buffers (a CPU, NS in the parameters' dtype) the momentum
+    step writes each matrix's NS input straight into its bucket slot: one pass over the matrices
+    and no packing copy.
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """Muon: orthogonalised EMA momentum for matrices, AdamW for everything else.
 
 The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay,
-"original" or "match_rms_adamw" learning-rate adjustment), extended to >2D weights (flattened
+"original", "match_rms_adamw" or "spectral_unclamped" learning-rate adjustment), extended to >2D weights (flattened
 to ``(out, everything else)``) and to non-matrix parameters, which AdamW updates.
 """
 
@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._base import MatrixOptimizer, check_fraction, check_nonnegative, state_buffer
+from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative, state_buffer
 from .adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
+from .checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA
 from .matrix_update import MatrixItem, MatrixProgram, MatrixScalars, single_tensor_matrix_update
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
@@ -24,30 +25,58 @@ from .transforms import ADJUST_LR, lr_scale
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
+ADAMW_LR = 3e-4
 
 
 class Muon(MatrixOptimizer):
     """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
 
-    Groups with ``use_muon=False`` (and, when a group does not say, parameters with fewer
-    than 2 dims) are updated by AdamW with the group's ``lr``, ``weight_decay``, ``betas``
-    (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
-    matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
-    A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
-    ``process_group`` (DDP) splits the Newton–Schulz work between ranks; FSDP2 DTensor
-    parameters are detected without it (see :mod:`fastmuon.distributed`).
-    ``nonfinite`` ("raise" by default, "skip" or "ignore") says what a NaN/Inf gradient does,
-    as in :class:`~fastmuon.MuSGD`.
-    ``capturable=True`` keeps AdamW's step counts on the parameters' devices (bias corrections
-    computed there), uses a tensor ``lr`` as a tensor and reads nothing on the host, so that with
-    ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph; the batched step
-    is a program prepared once, as in :class:`~fastmuon.MuSGD`.
+    Matrices are updated as ``torch.optim.Muon`` does (see the README's "Update rules"). Groups
+    with ``use_muon=False`` (and, when a group does not say, parameters with fewer than 2 dims)
+    are updated by AdamW; a parameter with fewer than 2 dims in a ``use_muon=True`` group is an
+    error.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs, or param groups (dicts); a group may set
+            ``use_muon`` and any of the per-group hyperparameters below.
+        lr: learning rate (a float, or a 1-element tensor) of Muon, and of AdamW in groups
+            that hold matrices too.
+        weight_decay: decoupled weight decay, ``p ← p·(1 − lr·weight_decay)``, both parts.
+        momentum: ``β`` in [0, 1) of Muon's EMA momentum.
+        nesterov: Nesterov momentum for Muon (a bool).
+        ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
+            per step, or a preset name), the norm's eps and the iteration count.
+        adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
+            "spectral_unclamped" (torch's modes), or "ultralytics", "none".
+        ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
+        ns_method: "auto", "standard", "gram" or "eigh" (as in :class:`~fastmuon.MuSGD`).
+        policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
+        betas: AdamW's ``(β1, β2)``, default (0.9, 0.95).
+        adamw_lr: AdamW's learning rate in ``use_muon=False`` groups that do not set their own
+            ``lr`` (default 3e-4: Muon's learning rates are far too large for AdamW); in a group
+            that also holds matrices, ``lr`` is shared.
+        adamw_eps: AdamW's eps in groups that also hold matrices, default 1e-8; in a
+            ``use_muon=False`` group AdamW uses the group's ``eps`` (default 1e-8 there).
+        foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter loop.
+        compile, max_bucket_bytes, cost_model: as in :class:`~fastmuon.MuSGD`.
+        process_group: DDP: ranks split the Newton–Schulz work; FSDP2 DTensor parameters are
+            detected without it (see :mod:`fastmuon.distributed`).
+        nonfinite: what a NaN/Inf gradient does ("raise" by default, "skip" or "ignore"), as in
+            :class:`~fastmuon.MuSGD`.
+        capturable: keep AdamW's step counts on the parameters' devices (bias corrections
+            computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
+            that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
+
+    The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
+
+    ``load_state_dict`` also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of
+    Ultralytics' MuSGD (see :mod:`fastmuon.checkpoint`).
     """
 
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
@@ -61,7 +90,8 @@ class Muon(MatrixOptimizer):
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
-        foreach: bool = True,
+        adamw_lr: float = ADAMW_LR,
+        foreach: bool | None = None,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
         compile: bool = False,
@@ -83,7 +113,9 @@ class Muon(MatrixOptimizer):
             betas=betas,
             adamw_eps=adamw_eps,
         )
-        self.foreach = foreach
+        self.foreach = check_foreach(foreach)
+        check_nonnegative("adamw_lr", adamw_lr, "Muon")
+        self.adamw_lr = adamw_lr
         super().__init__(
             params,
             defaults,
@@ -97,8 +129,11 @@ class Muon(MatrixOptimizer):
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if param_group.get("use_muon") is False and "eps" not in param_group:
-            param_group = {**param_group, "eps": ADAMW_EPS}
+        if isinstance(param_group, dict) and param_group.get("use_muon") is False:
+            adamw_defaults = {"eps": ADAMW_EPS, "lr": self.adamw_lr}
+            missing = {k: v for k, v in adamw_defaults.items() if k not in param_group}
+            if missing:
+                param_group = {**param_group, **missing}
         super().add_param_group(param_group)
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -120,6 +155,17 @@ class Muon(MatrixOptimizer):
                         f"{p.ndim} dim(s); Muon orthogonalises matrices only: move it to a group "
                         "with use_muon=False (AdamW)"
                     )
+
+    @staticmethod
+    def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+        """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
+        creates them."""
+        use_muon = group.get("use_muon")
+        if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
+            return {"momentum_buffer": EMA}
+        if use_muon is True:
+            return {}
+        return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
 
     def _collect(
         self, params: list[Tensor], grads: list[Tensor | None]
