@@ -199,9 +199,9 @@ class Orthogonalizer:
         self._pack_ops: list[list[Callable[[], object]] | None] = [None] * len(plan.buckets)
         self._slot_regions: list[tuple[Tensor, list[Tensor]] | None] = [None] * len(plan.buckets)
         # unpacking a cast into kept buffers (result views): the copies and the views made once
-        self._unpack_ops: list[tuple[list[Callable[[], object]], list[Tensor]] | None] = [None] * len(
-            plan.buckets
-        )
+        self._unpack_ops: list[tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None] = [
+            None
+        ] * len(plan.buckets)
         self._unpack_buffers: list[list[Tensor]] = [[] for _ in plan.buckets]
         self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
@@ -422,14 +422,17 @@ class Orthogonalizer:
             for m, view in zip(bucket.members, views):
                 results[m.index] = view
             return
-        if self.result_views and out is self._outputs[b]:
-            # a kept output cast into kept buffers: the copies and every view made once
+        if self.result_views and out.dtype != dtype:
+            # cast into kept buffers whose result views are made once; the output's own views
+            # are made once per output tensor (once in all where the output is kept)
             prepared = self._unpack_ops[b]
-            if prepared is None:
-                prepared = self._unpack_ops[b] = self._prepare_unpack(b, out, dtype)
-            ops, views = prepared
-            for op in ops:
-                op()
+            if prepared is None or prepared[0] != dtype:
+                prepared = self._unpack_ops[b] = (
+                    dtype,
+                    *self._prepare_unpack(b, out.dtype, dtype, out.device),
+                )
+            _, fill, views = prepared
+            fill(out)
             for m, view in zip(bucket.members, views):
                 results[m.index] = view
             return
@@ -446,40 +449,49 @@ class Orthogonalizer:
             self._unpack_run(run, out, dtype, results)
 
     def _prepare_unpack(
-        self, b: int, out: Tensor, dtype: torch.dtype
-    ) -> tuple[list[Callable[[], object]], list[Tensor]]:
-        """For a kept output buffer ``out``: the copies that cast bucket ``b``'s results into kept
-        buffers of ``dtype`` and the results' views there (member order); the same operations as
-        the unkept path, so the same values."""
+        self, b: int, from_dtype: torch.dtype, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Callable[[Tensor], None], list[Tensor]]:
+        """The copy that casts bucket ``b``'s NS output into kept buffers of ``dtype``, and the
+        results' views there (member order): the operations of the unkept path, so the same
+        values, with every view made once."""
         bucket, index = self.plan.buckets[b], self._gathers[b]
         kept = self._unpack_buffers[b]
-        ops: list[Callable[[], object]] = []
         views: dict[int, Tensor] = {}
         if index is not None:
-            if index.device != out.device:
-                index = self._gathers[b] = index.to(out.device)
-            picked = torch.empty(index.numel(), dtype=out.dtype, device=out.device)
-            cast = torch.empty(index.numel(), dtype=dtype, device=out.device)
+            if index.device != device:
+                index = self._gathers[b] = index.to(device)
+            picked = torch.empty(index.numel(), dtype=from_dtype, device=device)
+            cast = torch.empty(index.numel(), dtype=dtype, device=device)
             kept += [picked, cast]
-            ops += [
-                functools.partial(torch.index_select, out.reshape(-1), 0, index, out=picked),
-                functools.partial(cast.copy_, picked),
-            ]
+            flat_of = _ViewsOf(lambda out: out.reshape(-1))
+
+            def fill(out: Tensor) -> None:
+                torch.index_select(flat_of(out), 0, index, out=picked)
+                cast.copy_(picked)
+
             offset = 0
             for m in bucket.members:
                 layout = self.layouts[m.index]
                 views[m.index] = torch.as_strided(cast, layout.shape, layout.stride, offset)
                 offset += _numel(layout.shape)
-        else:
-            for run in self._runs[b]:
-                layout, count = run.layout, run.stop - run.start
-                numel = _numel(layout.shape)
-                flat = torch.empty(count * numel, dtype=dtype, device=out.device)
-                kept.append(flat)
-                ops.append(functools.partial(layout.logical_view(flat, count).copy_, run.slots(out)))
-                for j, i in enumerate(run.tensors):
-                    views[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
-        return ops, [views[m.index] for m in bucket.members]
+            return fill, [views[m.index] for m in bucket.members]
+        runs = self._runs[b]
+        targets = []
+        for run in runs:
+            layout, count = run.layout, run.stop - run.start
+            numel = _numel(layout.shape)
+            flat = torch.empty(count * numel, dtype=dtype, device=device)
+            kept.append(flat)
+            targets.append(layout.logical_view(flat, count))
+            for j, i in enumerate(run.tensors):
+                views[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+        slots_of = _ViewsOf(lambda out: [run.slots(out) for run in runs])
+
+        def fill_runs(out: Tensor) -> None:
+            for target, region in zip(targets, slots_of(out)):
+                target.copy_(region)
+
+        return fill_runs, [views[m.index] for m in bucket.members]
 
     def _unpack_run(self, run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> None:
         layout, count = run.layout, run.stop - run.start
@@ -498,6 +510,21 @@ class Orthogonalizer:
         layout.logical_view(flat, count).copy_(run.slots(out))
         for j, i in enumerate(run.tensors):
             results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+
+
+class _ViewsOf:
+    """Views of the latest tensor passed in, made once per tensor (held weakly: a fresh output
+    per step is not kept alive, a kept one gets its views made once)."""
+
+    def __init__(self, make: Callable[[Tensor], object]):
+        self.make = make
+        self.ref: weakref.ref | None = None
+        self.views: object = None
+
+    def __call__(self, t: Tensor):
+        if self.ref is None or self.ref() is not t:
+            self.ref, self.views = weakref.ref(t), self.make(t)
+        return self.views
 
 
 @functools.cache
