@@ -288,8 +288,9 @@ class MatrixOptimizer(Optimizer):
         engine = matrices.engine
         self.last_plan = engine.plan
         orthogonalize = self.orthogonalize  # looked up per step: an instance may wrap it
+        positions = matrices.keep_positions
         return lambda sources, keep: orthogonalize(
-            sources, matrices.params, matrices.configs, keep=keep, engine=engine
+            sources, matrices.params, matrices.configs, keep=keep, engine=engine, keep_positions=positions
         )
 
     def _reference_step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
@@ -358,11 +359,13 @@ class MatrixOptimizer(Optimizer):
         configs: Sequence[NSConfig],
         keep: Tensor | None = None,
         engine: Any = None,
+        keep_positions: tuple[int, ...] | None = None,
     ) -> list[Tensor]:
         """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes.
 
-        ``keep`` (one bool per source, on the device) zeroes the rejected sources first;
-        ``engine``: the plan's executor when the caller holds it (else looked up by the params).
+        ``keep`` (bools on the device: one per source, or with ``keep_positions`` source ``i``'s
+        at ``keep_positions[i]``) zeroes the rejected sources first; ``engine``: the plan's
+        executor when the caller holds it (else looked up by the params).
         """
         if engine is None:
             engine = self._engine(params, configs)
@@ -370,8 +373,11 @@ class MatrixOptimizer(Optimizer):
         if keep is None:
             return engine(sources, dtypes)
         if isinstance(engine, Orthogonalizer):
-            return engine(sources, dtypes, keep=keep)
-        return engine([torch.where(k, s, 0) for k, s in zip(keep.unbind(0), sources)], dtypes)
+            return engine(sources, dtypes, keep=keep, keep_positions=keep_positions)
+        flags = keep.unbind(0)
+        if keep_positions is not None:
+            flags = [flags[k] for k in keep_positions]
+        return engine([torch.where(k, s, 0) for k, s in zip(flags, sources)], dtypes)
 
     def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> Orthogonalizer:
         """The cached engine for these matrices in this order (built on first sight)."""

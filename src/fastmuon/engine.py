@@ -193,7 +193,7 @@ class Orthogonalizer:
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
         self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
-        self._member_indices: list[Tensor | None] = [None] * len(plan.buckets)
+        self._member_indices: dict[tuple, Tensor] = {}
         # packing from the same source tensors step after step: the copies, their views made once
         self._pack_seen: list[tuple[weakref.ref, ...] | None] = [None] * len(plan.buckets)
         self._pack_ops: list[list[Callable[[], object]] | None] = [None] * len(plan.buckets)
@@ -240,11 +240,13 @@ class Orthogonalizer:
         sources: Sequence[Tensor],
         out_dtypes: Sequence[torch.dtype],
         keep: Tensor | Sequence[Tensor] | None = None,
+        keep_positions: tuple[int, ...] | None = None,
     ) -> list[Tensor]:
         """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``.
 
         ``keep`` (one bool per source: a vector, or 0-d tensors) zeroes the rejected sources
-        inside their bucket.
+        inside their bucket; with ``keep_positions`` source ``i``'s flag is ``keep[keep_positions[i]]``
+        (a step's flags for all its parameters, picked per bucket with one index each).
         """
         results: list[Tensor | None] = [None] * len(sources)
         if keep is not None and not isinstance(keep, Tensor):
@@ -252,16 +254,20 @@ class Orthogonalizer:
         for b in range(len(self.plan.buckets)):
             batch = self.pack(b, sources)
             if keep is not None:
-                zero_rejected_(batch, keep.index_select(0, self._member_index(b, keep.device)))
+                index = self._member_index(b, keep.device, keep_positions)
+                zero_rejected_(batch, keep.index_select(0, index))
             self.unpack(b, self.run_bucket(b, batch), out_dtypes, results)
         return results  # type: ignore[return-value]
 
-    def _member_index(self, b: int, device: torch.device) -> Tensor:
-        """Bucket ``b``'s members' source indices, in slot order (made once per device)."""
-        index = self._member_indices[b]
-        if index is None or index.device != device:
+    def _member_index(self, b: int, device: torch.device, positions: tuple[int, ...] | None) -> Tensor:
+        """Where bucket ``b``'s members' flags sit in a keep vector, in slot order (made once per
+        device and positions)."""
+        key = (b, device, positions)
+        index = self._member_indices.get(key)
+        if index is None:
             members = self.plan.buckets[b].members
-            index = self._member_indices[b] = torch.tensor([m.index for m in members], device=device)
+            at = [m.index if positions is None else positions[m.index] for m in members]
+            index = self._member_indices[key] = torch.tensor(at, device=device)
         return index
 
     def run_bucket(self, b: int, batch: Tensor) -> Tensor:

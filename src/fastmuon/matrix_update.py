@@ -87,7 +87,7 @@ class MatrixProgram:
         self.params = [i.param for i in ordered]
         self.configs = [i.config for i in ordered]
         self.dtypes = [p.dtype for p in self.params]
-        self.positions = [i.index for i in ordered]  # among the step's gradients
+        self.keep_positions = tuple(i.index for i in ordered)  # among the step's gradients
         # the plan's executor, and where it reads each source from (momentum is written there)
         self.engine = engine_for(self.params, self.configs) if engine_for is not None and ordered else None
         views = getattr(self.engine, "input_views", None)
@@ -106,19 +106,9 @@ class MatrixProgram:
         self.scale_params = [[self.params[k] for k in idx] for idx in by_scale.values()]
         self.scale_updates = [Gather(idx) for idx in by_scale.values()]
         self.limit = scale_limit(self.params[0].device) if ordered else 0
-        self._keep_index: Tensor | None = None
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         return True
-
-    def keep_of(self, keep: Tensor | None) -> Tensor | None:
-        """The matrices' entries of a step's keep vector (one per parameter with a gradient)."""
-        if keep is None or not self.items:
-            return None
-        index = self._keep_index
-        if index is None or index.device != keep.device:
-            index = self._keep_index = torch.tensor(self.positions, device=keep.device)
-        return keep.index_select(0, index)
 
     def run(self, grads: Sequence[Tensor], scalars: MatrixScalars, ns: RunNS, keep: Tensor | None) -> None:
         if not self.items:
@@ -128,7 +118,7 @@ class MatrixProgram:
         for bufs, pick, g, out in self.parts:
             sources += ema_momentum_(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
         # 2. orthogonalise, one NS call per bucket of the cached plan
-        updates = ns(sources, self.keep_of(keep))
+        updates = ns(sources, keep)  # keep: one flag per gradient, picked at keep_positions
         # 3-4. decay, scale and apply
         decay = scalars.decay
         if decay is not None:
