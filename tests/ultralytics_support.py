@@ -1,0 +1,118 @@
+"""A tiny on-disk detection dataset and an offline Ultralytics for the trainer tests."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+
+IMAGE_SIZE = 64
+
+
+def offline_environment(root: Path) -> dict[str, str]:
+    """Variables that keep Ultralytics' settings, fonts and downloads inside ``root`` and offline.
+
+    They must be set before ``ultralytics`` is first imported (it reads them at import)."""
+    return {
+        "YOLO_CONFIG_DIR": str(root / "config"),
+        "YOLO_OFFLINE": "1",
+        "YOLO_VERBOSE": "False",
+        "WANDB_MODE": "disabled",
+    }
+
+
+def import_unavailable_reason() -> str | None:
+    """Why Ultralytics' trainer cannot run here, or None when it can."""
+    for module in ("ultralytics", "cv2", "yaml", "polars"):
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # any failure to load means the trainer cannot run
+            return f"{module} does not import ({type(e).__name__}: {e}); pip install -e '.[ultralytics]'"
+    return None
+
+
+def ensure_torchvision() -> str:
+    """Make ``import torchvision`` work for the trainer; says which torchvision it got.
+
+    Ultralytics' validator imports torchvision, and its NMS then uses ``torchvision.ops.nms``.
+    PyPI's torchvision wheels for x86-64 are linked against the CUDA build of torch, so beside
+    the CPU build their native ops do not load and the import fails. Then a stand-in module with
+    ``ops.nms`` = Ultralytics' own pure-torch NMS is registered instead (only NMS is reached when
+    training a detector; it does not touch training itself)."""
+    try:
+        import torchvision
+
+        torchvision.ops.nms  # noqa: B018
+        return f"torchvision {torchvision.__version__}"
+    except Exception:
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+    from ultralytics.utils.nms import TorchNMS
+
+    stand_in = types.ModuleType("torchvision")
+    stand_in.ops = types.SimpleNamespace(nms=TorchNMS.nms)
+    stand_in.__version__ = "0.0 (stand-in: Ultralytics' TorchNMS)"
+    sys.modules["torchvision"] = stand_in
+    return stand_in.__version__
+
+
+def make_detection_dataset(root: Path, images: int = 6, seed: int = 0) -> Path:
+    """``images`` 64x64 pictures, each with one or two filled rectangles labelled in YOLO format
+    (class cx cy w h, normalised); returns the data yaml (train and val are the same images)."""
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    image_dir, label_dir = root / "images" / "train", root / "labels" / "train"
+    image_dir.mkdir(parents=True)
+    label_dir.mkdir(parents=True)
+    for i in range(images):
+        picture = rng.integers(0, 60, size=(IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+        lines = []
+        for _ in range(1 + i % 2):
+            w, h = rng.integers(12, 32, size=2)
+            x0, y0 = rng.integers(0, IMAGE_SIZE - w), rng.integers(0, IMAGE_SIZE - h)
+            cls = int(rng.integers(0, 2))
+            colour = (200, 40, 40) if cls == 0 else (40, 200, 40)
+            picture[y0 : y0 + h, x0 : x0 + w] = colour
+            cx, cy = (x0 + w / 2) / IMAGE_SIZE, (y0 + h / 2) / IMAGE_SIZE
+            lines.append(f"{cls} {cx:.6f} {cy:.6f} {w / IMAGE_SIZE:.6f} {h / IMAGE_SIZE:.6f}")
+        cv2.imwrite(str(image_dir / f"{i}.png"), picture)
+        (label_dir / f"{i}.txt").write_text("\n".join(lines) + "\n")
+    data = root / "data.yaml"
+    data.write_text(
+        f"path: {root}\ntrain: images/train\nval: images/train\nnames:\n  0: red\n  1: green\n"
+    )
+    return data
+
+
+def train_arguments(data: Path, project: Path, name: str, **overrides) -> dict:
+    """Arguments for a deterministic, quiet, offline CPU run that takes seconds."""
+    return dict(
+        data=str(data),
+        imgsz=IMAGE_SIZE,
+        batch=2,
+        nbs=2,  # accumulate=1: one optimizer step per batch
+        epochs=1,
+        workers=0,
+        device="cpu",
+        deterministic=True,
+        seed=0,
+        plots=False,
+        val=False,
+        amp=False,
+        project=str(project),
+        name=name,
+        exist_ok=True,
+        verbose=False,
+        mosaic=0.0,
+        warmup_epochs=0,
+        **overrides,
+    )
+
+
+def environment_ready() -> bool:
+    return os.environ.get("YOLO_OFFLINE") == "1"
