@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 from pathlib import Path
@@ -83,15 +82,13 @@ def make_detection_dataset(root: Path, images: int = 6, seed: int = 0) -> Path:
         cv2.imwrite(str(image_dir / f"{i}.png"), picture)
         (label_dir / f"{i}.txt").write_text("\n".join(lines) + "\n")
     data = root / "data.yaml"
-    data.write_text(
-        f"path: {root}\ntrain: images/train\nval: images/train\nnames:\n  0: red\n  1: green\n"
-    )
+    data.write_text(f"path: {root}\ntrain: images/train\nval: images/train\nnames:\n  0: red\n  1: green\n")
     return data
 
 
 def train_arguments(data: Path, project: Path, name: str, **overrides) -> dict:
     """Arguments for a deterministic, quiet, offline CPU run that takes seconds."""
-    return dict(
+    defaults = dict(
         data=str(data),
         imgsz=IMAGE_SIZE,
         batch=2,
@@ -109,10 +106,20 @@ def train_arguments(data: Path, project: Path, name: str, **overrides) -> dict:
         exist_ok=True,
         verbose=False,
         mosaic=0.0,
-        warmup_epochs=0,
-        **overrides,
     )
+    return {**defaults, **overrides}
 
 
-def environment_ready() -> bool:
-    return os.environ.get("YOLO_OFFLINE") == "1"
+class RecordOptimizerAndStop:
+    """A trainer callback for ``on_pretrain_routine_end`` (the optimizer exists by then): writes the
+    optimizer's class and NS dtype to ``path`` and ends the run. A module-level class, so that a
+    pickled trainer (Ultralytics' DDP state file) refers to it by name."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, trainer) -> None:
+        optimizer = trainer.optimizer
+        kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        Path(self.path).write_text(f"{kind} {optimizer.defaults.get('ns_dtype')}")
+        raise SystemExit(0)
