@@ -226,13 +226,12 @@ def resume(yolo, last, *, with_fastmuon: bool):
         seen["optimizer"] = trainer.optimizer
         checkpoint_state_matches(trainer.optimizer, last)
 
-    def finished(trainer):
-        seen["epoch"], seen["finite"] = (
-            trainer.epoch,
-            all(p.isfinite().all() for p in trainer.model.parameters()),
-        )
+    def trained_an_epoch(trainer):  # its steps are done; the final validation is not needed here
+        seen["epoch"] = trainer.epoch
+        seen["finite"] = all(p.isfinite().all() for p in trainer.model.parameters())
+        raise Interrupted
 
-    callbacks = [("on_train_start", record), ("on_train_end", finished)]
+    callbacks = [("on_train_start", record), ("on_train_epoch_end", trained_an_epoch)]
     if with_fastmuon:
         with fastmuon_installed():
             train(yolo, "", model=str(last), resume=True, callbacks=callbacks)
@@ -242,7 +241,8 @@ def resume(yolo, last, *, with_fastmuon: bool):
 
 
 RESUME_NEEDS_INTEROP = pytest.mark.xfail(
-    reason="checkpoint interop between fastmuon.MuSGD and Ultralytics' MuSGD state dicts", strict=False
+    reason="fastmuon.MuSGD does not yet fill its own group keys (ns_steps, ...) when loading Ultralytics' state dict",
+    strict=False,
 )
 
 
@@ -260,7 +260,6 @@ def test_ultralytics_checkpoint_resumes_under_fastmuon(yolo):
     assert seen["epoch"] == 1 and seen["finite"]
 
 
-@RESUME_NEEDS_INTEROP
 def test_fastmuon_checkpoint_resumes_under_ultralytics(yolo, fastmuon_run):
     seen = resume(yolo, fastmuon_run["last"], with_fastmuon=False)
     assert type(seen["optimizer"]).__module__.startswith("ultralytics")
@@ -282,17 +281,19 @@ def test_nan_gradient_keeps_ultralytics_recovery_from_last_pt(yolo):
 
         trainer.optimizer.register_step_pre_hook(hook)
 
-    def finished(trainer):
-        assert all(p.isfinite().all() for p in trainer.model.parameters())
-        assert type(trainer.optimizer) is fastmuon.MuSGD
+    def after_the_redone_epoch(trainer):
+        if epochs_started == [0, 1, 1]:
+            assert all(p.isfinite().all() for p in trainer.model.parameters())
+            assert type(trainer.optimizer) is fastmuon.MuSGD
+            raise Interrupted  # the recovery is shown; the rest of the run is not needed
 
     callbacks = [
         ("on_pretrain_routine_end", poison_first_step_of_second_epoch),
         ("on_train_epoch_start", lambda trainer: epochs_started.append(trainer.epoch)),
-        ("on_train_end", finished),
+        ("on_train_epoch_end", after_the_redone_epoch),
     ]
     with fastmuon_installed():
-        train(yolo, "nan", optimizer="MuSGD", epochs=2, callbacks=callbacks)
+        train(yolo, "nan", optimizer="MuSGD", epochs=3, callbacks=callbacks)
     assert poisoned, "no NaN was injected"
     assert epochs_started == [0, 1, 1], "Ultralytics did not redo the poisoned epoch from last.pt"
 
@@ -310,8 +311,19 @@ def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
         worker_file = dist.generate_ddp_file(trainer)
     try:
         env = {**yolo["env"], "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+        # the worker file as Ultralytics' launcher runs it (as __main__, in a fresh interpreter),
+        # after the same torchvision check this process made
+        run_worker = (
+            "import runpy, sys, ultralytics_support; ultralytics_support.ensure_torchvision(); "
+            "runpy.run_path(sys.argv[1], run_name='__main__')"
+        )
+        env["PYTHONPATH"] = str(Path(__file__).parent)
         done = subprocess.run(
-            [sys.executable, worker_file], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", run_worker, worker_file],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert done.returncode == 0, done.stderr[-3000:]
     finally:
