@@ -11,6 +11,13 @@ fi
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[$EXTRAS]"
+# The tests run Ultralytics' trainer (the [ultralytics] extra). torch is pinned in the same command
+# so that torchvision's torch requirement cannot swap the installed build. Best effort: without it
+# the trainer tests skip.
+if [[ ",$EXTRAS," == *,test,* ]]; then
+  .venv/bin/python -m pip install -q -e ".[$EXTRAS,ultralytics]" torch==2.13.0 \
+    || echo "setup: the [ultralytics] extra did not install; the trainer tests will skip" >&2
+fi
 # Ultralytics' MuSGD, the peer the benchmark and one equivalence test compare with. Only its
 # optimizer module is used, which needs nothing but torch: --no-deps keeps its torchvision/OpenCV
 # requirements (and a second torch) out. Best effort: without it those rows and that test skip.
