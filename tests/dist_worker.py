@@ -88,7 +88,13 @@ def set_grads(params, seed: int) -> None:
 
 
 def run_steps(opt_cls, params, kwargs, steps: int, group, grads_seed: int):
-    opt = opt_cls(params, ns_dtype=F32, process_group=group, **kwargs)
+    groups = params
+    if opt_cls is fastmuon.MuSGD:  # matrices to Muon, the rest to SGD, as the reference routes them
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "use_muon": True},
+            {"params": [p for p in params if p.ndim < 2], "use_muon": False},
+        ]
+    opt = opt_cls(groups, ns_dtype=F32, process_group=group, **kwargs)
     for t in range(steps):
         set_grads(params, grads_seed + t)
         opt.step()
@@ -360,7 +366,7 @@ def check_errors() -> None:
     plain = nn.Parameter(torch.randn(4, 4))
     cases = [
         (fastmuon.MuSGD(net.parameters(), foreach=False, ns_dtype=F32), "foreach=True"),
-        (fastmuon.MuSGD([net.fc2.weight, plain], ns_dtype=F32), "fully_shard"),
+        (fastmuon.MuSGD([net.fc2.weight, plain], use_muon=True, ns_dtype=F32), "fully_shard"),
     ]
     for opt, hint in cases:
         net(batch(0)).sum().backward()

@@ -88,3 +88,17 @@ def run_checking_grads_untouched(opt, params, grads):
         kept = [p.grad.clone() for p in params]
         opt.step()
         assert all(torch.equal(p.grad, k) for p, k in zip(params, kept)), "a gradient was modified"
+
+
+def by_ndim(params):
+    """MuSGD groups routing matrices (>=2D) to Muon and the rest to SGD, as the per-parameter
+    references do for a group without ``use_muon``; param groups (dicts) pass through."""
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return params
+    tensor = (lambda x: x[1]) if params and isinstance(params[0], tuple) else (lambda x: x)
+    groups = [
+        {"params": [x for x in params if tensor(x).ndim >= 2], "use_muon": True},
+        {"params": [x for x in params if tensor(x).ndim < 2], "use_muon": False},
+    ]
+    return [g for g in groups if g["params"]]

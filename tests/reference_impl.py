@@ -35,6 +35,7 @@ def adjust(mode: str, shape) -> float:
         "ultralytics": math.sqrt(max(1.0, shape[-2] / shape[-1])),
         "original": math.sqrt(max(1.0, rows / cols)),
         "match_rms_adamw": 0.2 * math.sqrt(max(rows, cols)),
+        "spectral_unclamped": math.sqrt(rows / cols),
         "none": 1.0,
     }[mode]
 

@@ -74,6 +74,7 @@ def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: 
         params = make_params([(6, 4), (6, 4), (5,)])
         opt = fastmuon.MuSGD(
             params,
+            use_muon=True,
             lr=0.1,
             momentum=0.9,
             ns_dtype=torch.float32,

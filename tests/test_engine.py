@@ -94,7 +94,15 @@ def test_compiled_ns_matches_eager():
     results = []
     for compile in (False, True):
         params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
-        opt = MuSGD(params, lr=0.1, momentum=0.9, ns_dtype=torch.float32, policy="exact", compile=compile)
+        opt = MuSGD(
+            params,
+            lr=0.1,
+            momentum=0.9,
+            use_muon=True,
+            ns_dtype=torch.float32,
+            policy="exact",
+            compile=compile,
+        )
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
@@ -125,7 +133,7 @@ def _musgd_steps_match_the_reference(policy: str, nesterov: bool):
     hyper = dict(lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=5e-4, muon=0.5, sgd=0.5)
     ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": True})], hyper)
     ours = clone_params(params)
-    opt = MuSGD(ours, **hyper, ns_dtype=torch.float32, policy=policy)
+    opt = MuSGD(ours, **hyper, use_muon=True, ns_dtype=torch.float32, policy=policy)
     run_optimizer(opt, ours, grads)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
@@ -169,7 +177,7 @@ def test_no_ns_input_views_where_the_compute_dtype_differs():
     """bf16 parameters whose NS runs in fp32 (this CPU, or any with ``ns_dtype=float32``) are cast
     while packing, so the engine offers no views to write into; the step still packs them."""
     params = make_params([(8, 4, 3, 3), (12, 20)], dtype=torch.bfloat16)
-    opt = MuSGD(params, lr=0.02, momentum=0.9, ns_dtype=torch.float32)
+    opt = MuSGD(params, lr=0.02, momentum=0.9, use_muon=True, ns_dtype=torch.float32)
     run_optimizer(opt, params, make_grads(params, steps=2))
     (eng,) = opt._plans.values()
     assert eng.input_views([p.dtype for p in params]) is None

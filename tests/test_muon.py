@@ -19,7 +19,7 @@ ADAMW = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw"])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral_unclamped"])
 @pytest.mark.parametrize("policy", ["exact", "min_launches"])
 def test_matches_reference_with_adamw_for_vectors(nesterov, adjust_lr_fn, policy):
     shapes = MIXED_SHAPES + [(32,), (7,)]

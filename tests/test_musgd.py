@@ -2,6 +2,7 @@ import pytest
 import torch
 from conftest import MIXED_SHAPES, rel_err
 from helpers import (
+    by_ndim,
     clone_params,
     count_fused_tensors,
     make_grads,
@@ -27,7 +28,9 @@ def build(shapes_muon, shapes_sgd, channels_last=()):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("policy", ["exact", "auto", "min_launches"])
-@pytest.mark.parametrize("adjust_lr", ["ultralytics", "original", "match_rms_adamw", "none"])
+@pytest.mark.parametrize(
+    "adjust_lr", ["ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none"]
+)
 def test_matches_reference(nesterov, policy, adjust_lr):
     params, muon_idx, sgd_idx = build(MIXED_SHAPES, VECTORS, channels_last=(1, 9))
     grads = make_grads(params, steps=3)
@@ -50,14 +53,15 @@ def test_matches_reference(nesterov, policy, adjust_lr):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
 
 
-def test_use_muon_absent_routes_by_ndim_and_mixed_groups():
-    """No use_muon: >=2D go Muon, the rest SGD; two muon groups with different lr share buckets."""
+def test_groups_without_use_muon_take_the_constructor_default_and_mixed_groups_share_buckets():
+    """As in Ultralytics, a group that does not set use_muon takes the constructor's; two Muon
+    groups with different lr and momentum share buckets and keep their own values."""
     params = make_params([(16, 8, 3, 3), (16, 8, 3, 3), (24, 40), (16,), (40,)])
     grads = make_grads(params, steps=2)
     ref, ref_states = run_musgd_reference(
         params,
         grads,
-        [([0, 2, 3], {"use_muon": None}), ([1, 4], {"use_muon": None, "lr": 0.005, "momentum": 0.5})],
+        [([0, 2, 3], {"use_muon": True}), ([1, 4], {"use_muon": True, "lr": 0.005, "momentum": 0.5})],
         {**HP, "adjust_lr": "ultralytics"},
     )
     ours = clone_params(params)
@@ -67,13 +71,14 @@ def test_use_muon_absent_routes_by_ndim_and_mixed_groups():
             {"params": [ours[1], ours[4]], "lr": 0.005, "momentum": 0.5},
         ],
         **HP,
+        use_muon=True,
         ns_dtype=torch.float32,
     )
     run_optimizer(opt, ours, grads)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5
     assert set(opt.state[ours[0]]) == {"momentum_buffer", "momentum_buffer_SGD"}
-    assert set(opt.state[ours[3]]) == {"momentum_buffer"}
+    assert set(opt.state[ours[3]]) == {"momentum_buffer_SGD"}
     assert rel_err(opt.state[ours[0]]["momentum_buffer_SGD"], ref_states[0]["momentum_buffer_SGD"]) <= 1e-5
 
 
@@ -94,7 +99,7 @@ def test_channels_last_twin_gets_exactly_the_same():
     b = [torch.nn.Parameter(p.detach().clone().to(memory_format=torch.channels_last)) for p in a]
     grads = make_grads(a, steps=3)
     for params in (a, b):
-        run_optimizer(MuSGD(params, **HP, ns_dtype=torch.float32), params, grads)
+        run_optimizer(MuSGD(params, **HP, use_muon=True, ns_dtype=torch.float32), params, grads)
     for x, y in zip(a, b):
         assert torch.equal(x.detach(), y.detach())
         assert y.is_contiguous(memory_format=torch.channels_last)
@@ -104,15 +109,15 @@ def test_foreach_false_is_the_per_parameter_path():
     params = make_params(MIXED_SHAPES + VECTORS)
     grads = make_grads(params, steps=2)
     fast, slow = clone_params(params), clone_params(params)
-    run_optimizer(MuSGD(fast, **HP, ns_dtype=torch.float32), fast, grads)
-    run_optimizer(ReferenceMuSGD(slow, **HP, ns_dtype=torch.float32), slow, grads)
+    run_optimizer(MuSGD(by_ndim(fast), **HP, ns_dtype=torch.float32), fast, grads)
+    run_optimizer(ReferenceMuSGD(by_ndim(slow), **HP, ns_dtype=torch.float32), slow, grads)
     for f, s in zip(fast, slow):
         assert rel_err(f.detach(), s.detach()) <= 1e-5
 
 
 def test_grads_never_modified_and_bf16_buffers_not_aliased():
     params = make_params([(16, 32), (32, 16), (8,)], dtype=torch.bfloat16)
-    opt = MuSGD(params, **HP)
+    opt = MuSGD(by_ndim(params), **HP)
     grads = make_grads(params, steps=1)[0]
     for p, g in zip(params, grads):
         p.grad = g.clone()
@@ -122,7 +127,7 @@ def test_grads_never_modified_and_bf16_buffers_not_aliased():
     # non-nesterov: the NS input is the momentum buffer itself; it must keep its EMA value
     p = make_params([(16, 32)], dtype=torch.bfloat16)[0]
     g = torch.randn(16, 32, dtype=torch.bfloat16)
-    opt = MuSGD([p], lr=0.1, momentum=0.5, nesterov=False)
+    opt = MuSGD([p], lr=0.1, momentum=0.5, nesterov=False, use_muon=True)
     p.grad = g
     opt.step()
     assert torch.equal(opt.state[p]["momentum_buffer"], (0.5 * g.float()).to(torch.bfloat16))
@@ -137,7 +142,7 @@ def test_bf16_params_close_to_reference():
         [([0, 1, 2], {"use_muon": None})],
         HP,
     )
-    run_optimizer(MuSGD(params, **HP, ns_dtype=torch.float32), params, grads)
+    run_optimizer(MuSGD(by_ndim(params), **HP, ns_dtype=torch.float32), params, grads)
     for o, r in zip(params, ref):
         assert o.dtype == torch.bfloat16
         assert rel_err(o.detach().float(), r) <= 2e-2
@@ -149,7 +154,7 @@ def test_zero_momentum_and_zero_weight_decay():
     hp = dict(lr=0.1, momentum=0.0, nesterov=False, weight_decay=0.0, muon=0.5, sgd=0.5)
     ref, _ = run_musgd_reference(params, grads, [([0, 1], {"use_muon": None})], hp)
     ours = clone_params(params)
-    run_optimizer(MuSGD(ours, **hp, ns_dtype=torch.float32), ours, grads)
+    run_optimizer(MuSGD(by_ndim(ours), **hp, ns_dtype=torch.float32), ours, grads)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5
 
@@ -157,11 +162,12 @@ def test_zero_momentum_and_zero_weight_decay():
 def test_defaults_match_ultralytics_signature():
     p = torch.nn.Parameter(torch.randn(4, 4))
     d = MuSGD([p]).defaults
-    assert (d["lr"], d["momentum"], d["nesterov"], d["weight_decay"], d["muon"], d["sgd"]) == (
+    assert (d["lr"], d["momentum"], d["nesterov"], d["weight_decay"], d["use_muon"], d["muon"], d["sgd"]) == (
         1e-3,
         0.0,
         False,
         0.0,
+        False,
         0.5,
         0.5,
     )
@@ -199,7 +205,7 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
         step[0] = step[0].contiguous(memory_format=torch.channels_last)
     ref, _ = run_musgd_reference(params, grads, [([0, 1, 2, 3], {"use_muon": None})], HP)
     ours = clone_params(params)
-    run_checking_grads_untouched(MuSGD(ours, **HP, ns_dtype=torch.float32), ours, grads)
+    run_checking_grads_untouched(MuSGD(by_ndim(ours), **HP, ns_dtype=torch.float32), ours, grads)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
     assert sorted(fused_sizes) == sorted([40, 24 * 40, 8 * 4 * 3 * 3] * 2)  # not weight 1

@@ -21,6 +21,7 @@ import os
 
 import pytest
 import torch
+from helpers import by_ndim
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from reliability_support import reference_muon_step, reference_musgd_step
@@ -115,7 +116,7 @@ def test_musgd_equals_the_per_parameter_reference(
     ref = [p.detach().clone() for p in params]
     hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, muon=muon, sgd=sgd)
     opt = fastmuon.MuSGD(
-        params, **hp, ns_dtype=torch.float32, policy=policy, max_bucket_bytes=max_bucket_bytes
+        by_ndim(params), **hp, ns_dtype=torch.float32, policy=policy, max_bucket_bytes=max_bucket_bytes
     )
     _run(opt, params, reference_musgd_step, ref, hp, seed)
     _check_close(params, ref, start)

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers import by_ndim
 from reference_impl import ns_reference
 from reliability_support import (
     make_params,
@@ -25,7 +26,7 @@ from fastmuon.nonfinite import DEFAULT_NONFINITE
 F32 = dict(ns_dtype=torch.float32)
 OPTIMIZERS = {
     "musgd": lambda params, **kw: fastmuon.MuSGD(
-        params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **F32, **kw
+        by_ndim(params), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **F32, **kw
     ),
     "muon": lambda params, **kw: fastmuon.Muon(params, lr=0.02, weight_decay=0.1, **F32, **kw),
 }
@@ -110,7 +111,7 @@ def test_skip_leaves_bad_parameters_untouched_and_the_rest_exact(kind, foreach):
 def test_skip_zeroes_the_bad_matrix_inside_its_bucket():
     """The engine sees the bad matrix as zeros: the NS output slot is exactly zero, not NaN."""
     params = make_params([(5, 7)] * 3)
-    opt = fastmuon.MuSGD(params, lr=0.1, momentum=0.5, nonfinite="skip", **F32)
+    opt = fastmuon.MuSGD(params, lr=0.1, momentum=0.5, use_muon=True, nonfinite="skip", **F32)
     grads = random_grads(params, 3)
     grads[0][0, 0] = float("nan")
     for p, g in zip(params, grads):
@@ -332,7 +333,7 @@ def test_ns_zero_matrix_gives_zero_not_nan():
 
 EXTREME_OPTIMIZERS = {  # Muon alone (sgd=0) so the orthogonalised part is what is checked
     "musgd": lambda params, eps: fastmuon.MuSGD(
-        params, lr=0.05, momentum=0.9, nesterov=True, muon=1.0, sgd=0.0, eps=eps, **F32
+        by_ndim(params), lr=0.05, momentum=0.9, nesterov=True, muon=1.0, sgd=0.0, eps=eps, **F32
     ),
     "muon": lambda params, eps: fastmuon.Muon(params, lr=0.02, weight_decay=0.1, eps=eps, **F32),
 }
@@ -372,7 +373,7 @@ MEMORY_SHAPES = [(32, 16, 3, 3)] * 6 + [(64, 32)] * 4 + [(48, 48)] * 3 + [(16, 8
 def _memory_setup(cap):
     params = make_params(MEMORY_SHAPES, channels_last={0, 1})
     opt = fastmuon.MuSGD(
-        params, lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, max_bucket_bytes=cap, **F32
+        by_ndim(params), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, max_bucket_bytes=cap, **F32
     )
     for p, g in zip(params, random_grads(params, 9)):
         p.grad = g
@@ -433,7 +434,7 @@ def test_memory_is_bounded_by_bucket_cap_and_state(cap):
 def test_cuda_peak_memory_is_bounded_by_bucket_cap_and_state(cap):
     params = [nn.Parameter(p.detach().cuda()) for p in make_params(MEMORY_SHAPES, channels_last={0, 1})]
     opt = fastmuon.MuSGD(
-        params, lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, max_bucket_bytes=cap, **F32
+        by_ndim(params), lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, max_bucket_bytes=cap, **F32
     )
     for p, g in zip(params, random_grads(params, 9)):
         p.grad = g.cuda()
@@ -472,7 +473,7 @@ def test_compiled_training_step_matches_eager(backend):
     x, y = torch.randn(5, 4), torch.randn(5, 3)
 
     def make_step(model):
-        opt = fastmuon.MuSGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, **F32)
+        opt = fastmuon.MuSGD(by_ndim(model.parameters()), lr=0.05, momentum=0.9, nesterov=True, **F32)
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -50,7 +50,7 @@ def test_fp16_checkpoint_is_cast_back(cls):
 
 def test_plan_cached_and_invalidated():
     params = make_params([(8, 16), (16, 8), (4, 4)])
-    opt = MuSGD(params, **KW)
+    opt = MuSGD(params, **KW, use_muon=True)
     run_optimizer(opt, params, make_grads(params, steps=1))
     plan = opt.plan()
     assert plan is not None and plan.num_matrices == 3
@@ -68,7 +68,7 @@ def test_plan_cached_and_invalidated():
 
 def test_bucket_buffers_persist_and_padding_stays_zero():
     params = make_params([(8, 30), (16, 40)])
-    opt = MuSGD(params, **KW, policy="min_launches")
+    opt = MuSGD(params, **KW, use_muon=True, policy="min_launches")
     grads = make_grads(params, steps=3)
     run_optimizer(opt, params, grads[:1])
     (engine,) = opt._plans.values()
@@ -83,7 +83,7 @@ def test_bucket_buffers_persist_and_padding_stays_zero():
 
 def test_dtypes_bucketed_apart():
     params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8, 16).double())]
-    opt = MuSGD(params, **KW, policy="min_launches")
+    opt = MuSGD(params, **KW, use_muon=True, policy="min_launches")
     run_optimizer(opt, params, make_grads(params, steps=1))
     plan = opt.plan()
     assert len(plan.buckets) == 2
@@ -153,7 +153,7 @@ def test_use_muon_must_be_bool():
 def test_zero_size_parameter_is_fine():
     params = make_params([(0, 4), (4, 6), (0,)])
     ref = clone_params(params)
-    opt = MuSGD(params, **KW)
+    opt = MuSGD(params, **KW, use_muon=True)
     run_optimizer(opt, params, make_grads(params, steps=2))
     assert params[0].shape == (0, 4)
     assert not torch.equal(params[1], ref[1]) and torch.isfinite(params[1]).all()

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .calibrate import calibrated_cost_model
+from .checkpoint import adapt_state_dict
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .nonfinite import (
@@ -23,7 +24,6 @@ from .nonfinite import (
     raise_if_nonfinite,
 )
 from .planner import POLICIES, CostModel, Plan, plan_buckets
-from .state import check_state_layout
 
 _PLAN_CACHE_SIZE = 4
 
@@ -46,6 +46,18 @@ def check_nonnegative(name: str, value: Any, where: str) -> None:
         value = value.item() if value.numel() == 1 else math.nan
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
         raise ValueError(f"invalid {name} {value!r} in {where}: it must be a number >= 0")
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
+    torch's optimizers' checks, a ``ValueError``)."""
+
+
+def check_foreach(foreach: Any) -> bool | None:
+    """``foreach`` as torch's optimizers take it: ``None`` (pick the fast path), True or False."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ArgumentTypeError(f"foreach must be None, True or False, got {foreach!r}")
+    return foreach
 
 
 def check_fraction(name: str, value: Any, where: str) -> None:
@@ -114,7 +126,12 @@ class MatrixOptimizer(Optimizer):
         self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
-        check_nonnegative("learning rate (lr)", group["lr"], where)
+        lr = group["lr"]
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")  # torch's optimizers' wording
+        if not isinstance(group["nesterov"], bool):
+            raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
+        check_nonnegative("learning rate (lr)", lr, where)
         check_fraction("momentum", group["momentum"], where)
         check_nonnegative("weight_decay", group["weight_decay"], where)
         check_nonnegative("eps", group["eps"], where)
@@ -213,7 +230,7 @@ class MatrixOptimizer(Optimizer):
 
         for items in item_lists:
             self._global_of.update(localize(self, items))
-        if self._global_of and not getattr(self, "foreach", True):
+        if self._global_of and getattr(self, "foreach", None) is False:
             raise ValueError(
                 f"{type(self).__name__}(foreach=False) is the per-parameter reference path and cannot "
                 "orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
@@ -336,15 +353,43 @@ class MatrixOptimizer(Optimizer):
 
     # ----- state --------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does (casting buffers to each parameter's dtype and device), after
-        checking that every saved buffer fits its parameter: a state dict from another model
-        layout fails clearly instead of pairing buffers with the wrong parameters."""
-        check_state_layout(self, state_dict)
-        super().load_state_dict(state_dict)
+        """Load as torch does, from this optimizer's state dicts and from those of Ultralytics'
+        MuSGD, ``torch.optim`` SGD/Muon/AdamW and older fastmuon versions (translated by
+        :func:`fastmuon.checkpoint.adapt_state_dict`: missing group keys from this optimizer's
+        groups, buffers carried where the maths agrees, cast to each parameter's dtype).
+
+        A state dict that cannot be used (another model's layout, a non-numeric hyperparameter,
+        a malformed buffer) raises ``ValueError`` naming the group or parameter, and the optimizer
+        is left as it was. Hooks run where torch runs them: pre-hooks first (on the state dict as
+        given), post-hooks last, after this optimizer's own clean-up.
+        """
+        state_dict = state_dict.copy()  # shallow, as torch's loader (a pre-hook may replace entries)
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        adapted = adapt_state_dict(self, state_dict)
+        pre_hooks, post_hooks = (
+            self._optimizer_load_state_dict_pre_hooks,
+            self._optimizer_load_state_dict_post_hooks,
+        )
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()  # ran above
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()  # run below, after the clean-up
+        try:
+            super().load_state_dict(adapted)
+        finally:
+            self._optimizer_load_state_dict_pre_hooks = pre_hooks
+            self._optimizer_load_state_dict_post_hooks = post_hooks
+        self._after_load()
+        for post_hook in list(post_hooks.values()):
+            post_hook(self)
+
+    def _after_load(self) -> None:
+        """AdamW's ``step`` back on the host as float32 (read there every step); the plans rebuilt."""
         for state in self.state.values():
-            step = state.get("step")
+            step = state.get("step") if isinstance(state, dict) else None
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device.type != "cpu"):
-                state["step"] = step.to("cpu", torch.float32)  # read on the host every step
+                state["step"] = step.to("cpu", torch.float32)
         self._plans.clear()
 
     def plan(self) -> Plan | None:

@@ -1,7 +1,7 @@
 """Muon: orthogonalised EMA momentum for matrices, AdamW for everything else.
 
 The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay,
-"original" or "match_rms_adamw" learning-rate adjustment), extended to >2D weights (flattened
+"original", "match_rms_adamw" or "spectral_unclamped" learning-rate adjustment), extended to >2D weights (flattened
 to ``(out, everything else)``) and to non-matrix parameters, which AdamW updates.
 """
 
@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from ._base import MatrixOptimizer, check_fraction, check_nonnegative, state_buffer
+from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative, state_buffer
 from .adamw import AdamWItem, adamw_state, multi_tensor_adamw, single_tensor_adamw
+from .checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA
 from .matrix_update import MatrixItem, multi_tensor_matrix_update, single_tensor_matrix_update
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
@@ -25,21 +27,43 @@ ADAMW_BETAS = (0.9, 0.95)
 class Muon(MatrixOptimizer):
     """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
 
-    Groups with ``use_muon=False`` (and, when a group does not say, parameters with fewer
-    than 2 dims) are updated by AdamW with the group's ``lr``, ``weight_decay``, ``betas``
-    (default (0.9, 0.95)) and ``eps`` (default 1e-8 in such groups; in a group that also holds
-    matrices, ``eps`` is Newton–Schulz's and AdamW uses ``adamw_eps``, default 1e-8).
-    A parameter with fewer than 2 dims in a ``use_muon=True`` group is an error.
-    ``process_group`` (DDP) splits the Newton–Schulz work between ranks; FSDP2 DTensor
-    parameters are detected without it (see :mod:`fastmuon.distributed`).
-    ``nonfinite`` ("raise" by default, "skip" or "ignore") says what a NaN/Inf gradient does,
-    as in :class:`~fastmuon.MuSGD`.
+    Matrices are updated as ``torch.optim.Muon`` does (see the README's "Update rules"). Groups
+    with ``use_muon=False`` (and, when a group does not say, parameters with fewer than 2 dims)
+    are updated by AdamW; a parameter with fewer than 2 dims in a ``use_muon=True`` group is an
+    error.
+
+    Args:
+        params: parameters, ``(name, parameter)`` pairs, or param groups (dicts); a group may set
+            ``use_muon`` and any of the per-group hyperparameters below.
+        lr: learning rate (a float, or a 1-element tensor), of Muon and AdamW alike.
+        weight_decay: decoupled weight decay, ``p ← p·(1 − lr·weight_decay)``, both parts.
+        momentum: ``β`` in [0, 1) of Muon's EMA momentum.
+        nesterov: Nesterov momentum for Muon (a bool).
+        ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
+            per step, or a preset name), the norm's eps and the iteration count.
+        adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
+            "spectral_unclamped" (torch's modes), or "ultralytics", "none".
+        ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
+        ns_method: "auto", "standard", "gram" or "eigh" (as in :class:`~fastmuon.MuSGD`).
+        policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
+        betas: AdamW's ``(β1, β2)``, default (0.9, 0.95).
+        adamw_eps: AdamW's eps in groups that also hold matrices, default 1e-8; in a
+            ``use_muon=False`` group AdamW uses the group's ``eps`` (default 1e-8 there).
+        foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter loop.
+        compile, max_bucket_bytes, cost_model: as in :class:`~fastmuon.MuSGD`.
+        process_group: DDP: ranks split the Newton–Schulz work; FSDP2 DTensor parameters are
+            detected without it (see :mod:`fastmuon.distributed`).
+        nonfinite: what a NaN/Inf gradient does ("raise" by default, "skip" or "ignore"), as in
+            :class:`~fastmuon.MuSGD`.
+
+    ``load_state_dict`` also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of
+    Ultralytics' MuSGD (see :mod:`fastmuon.checkpoint`).
     """
 
     def __init__(
         self,
         params,
-        lr: float = 1e-3,
+        lr: float | Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
@@ -53,7 +77,7 @@ class Muon(MatrixOptimizer):
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
-        foreach: bool = True,
+        foreach: bool | None = None,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
         compile: bool = False,
@@ -74,7 +98,7 @@ class Muon(MatrixOptimizer):
             betas=betas,
             adamw_eps=adamw_eps,
         )
-        self.foreach = foreach
+        self.foreach = check_foreach(foreach)
         super().__init__(
             params,
             defaults,
@@ -110,6 +134,17 @@ class Muon(MatrixOptimizer):
                         f"{p.ndim} dim(s); Muon orthogonalises matrices only: move it to a group "
                         "with use_muon=False (AdamW)"
                     )
+
+    @staticmethod
+    def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+        """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
+        creates them."""
+        use_muon = group.get("use_muon")
+        if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
+            return {"momentum_buffer": EMA}
+        if use_muon is True:
+            return {}
+        return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
 
     def _collect(self) -> tuple[list[MatrixItem], list[AdamWItem]]:
         matrices: list[MatrixItem] = []
@@ -157,7 +192,7 @@ class Muon(MatrixOptimizer):
         return matrices, others
 
     def _apply(self, matrices: list[MatrixItem], others: list[AdamWItem]) -> None:
-        if self.foreach:
+        if self.foreach is not False:
             multi_tensor_matrix_update(matrices, self.orthogonalize, self.ns_inputs)
             multi_tensor_adamw(others)
         else:

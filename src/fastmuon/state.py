@@ -33,6 +33,8 @@ def check_state_layout(optimizer: Any, state_dict: dict[str, Any]) -> None:
             f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}; {_FIX}"
         )
     for index, (saved, group) in enumerate(zip(saved_groups, groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), list):
+            raise ValueError(f"param group {index} of the state dict has no 'params' list; {_FIX}")
         ids, params = saved["params"], group["params"]
         if len(ids) != len(params):
             raise ValueError(
@@ -40,7 +42,8 @@ def check_state_layout(optimizer: Any, state_dict: dict[str, Any]) -> None:
                 f"{len(params)} in this optimizer; {_FIX}"
             )
         for j, (pid, p) in enumerate(zip(ids, params)):
-            for key, value in saved_state.get(pid, {}).items():
+            saved_buffers = saved_state.get(pid, {})
+            for key, value in saved_buffers.items() if isinstance(saved_buffers, dict) else ():
                 if not isinstance(value, Tensor):
                     continue
                 if key in SCALAR_KEYS:

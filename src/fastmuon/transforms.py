@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "none")
+ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 
 T = TypeVar("T")
 
@@ -176,6 +176,8 @@ def lr_scale(mode: str, shape: Sequence[int]) -> float:
         return math.sqrt(max(1.0, rows / cols))
     if mode == "match_rms_adamw":
         return 0.2 * math.sqrt(max(rows, cols))
+    if mode == "spectral_unclamped":  # keeps the update's spectral norm at sqrt(rows/cols), wide ones too
+        return math.sqrt(rows / cols)
     if mode == "none":
         return 1.0
     raise ValueError(f"unknown adjust_lr {mode!r}; choose one of {ADJUST_LR}")

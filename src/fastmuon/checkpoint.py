@@ -1,0 +1,342 @@
+"""Loading state dicts saved by other optimizers, and by older fastmuon versions.
+
+``torch.optim.Optimizer.load_state_dict`` replaces each param group with the saved one and
+hands each saved buffer to the parameter at the same position. A state dict from Ultralytics'
+MuSGD, ``torch.optim`` Muon, SGD or AdamW, or from a fastmuon version with fewer group keys,
+would load and then break (or silently mislead) the next step. :func:`adapt_state_dict` turns
+it into one this optimizer steps from, or refuses it before anything changes.
+
+**Groups.** The saved values win (they carry the run's schedule), as torch's loader does.
+A key the saved group lacks is taken from the optimizer's own group at the same index, then
+from its defaults: the way torch fills keys an optimizer gained in a later version. A saved
+key that belongs to the source optimizer's algorithm but not to this one (SGD's
+``dampening``, AdamW's ``amsgrad``, Muon's ``adjust_lr_fn`` in MuSGD, ...) is dropped, and so
+is one whose meaning differs here: ``weight_decay`` between coupled (SGD, MuSGD, Adam) and
+decoupled (AdamW, Muon) decay; ``eps`` between Newton–Schulz's and AdamW's (in a Muon group
+that also holds matrices AdamW's ``eps`` becomes ``adamw_eps``). Other keys (a scheduler's
+``initial_lr``, ``param_names``, a trainer's own tags) stay.
+
+**Buffers.** Each buffer follows one recurrence (``g`` the gradient, ``p`` the parameter,
+``β`` the group's momentum, ``wd`` its weight decay), its *role*:
+
+- ``EMA``: ``M ← β·M + (1−β)·g``. torch's and fastmuon's Muon, and the Muon half of MuSGD
+  (fastmuon's and Ultralytics'): ``momentum_buffer``.
+- ``HEAVY_BALL``: ``B ← β·B + g + wd·p``. torch's SGD (dampening 0: its first step stores
+  ``g + wd·p`` as ``β·0 + g + wd·p`` does), the SGD half of MuSGD: ``momentum_buffer`` in an
+  SGD group, ``momentum_buffer_SGD`` in a Muon group.
+- ``ADAM_*``: AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``: torch's AdamW (and Adam
+  without coupled decay), fastmuon Muon's AdamW part.
+
+A buffer is carried over only where the target's recurrence, run over the same gradients from
+zeros, would have produced it, so the next step is the one the target would have taken:
+
+- the same role with the same ``β``: as is (names mapped: an SGD ``momentum_buffer`` of a
+  matrix in a MuSGD Muon group becomes ``momentum_buffer_SGD``);
+- AdamW's ``exp_avg`` as an ``EMA`` when ``betas[0]`` is the group's momentum (the same
+  average of raw gradients);
+- ``HEAVY_BALL`` ↔ ``EMA`` with the same ``β`` where the heavy ball saw no weight decay:
+  ``B = M / (1−β)`` (both are sums of ``βᵏ·g`` from zero; any ``wd·p`` term would not be);
+- AdamW's three entries together or not at all (its bias correction counts from ``step``).
+
+Anything else restarts from zero on the next step: buffers of SGD with ``dampening`` or
+``maximize``, of Adam with coupled weight decay, or with another ``β``. Tensors are cast to
+the parameter's dtype (Ultralytics saves buffers in fp16) by torch's loader, and AdamW's
+``step`` becomes the float32 CPU scalar fastmuon keeps.
+
+What fastmuon's MuSGD saves has ``use_muon`` in every group and Ultralytics' buffer names, so
+Ultralytics' MuSGD loads it and steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .state import check_state_layout
+
+EMA = "ema"
+HEAVY_BALL = "heavy_ball"
+ADAM_AVG = "adam_avg"
+ADAM_AVG_SQ = "adam_avg_sq"
+ADAM_STEP = "adam_step"
+_ADAM_ROLES = (ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP)
+
+# The group keys each known optimizer family's step reads.
+SGD, ADAM, MUON, MUSGD = "sgd", "adam", "muon", "musgd"
+FAMILY_KEYS = {
+    SGD: frozenset(
+        {
+            "lr",
+            "momentum",
+            "dampening",
+            "weight_decay",
+            "nesterov",
+            "maximize",
+            "foreach",
+            "differentiable",
+            "fused",
+        }
+    ),
+    ADAM: frozenset(
+        {
+            "lr",
+            "betas",
+            "eps",
+            "weight_decay",
+            "amsgrad",
+            "maximize",
+            "foreach",
+            "capturable",
+            "differentiable",
+            "fused",
+            "decoupled_weight_decay",
+        }
+    ),
+    MUON: frozenset(
+        {
+            "lr",
+            "weight_decay",
+            "momentum",
+            "nesterov",
+            "ns_coefficients",
+            "eps",
+            "ns_steps",
+            "adjust_lr_fn",
+            "ns_dtype",
+            "ns_method",
+            "betas",
+            "adamw_eps",
+            "use_muon",
+        }
+    ),
+    MUSGD: frozenset(
+        {
+            "lr",
+            "momentum",
+            "weight_decay",
+            "nesterov",
+            "use_muon",
+            "muon",
+            "sgd",
+            "ns_steps",
+            "ns_coefficients",
+            "ns_dtype",
+            "ns_method",
+            "eps",
+            "adjust_lr",
+        }
+    ),
+}
+_BUFFER_NAMES = frozenset(
+    {"momentum_buffer", "momentum_buffer_SGD", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"}
+)
+
+
+def target_family(optimizer: Any) -> str:
+    return MUSGD if "use_muon" in optimizer.defaults and "sgd" in optimizer.defaults else MUON
+
+
+def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]], default: str) -> str:
+    """Which optimizer wrote a group, from the keys only its family has."""
+    if "dampening" in saved_group:
+        return SGD
+    if "amsgrad" in saved_group:
+        return ADAM
+    if {"adjust_lr_fn", "betas", "adamw_eps"} & saved_group.keys():
+        return MUON
+    if {"muon", "sgd", "adjust_lr"} & saved_group.keys() or any(
+        "momentum_buffer_SGD" in s for s in saved_states
+    ):
+        return MUSGD
+    if "use_muon" in saved_group:  # Ultralytics' MuSGD saves only this of its own keys
+        return MUSGD
+    return default  # an older fastmuon of the same class
+
+
+def _decay_kind(family: str, group: dict[str, Any]) -> str:
+    if family == ADAM:
+        return "decoupled" if group.get("decoupled_weight_decay", False) else "coupled"
+    return "decoupled" if family == MUON else "coupled"
+
+
+def _eps_kind(family: str, group: dict[str, Any]) -> str | None:
+    if family == SGD:
+        return None
+    if family == ADAM or (family == MUON and group.get("use_muon") is False):
+        return "adamw"
+    return "ns"
+
+
+def adapt_group(
+    optimizer: Any, index: int, saved: dict[str, Any], family: str, own: dict[str, Any]
+) -> dict[str, Any]:
+    """The saved group as this optimizer's group ``index`` (``params`` kept as saved ids)."""
+    target = target_family(optimizer)
+    keys = optimizer.defaults.keys()
+    group = {k: v for k, v in saved.items() if not (k in FAMILY_KEYS.get(family, ()) and k not in keys)}
+    if group.get("use_muon", False) is None:
+        del group["use_muon"]  # "not set"
+    if "weight_decay" in group and _decay_kind(family, saved) != _decay_kind(target, own):
+        del group["weight_decay"]
+    if "eps" in group and family != target:
+        source_eps = _eps_kind(family, saved)
+        target_eps = _eps_kind(target, {**own, **group})
+        if source_eps != target_eps:
+            eps = group.pop("eps")
+            if source_eps == "adamw" and "adamw_eps" in keys and "adamw_eps" not in group:
+                group["adamw_eps"] = eps
+    for key, value in own.items():
+        if key != "params":
+            group.setdefault(key, value)
+    for key, value in optimizer.defaults.items():
+        group.setdefault(key, value)
+    return group
+
+
+def _source_roles(family: str, group: dict[str, Any], state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """``name -> (role, β)`` of the buffers whose recurrence is known; others: not carried."""
+    if family == SGD:
+        if group.get("maximize") or group.get("dampening", 0) != 0:
+            return {}
+        return {"momentum_buffer": (HEAVY_BALL, group.get("momentum"))}
+    if family == ADAM:
+        if group.get("maximize") or (
+            _decay_kind(ADAM, group) == "coupled" and group.get("weight_decay", 0) != 0
+        ):
+            return {}
+        beta1 = _betas(group)[0]
+        return {"exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, None), "step": (ADAM_STEP, None)}
+    if family == MUON:
+        beta1 = _betas(group)[0]
+        roles = {"exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, None), "step": (ADAM_STEP, None)}
+        return {"momentum_buffer": (EMA, group.get("momentum")), **roles}
+    muon_half = "momentum_buffer_SGD" in state or group.get("use_muon") is True
+    beta = group.get("momentum")
+    if muon_half:
+        return {"momentum_buffer": (EMA, beta), "momentum_buffer_SGD": (HEAVY_BALL, beta)}
+    return {"momentum_buffer": (HEAVY_BALL, beta)}
+
+
+def _betas(group: dict[str, Any]) -> tuple[Any, Any]:
+    betas = group.get("betas", (0.9, 0.95))
+    return tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (None, None)
+
+
+def carry_buffers(
+    source: dict[str, Tensor],
+    roles: dict[str, tuple[str, Any]],
+    wanted: dict[str, str],
+    group: dict[str, Any],
+    source_decay: Any,
+) -> dict[str, Any]:
+    """The target's buffers (name -> tensor) that the source's determine exactly."""
+    by_role = {role: (source[name], beta) for name, (role, beta) in roles.items() if name in source}
+    beta = group.get("momentum")
+    out: dict[str, Any] = {}
+    for name, role in wanted.items():
+        if role == EMA:
+            if EMA in by_role and by_role[EMA][1] == beta:
+                out[name] = by_role[EMA][0]
+            elif ADAM_AVG in by_role and by_role[ADAM_AVG][1] == beta:
+                out[name] = by_role[ADAM_AVG][0]
+            elif HEAVY_BALL in by_role and by_role[HEAVY_BALL][1] == beta and source_decay == 0:
+                out[name] = by_role[HEAVY_BALL][0] * (1 - beta)
+        elif role == HEAVY_BALL:
+            if HEAVY_BALL in by_role and by_role[HEAVY_BALL][1] == beta:
+                out[name] = by_role[HEAVY_BALL][0]
+            elif EMA in by_role and by_role[EMA][1] == beta and group.get("weight_decay") == 0:
+                out[name] = by_role[EMA][0] / (1 - beta)
+    adam = {role: name for name, role in wanted.items() if role in _ADAM_ROLES}
+    if adam and all(r in by_role for r in _ADAM_ROLES) and by_role[ADAM_AVG][1] == _betas(group)[0]:
+        for role, name in adam.items():
+            value = by_role[role][0]
+            if role == ADAM_STEP:
+                value = (
+                    value.detach().to("cpu", torch.float32).reshape(())
+                    if isinstance(value, Tensor)
+                    else value
+                )
+                value = (
+                    torch.tensor(float(value), dtype=torch.float32)
+                    if not isinstance(value, Tensor)
+                    else value
+                )
+            out[name] = value
+    # copies: the caller's state dict must not share storage with buffers updated in place
+    return {name: v.clone() if isinstance(v, Tensor) else v for name, v in out.items()}
+
+
+def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
+    """``state_dict`` translated for ``optimizer``; ``ValueError`` naming the group or parameter
+    and the fix where it cannot be used. Reads ``state_dict`` and the optimizer, changes neither."""
+    check_state_layout(optimizer, state_dict)
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    default = target_family(optimizer)
+    groups: list[dict[str, Any]] = []
+    state: dict[Any, Any] = {}
+    owned = set()
+    for index, (saved, own) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        where = f"param group {index} of the state dict"
+        ids = saved["params"]
+        states = [saved_state.get(pid, {}) for pid in ids]
+        for j, s in enumerate(states):
+            if not isinstance(s, dict):
+                raise ValueError(
+                    f"{optimizer.param_name(own, j)}: its saved state is a {type(s).__name__}, not a dict "
+                    "of buffers; pass an optimizer's state_dict() unchanged"
+                )
+        family = source_family(saved, states, default)
+        group = adapt_group(optimizer, index, saved, family, own)
+        candidate = {**group, "params": own["params"]}
+        try:
+            optimizer.validate_group(candidate, where)
+        except (TypeError, ValueError) as e:
+            raise type(e)(
+                f"cannot load the state dict: {e}; correct that value in state_dict['param_groups'][{index}], "
+                "or load a state dict saved for this model"
+            ) from None
+        source_decay = saved.get("weight_decay", 0)
+        for j, (pid, saved_buffers, p) in enumerate(zip(ids, states, own["params"])):
+            owned.add(pid)
+            roles = _source_roles(family, saved, saved_buffers)
+            _check_buffers(optimizer, own, j, p, saved_buffers, roles)
+            wanted = optimizer.state_roles(candidate, p)
+            carried = carry_buffers(saved_buffers, roles, wanted, group, source_decay)
+            known = roles.keys() | wanted.keys() | _BUFFER_NAMES
+            extra = {
+                k: v.clone() if isinstance(v, Tensor) else v
+                for k, v in saved_buffers.items()
+                if k not in known
+            }
+            merged = {**extra, **carried}
+            if merged:  # in the saved order, so a same-optimizer round trip is the same dict
+                in_saved_order = {k: merged[k] for k in saved_buffers if k in merged}
+                state[pid] = {**in_saved_order, **merged}
+        groups.append(group)
+    for key, value in saved_state.items():
+        if key not in owned:
+            state[key] = value  # kept as torch keeps state of no parameter
+    return {"state": state, "param_groups": groups}
+
+
+def _check_buffers(optimizer, group, j, p: Tensor, buffers: dict[str, Any], roles) -> None:
+    """Every buffer this module would read must be a real floating tensor (``step``: a number)."""
+    for name in roles.keys() | (_BUFFER_NAMES & buffers.keys()):
+        value = buffers.get(name)
+        if value is None:
+            continue
+        where = f"{optimizer.param_name(group, j)}: saved state {name!r}"
+        if name == "step":
+            ok = (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ) or (isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex())
+            if not ok:
+                raise ValueError(f"{where} is {value!r}, not a step count; drop it to restart AdamW's count")
+        elif not (isinstance(value, Tensor) and value.is_floating_point()):
+            kind = f"a {value.dtype} tensor" if isinstance(value, Tensor) else repr(value)
+            raise ValueError(
+                f"{where} is {kind}, not a floating-point buffer; drop that entry to restart it from zero"
+            )
