@@ -240,13 +240,6 @@ def resume(yolo, last, *, with_fastmuon: bool):
     return seen
 
 
-RESUME_NEEDS_INTEROP = pytest.mark.xfail(
-    reason="fastmuon.MuSGD does not yet fill its own group keys (ns_steps, ...) when loading Ultralytics' state dict",
-    strict=False,
-)
-
-
-@RESUME_NEEDS_INTEROP
 def test_ultralytics_checkpoint_resumes_under_fastmuon(yolo):
     last = train(
         yolo,

@@ -57,24 +57,20 @@ def musgd_for_ultralytics(
     sgd: float = 0.5,
     **options: Any,
 ) -> MuSGD:
-    """A ``fastmuon.MuSGD`` from the arguments Ultralytics' MuSGD takes, in its order and defaults.
+    """A ``fastmuon.MuSGD`` from the arguments Ultralytics' MuSGD takes, in its order and defaults
+    (a group without ``use_muon`` takes the argument: SGD by default, as in Ultralytics).
 
-    A group that does not say ``use_muon`` gets the ``use_muon`` argument (SGD by default, as in
-    Ultralytics), written into the group so that checkpoints say it too. ``options`` are
-    fastmuon's own keywords (``ns_dtype``, ``ns_method``, ``compile``, ``nonfinite``, ...).
+    ``options`` are fastmuon's own keywords (``ns_dtype``, ``ns_method``, ``compile``, ...);
+    ``nonfinite`` defaults to :data:`ULTRALYTICS_NONFINITE`.
     """
-    groups = list(params)
-    if groups and isinstance(groups[0], dict):
-        groups = [{**g, "use_muon": g.get("use_muon", use_muon)} for g in groups]
-    else:
-        groups = [{"params": groups, "use_muon": use_muon}]
     options.setdefault("nonfinite", ULTRALYTICS_NONFINITE)
     return MuSGD(
-        groups,
+        params,
         lr=lr,
         momentum=momentum,
         weight_decay=weight_decay,
         nesterov=nesterov,
+        use_muon=use_muon,
         muon=muon,
         sgd=sgd,
         **options,
