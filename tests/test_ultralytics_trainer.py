@@ -24,7 +24,7 @@ from ultralytics_support import (
 
 import fastmuon
 import fastmuon.ultralytics as integration
-from fastmuon.bench.contenders import load_ultralytics_musgd
+from fastmuon.bench.contenders import Unavailable, load_ultralytics_musgd
 
 
 class Interrupted(Exception):
@@ -342,3 +342,30 @@ def test_fastmuon_yolo_command_runs_ultralytics_cli_with_the_integration(yolo, m
     finally:
         integration.uninstall()
     assert seen == {"argv": ["yolo", "train", "model=yolo26n.yaml", "optimizer=MuSGD"], "installed": True}
+
+
+def test_install_twice_then_uninstall_restores_ultralytics(yolo):
+    import ultralytics.engine.trainer as trainer_module
+    import ultralytics.utils.dist as dist
+
+    originals = trainer_module.MuSGD, dist.generate_ddp_file
+    integration.install()
+    integration.install(ns_dtype=torch.float32)
+    assert integration.installed() and trainer_module.MuSGD is not originals[0]
+    assert trainer_module.MuSGD([torch.nn.Parameter(torch.zeros(2, 2))]).defaults["ns_dtype"] == torch.float32
+    assert dist.generate_ddp_file.original is originals[1]  # wrapped once, not twice
+    integration.uninstall()
+    assert (trainer_module.MuSGD, dist.generate_ddp_file) == originals and not integration.installed()
+
+
+def test_musgd_for_ultralytics_takes_ultralytics_arguments_in_their_order():
+    import inspect
+
+    try:
+        theirs = inspect.signature(load_ultralytics_musgd()[0]).parameters
+    except Unavailable as e:
+        pytest.skip(str(e))
+    ours = inspect.signature(integration.musgd_for_ultralytics).parameters
+    shared = list(theirs)
+    assert list(ours)[: len(shared)] == shared
+    assert all(ours[n].default == theirs[n].default for n in shared)

@@ -29,10 +29,12 @@ the optimizer is built with ``nonfinite="ignore"`` unless :func:`install` is tol
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Iterable
 from typing import Any
 
+from . import __version__
 from .musgd import MuSGD
 
 #: fastmuon's choice for a NaN/Inf gradient under Ultralytics: carry on, as Ultralytics' MuSGD does,
@@ -132,7 +134,12 @@ class _Factory:
         self.options = options
 
     def __call__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> MuSGD:
-        return musgd_for_ultralytics(params, *args, **{**self.options, **kwargs})
+        optimizer = musgd_for_ultralytics(params, *args, **{**self.options, **kwargs})
+        logging.getLogger("ultralytics").info(
+            f"fastmuon: MuSGD is fastmuon.MuSGD {__version__} "
+            f"(ns_dtype={optimizer.defaults['ns_dtype']}, nonfinite={optimizer.nonfinite!r})"
+        )
+        return optimizer
 
     def __repr__(self) -> str:
         return f"fastmuon.ultralytics.musgd_for_ultralytics(**{self.options!r})"
