@@ -301,7 +301,8 @@ def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
     trainer = DetectionTrainer(overrides=run_args(yolo, "ddp", model="yolo26n.yaml", optimizer="MuSGD"))
     trainer.add_callback("on_pretrain_routine_end", RecordOptimizerAndStop(str(record)))
     with fastmuon_installed(ns_dtype=torch.float32):
-        worker_file = dist.generate_ddp_file(trainer)
+        command, worker_file = dist.generate_ddp_command(trainer)  # what BaseTrainer.train() runs
+    assert command[-1] == worker_file
     try:
         env = {**yolo["env"], "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
         # the worker file as Ultralytics' launcher runs it (as __main__, in a fresh interpreter),
