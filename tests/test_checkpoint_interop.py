@@ -246,6 +246,11 @@ def test_torch_adamw_checkpoint_loads_into_muon():
             adamw_reference_step(p, gp, st, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5
+    # another momentum than betas[0]: not the same average, so the matrices start from zero
+    other = clone(theirs)
+    opt = Muon([{"params": other[:3], "use_muon": True}, {"params": other[3:], "use_muon": False}], **F32)
+    opt.load_state_dict(t.state_dict())
+    assert all(not opt.state[p] for p in other[:3]) and all(opt.state[p] for p in other[3:])
 
 
 def test_musgd_checkpoint_into_muon_keeps_only_what_is_exact():

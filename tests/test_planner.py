@@ -238,7 +238,7 @@ def test_optimizer_accepts_calibrate():
     from fastmuon import MuSGD
 
     p = torch.nn.Parameter(torch.randn(8, 16))
-    opt = MuSGD([p], cost_model="calibrate", ns_dtype=torch.float32)
+    opt = MuSGD([p], use_muon=True, cost_model="calibrate", ns_dtype=torch.float32)
     p.grad = torch.randn(8, 16)
     opt.step()
     assert opt.plan().num_matrices == 1

@@ -232,7 +232,8 @@ def test_changing_parameter_sets_match_the_reference(kind):
     extra = make_params([(5, 7), (6, 4)], seed=1)
     ref = [p.detach().clone() for p in params + extra]
     opt = OPTIMIZERS[kind](params)
-    group = dict(opt.param_groups[0])
+    # the hyperparameters; without use_muon, the reference routes by ndim as by_ndim's groups do
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "use_muon"}
     reference = reference_musgd_step if kind == "musgd" else reference_muon_step
     ref_states: dict = {}
     schedule = {  # step -> indices into params + extra without a gradient
@@ -244,7 +245,7 @@ def test_changing_parameter_sets_match_the_reference(kind):
     }
     for step, missing in schedule.items():
         if step == 2:
-            opt.add_param_group({"params": extra, "lr": group["lr"] / 2})
+            opt.add_param_group({"params": extra, "lr": group["lr"] / 2, "use_muon": True})
         everything = params + extra
         everything[0].requires_grad_(step != 3)
         grads = random_grads(everything, 20 + step)

@@ -363,6 +363,10 @@ class MatrixOptimizer(Optimizer):
         is left as it was. Hooks run where torch runs them: pre-hooks first (on the state dict as
         given), post-hooks last, after this optimizer's own clean-up.
         """
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"load_state_dict takes an optimizer's state_dict() (a dict), got {type(state_dict).__name__}"
+            )
         state_dict = state_dict.copy()  # shallow, as torch's loader (a pre-hook may replace entries)
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, state_dict)

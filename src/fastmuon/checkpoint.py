@@ -12,9 +12,10 @@ from its defaults: the way torch fills keys an optimizer gained in a later versi
 key that belongs to the source optimizer's algorithm but not to this one (SGD's
 ``dampening``, AdamW's ``amsgrad``, Muon's ``adjust_lr_fn`` in MuSGD, ...) is dropped, and so
 is one whose meaning differs here: ``weight_decay`` between coupled (SGD, MuSGD, Adam) and
-decoupled (AdamW, Muon) decay; ``eps`` between Newton–Schulz's and AdamW's (in a Muon group
-that also holds matrices AdamW's ``eps`` becomes ``adamw_eps``). Other keys (a scheduler's
-``initial_lr``, ``param_names``, a trainer's own tags) stay.
+decoupled (AdamW, Muon) decay (an Adam group without torch's ``decoupled_weight_decay`` flag
+could be either, so its ``weight_decay`` is never taken); ``eps`` between Newton–Schulz's and
+AdamW's (in a Muon group that also holds matrices AdamW's ``eps`` becomes ``adamw_eps``). Other
+keys (a scheduler's ``initial_lr``, ``param_names``, a trainer's own tags) stay.
 
 **Buffers.** Each buffer follows one recurrence (``g`` the gradient, ``p`` the parameter,
 ``β`` the group's momentum, ``wd`` its weight decay), its *role*:
@@ -157,8 +158,8 @@ def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]
 
 
 def _decay_kind(family: str, group: dict[str, Any]) -> str:
-    if family == ADAM:
-        return "decoupled" if group.get("decoupled_weight_decay", False) else "coupled"
+    if family == ADAM:  # torch's Adam and AdamW share a class since 2.6; before, the key is absent
+        return {True: "decoupled", False: "coupled"}.get(group.get("decoupled_weight_decay"), "unknown")
     return "decoupled" if family == MUON else "coupled"
 
 
@@ -170,10 +171,8 @@ def _eps_kind(family: str, group: dict[str, Any]) -> str | None:
     return "ns"
 
 
-def adapt_group(
-    optimizer: Any, index: int, saved: dict[str, Any], family: str, own: dict[str, Any]
-) -> dict[str, Any]:
-    """The saved group as this optimizer's group ``index`` (``params`` kept as saved ids)."""
+def adapt_group(optimizer: Any, saved: dict[str, Any], family: str, own: dict[str, Any]) -> dict[str, Any]:
+    """The saved group as this optimizer's group ``own`` (``params`` kept as saved ids)."""
     target = target_family(optimizer)
     keys = optimizer.defaults.keys()
     group = {k: v for k, v in saved.items() if not (k in FAMILY_KEYS.get(family, ()) and k not in keys)}
@@ -204,20 +203,22 @@ def _source_roles(family: str, group: dict[str, Any], state: dict[str, Any]) -> 
         return {"momentum_buffer": (HEAVY_BALL, group.get("momentum"))}
     if family == ADAM:
         if group.get("maximize") or (
-            _decay_kind(ADAM, group) == "coupled" and group.get("weight_decay", 0) != 0
+            _decay_kind(ADAM, group) != "decoupled" and group.get("weight_decay", 0) != 0
         ):
             return {}
-        beta1 = _betas(group)[0]
-        return {"exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, None), "step": (ADAM_STEP, None)}
+        return _adam_roles(group)
     if family == MUON:
-        beta1 = _betas(group)[0]
-        roles = {"exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, None), "step": (ADAM_STEP, None)}
-        return {"momentum_buffer": (EMA, group.get("momentum")), **roles}
+        return {"momentum_buffer": (EMA, group.get("momentum")), **_adam_roles(group)}
     muon_half = "momentum_buffer_SGD" in state or group.get("use_muon") is True
     beta = group.get("momentum")
     if muon_half:
         return {"momentum_buffer": (EMA, beta), "momentum_buffer_SGD": (HEAVY_BALL, beta)}
     return {"momentum_buffer": (HEAVY_BALL, beta)}
+
+
+def _adam_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    beta1, beta2 = _betas(group)
+    return {"step": (ADAM_STEP, None), "exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, beta2)}
 
 
 def _betas(group: dict[str, Any]) -> tuple[Any, Any]:
@@ -250,7 +251,12 @@ def carry_buffers(
             elif EMA in by_role and by_role[EMA][1] == beta and group.get("weight_decay") == 0:
                 out[name] = by_role[EMA][0] / (1 - beta)
     adam = {role: name for name, role in wanted.items() if role in _ADAM_ROLES}
-    if adam and all(r in by_role for r in _ADAM_ROLES) and by_role[ADAM_AVG][1] == _betas(group)[0]:
+    betas = _betas(group)
+    if (
+        adam
+        and all(r in by_role for r in _ADAM_ROLES)
+        and (by_role[ADAM_AVG][1], by_role[ADAM_AVG_SQ][1]) == betas
+    ):
         for role, name in adam.items():
             value = by_role[role][0]
             if role == ADAM_STEP:
@@ -289,7 +295,7 @@ def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
                     "of buffers; pass an optimizer's state_dict() unchanged"
                 )
         family = source_family(saved, states, default)
-        group = adapt_group(optimizer, index, saved, family, own)
+        group = adapt_group(optimizer, saved, family, own)
         candidate = {**group, "params": own["params"]}
         try:
             optimizer.validate_group(candidate, where)
