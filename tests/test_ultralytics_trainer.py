@@ -357,6 +357,13 @@ def test_install_twice_then_uninstall_restores_ultralytics(yolo):
     assert dist.generate_ddp_file.original is originals[1]  # wrapped once, not twice
     integration.uninstall()
     assert (trainer_module.MuSGD, dist.generate_ddp_file) == originals and not integration.installed()
+    with pytest.raises(ValueError, match="muon.*train"):
+        integration.install(muon=0.3)  # the trainer passes its own
+    with pytest.raises(ValueError, match="ns_dtype"):
+        integration.install(ns_dtype="half")
+    with pytest.raises(TypeError, match="ns_stepz"):
+        integration.install(ns_stepz=3)
+    assert (trainer_module.MuSGD, dist.generate_ddp_file) == originals and not integration.installed()
 
 
 def test_musgd_for_ultralytics_takes_ultralytics_arguments_in_their_order():

@@ -34,6 +34,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from . import __version__
 from .musgd import MuSGD
 
@@ -43,6 +45,9 @@ ULTRALYTICS_NONFINITE = "ignore"
 
 #: the trainer event the DDP callback is filed under; any event works, it does nothing when run.
 _DDP_EVENT = "on_pretrain_routine_start"
+
+#: the arguments the trainer passes itself (through the groups or as keywords)
+_TRAINER_ARGUMENTS = ("lr", "momentum", "weight_decay", "nesterov", "use_muon", "muon", "sgd")
 
 #: (module, attribute) -> the object install() replaced; empty when not installed.
 _replaced: dict[tuple[Any, str], Any] = {}
@@ -85,6 +90,13 @@ def install(**options: Any) -> None:
     ``options`` go to every ``fastmuon.MuSGD`` built (e.g. ``ns_dtype=torch.float32``). Calling
     it again replaces the options; :func:`uninstall` restores Ultralytics' own classes.
     """
+    trainer_set = sorted(set(options) & set(_TRAINER_ARGUMENTS))
+    if trainer_set:
+        raise ValueError(
+            f"install() got {', '.join(trainer_set)}, which Ultralytics' trainer sets itself; pass them "
+            "to YOLO(...).train() (lr0=, momentum=, weight_decay=) instead"
+        )
+    musgd_for_ultralytics([torch.nn.Parameter(torch.zeros(2, 2))], **options)  # bad options fail here
     trainer_module, dist_module = _ultralytics_modules()
     original_generate = _replaced.get((dist_module, "generate_ddp_file"), dist_module.generate_ddp_file)
     _replace(trainer_module, "MuSGD", _Factory(options))
@@ -174,6 +186,12 @@ class _InstallInWorker:
 
     def __reduce__(self):
         return (_install_in_worker, (self.options,))
+
+    def __copy__(self) -> _InstallInWorker:  # copies stay in this process: no install() on the way
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _InstallInWorker:
+        return self
 
 
 def _install_in_worker(options: dict[str, Any]) -> _InstallInWorker:
