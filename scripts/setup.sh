@@ -17,6 +17,11 @@ fi
 if [[ ",$EXTRAS," == *,test,* ]]; then
   .venv/bin/python -m pip install -q -e ".[$EXTRAS,ultralytics]" torch==2.13.0 \
     || echo "setup: the [ultralytics] extra did not install; the trainer tests will skip" >&2
+  # PyPI's x86-64 torchvision is linked against the CUDA build of torch: beside the CPU build its
+  # import fails, and so does every import of transformers or lightning that reaches it. Such a
+  # torchvision is removed again (the trainer tests stand in for the NMS Ultralytics takes from it).
+  .venv/bin/python -c "import torchvision" 2>/dev/null \
+    || .venv/bin/python -m pip uninstall -q -y torchvision 2>/dev/null || true
 fi
 # Ultralytics' MuSGD, the peer the benchmark and one equivalence test compare with. Only its
 # optimizer module is used, which needs nothing but torch: --no-deps keeps its torchvision/OpenCV

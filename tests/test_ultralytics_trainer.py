@@ -15,10 +15,12 @@ import pytest
 import torch
 from ultralytics_support import (
     RecordOptimizerAndStop,
-    ensure_torchvision,
     import_unavailable_reason,
+    install_torchvision_stand_in,
     make_detection_dataset,
     offline_environment,
+    remove_torchvision_stand_in,
+    torchvision_works,
     train_arguments,
 )
 
@@ -35,19 +37,32 @@ class Interrupted(Exception):
 def yolo(tmp_path_factory):
     """An offline Ultralytics (settings, runs and DDP files under a temporary directory) and a dataset."""
     root = tmp_path_factory.mktemp("ultralytics")
+    stand_in = None if torchvision_works() else root / "torchvision-stand-in"
     with pytest.MonkeyPatch.context() as mp:
         for name, value in offline_environment(root).items():
             mp.setenv(name, value)
-        reason = import_unavailable_reason()
-        if reason is not None:
-            pytest.skip(f"Ultralytics' trainer cannot run here: {reason}")
-        ensure_torchvision()
-        import ultralytics.utils
+        if stand_in is not None:
+            install_torchvision_stand_in(stand_in)
+        try:
+            reason = import_unavailable_reason()
+            if reason is not None:
+                pytest.skip(f"Ultralytics' trainer cannot run here: {reason}")
+            import ultralytics.utils
 
-        if not str(ultralytics.utils.USER_CONFIG_DIR).startswith(str(root)):
-            pytest.skip("ultralytics was imported before its settings could be pointed at a temporary dir")
-        yield {"root": root, "data": make_detection_dataset(root / "data"), "env": offline_environment(root)}
-    integration.uninstall()
+            if not str(ultralytics.utils.USER_CONFIG_DIR).startswith(str(root)):
+                pytest.skip(
+                    "ultralytics was imported before its settings could be pointed at a temporary dir"
+                )
+            yield {
+                "root": root,
+                "data": make_detection_dataset(root / "data"),
+                "env": offline_environment(root),
+                "torchvision_stand_in": stand_in,
+            }
+        finally:
+            integration.uninstall()
+            if stand_in is not None:
+                remove_torchvision_stand_in(stand_in)
 
 
 @contextmanager
@@ -306,14 +321,16 @@ def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
     try:
         env = {**yolo["env"], "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
         # the worker file as Ultralytics' launcher runs it (as __main__, in a fresh interpreter),
-        # after the same torchvision check this process made
+        # with the torchvision this process has
         run_worker = (
-            "import runpy, sys, ultralytics_support; ultralytics_support.ensure_torchvision(); "
+            "import pathlib, runpy, sys, ultralytics_support as u\n"
+            "if sys.argv[2]: u.install_torchvision_stand_in(pathlib.Path(sys.argv[2]))\n"
             "runpy.run_path(sys.argv[1], run_name='__main__')"
         )
         env["PYTHONPATH"] = str(Path(__file__).parent)
+        stand_in = yolo["torchvision_stand_in"]
         done = subprocess.run(
-            [sys.executable, "-c", run_worker, worker_file],
+            [sys.executable, "-c", run_worker, worker_file, str(stand_in or "")],
             env=env,
             capture_output=True,
             text=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import sys
 import types
 from pathlib import Path
@@ -34,29 +35,57 @@ def import_unavailable_reason() -> str | None:
     return None
 
 
-def ensure_torchvision() -> str:
-    """Make ``import torchvision`` work for the trainer; says which torchvision it got.
+#: the torchvision release paired with the installed torch 2.13 (what Ultralytics expects to see)
+STAND_IN_TORCHVISION_VERSION = "0.28.0"
 
-    Ultralytics' validator imports torchvision, and its NMS then uses ``torchvision.ops.nms``.
-    PyPI's torchvision wheels for x86-64 are linked against the CUDA build of torch, so beside
-    the CPU build their native ops do not load and the import fails. Then a stand-in module with
-    ``ops.nms`` = Ultralytics' own pure-torch NMS is registered instead (only NMS is reached when
-    training a detector; it does not touch training itself)."""
+
+def torchvision_works() -> bool:
     try:
         import torchvision
 
         torchvision.ops.nms  # noqa: B018
-        return f"torchvision {torchvision.__version__}"
-    except Exception:
+        return True
+    except Exception:  # absent, or present but its native ops do not load beside this torch
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
-    from ultralytics.utils.nms import TorchNMS
+        return False
+
+
+def install_torchvision_stand_in(directory: Path) -> None:
+    """Stand in for a torchvision that cannot load here, for this process only.
+
+    Ultralytics reads torchvision's installed version when it is imported, its validator imports
+    torchvision, and its NMS then calls ``torchvision.ops.nms``. PyPI's x86-64 torchvision wheels
+    are linked against the CUDA build of torch, so beside the CPU build their import fails (the
+    setup script removes such a torchvision, since it also breaks transformers and lightning).
+    The stand-in is a version record in ``directory`` (put on ``sys.path``) and a module whose
+    ``ops.nms`` is Ultralytics' own pure-torch NMS: NMS is all a detector's training and
+    validation reach, and it plays no part in the optimizer steps under test.
+    """
+    record = directory / f"torchvision-{STAND_IN_TORCHVISION_VERSION}.dist-info"
+    record.mkdir(parents=True, exist_ok=True)
+    (record / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: torchvision\nVersion: {STAND_IN_TORCHVISION_VERSION}\n"
+    )
+    if str(directory) not in sys.path:
+        sys.path.append(str(directory))
+
+    def nms(boxes, scores, iou_threshold):
+        from ultralytics.utils.nms import TorchNMS
+
+        return TorchNMS.nms(boxes, scores, iou_threshold)
 
     stand_in = types.ModuleType("torchvision")
-    stand_in.ops = types.SimpleNamespace(nms=TorchNMS.nms)
-    stand_in.__version__ = "0.0 (stand-in: Ultralytics' TorchNMS)"
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
+    stand_in.__version__ = STAND_IN_TORCHVISION_VERSION
+    stand_in.ops = types.SimpleNamespace(nms=nms)
     sys.modules["torchvision"] = stand_in
-    return stand_in.__version__
+
+
+def remove_torchvision_stand_in(directory: Path) -> None:
+    sys.modules.pop("torchvision", None)
+    if str(directory) in sys.path:
+        sys.path.remove(str(directory))
 
 
 def make_detection_dataset(root: Path, images: int = 6, seed: int = 0) -> Path:
