@@ -346,14 +346,16 @@ def check_fsdp_reference() -> None:
     net, twin = sharded_net(11)
     opt = fastmuon.MuSGD(split_by_ns_dtype(fastmuon.param_groups(net)), ns_dtype=F32, **MUSGD_KW)
     groups = fastmuon.param_groups(twin)
-    use = {id(p): g.get("use_muon") for g in groups for p in g["params"]}
+    group_of = {id(p): g for g in groups for p in g["params"]}
     ref = [p.detach().clone() for p in twin.parameters()]
     states = [{} for _ in ref]
     for t in range(2):
         grads = fsdp_step(net, opt, t)
         for p, q, g, st in zip(twin.parameters(), ref, grads, states):
             if g is not None:
-                musgd_reference_step(q, g, st, use_muon=use[id(p)], **MUSGD_KW)
+                group = group_of[id(p)]  # its use_muon, and weight decay 0 for norms and biases
+                hyper = {**MUSGD_KW, "weight_decay": group.get("weight_decay", MUSGD_KW["weight_decay"])}
+                musgd_reference_step(q, g, st, use_muon=group["use_muon"], **hyper)
     check_reference("FSDP2 MuSGD", [p.full_tensor() for p in net.parameters()], ref)
     assert len({b.dtype for b in opt.last_plan.buckets}) == 2, opt.last_plan.describe()
     if dist.get_rank() == 0:

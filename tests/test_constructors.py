@@ -80,7 +80,7 @@ def test_a_group_without_use_muon_is_plain_sgd_as_in_ultralytics():
     assert opt.param_groups[0]["use_muon"] is True
     # fastmuon.param_groups says use_muon in every group, so its users see no change
     groups = fastmuon.param_groups(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3)))
-    assert [g["use_muon"] for g in MuSGD(groups).param_groups] == [True, False]
+    assert [g["use_muon"] for g in MuSGD(groups).param_groups] == [True, False, False]
 
 
 def test_muon_keeps_torch_optim_muons_signature_and_its_spectral_unclamped_mode():

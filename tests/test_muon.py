@@ -11,7 +11,7 @@ from helpers import (
     run_optimizer,
 )
 
-from fastmuon import Muon, param_groups
+from fastmuon import Muon
 from fastmuon.compute import cpu_low_precision
 
 HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
@@ -39,6 +39,7 @@ def test_matches_reference_with_adamw_for_vectors(nesterov, adjust_lr_fn, policy
         [{"params": ours[:n], "use_muon": True}, {"params": ours[n:], "use_muon": False}],
         **hp,
         adjust_lr_fn=adjust_lr_fn,
+        adamw_lr=ADAMW["lr"],
         ns_dtype=torch.float32,
         policy=policy,
     )
@@ -75,7 +76,7 @@ def test_adamw_part_matches_torch_adamw():
     run_optimizer(
         torch.optim.AdamW(theirs, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), theirs, grads
     )
-    run_optimizer(Muon([{"params": ours, "use_muon": False}], lr=0.01, weight_decay=0.1), ours, grads)
+    run_optimizer(Muon([{"params": ours, "use_muon": False}], adamw_lr=0.01, weight_decay=0.1), ours, grads)
     for o, t in zip(ours, theirs):
         assert rel_err(o.detach(), t.detach()) <= 1e-6
 
@@ -93,7 +94,7 @@ def test_adamw_part_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     run_optimizer(
         torch.optim.AdamW(theirs, lr=0.01, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), theirs, grads
     )
-    opt = Muon([{"params": ours, "use_muon": False}], lr=0.01, weight_decay=0.1)
+    opt = Muon([{"params": ours, "use_muon": False}], adamw_lr=0.01, weight_decay=0.1)
     run_checking_grads_untouched(opt, ours, grads)
     for o, t in zip(ours, theirs):
         assert rel_err(o.detach(), t.detach()) <= 1e-6
@@ -101,7 +102,7 @@ def test_adamw_part_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     assert all(float(opt.state[p]["step"]) == 3 for p in ours)
     low = make_params([(10,)], dtype=torch.bfloat16)
     fused_sizes.clear()
-    run_optimizer(Muon([{"params": low, "use_muon": False}], lr=0.01), low, make_grads(low, steps=1))
+    run_optimizer(Muon([{"params": low, "use_muon": False}], adamw_lr=0.01), low, make_grads(low, steps=1))
     assert fused_sizes == []
 
 
@@ -115,42 +116,3 @@ def test_use_muon_absent_splits_by_ndim_and_foreach_false_agrees():
     for x, y, r in zip(a, b, ref):
         assert rel_err(x.detach(), r) <= 1e-5
         assert rel_err(y.detach(), r) <= 1e-5
-
-
-def test_param_groups_split():
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(50, 16),
-        torch.nn.Linear(16, 32),
-        torch.nn.LayerNorm(32),
-        torch.nn.Conv1d(32, 32, 3),
-        torch.nn.Linear(32, 50),
-    )
-    model[1].bias.requires_grad_(False)
-    groups = param_groups(model, lr=0.5)
-    assert [g["use_muon"] for g in groups] == [True, False]
-    assert groups[0]["param_names"] == ["1.weight", "3.weight"]
-    assert groups[1]["param_names"] == ["0.weight", "2.weight", "2.bias", "3.bias", "4.weight", "4.bias"]
-    assert all(g["lr"] == 0.5 for g in groups)
-    opt = Muon(groups)
-    assert [len(g["params"]) for g in opt.param_groups] == [2, 6]
-
-
-def test_param_groups_train_a_model():
-    model = torch.nn.Sequential(
-        torch.nn.Embedding(20, 8),
-        torch.nn.Flatten(),
-        torch.nn.Linear(24, 16),
-        torch.nn.ReLU(),
-        torch.nn.Linear(16, 20),
-    )
-    opt = Muon(param_groups(model, lr=0.02), ns_dtype=torch.float32)
-    x = torch.randint(0, 20, (64, 3))
-    y = torch.randint(0, 20, (64,))
-    losses = []
-    for _ in range(30):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.7 * losses[0]

@@ -92,12 +92,12 @@ def test_muon_contender_splits_matrices_from_adamw_params():
     corpus = load_char_corpus(max_chars=5_000)
     model = CharTransformer(corpus.vocab_size, block=8, dim=16, layers=1, heads=2)
     opt = CONTENDERS["muon"].build(model, "chars", torch.float32)
-    by_muon = {g["use_muon"]: g for g in opt.param_groups}
-    assert set(by_muon[True]["param_names"]) == {
+    muon, other, no_decay = opt.param_groups
+    assert muon["use_muon"] and not other["use_muon"] and not no_decay["use_muon"]
+    assert set(muon["param_names"]) == {
         f"blocks.0.{name}.weight" for name in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")
     }
-    assert (
-        "tok_emb.weight" in by_muon[False]["param_names"] and "head.weight" in by_muon[False]["param_names"]
-    )
-    assert by_muon[False]["lr"] == CONTENDERS["muon"].hparams["chars"]["adamw_lr"]
-    assert [g["use_muon"] for g in param_groups(model)] == [True, False]
+    assert set(other["param_names"]) == {"tok_emb.weight", "pos_emb.weight", "head.weight"}
+    assert other["lr"] == no_decay["lr"] == CONTENDERS["muon"].hparams["chars"]["adamw_lr"]
+    assert no_decay["weight_decay"] == 0 and other["weight_decay"] == muon["weight_decay"] > 0
+    assert [g["use_muon"] for g in param_groups(model)] == [True, False, False]

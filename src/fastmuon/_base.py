@@ -23,6 +23,7 @@ from .nonfinite import (
     finite_flags,
     raise_if_nonfinite,
 )
+from .param_names import agree_on_names, restore_names
 from .planner import POLICIES, CostModel, Plan, plan_buckets
 
 _PLAN_CACHE_SIZE = 4
@@ -111,6 +112,7 @@ class MatrixOptimizer(Optimizer):
 
     # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group, held_names = agree_on_names(param_group, self.param_groups)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         group = self.param_groups[index]
@@ -124,6 +126,7 @@ class MatrixOptimizer(Optimizer):
                 )
         self._plans.clear()
         self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
+        restore_names(self.param_groups, held_names)
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
         lr = group["lr"]

@@ -22,6 +22,7 @@ from .transforms import ADJUST_LR, lr_scale
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
+ADAMW_LR = 3e-4
 
 
 class Muon(MatrixOptimizer):
@@ -35,7 +36,8 @@ class Muon(MatrixOptimizer):
     Args:
         params: parameters, ``(name, parameter)`` pairs, or param groups (dicts); a group may set
             ``use_muon`` and any of the per-group hyperparameters below.
-        lr: learning rate (a float, or a 1-element tensor), of Muon and AdamW alike.
+        lr: learning rate (a float, or a 1-element tensor) of Muon, and of AdamW in groups
+            that hold matrices too.
         weight_decay: decoupled weight decay, ``p ← p·(1 − lr·weight_decay)``, both parts.
         momentum: ``β`` in [0, 1) of Muon's EMA momentum.
         nesterov: Nesterov momentum for Muon (a bool).
@@ -47,6 +49,9 @@ class Muon(MatrixOptimizer):
         ns_method: "auto", "standard", "gram" or "eigh" (as in :class:`~fastmuon.MuSGD`).
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         betas: AdamW's ``(β1, β2)``, default (0.9, 0.95).
+        adamw_lr: AdamW's learning rate in ``use_muon=False`` groups that do not set their own
+            ``lr`` (default 3e-4: Muon's learning rates are far too large for AdamW); in a group
+            that also holds matrices, ``lr`` is shared.
         adamw_eps: AdamW's eps in groups that also hold matrices, default 1e-8; in a
             ``use_muon=False`` group AdamW uses the group's ``eps`` (default 1e-8 there).
         foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter loop.
@@ -77,6 +82,7 @@ class Muon(MatrixOptimizer):
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
+        adamw_lr: float = ADAMW_LR,
         foreach: bool | None = None,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
@@ -99,6 +105,8 @@ class Muon(MatrixOptimizer):
             adamw_eps=adamw_eps,
         )
         self.foreach = check_foreach(foreach)
+        check_nonnegative("adamw_lr", adamw_lr, "Muon")
+        self.adamw_lr = adamw_lr
         super().__init__(
             params,
             defaults,
@@ -111,8 +119,11 @@ class Muon(MatrixOptimizer):
         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if param_group.get("use_muon") is False and "eps" not in param_group:
-            param_group = {**param_group, "eps": ADAMW_EPS}
+        if isinstance(param_group, dict) and param_group.get("use_muon") is False:
+            adamw_defaults = {"eps": ADAMW_EPS, "lr": self.adamw_lr}
+            missing = {k: v for k, v in adamw_defaults.items() if k not in param_group}
+            if missing:
+                param_group = {**param_group, **missing}
         super().add_param_group(param_group)
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:

@@ -43,13 +43,7 @@ def _musgd(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optim
 
 def _muon(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
     # Matrices: Muon at ``lr``; embeddings, head, norms, biases: AdamW at ``adamw_lr``.
-    hp = dict(hp)
-    adamw_lr = hp.pop("adamw_lr")
-    groups = param_groups(model)
-    for g in groups:
-        if not g["use_muon"]:
-            g["lr"] = adamw_lr
-    return Muon(groups, nesterov=True, ns_dtype=ns_dtype, **hp)
+    return Muon(param_groups(model), nesterov=True, ns_dtype=ns_dtype, **hp)
 
 
 def _sgd(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:

@@ -70,8 +70,8 @@ class TransformerBlock(nn.Module):
 class CharTransformer(nn.Module):
     """A small GPT-style next-character model: token + position embeddings, blocks, LN, head.
 
-    The head is the last ``nn.Linear`` registered, so ``param_groups`` keeps it (like the
-    embeddings) out of the Muon group.
+    The output layer is named ``head``, so ``param_groups`` keeps it (like the embeddings) out
+    of the Muon group.
     """
 
     def __init__(self, vocab_size: int, block: int = 64, dim: int = 128, layers: int = 2, heads: int = 4):
