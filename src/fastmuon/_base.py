@@ -405,7 +405,7 @@ class MatrixOptimizer(Optimizer):
         """
         if self.last_plan is not None:
             return self.last_plan
-        if not getattr(self, "foreach", True):
+        if getattr(self, "foreach", None) is False:
             return self._empty_plan("foreach=False runs the per-parameter loop, nothing is batched")
         if self.process_group is not None or self._sharded:
             return self._empty_plan("no step taken yet (a distributed plan is built by the first step)")
