@@ -321,6 +321,7 @@ class MatrixOptimizer(Optimizer):
         self.last_plan = engine.plan
         return engine
 
+    @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
     def _build(self, params, configs, policy) -> Orthogonalizer:
         if self.process_group is not None or self._global_of:
             from .distributed import build_distributed
