@@ -105,22 +105,22 @@ class MatrixOptimizer(Optimizer):
         a refused group leaves the optimizer exactly as it was. The constructor adds its groups
         through here too."""
         if isinstance(param_group, dict) and "params" in param_group:
-            param_group = self._check_candidate(param_group)
+            # the caller's dict becomes the group (as in torch), but only once it has passed
+            param_group["params"] = self._check_candidate(param_group)
         super().add_param_group(param_group)
         self._plans.clear()
         self._sharded = self._sharded or any(is_dtensor(p) for p in param_group["params"])
 
-    def _check_candidate(self, param_group: dict[str, Any]) -> dict[str, Any]:
-        """Validate the group ``param_group`` would become; returns it with ``params`` as a list
-        (an iterator given there is read once, here)."""
+    def _check_candidate(self, param_group: dict[str, Any]) -> Any:
+        """Validate the group ``param_group`` would become (a copy, filled with the defaults);
+        returns its ``params`` as a list (an iterator given there is read once, here)."""
         params = param_group["params"]
         if isinstance(params, set):
-            return param_group  # torch refuses sets (no stable order) with its own message
+            return params  # torch refuses sets (no stable order) with its own message
         params = [params] if isinstance(params, Tensor) else list(params)
-        param_group = {**param_group, "params": params}
         tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
         if not all(isinstance(t, Tensor) for t in tensors):
-            return param_group  # torch refuses non-tensors with its own message
+            return params  # torch refuses non-tensors with its own message
         candidate = {**self.defaults, **param_group, "params": tensors}
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
@@ -128,7 +128,7 @@ class MatrixOptimizer(Optimizer):
         self.validate_group(candidate, f"param group {len(self.param_groups)}")
         for j, p in enumerate(tensors):
             self._check_param(candidate, j, p)
-        return param_group
+        return params
 
     def _check_param(self, group: dict[str, Any], j: int, p: Tensor) -> None:
         if p.is_complex():
