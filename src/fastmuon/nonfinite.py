@@ -131,28 +131,24 @@ def _memory_view(t: Tensor) -> Tensor | None:
 class _Group:
     """Tensors of one (device, dtype): snapshotted into one flat copy and restored with one ``where``.
 
-    The flat views are taken afresh for the snapshot and for the restore: a view kept across
-    the step would be a view of a parameter that the step modifies in place, which autograd
-    (and ``torch.compile``, which inspects every tensor it is handed) refuses to read.
+    The flat views are views of detached tensors: a view of a parameter that requires grad,
+    taken before the step modifies the parameter in place, would be one that autograd (and
+    ``torch.compile``, which inspects every tensor it is handed) refuses to read afterwards.
     """
 
-    def __init__(self, tensors: list[Tensor], flags: list[Tensor]):
-        self.tensors = tensors
+    def __init__(self, views: list[Tensor], flags: list[Tensor]):
+        self.views = views
         self.flags = flags
-        self.sizes = [t.numel() for t in tensors]
-        self.snapshot = torch.cat(self._views())
+        self.sizes = [v.numel() for v in views]
+        self.snapshot = torch.cat(views)
         # An asynchronous host-to-device copy: the host does not wait for the device.
         self.repeats = torch.tensor(self.sizes).to(self.snapshot.device, non_blocking=True)
 
-    def _views(self) -> list[Tensor]:
-        return [_memory_view(t) for t in self.tensors]  # type: ignore[misc]
-
     def restore(self) -> None:
-        views = self._views()
         keep = _flags_on(self.flags, self.snapshot.device)
         mask = torch.repeat_interleave(keep, self.repeats, output_size=self.snapshot.numel())
-        merged = torch.where(mask, torch.cat(views), self.snapshot, out=self.snapshot)
-        torch._foreach_copy_(views, list(merged.split(self.sizes)))
+        merged = torch.where(mask, torch.cat(self.views), self.snapshot, out=self.snapshot)
+        torch._foreach_copy_(self.views, list(merged.split(self.sizes)))
 
 
 def _flags_on(flags: list[Tensor], device: torch.device) -> Tensor:
@@ -184,10 +180,11 @@ class SkipGuard:
         self._loose: list[tuple[Tensor, Tensor, Tensor]] = []  # non-dense tensors, copied one by one
         for p, flag, state in zip(params, flags, states):
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
-                if memory_order(t) is None:
+                view = _memory_view(t.detach())
+                if view is None:
                     self._loose.append((t, t.clone(), flag))
                 else:
-                    grouped.setdefault((t.device, t.dtype), []).append((t, flag))
+                    grouped.setdefault((t.device, t.dtype), []).append((view, flag))
         self._groups = []
         for entries in grouped.values():
             entries.sort(key=lambda e: str(e[1].device))  # adjacent by flag device (stable)
