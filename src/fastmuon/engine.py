@@ -266,8 +266,13 @@ class Orthogonalizer:
     @staticmethod
     def _reuses_memory(batch: Tensor) -> bool:
         """Keep NS results and temporaries between steps: on CPUs (see :class:`ScratchArena`),
-        up to :data:`REUSE_MAX_ROWS`."""
-        return batch.device.type == "cpu" and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
+        up to :data:`REUSE_MAX_ROWS`, and not while ``torch.compile`` traces the step (see
+        :func:`_compiling`)."""
+        return (
+            batch.device.type == "cpu"
+            and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
+            and not _compiling()
+        )
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
@@ -291,8 +296,11 @@ class Orthogonalizer:
 
         CPU only, and only where every bucket computes in its tensors' dtype (else ``None``, and
         the sources are packed, cast included): on a GPU the strided per-tensor writes would cost
-        a launch per matrix, where a pack costs two.
+        a launch per matrix, where a pack costs two. Never while ``torch.compile`` traces the
+        step (see :func:`_compiling`).
         """
+        if _compiling():
+            return None
         if self._input_views is None:
             views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
             for b, bucket in enumerate(self.plan.buckets):
@@ -392,6 +400,17 @@ class Orthogonalizer:
         layout.logical_view(flat, count).copy_(run.slots(out))
         for j, i in enumerate(run.tensors):
             results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (e.g. a user's ``torch.compile(opt.step)``).
+
+    Then the compiler plans memory itself, and the engine hands it no kept buffers to write into:
+    views of one kept buffer written in place are aliased, mutated graph inputs, which the
+    compiler handles poorly (copies, recompiles) and, once it has made their sizes dynamic (a
+    changed plan), not at all.
+    """
+    return torch.compiler.is_compiling()
 
 
 @functools.cache

@@ -38,6 +38,12 @@ class MatrixItem:
     decay: float = 1.0  # 1 − lr·wd for decoupled weight decay
 
 
+def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
+    """The matrices split by what their momentum step shares (β, Nesterov, device, dtype), in
+    the order the batched path hands them to the engine (and so to the planner)."""
+    return list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+
+
 def multi_tensor_matrix_update(
     items: list[MatrixItem], orthogonalize: Orthogonalize, ns_inputs: NSInputs | None = None
 ) -> None:
@@ -47,7 +53,7 @@ def multi_tensor_matrix_update(
     buffers where the engine offers them (a CPU), instead of into fresh tensors that the engine
     then copies in: one pass over the matrices and an allocation fewer.
     """
-    parts = list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+    parts = batch_order(items)
     ordered = [i for part in parts for i in part]
     if not ordered:
         return

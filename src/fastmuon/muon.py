@@ -65,6 +65,8 @@ class Muon(MatrixOptimizer):
     Ultralytics' MuSGD (see :mod:`fastmuon.checkpoint`).
     """
 
+    _COPIED = (*MatrixOptimizer._COPIED, "adamw_lr")
+
     def __init__(
         self,
         params,

@@ -129,7 +129,12 @@ def _memory_view(t: Tensor) -> Tensor | None:
 
 
 class _Group:
-    """Tensors of one (device, dtype): snapshotted into one flat copy and restored with one ``where``."""
+    """Tensors of one (device, dtype): snapshotted into one flat copy and restored with one ``where``.
+
+    The flat views are views of detached tensors: a view of a parameter that requires grad,
+    taken before the step modifies the parameter in place, would be one that autograd (and
+    ``torch.compile``, which inspects every tensor it is handed) refuses to read afterwards.
+    """
 
     def __init__(self, views: list[Tensor], flags: list[Tensor]):
         self.views = views
@@ -175,7 +180,7 @@ class SkipGuard:
         self._loose: list[tuple[Tensor, Tensor, Tensor]] = []  # non-dense tensors, copied one by one
         for p, flag, state in zip(params, flags, states):
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
-                view = _memory_view(t)
+                view = _memory_view(t.detach())
                 if view is None:
                     self._loose.append((t, t.clone(), flag))
                 else:

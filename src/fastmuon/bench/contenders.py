@@ -193,7 +193,8 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
     computed = useful if not getattr(opt, "foreach", True) else None
-    contender = Contender(name, [opt], wb.ns_dtype, note, plan=opt.plan, ns_useful_flops=useful)
+    plan = opt.plan if computed is None else (lambda: None)  # the loop batches nothing
+    contender = Contender(name, [opt], wb.ns_dtype, note, plan=plan, ns_useful_flops=useful)
     contender.ns_flops, contender.workspaces = computed, workspaces
     contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
     return contender
