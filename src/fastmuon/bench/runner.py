@@ -24,8 +24,6 @@ from torch import nn
 
 from ..compute import synchronize
 from .contenders import (
-    CONTENDER_LABELS,
-    CONTENDERS,
     Contender,
     Unavailable,
     Workbench,
@@ -33,6 +31,7 @@ from .contenders import (
     dtype_label,
 )
 from .counter import KernelCounter
+from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
