@@ -13,6 +13,7 @@ import torch
 from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
 from .contenders import OPTIMIZERS
+from .cpuclass import cpu_facts, describe_cpu
 from .manifest import ManifestError
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
@@ -167,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     threads, why_threads = choose_threads(args.threads, load_before)
     torch.set_num_threads(threads)
     print(f"threads: {threads} ({why_threads})", flush=True)
+    print(describe_cpu(cpu_facts()), flush=True)
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)

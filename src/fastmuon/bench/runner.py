@@ -3,7 +3,8 @@
 Order of work per contender: ``warmup`` timed steps (state and plans get built in the first;
 the last one sets how many steps a round gets within the time budget, so with one warm-up a
 plan-building step would set it and leave a median of a handful of steps), one probe step
-under the kernel counter and the allocation tracker (not timed: both add overhead), then
+under the kernel counter and the allocation tracker and a few under the profiler for the host
+time (not timed: all add overhead), then
 ``rounds`` rounds of ``steps`` timed steps, the contenders taking turns (A B C A B C …) so
 that drifts of the machine (clock, other load) hit every contender alike. A contender with a
 batching plan has its NS floor measured in the same rounds (see :mod:`.probe`): the plan's
@@ -31,10 +32,15 @@ from .contenders import (
     dtype_label,
 )
 from .counter import KernelCounter
+from .hosttime import host_ms
 from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
+
+
+#: profiled steps per contender for its host time (not timed: the profiler adds overhead)
+HOST_STEPS = 3
 
 
 @dataclass
@@ -64,6 +70,7 @@ class Result:
     skipped: str | None = None
     times_ms: list[float] = field(default_factory=list)
     kernels_per_step: int | None = None
+    host_ms: float | None = None  # Python time per step outside operator calls (see .hosttime)
     top_ops: dict[str, int] = field(default_factory=dict)
     ns_flops: int | None = None
     ns_useful_flops: int | None = None
@@ -206,6 +213,7 @@ def run_benchmark(
         with KernelCounter() as counter:
             peak, _ = peak_extra_bytes(c.step, device)
         _fill_static_figures(r, c, counter, peak)
+        r.host_ms = round(host_ms(c.step, HOST_STEPS), 3)
         active.append((c, steps))
         progress("ready", c.name, 1, 1)
 
