@@ -121,7 +121,9 @@ def heavyball_contender(wb: Workbench) -> Contender:
 def pytorch_optimizer_groups(matrices: list[dict], others: list[dict]) -> list[dict]:
     """Groups flagged ``use_muon`` as its docstring shows (it steps the rest with its AdamW)."""
     muon_keys = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps")
-    groups = [{k: g[k] for k in muon_keys if k in g} | {"params": g["params"], "use_muon": True} for g in matrices]
+    groups = [
+        {k: g[k] for k in muon_keys if k in g} | {"params": g["params"], "use_muon": True} for g in matrices
+    ]
     groups += [
         {"params": g["params"], "use_muon": False, "lr": g["lr"], "betas": OTHER_BETAS}
         | {"weight_decay": g.get("weight_decay", 0.0)}

@@ -38,7 +38,6 @@ from .manifest import Manifest
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
 
-
 #: profiled steps per contender for its host time (not timed: the profiler adds overhead)
 HOST_STEPS = 3
 
