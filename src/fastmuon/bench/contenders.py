@@ -49,6 +49,7 @@ class Workbench:
     policy: str
     ns_method: str = "auto"
     cost_model: str = "device"
+    step_mode: str = "eager"
 
     def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
         """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own."""
@@ -183,6 +184,8 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model
     )
+    if wb.step_mode == "compiled" and "capturable" in inspect.signature(cls).parameters:
+        kwargs["capturable"] = True  # the step's graph-capture-safe form, where the class offers one
     opt = cls(
         wb.groups(),
         ns_dtype=wb.ns_dtype,

@@ -119,7 +119,7 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 f"{s['median_ms']:.1f}",
                 "-" if r.host_ms is None else f"{r.host_ms:.2f}",
                 f"{s['min_ms']:.1f}–{s['max_ms']:.1f}",
-                str(r.kernels_per_step),
+                "-" if r.kernels_per_step is None else str(r.kernels_per_step),
                 _flops(r),
                 "-" if r.padding_overhead is None else f"{100 * r.padding_overhead:.1f}%",
                 _mib((r.state_bytes or 0) + (r.workspace_bytes or 0)),
@@ -137,7 +137,8 @@ def describe(document: dict[str, Any]) -> list[str]:
         f"workload {w['model']}: {w['params']} tensors, {w['numel'] / 1e6:.2f}M values, "
         f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims); {w['source']}",
         f"optimizer {s['optimizer']}, device {s['device']}, ns_dtype {s['ns_dtype']} ({s['ns_dtype_why']}), "
-        f"policy {s['policy']}, {s['rounds']} interleaved rounds",
+        f"policy {s['policy']}, {s['rounds']} interleaved rounds"
+        + (f", steps {s['step_mode']}" if s.get("step_mode", "eager") != "eager" else ""),
         f"machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} with {m['num_threads']} threads, "
         f"fastmuon {m['fastmuon']}" + (f", GPU {m['gpu']}" if "gpu" in m else ""),
     ]
@@ -278,7 +279,7 @@ def write_plot(path: str | Path, document: dict[str, Any]) -> bool:
     bars = ax_t.barh(names, med, xerr=err, color="tab:blue")
     ax_t.bar_label(bars, labels=[f"{m:.1f}" for m in med], padding=3, fontsize=8)
     ax_t.set_xlabel("ms per step (median, min–max)")
-    kernels = [r["kernels_per_step"] for r in ran]
+    kernels = [r["kernels_per_step"] or 0 for r in ran]
     ax_k.bar_label(ax_k.barh(names, kernels, color="tab:orange"), padding=3, fontsize=8)
     ax_k.set_xscale("log")
     ax_k.set_xlabel("kernels per step (ATen ops, log scale)")

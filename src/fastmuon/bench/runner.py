@@ -38,6 +38,11 @@ from .manifest import Manifest
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
 
+#: how each contender's step runs: as written, or wrapped in torch.compile's "reduce-overhead"
+#: mode, which on CUDA captures the compiled step in CUDA graphs and replays them
+STEP_MODES = ("eager", "compiled")
+COMPILE_MODE = "reduce-overhead"
+
 #: profiled steps per contender for its host time (not timed: the profiler adds overhead)
 HOST_STEPS = 3
 
@@ -57,6 +62,7 @@ class Settings:
     max_steps: int = 20
     max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
     seed: int = 0
+    step_mode: str = "eager"  # or "compiled": see STEP_MODES
 
 
 @dataclass
@@ -176,8 +182,12 @@ def run_benchmark(
         settings.policy,
         settings.ns_method,
         settings.cost_model,
+        settings.step_mode,
     )
     contenders, unavailable = build_contenders(wb)
+    if settings.step_mode == "compiled":
+        for c in contenders:
+            compile_step(c)
     results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
 
     rates: dict[torch.dtype, float] = {}
@@ -202,15 +212,24 @@ def run_benchmark(
         progress("warmup", c.name, 0, 1)
         try:
             calibration = timer.time_steps(c.step, max(1, settings.warmup))[-1]
-        except Exception as e:  # a third-party optimizer failing on this workload
-            r.skipped = f"failed on its first step: {type(e).__name__}: {e}"
+        except Exception as e:  # a third-party optimizer failing on this workload, or on capture
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            r.skipped = (
+                f"not supported with torch.compile(mode={COMPILE_MODE!r}) of its step: {why}"
+                if settings.step_mode == "compiled"
+                else f"failed on its first step: {why}"
+            )
             continue
         steps = settings.steps or max(
             1, min(settings.max_steps, math.floor(1e3 * settings.budget_s / (settings.rounds * calibration)))
         )
         synchronize(device)
-        with KernelCounter() as counter:
+        if settings.step_mode == "compiled":  # a dispatch mode would change what runs: not counted
+            counter = None
             peak, _ = peak_extra_bytes(c.step, device)
+        else:
+            with KernelCounter() as counter:
+                peak, _ = peak_extra_bytes(c.step, device)
         _fill_static_figures(r, c, counter, peak)
         r.host_ms = round(host_ms(c.step, HOST_STEPS), 3)
         active.append((c, steps))
@@ -256,9 +275,16 @@ def run_benchmark(
     return [*results.values(), *unavailable], facts
 
 
-def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter, peak: int) -> None:
-    r.kernels_per_step = counter.count
-    r.top_ops = dict(counter.ops.most_common(8))
+def compile_step(c: Contender) -> None:
+    """Replace ``c``'s step with ``torch.compile(step, mode=COMPILE_MODE)`` (compiled on first call)."""
+    c.step = torch.compile(c.step, mode=COMPILE_MODE)
+    c.note = f"step in torch.compile(mode={COMPILE_MODE!r}); " + c.note
+
+
+def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter | None, peak: int) -> None:
+    if counter is not None:
+        r.kernels_per_step = counter.count
+        r.top_ops = dict(counter.ops.most_common(8))
     r.peak_extra_bytes = peak
     r.state_bytes = c.state_bytes()
     r.workspace_bytes = c.workspace_bytes()
