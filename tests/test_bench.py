@@ -323,6 +323,7 @@ def test_cpu_facts_say_where_bf16_ns_really_runs():
         (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
         (["--max-step-seconds", "-1"], "--max-step-seconds must be 0 or more"),
+        (["--contenders", "fastmuon,adam"], "--contenders: 'adam' is none of --optimizer musgd's: fastmuon,"),
     ],
 )
 def test_bench_usage_mistakes_exit_2_before_running(tmp_path, capsys, extra, message):
@@ -334,7 +335,7 @@ def test_bench_usage_mistakes_exit_2_before_running(tmp_path, capsys, extra, mes
     assert message in captured.err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine where torch sees no GPU")
 def test_bench_device_cuda_without_cuda_is_a_usage_mistake(capsys):
     assert main(["bench", "--device", "cuda", "--quiet"]) == 2
     err = capsys.readouterr().err

@@ -15,10 +15,11 @@ from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
 from .contenders import OPTIMIZERS
 from .cpuclass import cpu_facts, describe_cpu
+from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import ManifestError
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
-from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark
+from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark, selected
 from .workloads import WORKLOADS, resolve_workload
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"compiled: every contender's step wrapped in torch.compile(mode={COMPILE_MODE!r}), which "
         "on CUDA captures it in CUDA graphs; a contender that cannot be compiled is listed as not supported",
     )
+    p.add_argument(
+        "--contenders",
+        metavar="NAMES",
+        default=None,
+        help="comma-separated contenders to run (name prefixes, any case, e.g. 'fastmuon,ultralytics'); "
+        "unset: all of the optimizer's lineup",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
     p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
@@ -137,6 +145,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         max_step_s=args.max_step_seconds,
         seed=args.seed,
         step_mode=args.step_mode,
+        contenders=_chosen(args.contenders),
     )
     return settings, why
 
@@ -182,9 +191,17 @@ def usage_error(args: argparse.Namespace) -> str | None:
         problem = output_path_problem(getattr(args, option))
         if problem:
             return f"--{option} {getattr(args, option)}: {problem}"
+    labels = [CONTENDER_LABELS[f] for f in CONTENDERS[args.optimizer]]
+    for name in _chosen(args.contenders) or ():
+        if not any(selected(label, (name,)) for label in labels):
+            return f"--contenders: {name!r} is none of --optimizer {args.optimizer}'s: {', '.join(labels)}"
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib: pip install 'fastmuon[bench]'"
     return None
+
+
+def _chosen(names: str | None) -> tuple[str, ...] | None:
+    return None if names is None else tuple(n.strip() for n in names.split(",") if n.strip())
 
 
 def output_path_problem(path: str | None) -> str | None:

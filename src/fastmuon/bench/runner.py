@@ -63,6 +63,7 @@ class Settings:
     max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
     seed: int = 0
     step_mode: str = "eager"  # or "compiled": see STEP_MODES
+    contenders: tuple[str, ...] | None = None  # label prefixes to run (None: the whole lineup)
 
 
 @dataclass
@@ -118,10 +119,19 @@ def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.
     return params
 
 
-def build_contenders(wb: Workbench) -> tuple[list[Contender], list[Result]]:
+def selected(label: str, chosen: tuple[str, ...] | None) -> bool:
+    """Is the contender called ``label`` among ``chosen`` (label prefixes, any case; None: all)?"""
+    return chosen is None or any(label.lower().startswith(c.strip().lower()) for c in chosen)
+
+
+def build_contenders(
+    wb: Workbench, chosen: tuple[str, ...] | None = None
+) -> tuple[list[Contender], list[Result]]:
     contenders, skipped = [], []
     for factory in CONTENDERS[wb.optimizer]:
         label = CONTENDER_LABELS.get(factory, factory.__name__)
+        if not selected(label, chosen):
+            continue
         try:
             contenders.append(factory(wb))
         except Unavailable as e:
@@ -184,7 +194,7 @@ def run_benchmark(
         settings.cost_model,
         settings.step_mode,
     )
-    contenders, unavailable = build_contenders(wb)
+    contenders, unavailable = build_contenders(wb, settings.contenders)
     if settings.step_mode == "compiled":
         for c in contenders:
             compile_step(c)
