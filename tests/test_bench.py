@@ -373,3 +373,14 @@ def test_a_step_that_cannot_be_compiled_is_a_not_supported_row(tmp_path, monkeyp
                 "not supported with torch.compile(mode='reduce-overhead') of its step: "
                 "RuntimeError: capture refused"
             )
+
+
+def test_bench_runs_only_the_chosen_contenders(tmp_path):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--steps", "1", "--rounds", "1"]
+    assert main([*args, "--contenders", "FastMuon, torch.optim.sgd", "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["name"] for r in doc["results"]] == ["fastmuon MuSGD", "torch.optim.SGD foreach"]
+    assert doc["settings"]["contenders"] == ["FastMuon", "torch.optim.sgd"]

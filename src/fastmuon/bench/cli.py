@@ -25,9 +25,18 @@ from .workloads import WORKLOADS, resolve_workload
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none (None, or a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """All of ``bench``'s options; extensions (e.g. ``--nproc``) add theirs after these."""
-    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.formatter_class = DefaultsHelpFormatter
     p.add_argument("--model", default="yolo26n", help=f"workload: {', '.join(WORKLOADS)} or a manifest .json")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="musgd", help="update rule to compare")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -103,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated contenders to run (name prefixes, any case, e.g. 'fastmuon,ultralytics'); "
         "unset: all of the optimizer's lineup",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic parameters and gradients")
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
     p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
