@@ -10,8 +10,11 @@ profiler adds a little to each op call, so the figure is slightly above the unpr
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -27,13 +30,33 @@ HOW = (
 def host_ms(step: Callable[[], None], steps: int = 3) -> float:
     """Median host time of ``steps`` profiled steps, in ms (one extra step first, not counted:
     the profiler's own start-up lands in it)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _native_stderr_silenced():  # the profiler's back end logs its start and stop there
+        prof.start()
+    try:
         for _ in range(steps + 1):
             with record_function(REGION):
                 step()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     regions = [e for e in prof.events() if e.name == REGION and e.cpu_parent is None]
     per_step = [_outside_ops_us(e) / 1e3 for e in regions[1:]]
     return statistics.median(per_step)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the duration (C++ logging bypasses ``sys.stderr``)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _outside_ops_us(region) -> float:
