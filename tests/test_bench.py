@@ -323,6 +323,7 @@ def test_cpu_facts_say_where_bf16_ns_really_runs():
         (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
         (["--max-step-seconds", "-1"], "--max-step-seconds must be 0 or more"),
+        (["--contenders", " , "], "--contenders names none; give some of: fastmuon, per-parameter"),
         (["--contenders", "fastmuon,adam"], "--contenders: 'adam' is none of --optimizer musgd's: fastmuon,"),
     ],
 )

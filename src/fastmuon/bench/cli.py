@@ -201,6 +201,8 @@ def usage_error(args: argparse.Namespace) -> str | None:
         if problem:
             return f"--{option} {getattr(args, option)}: {problem}"
     labels = [CONTENDER_LABELS[f] for f in CONTENDERS[args.optimizer]]
+    if _chosen(args.contenders) == ():
+        return f"--contenders names none; give some of: {', '.join(labels)}"
     for name in _chosen(args.contenders) or ():
         if not any(selected(label, (name,)) for label in labels):
             return f"--contenders: {name!r} is none of --optimizer {args.optimizer}'s: {', '.join(labels)}"
