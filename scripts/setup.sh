@@ -29,3 +29,10 @@ fi
 .venv/bin/python -m pip show -q ultralytics >/dev/null 2>&1 \
   || .venv/bin/python -m pip install -q --no-deps "ultralytics==8.4.190" \
   || echo "setup: ultralytics not installed; its benchmark rows and equivalence test will skip" >&2
+# The Muon peers of `fastmuon bench --optimizer muon` (the [peers] extra: heavyball, pytorch-optimizer).
+# torch is pinned to the installed build so that pip never swaps it. Best effort, like Ultralytics.
+TORCH_VERSION="$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')"
+.venv/bin/python -c "import importlib.metadata as m; [m.version(p) for p in ('heavyball', 'pytorch_optimizer')]" \
+  2>/dev/null \
+  || .venv/bin/python -m pip install -q -e ".[peers]" "torch==$TORCH_VERSION" \
+  || echo "setup: the [peers] extra did not install; the heavyball and pytorch-optimizer rows will skip" >&2
