@@ -29,3 +29,17 @@ MIXED_SHAPES = [
     (8, 1, 3, 3),
     (24, 8, 1, 1),
 ]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (all of them: pytest -m cuda)")
+
+
+def pytest_collection_modifyitems(items):
+    """Mark the tests that need CUDA (skipped unless CUDA is there, or run on a "cuda" device)."""
+    for item in items:
+        skip_reasons = (str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        callspec = getattr(item, "callspec", None)
+        on_cuda = callspec is not None and "cuda" in map(str, callspec.params.values())
+        if on_cuda or any("needs CUDA" in reason for reason in skip_reasons):
+            item.add_marker(pytest.mark.cuda)

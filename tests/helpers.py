@@ -102,3 +102,16 @@ def by_ndim(params):
         {"params": [x for x in params if tensor(x).ndim < 2], "use_muon": False},
     ]
     return [g for g in groups if g["params"]]
+
+
+def ultralytics_musgd_class() -> type:
+    """Ultralytics' MuSGD, loaded from its module file (``import ultralytics`` needs torchvision,
+    which may not load beside a CPU torch); skips the test when the package is not installed."""
+    import pytest
+
+    from fastmuon.bench.contenders import Unavailable, load_ultralytics_musgd
+
+    try:
+        return load_ultralytics_musgd()[0]
+    except Unavailable as e:
+        pytest.skip(str(e))

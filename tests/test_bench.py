@@ -171,6 +171,7 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     sgd = results["torch.optim.SGD foreach"]
     for r in (ours, loop, sgd):
         assert r["skipped"] is None and r["steps_timed"] == 1
+        assert r["host_ms"] > 0  # Python around the ops, profiled
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["kernels_per_step"] > 0 and r["state_bytes"] > 0 and r["peak_extra_bytes"] >= 0
     useful = sum(5 * (4 * m * m * n + 2 * m**3) for m, n in [(8, 36), (8, 16), (8, 16)])
@@ -198,8 +199,12 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     else:
         # run, or listed as skipped with the reason
         assert any(r["name"].startswith("Ultralytics") for r in doc["results"])
+    for r in doc["results"]:  # every contender that ran has its host time
+        assert r["skipped"] is not None or r["host_ms"] > 0, r["name"]
+    assert doc["machine"]["cpu_class"] and doc["machine"]["bf16_ns_runs_in"] in ("bfloat16", "float32")
     printed = capsys.readouterr().out
     assert "fastmuon bench: tiny" in printed
+    assert f"CPU class {doc['machine']['cpu_class']}" in printed and "host ms/step: torch.profiler" in printed
     name = ours["name"]
     run_ratio = ours["median_ms"] / ours["extra"]["ns_floor_run_ms"]
     assert f"{name}: NS floor" in printed and f"median step {run_ratio:.2f}× the floor" in printed
@@ -245,3 +250,138 @@ def test_threads_default_leaves_busy_cpus_alone(monkeypatch):
     assert choose_threads(None, 9.0)[0] == 1  # every CPU busy: one thread, not a thrashing team
     assert choose_threads(None, 2.0)[0] == min(default, 2)
     assert choose_threads(3, 9.0) == (3, "--threads")
+
+
+# ----- host time --------------------------------------------------------------------------------
+def test_host_time_counts_the_python_around_the_ops_and_not_the_ops():
+    import time
+
+    from fastmuon.bench.hosttime import host_ms
+
+    a = torch.randn(64, 64)
+
+    def step():
+        time.sleep(0.003)  # host work: counted in full
+        torch.mm(a, a)  # an op: not counted
+
+    assert host_ms(step) >= 3.0
+
+    p = nn.Parameter(torch.randn(8, 8))
+    p.grad = torch.randn(8, 8)
+    opt = torch.optim.SGD([p], lr=0.1, foreach=True)
+    assert host_ms(opt.step) > 0  # torch's own "Optimizer.step#SGD.step" region is looked through
+
+
+# ----- CPU class ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("machine", "flags", "label"),
+    [
+        ("x86_64", {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "x86-64 AVX512-BF16/AMX"),
+        ("x86_64", {"avx2", "avx512f", "avx512_bf16"}, "x86-64 AVX512-BF16"),
+        ("x86_64", {"avx2", "avx512f"}, "x86-64 AVX512 (no BF16)"),
+        ("x86_64", {"avx", "avx2", "fma"}, "x86-64 AVX2-only"),
+        ("x86_64", {"sse4_2"}, "x86-64 (no AVX2)"),
+        ("x86_64", None, "x86-64 (flags unknown)"),
+        ("aarch64", {"fp", "asimd", "sve", "bf16"}, "aarch64 BF16 SVE"),
+        ("arm64", {"fp", "asimd"}, "aarch64"),
+    ],
+)
+def test_cpu_class_from_the_flags(machine, flags, label):
+    from fastmuon.bench.cpuclass import cpu_class
+
+    assert cpu_class(machine, flags) == label
+
+
+def test_cpu_facts_say_where_bf16_ns_really_runs():
+    from fastmuon.bench.cpuclass import cpu_facts, describe_cpu
+    from fastmuon.compute import compute_dtype
+
+    facts = cpu_facts()
+    runs_in = compute_dtype(torch.bfloat16, "cpu")
+    assert facts["bf16_ns_runs_in"] == str(runs_in).removeprefix("torch.")
+    assert facts["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    line = describe_cpu(facts)
+    assert facts["cpu_class"] in line
+    assert ("natively in bf16" in line) == (runs_in == torch.bfloat16)
+
+
+# ----- usage mistakes: refused before any work, exit 2, one line ---------------------------------
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--json", "/no/such/dir/x.json"],
+            "--json /no/such/dir/x.json: folder '/no/such/dir' does not exist",
+        ),
+        (["--markdown", "{tmp}"], "is a directory"),
+        (["--plot", "/no/such/dir/p.png"], "--plot /no/such/dir/p.png: folder"),
+        (["--budget", "-5"], "--budget must be a positive number of seconds, got -5.0"),
+        (["--budget", "0"], "--budget must be a positive"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+        (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+        (["--max-step-seconds", "-1"], "--max-step-seconds must be 0 or more"),
+        (["--contenders", " , "], "--contenders names none; give some of: fastmuon, per-parameter"),
+        (["--contenders", "fastmuon,adam"], "--contenders: 'adam' is none of --optimizer musgd's: fastmuon,"),
+    ],
+)
+def test_bench_usage_mistakes_exit_2_before_running(tmp_path, capsys, extra, message):
+    extra = [x.replace("{tmp}", str(tmp_path)) for x in extra]
+    assert main(["bench", "--model", "yolo26n", "--quiet", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran: not even the thread count was set and printed
+    assert captured.err.count("\n") == 1 and captured.err.startswith("fastmuon bench: error: ")
+    assert message in captured.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine where torch sees no GPU")
+def test_bench_device_cuda_without_cuda_is_a_usage_mistake(capsys):
+    assert main(["bench", "--device", "cuda", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device cuda, but this torch sees no CUDA device" in err
+
+
+def test_bench_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 3)" in text and "(default: yolo26n)" in text and "(default: eager)" in text
+
+
+def test_a_step_that_cannot_be_compiled_is_a_not_supported_row(tmp_path, monkeypatch):
+    from fastmuon.bench import runner
+
+    def refuse(fn, mode=None):
+        def compiled():
+            raise RuntimeError("capture refused\nsecond line")
+
+        return compiled
+
+    monkeypatch.setattr(runner.torch, "compile", refuse)
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--steps", "1", "--rounds", "1"]
+    assert main([*args, "--step-mode", "compiled", "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["step_mode"] == "compiled"
+    for r in doc["results"]:
+        if r["name"].startswith(("fastmuon", "per-parameter", "torch.optim.SGD")):
+            assert r["skipped"] == (
+                "not supported with torch.compile(mode='reduce-overhead') of its step: "
+                "RuntimeError: capture refused"
+            )
+
+
+def test_bench_runs_only_the_chosen_contenders(tmp_path):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--steps", "1", "--rounds", "1"]
+    assert main([*args, "--contenders", "FastMuon, torch.optim.sgd", "--json", str(out), "--quiet"]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["name"] for r in doc["results"]] == ["fastmuon MuSGD", "torch.optim.SGD foreach"]
+    assert doc["settings"]["contenders"] == ["FastMuon", "torch.optim.sgd"]

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 from conftest import rel_err
+from helpers import ultralytics_musgd_class
 from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
 from torch import nn
 
@@ -22,7 +23,7 @@ MIX = dict(muon=0.3, sgd=0.7)
 
 
 def ultralytics_musgd():
-    return pytest.importorskip("ultralytics.optim.muon").MuSGD
+    return ultralytics_musgd_class()
 
 
 def to_fp16_like_ultralytics(state_dict):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ from .calibrate import calibrated_cost_model
 from .checkpoint import adapt_state_dict
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .matrix_update import batch_order
 from .newton_schulz import HOST_READS
 from .nonfinite import (
     DEFAULT_NONFINITE,
@@ -27,8 +30,9 @@ from .nonfinite import (
     raise_if_nonfinite,
 )
 from .param_names import agree_on_names, restore_names
-from .planner import POLICIES, CostModel, Plan, plan_buckets
+from .planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel, Plan, plan_buckets
 from .program import Gather, StepProgram
+from .state import drop_state_after, mark_state
 
 _PLAN_CACHE_SIZE = 4
 
@@ -118,28 +122,59 @@ class MatrixOptimizer(Optimizer):
 
     # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking it whole (filled with the defaults, as it would be stored):
+        a refused group leaves the optimizer exactly as it was. The constructor adds its groups
+        through here too."""
         param_group, held_names = agree_on_names(param_group, self.param_groups)
+        if isinstance(param_group, dict) and "params" in param_group:
+            # the group dict is stored (as in torch), but only once it has passed
+            param_group["params"] = self._check_candidate(param_group)
         super().add_param_group(param_group)
-        index = len(self.param_groups) - 1
-        group = self.param_groups[index]
-        where = f"param group {index}"
-        self.validate_group(group, where)
-        for j, p in enumerate(group["params"]):
-            if p.is_complex():
-                raise ValueError(
-                    f"{self.param_name(group, j)} is complex; {type(self).__name__} supports real "
-                    "parameters only (view it as real with torch.view_as_real and optimise that)"
-                )
         self._plans.clear()
         if hasattr(self, "_programs"):
             self.invalidate()
-        self._sharded = self._sharded or any(is_dtensor(p) for p in group["params"])
+        self._sharded = self._sharded or any(is_dtensor(p) for p in param_group["params"])
         restore_names(self.param_groups, held_names)
+
+    def _check_candidate(self, param_group: dict[str, Any]) -> Any:
+        """Validate the group ``param_group`` would become (a copy, filled with the defaults);
+        returns its ``params`` as a list (an iterator given there is read once, here)."""
+        params = param_group["params"]
+        if isinstance(params, set):
+            return params  # torch refuses sets (no stable order) with its own message
+        params = [params] if isinstance(params, Tensor) else list(params)
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+        if not all(isinstance(t, Tensor) for t in tensors):
+            return params  # torch refuses non-tensors with its own message
+        candidate = {**self.defaults, **param_group, "params": tensors}
+        names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
+        if names and len(names) == len(tensors):
+            candidate["param_names"] = names
+        self.validate_group(candidate, f"param group {len(self.param_groups)}")
+        for j, p in enumerate(tensors):
+            self._check_param(candidate, j, p)
+        return params
+
+    def _check_param(self, group: dict[str, Any], j: int, p: Tensor) -> None:
+        if p.is_complex():
+            raise ValueError(
+                f"{self.param_name(group, j)} is complex; {type(self).__name__} supports real "
+                "parameters only (view it as real with torch.view_as_real and optimise that)"
+            )
+        if not p.is_floating_point():
+            raise ValueError(
+                f"{self.param_name(group, j)} has dtype {p.dtype}; {type(self).__name__} optimises "
+                "floating-point parameters only (convert it, e.g. with .float(), or leave it out "
+                "of the optimizer)"
+            )
 
     def validate_group(self, group: dict[str, Any], where: str) -> None:
         lr = group["lr"]
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")  # torch's optimizers' wording
+        if isinstance(lr, Tensor) and lr.numel() != 1:  # torch.optim's wording
+            raise ValueError(
+                f"Tensor lr must be 1-element, got shape {tuple(lr.shape)} in {where} "
+                "(pass a float or a one-element tensor)"
+            )
         if not isinstance(group["nesterov"], bool):
             raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
         check_nonnegative("learning rate (lr)", lr, where)
@@ -165,7 +200,8 @@ class MatrixOptimizer(Optimizer):
         p = group["params"][j]
         if names is not None and j < len(names):
             return f"parameter {names[j]!r} (shape {tuple(p.shape)})"
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        # a group not (yet) in the optimizer is the one being added
+        index = next((i for i, g in enumerate(self.param_groups) if g is group), len(self.param_groups))
         return f"parameter {j} of param group {index} (shape {tuple(p.shape)})"
 
     def check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
@@ -174,6 +210,14 @@ class MatrixOptimizer(Optimizer):
                 f"{self.param_name(group, j)} has a sparse gradient; {type(self).__name__} needs "
                 "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
             )
+
+    def lr_value(self, lr: Any) -> Any:
+        """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no
+        device waits) unless ``capturable``; a tensor on an accelerator, or any tensor when
+        ``capturable``, stays a tensor (reading it would make the host wait for the device)."""
+        if isinstance(lr, Tensor) and not self.capturable and lr.device.type == "cpu":
+            return lr.item()
+        return lr
 
     # ----- the step ---------------------------------------------------------------------
     @torch.no_grad()
@@ -190,24 +234,29 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        zero_grads = self.begin_step()
-        params = self._flat_params()
-        grads = [p.grad for p in params]
-        if zero_grads:
-            grads = [zero_grads.get(p) if g is None else g for p, g in zip(params, grads)]
         if self.foreach is False:
-            self._reference_step(params, grads)
+            self._reference_step()
             return loss
         pattern, scalars = self.step_scalars()
-        key = (tuple(g is None for g in grads), pattern)
-        program = self._programs.get(key)
-        live = program.live(grads) if program is not None else None
-        if program is None or not program.fits(live):
-            program = self._make_program(params, grads, key)
+        program = None
+        # a distributed step prepares anew (its lists hold this step's shards), and so does one
+        # being traced by torch.compile (its Python runs once, at tracing: nothing to save)
+        if self.process_group is None and not self._sharded and not torch.compiler.is_compiling():
+            params = self._flat_params()
+            grads = [p.grad for p in params]
+            program = self._programs.get((tuple(g is None for g in grads), pattern))
+        if program is not None:
             live = program.live(grads)
-        elif any(g.is_sparse for g in live):
-            self._collect(params, grads)  # raises, naming the parameter
-        keep = self._check_nonfinite(program, live)
+            if not program.fits(live) or any(g.is_sparse for g in live):
+                program = None
+            else:
+                keep = self._check_nonfinite(program, live)
+        if program is None:
+            with self._refusal_leaves_no_state():
+                params, grads = self._step_grads()
+                program = self._make_program(params, grads, (tuple(g is None for g in grads), pattern))
+                live = program.live(grads)
+                keep = self._check_nonfinite(program, live)
         saved = program.skip.snapshot() if keep is not None else None
         token = HOST_READS.set(False) if self.capturable else None
         try:
@@ -218,6 +267,30 @@ class MatrixOptimizer(Optimizer):
             if saved is not None:
                 program.skip.restore(saved, keep)
         return loss
+
+    @contextlib.contextmanager
+    def _refusal_leaves_no_state(self) -> Iterator[None]:
+        """A step refused while preparing (a bad or non-finite gradient) leaves the optimizer as
+        it was: no zero buffers for parameters it never stepped, and no program over them."""
+        mark = mark_state(self.state)
+        initialised = self.state_initialised
+        try:
+            yield
+        except BaseException:
+            drop_state_after(self.state, mark)
+            self.state_initialised = initialised
+            self._global_of = {}
+            self.invalidate()
+            raise
+
+    def _step_grads(self) -> tuple[list[Tensor], list[Tensor | None]]:
+        """Every parameter and its gradient this step (zeros where only another rank has one)."""
+        zero_grads = self.begin_step()
+        params = self._flat_params()
+        grads = [p.grad for p in params]
+        if zero_grads:
+            grads = [zero_grads.get(p) if g is None else g for p, g in zip(params, grads)]
+        return params, grads
 
     def _collect(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, ...]:
         """This step's work items (one list per kind of update), creating missing state."""
@@ -268,7 +341,7 @@ class MatrixOptimizer(Optimizer):
             owners_names,
             localize=self._sharded,
         )
-        if not distributed:  # a distributed step's lists hold this step's local shards
+        if not distributed and not torch.compiler.is_compiling():
             self._programs[key] = program
             if len(self._programs) > _PLAN_CACHE_SIZE:
                 del self._programs[next(iter(self._programs))]
@@ -293,14 +366,16 @@ class MatrixOptimizer(Optimizer):
             sources, matrices.params, matrices.configs, keep=keep, engine=engine, keep_positions=positions
         )
 
-    def _reference_step(self, params: list[Tensor], grads: list[Tensor | None]) -> None:
-        items = self.local_items(*self._collect(params, grads))
-        if self._global_of:
-            raise ValueError(
-                f"{type(self).__name__}(foreach=False) is the per-parameter reference path and cannot "
-                "orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
-            )
-        guard = self.guard_nonfinite()
+    def _reference_step(self) -> None:
+        with self._refusal_leaves_no_state():
+            params, grads = self._step_grads()
+            items = self.local_items(*self._collect(params, grads))
+            if self._global_of:
+                raise ValueError(
+                    f"{type(self).__name__}(foreach=False) is the per-parameter reference path and "
+                    "cannot orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
+                )
+            guard = self.guard_nonfinite()
         try:
             self._apply_reference(*items)
         finally:
@@ -398,6 +473,7 @@ class MatrixOptimizer(Optimizer):
         self.last_plan = engine.plan
         return engine
 
+    @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
     def _build(self, params, configs, policy) -> Orthogonalizer:
         if self.process_group is not None or self._global_of:
             from .distributed import build_distributed
@@ -505,12 +581,88 @@ class MatrixOptimizer(Optimizer):
         self._plans.clear()
         self.invalidate()
 
-    def plan(self) -> Plan | None:
-        """The plan the last step used (``None`` before the first step)."""
-        return self.last_plan
+    def plan(self) -> Plan:
+        """The batching plan of the last step.
+
+        Before the first step: the plan the next step would use for the parameters that have
+        gradients now, built without stepping (no state is created). An empty plan, saying
+        why, where nothing is batched: with ``foreach=False`` (the per-parameter loop) and in a
+        distributed run before its first step (building a plan there takes every rank).
+        """
+        if self.last_plan is not None:
+            return self.last_plan
+        if getattr(self, "foreach", None) is False:
+            return self._empty_plan("foreach=False runs the per-parameter loop, nothing is batched")
+        if self.process_group is not None or self._sharded:
+            return self._empty_plan("no step taken yet (a distributed plan is built by the first step)")
+        mark = mark_state(self.state)
+        try:
+            params = self._flat_params()
+            matrices = self._collect(params, [p.grad for p in params])[0]
+        finally:
+            drop_state_after(self.state, mark)
+        ordered = [item for part in batch_order(matrices) for item in part]
+        if not ordered:
+            return self._empty_plan("no step taken yet, and no matrix has a gradient")
+        return self._build([i.param for i in ordered], [i.config for i in ordered], self.policy).plan
+
+    def _empty_plan(self, note: str) -> Plan:
+        steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
+        return Plan((), 0, self.policy, steps, self.max_bucket_bytes, note)
+
+    # ----- copies: copy.deepcopy and pickle ---------------------------------------------------
+    #: What a copy keeps besides torch's ``defaults``, ``state`` and ``param_groups``: the
+    #: optimizer-wide settings and what the state depends on. Caches (plans, bucket buffers) are
+    #: rebuilt by the copy's first step; hooks are not copied (as in ``torch.optim``).
+    _COPIED = (
+        "foreach",
+        "policy",
+        "compile",
+        "max_bucket_bytes",
+        "cost_model",
+        "nonfinite",
+        "capturable",
+        "last_plan",
+        "state_initialised",
+        "_sharded",
+    )
+
+    def _copied_state(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._COPIED if hasattr(self, name)})
+        state["process_group"] = self.process_group
+        return state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` saves. A process group lives in the process that made it and cannot
+        be pickled, so an optimizer with one is refused (``copy.deepcopy`` shares the group)."""
+        if self.process_group is not None:
+            raise TypeError(
+                f"cannot pickle a {type(self).__name__} with a process_group (a process group "
+                "belongs to the process that created it); save optimizer.state_dict() instead and "
+                "load it into an optimizer built with the new process's group, or use copy.deepcopy, "
+                "which shares the group"
+            )
+        return self._copied_state()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MatrixOptimizer:
+        """A copy with its own parameters' state and the same settings, which steps as the
+        original would; the process group is shared (it is a handle on this process's
+        communicator, not data)."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        if self.process_group is not None:
+            memo[id(self.process_group)] = self.process_group
+        clone.__setstate__(copy.deepcopy(self._copied_state(), memo))
+        return clone
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("foreach", True)
+        self.__dict__.setdefault("policy", "auto")
+        self.__dict__.setdefault("compile", False)
+        self.__dict__.setdefault("max_bucket_bytes", DEFAULT_MAX_BUCKET_BYTES)
+        self.__dict__.setdefault("cost_model", None)
         self.__dict__.setdefault("_plans", OrderedDict())
         self.__dict__.setdefault("last_plan", None)
         self.__dict__.setdefault("process_group", None)

@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
     "accuracy": ("fastmuon.accuracy", "how well each NS variant orthogonalises (singular-value bands)"),
     "train": ("fastmuon.train.cli", "MuSGD, Muon, SGD, AdamW trained on small models: losses, curves, time"),
+    "yolo": ("fastmuon.ultralytics", "Ultralytics' `yolo` command with fastmuon.MuSGD as its MuSGD"),
 }
 
 

@@ -294,8 +294,13 @@ class Orthogonalizer:
     @staticmethod
     def _reuses_memory(batch: Tensor) -> bool:
         """Keep NS results and temporaries between steps: on CPUs (see :class:`ScratchArena`),
-        up to :data:`REUSE_MAX_ROWS`."""
-        return batch.device.type == "cpu" and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
+        up to :data:`REUSE_MAX_ROWS`, and not while ``torch.compile`` traces the step (see
+        :func:`_compiling`)."""
+        return (
+            batch.device.type == "cpu"
+            and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
+            and not _compiling()
+        )
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
@@ -320,8 +325,11 @@ class Orthogonalizer:
 
         CPU only, and only where every bucket computes in its tensors' dtype (else ``None``, and
         the sources are packed, cast included): on a GPU the strided per-tensor writes would cost
-        a launch per matrix, where a pack costs two.
+        a launch per matrix, where a pack costs two. Never while ``torch.compile`` traces the
+        step (see :func:`_compiling`).
         """
+        if _compiling():
+            return None
         if self._input_views is None:
             views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
             for b, bucket in enumerate(self.plan.buckets):
@@ -354,22 +362,14 @@ class Orthogonalizer:
             return self._buffers[b]  # type: ignore[return-value]
         buf = self.buffer(b, sources[bucket.members[0].index].device)
         index = self._gathers[b]
+        compiling = _compiling()
         if index is None:
-            for run, slots in zip(self._runs[b], self._run_slots(b, buf)):
+            regions = [run.slots(buf) for run in self._runs[b]] if compiling else self._run_slots(b, buf)
+            for run, slots in zip(self._runs[b], regions):
                 torch.stack([sources[i] for i in run.tensors], out=slots)
             return buf
-        mine = tuple(sources[m.index] for m in bucket.members)
-        seen = self._pack_seen[b]  # weak: the engine must not keep a step's sources alive
-        if seen is not None and all(a is c() for a, c in zip(mine, seen)):
-            ops = self._pack_ops[b]
-            if ops is None:
-                ops = self._pack_ops[b] = self._prepare_pack(b, mine) or []
-            if ops:
-                for op in ops:
-                    op()
-                return buf
-        else:  # new sources: pack them the plain way, and prepare if they come again
-            self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
+        if not compiling and self._pack_prepared(b, sources):
+            return buf
         if index.device != buf.device:
             index = self._gathers[b] = index.to(buf.device)
         flat = [_memory_flat(sources[m.index], self.layouts[m.index]) for m in bucket.members]
@@ -379,6 +379,21 @@ class Orthogonalizer:
         torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
         buf.view(-1).index_copy_(0, index, staging)
         return buf
+
+    def _pack_prepared(self, b: int, sources: Sequence[Tensor]) -> bool:
+        """Pack gather bucket ``b`` by its prepared copies if its sources are the tensors of the
+        previous call (preparing them on the second sight); ``False``: pack the plain way."""
+        mine = tuple(sources[m.index] for m in self.plan.buckets[b].members)
+        seen = self._pack_seen[b]  # weak: a step's sources are not kept alive
+        if seen is None or not all(a is c() for a, c in zip(mine, seen)):
+            self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
+            return False
+        ops = self._pack_ops[b]
+        if ops is None:
+            ops = self._pack_ops[b] = self._prepare_pack(b, mine) or []
+        for op in ops:
+            op()
+        return bool(ops)
 
     def _run_slots(self, b: int, buf: Tensor) -> list[Tensor]:
         """Each run's region of bucket ``b``'s buffer as ``(k, *shape)`` (views made once)."""
@@ -428,7 +443,7 @@ class Orthogonalizer:
             for m, view in zip(bucket.members, views):
                 results[m.index] = view
             return
-        if self.result_views and out.dtype != dtype:
+        if self.result_views and out.dtype != dtype and not _compiling():
             # cast into kept buffers whose result views are made once; the output's own views
             # are made once per output tensor (once in all where the output is kept)
             prepared = self._unpack_ops[b]
@@ -531,6 +546,17 @@ class _ViewsOf:
         if self.ref is None or self.ref() is not t:
             self.ref, self.views = weakref.ref(t), self.make(t)
         return self.views
+
+
+def _compiling() -> bool:
+    """Whether ``torch.compile`` is tracing the caller (e.g. a user's ``torch.compile(opt.step)``).
+
+    Then the compiler plans memory itself, and the engine hands it no kept buffers to write into:
+    views of one kept buffer written in place are aliased, mutated graph inputs, which the
+    compiler handles poorly (copies, recompiles) and, once it has made their sizes dynamic (a
+    changed plan), not at all.
+    """
+    return torch.compiler.is_compiling()
 
 
 @functools.cache

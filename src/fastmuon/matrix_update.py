@@ -37,6 +37,12 @@ class MatrixItem:
     factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
 
 
+def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
+    """The matrices split by what their momentum step shares (β, Nesterov, device, dtype), in
+    the order the batched path hands them to the engine (and so to the planner)."""
+    return list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+
+
 def single_tensor_matrix_update(items: list[MatrixItem]) -> None:
     """The same update, one parameter at a time: the per-parameter reference path."""
     for it in items:
@@ -81,7 +87,7 @@ class MatrixProgram:
         base_class: Sequence[int],
         engine_for: Callable[[list, list], Any] | None = None,
     ):
-        parts = list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+        parts = batch_order(items)
         ordered = [i for part in parts for i in part]
         self.items = ordered
         self.params = [i.param for i in ordered]

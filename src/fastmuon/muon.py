@@ -73,6 +73,8 @@ class Muon(MatrixOptimizer):
     Ultralytics' MuSGD (see :mod:`fastmuon.checkpoint`).
     """
 
+    _COPIED = (*MatrixOptimizer._COPIED, "adamw_lr")
+
     def __init__(
         self,
         params,
@@ -175,7 +177,7 @@ class Muon(MatrixOptimizer):
         flat = 0
         live = 0
         for gi, group in enumerate(self.param_groups):
-            lr, wd = group["lr"], group["weight_decay"]
+            lr, wd = self.lr_value(group["lr"]), group["weight_decay"]
             use_muon = group.get("use_muon")
             config = self.ns_config(group)
             adjust = group["adjust_lr_fn"] or "original"
@@ -226,7 +228,7 @@ class Muon(MatrixOptimizer):
 
     def step_scalars(self) -> tuple[Hashable, MuonScalars]:
         groups = self.param_groups
-        lr = [g["lr"] for g in groups]
+        lr = [self.lr_value(g["lr"]) for g in groups]
         wd = [g["weight_decay"] for g in groups]
         beta = [g["momentum"] for g in groups]
         nesterov = [g["nesterov"] for g in groups]

@@ -208,7 +208,7 @@ class MuSGD(MatrixOptimizer):
         flat = 0
         live = 0
         for gi, group in enumerate(self.param_groups):
-            lr, beta, nesterov = group["lr"], group["momentum"], group["nesterov"]
+            lr, beta, nesterov = self.lr_value(group["lr"]), group["momentum"], group["nesterov"]
             muon_group = group["use_muon"]
             config = self.ns_config(group)
             for j, p in enumerate(group["params"]):
@@ -254,7 +254,7 @@ class MuSGD(MatrixOptimizer):
 
     def step_scalars(self) -> tuple[Hashable, MuSGDScalars]:
         groups = self.param_groups
-        lr = [g["lr"] for g in groups]
+        lr = [self.lr_value(g["lr"]) for g in groups]
         beta = [g["momentum"] for g in groups]
         nesterov = [g["nesterov"] for g in groups]
         wd = [g["weight_decay"] for g in groups]

@@ -132,7 +132,12 @@ def _memory_view(t: Tensor) -> Tensor | None:
 
 
 class _Group:
-    """Tensors of one (device, dtype): snapshotted into one flat copy and restored with one ``where``."""
+    """Tensors of one (device, dtype): snapshotted into one flat copy and restored with one ``where``.
+
+    The flat views are views of detached tensors: a view of a parameter that requires grad,
+    taken before the step modifies the parameter in place, would be one that autograd (and
+    ``torch.compile``, which inspects every tensor it is handed) refuses to read afterwards.
+    """
 
     def __init__(self, views: list[Tensor], flags: list[Tensor]):
         self.views = views
@@ -178,7 +183,7 @@ class SkipGuard:
         self._loose: list[tuple[Tensor, Tensor, Tensor]] = []  # non-dense tensors, copied one by one
         for p, flag, state in zip(params, flags, states):
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
-                view = _memory_view(t)
+                view = _memory_view(t.detach())
                 if view is None:
                     self._loose.append((t, t.clone(), flag))
                 else:
@@ -242,7 +247,7 @@ class SkipPlan:
         self._loose: list[tuple[Tensor, int]] = []
         for p, state, owner in zip(params, states, owners):
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
-                view = _memory_view(t)
+                view = _memory_view(t.detach())  # see _Group: views of detached tensors
                 if view is None:
                     self._loose.append((t, owner))
                 else:

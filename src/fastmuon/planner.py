@@ -255,6 +255,7 @@ class Plan:
     policy: str
     steps: int
     max_bucket_bytes: int
+    note: str = ""  # why a plan is empty, for describe()
 
     def flops(self) -> int:
         return sum(b.flops(self.steps) for b in self.buckets)
@@ -275,7 +276,8 @@ class Plan:
         lines = [
             f"plan: {self.num_matrices} matrices in {len(self.buckets)} buckets "
             f"(policy={self.policy}, steps={self.steps}, "
-            f"max_bucket_bytes={self.max_bucket_bytes / 2**20:.0f} MiB)",
+            f"max_bucket_bytes={self.max_bucket_bytes / 2**20:.0f} MiB)"
+            + (f": {self.note}" if self.note else ""),
             f"NS FLOPs: {self.flops() / 1e9:.3f} G computed, {self.useful_flops() / 1e9:.3f} G useful, "
             f"padding overhead {100 * self.padding_overhead():.1f}%; per-matrix standard NS would "
             f"compute {self.baseline_flops() / 1e9:.3f} G",

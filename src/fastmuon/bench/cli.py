@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -13,17 +14,29 @@ import torch
 from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
 from .contenders import OPTIMIZERS
+from .cpuclass import cpu_facts, describe_cpu
+from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import ManifestError
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
-from .runner import Settings, run_benchmark
+from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark, selected
 from .workloads import WORKLOADS, resolve_workload
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none (None, or a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """All of ``bench``'s options; extensions (e.g. ``--nproc``) add theirs after these."""
+    p.formatter_class = DefaultsHelpFormatter
     p.add_argument("--model", default="yolo26n", help=f"workload: {', '.join(WORKLOADS)} or a manifest .json")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="musgd", help="update rule to compare")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -41,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("auto", "native", "fp32"),
         default=None,
         help="how fastmuon runs bf16/fp16 NS on a CPU (fastmuon.compute): native forces the "
-        "requested dtype, e.g. to compare at equal precision with a native-bf16 peer",
+        "requested dtype, e.g. to compare at equal precision with a native-bf16 peer; unset: "
+        "FASTMUON_CPU_LOW_PRECISION or auto",
     )
     p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
     p.add_argument(
@@ -58,7 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="fastmuon's NS formulation: auto picks the cheapest accurate one per bucket (Gram-space "
         "NS for wide fp32 buckets; on CPUs where bf16 NS runs in fp32, the eigh route where it costs less)",
     )
-    p.add_argument("--steps", type=int, default=None, help="timed steps per round (default: fit --budget)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="timed steps per round; unset: as many as fit --budget"
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
     p.add_argument(
         "--warmup",
@@ -80,9 +96,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch.set_num_threads; default: torch's, fewer if other processes already keep CPUs busy",
+        help="torch.set_num_threads; unset: torch's default, fewer if other processes already keep CPUs busy",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--step-mode",
+        choices=STEP_MODES,
+        default="eager",
+        help=f"compiled: every contender's step wrapped in torch.compile(mode={COMPILE_MODE!r}), which "
+        "on CUDA captures it in CUDA graphs; a contender that cannot be compiled is listed as not supported",
+    )
+    p.add_argument(
+        "--contenders",
+        metavar="NAMES",
+        default=None,
+        help="comma-separated contenders to run (name prefixes, any case, e.g. 'fastmuon,ultralytics'); "
+        "unset: all of the optimizer's lineup",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic parameters and gradients")
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
     p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
@@ -110,10 +140,6 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         why = "auto: " + why
     else:
         ns_dtype, why = NS_DTYPES[args.ns_dtype], "chosen with --ns-dtype"
-    for name in ("steps", "rounds"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise SystemExit(f"fastmuon bench: --{name} must be at least 1, got {value}")
     settings = Settings(
         optimizer=args.optimizer,
         device=str(device),
@@ -127,6 +153,8 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         budget_s=args.budget,
         max_step_s=args.max_step_seconds,
         seed=args.seed,
+        step_mode=args.step_mode,
+        contenders=_chosen(args.contenders),
     )
     return settings, why
 
@@ -138,8 +166,6 @@ def choose_threads(requested: int | None, load: float | None) -> tuple[int, str]
     member; on a busy 2-core machine that slows small ops tenfold and makes timings erratic.
     """
     if requested is not None:
-        if requested < 1:
-            raise SystemExit(f"fastmuon bench: --threads must be at least 1, got {requested}")
         return requested, "--threads"
     default, cpus = torch.get_num_threads(), os.cpu_count() or 1
     if load is None or load < 0.5:
@@ -153,20 +179,71 @@ def choose_threads(requested: int | None, load: float | None) -> tuple[int, str]
     )
 
 
+def usage_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, checked before any work (None: nothing).
+
+    Everything a run would only trip over at its end (an output file that cannot be written, a
+    plot without matplotlib) is caught here, so that no measurement is lost to it.
+    """
+    at_least = {"steps": 1, "rounds": 1, "warmup": 0, "threads": 1, "nproc": 1}
+    for name, low in at_least.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            return f"--{name} must be at least {low}, got {value}"
+    if not args.budget > 0:
+        return f"--budget must be a positive number of seconds, got {args.budget}"
+    if not args.max_step_seconds >= 0:
+        return f"--max-step-seconds must be 0 or more, got {args.max_step_seconds}"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda, but this torch sees no CUDA device (run on a GPU machine, or --device cpu)"
+    for option in ("json", "markdown", "plot"):
+        problem = output_path_problem(getattr(args, option))
+        if problem:
+            return f"--{option} {getattr(args, option)}: {problem}"
+    labels = [CONTENDER_LABELS[f] for f in CONTENDERS[args.optimizer]]
+    if _chosen(args.contenders) == ():
+        return f"--contenders names none; give some of: {', '.join(labels)}"
+    for name in _chosen(args.contenders) or ():
+        if not any(selected(label, (name,)) for label in labels):
+            return f"--contenders: {name!r} is none of --optimizer {args.optimizer}'s: {', '.join(labels)}"
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib: pip install 'fastmuon[bench]'"
+    return None
+
+
+def _chosen(names: str | None) -> tuple[str, ...] | None:
+    return None if names is None else tuple(n.strip() for n in names.split(",") if n.strip())
+
+
+def output_path_problem(path: str | None) -> str | None:
+    """Why ``path`` cannot be written (None: it can, or no path was given)."""
+    if not path:
+        return None
+    target = Path(path)
+    if target.is_dir():
+        return "is a directory; give a file name"
+    parent = target.parent
+    if not parent.is_dir():
+        return f"folder {str(parent)!r} does not exist; create it or choose another path"
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return "not writable here; choose another path"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = usage_error(args)
+    if problem:
+        print(f"fastmuon bench: error: {problem}", file=sys.stderr)
+        return 2
     if args.nproc > 1:
         return _run_distributed(args)
-    if args.nproc < 1:
-        raise SystemExit(f"fastmuon bench: --nproc must be at least 1, got {args.nproc}")
     started = time.perf_counter()
     # other processes competing for the CPUs move CPU timings: the report shows how busy it was
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("fastmuon bench: --device cuda but torch sees no CUDA device", file=sys.stderr)
-        return 2
     threads, why_threads = choose_threads(args.threads, load_before)
     torch.set_num_threads(threads)
     print(f"threads: {threads} ({why_threads})", flush=True)
+    print(describe_cpu(cpu_facts()), flush=True)
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)
@@ -201,8 +278,8 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, document)
     if args.markdown:
         Path(args.markdown).write_text(markdown(document, results))
-    if args.plot and not write_plot(args.plot, document):
-        return 1
+    if args.plot:
+        write_plot(args.plot, document)
     return 0
 
 

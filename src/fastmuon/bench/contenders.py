@@ -3,17 +3,19 @@
 Each factory takes the :class:`Workbench` (the materialised parameters, their fixed synthetic
 gradients and the manifest's groups) and returns a :class:`Contender`, or raises
 :class:`Unavailable` with the reason it cannot run (shown in the report instead of a row).
-Factories are listed per update rule in :data:`CONTENDERS`; add one there to compare another.
+Factories are listed per update rule in :data:`.lineup.CONTENDERS`; add one there to compare another.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ class Workbench:
     policy: str
     ns_method: str = "auto"
     cost_model: str = "device"
+    step_mode: str = "eager"
 
     def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
         """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own."""
@@ -93,22 +96,32 @@ class Contender:
     ns_flops: int | None = None  # FLOPs computed, when known without a plan (None: unknown)
     workspaces: Callable[[], list[Tensor]] = list
     extra: dict[str, Any] = field(default_factory=dict)
+    #: what each step runs inside (e.g. a peer's switch to eager execution)
+    step_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
 
     def __post_init__(self) -> None:
         if self.compute_dtype is None:
             self.compute_dtype = self.ns_dtype
 
     def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
+        with self.step_context():
+            for opt in self.optimizers:
+                opt.step()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (momentum buffers and the like), each storage counted once."""
-        return _unique_bytes(t for opt in self.optimizers for s in opt.state.values() for t in _tensors(s))
+        optimizers = [inner for opt in self.optimizers for inner in _delegates(opt)]
+        return _unique_bytes(t for opt in optimizers for s in opt.state.values() for t in _tensors(s))
 
     def workspace_bytes(self) -> int:
         """Bytes kept between steps outside the state (e.g. fastmuon's bucket buffers)."""
         return _unique_bytes(self.workspaces())
+
+
+def _delegates(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers holding the state: a wrapper's inner ones (``.optimizers``), else itself."""
+    inner = getattr(opt, "optimizers", None)
+    return [opt] if not isinstance(inner, list) else [o for i in inner for o in _delegates(i)]
 
 
 def _tensors(value: Any):
@@ -171,6 +184,8 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model
     )
+    if wb.step_mode == "compiled" and "capturable" in inspect.signature(cls).parameters:
+        kwargs["capturable"] = True  # the step's graph-capture-safe form, where the class offers one
     opt = cls(
         wb.groups(),
         ns_dtype=wb.ns_dtype,
@@ -193,7 +208,8 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
     computed = useful if not getattr(opt, "foreach", True) else None
-    contender = Contender(name, [opt], wb.ns_dtype, note, plan=opt.plan, ns_useful_flops=useful)
+    plan = opt.plan if computed is None else (lambda: None)  # the loop batches nothing
+    contender = Contender(name, [opt], wb.ns_dtype, note, plan=plan, ns_useful_flops=useful)
     contender.ns_flops, contender.workspaces = computed, workspaces
     contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
     return contender
@@ -390,33 +406,3 @@ def _fp32_newton_schulz5(G: Tensor, eps: float = 1e-7) -> Tensor:
     """Standard 5-step NS (Jordan's coefficients) on a matrix or batch, in fp32: what Ultralytics'
     bf16 function computes, at fastmuon's precision here. Our own code (``fastmuon.newton_schulz``)."""
     return newton_schulz(G, steps=5, coefficients="jordan", eps=eps, dtype=torch.float32, method="standard")
-
-
-#: update rule -> contender factories, in report order (the first is the one the others are compared to)
-CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
-    "musgd": [
-        fastmuon_contender,
-        reference_contender,
-        ultralytics_contender,
-        ultralytics_fp32_contender,
-        sgd_contender,
-    ],
-    "muon": [
-        fastmuon_contender,
-        reference_contender,
-        torch_muon_contender,
-        torch_muon_fp32_contender,
-        sgd_contender,
-    ],
-}
-
-#: what each factory is called when it is unavailable
-CONTENDER_LABELS = {
-    fastmuon_contender: "fastmuon",
-    reference_contender: "per-parameter",
-    torch_muon_contender: "torch.optim.Muon",
-    torch_muon_fp32_contender: "torch.optim.Muon (NS in float32)",
-    sgd_contender: "torch.optim.SGD foreach",
-    ultralytics_contender: "Ultralytics MuSGD",
-    ultralytics_fp32_contender: "Ultralytics MuSGD (NS in float32)",
-}

@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from .. import __version__
-from .runner import Progress, Result, speedups
+from .cpuclass import cpu_facts, describe_cpu
+from .hosttime import HOW
+from .runner import HOST_STEPS, Progress, Result, speedups
 
 SCHEMA = "fastmuon-bench/1"
 
@@ -26,6 +28,7 @@ def machine_facts(device: torch.device) -> dict[str, Any]:
     """Where the figures came from: hardware, software versions and the thread count used."""
     facts: dict[str, Any] = {
         "cpu": _cpu_model(),
+        **cpu_facts(),
         "cpu_count": os.cpu_count(),
         "num_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -39,8 +42,9 @@ def machine_facts(device: torch.device) -> dict[str, Any]:
         facts["gpu"] = torch.cuda.get_device_name(device)
         facts["cuda"] = torch.version.cuda
     # the installed version, without importing the package (see contenders._ultralytics_musgd)
-    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-        facts["ultralytics"] = importlib.metadata.version("ultralytics")
+    for peer in ("ultralytics", "heavyball", "pytorch_optimizer"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            facts[peer] = importlib.metadata.version(peer)
     return facts
 
 
@@ -96,6 +100,7 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
         "contender",
         "NS dtype",
         "ms/step",
+        "host ms/step",
         "min–max",
         "kernels/step",
         "NS GFLOP",
@@ -112,8 +117,9 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 r.name,
                 r.ns_dtype,
                 f"{s['median_ms']:.1f}",
+                "-" if r.host_ms is None else f"{r.host_ms:.2f}",
                 f"{s['min_ms']:.1f}–{s['max_ms']:.1f}",
-                str(r.kernels_per_step),
+                "-" if r.kernels_per_step is None else str(r.kernels_per_step),
                 _flops(r),
                 "-" if r.padding_overhead is None else f"{100 * r.padding_overhead:.1f}%",
                 _mib((r.state_bytes or 0) + (r.workspace_bytes or 0)),
@@ -131,7 +137,8 @@ def describe(document: dict[str, Any]) -> list[str]:
         f"workload {w['model']}: {w['params']} tensors, {w['numel'] / 1e6:.2f}M values, "
         f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims); {w['source']}",
         f"optimizer {s['optimizer']}, device {s['device']}, ns_dtype {s['ns_dtype']} ({s['ns_dtype_why']}), "
-        f"policy {s['policy']}, {s['rounds']} interleaved rounds",
+        f"policy {s['policy']}, {s['rounds']} interleaved rounds"
+        + (f", steps {s['step_mode']}" if s.get("step_mode", "eager") != "eager" else ""),
         f"machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} with {m['num_threads']} threads, "
         f"fastmuon {m['fastmuon']}" + (f", GPU {m['gpu']}" if "gpu" in m else ""),
     ]
@@ -139,6 +146,8 @@ def describe(document: dict[str, Any]) -> list[str]:
     if run.get("load_average_before") is not None:
         lines[-1] += f"; 1-min load average before the run {run['load_average_before']:.2f}"
     lines[-1] += f"; whole run {run['wall_seconds']:.0f} s"
+    if "cpu_class" in m:
+        lines.append(describe_cpu(m))
     load, cpus = run.get("load_average_before"), m["cpu_count"]
     if load is not None and cpus and load + m["num_threads"] > cpus + 0.5 and s["device"] == "cpu":
         lines.append(
@@ -153,6 +162,7 @@ def describe(document: dict[str, Any]) -> list[str]:
             lines.append(f"skipped {r['name']}: {r['skipped']}")
         elif r["note"]:
             lines.append(f"{r['name']}: {r['note']}; {r['steps_timed']} steps timed")
+    lines.append(HOW.format(n=HOST_STEPS))
     lines.append(
         "kernels/step: ATen ops dispatched in one step (views and allocations excluded); "
         "state MiB: optimizer state plus persistent workspaces; peak extra MiB: the most a step "
@@ -269,7 +279,7 @@ def write_plot(path: str | Path, document: dict[str, Any]) -> bool:
     bars = ax_t.barh(names, med, xerr=err, color="tab:blue")
     ax_t.bar_label(bars, labels=[f"{m:.1f}" for m in med], padding=3, fontsize=8)
     ax_t.set_xlabel("ms per step (median, min–max)")
-    kernels = [r["kernels_per_step"] for r in ran]
+    kernels = [r["kernels_per_step"] or 0 for r in ran]
     ax_k.bar_label(ax_k.barh(names, kernels, color="tab:orange"), padding=3, fontsize=8)
     ax_k.set_xscale("log")
     ax_k.set_xlabel("kernels per step (ATen ops, log scale)")

@@ -3,7 +3,8 @@
 Order of work per contender: ``warmup`` timed steps (state and plans get built in the first;
 the last one sets how many steps a round gets within the time budget, so with one warm-up a
 plan-building step would set it and leave a median of a handful of steps), one probe step
-under the kernel counter and the allocation tracker (not timed: both add overhead), then
+under the kernel counter and the allocation tracker and a few under the profiler for the host
+time (not timed: all add overhead), then
 ``rounds`` rounds of ``steps`` timed steps, the contenders taking turns (A B C A B C …) so
 that drifts of the machine (clock, other load) hit every contender alike. A contender with a
 batching plan has its NS floor measured in the same rounds (see :mod:`.probe`): the plan's
@@ -24,8 +25,6 @@ from torch import nn
 
 from ..compute import synchronize
 from .contenders import (
-    CONTENDER_LABELS,
-    CONTENDERS,
     Contender,
     Unavailable,
     Workbench,
@@ -33,9 +32,19 @@ from .contenders import (
     dtype_label,
 )
 from .counter import KernelCounter
+from .hosttime import host_ms
+from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
+
+#: how each contender's step runs: as written, or wrapped in torch.compile's "reduce-overhead"
+#: mode, which on CUDA captures the compiled step in CUDA graphs and replays them
+STEP_MODES = ("eager", "compiled")
+COMPILE_MODE = "reduce-overhead"
+
+#: profiled steps per contender for its host time (not timed: the profiler adds overhead)
+HOST_STEPS = 3
 
 
 @dataclass
@@ -53,6 +62,8 @@ class Settings:
     max_steps: int = 20
     max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
     seed: int = 0
+    step_mode: str = "eager"  # or "compiled": see STEP_MODES
+    contenders: tuple[str, ...] | None = None  # label prefixes to run (None: the whole lineup)
 
 
 @dataclass
@@ -65,6 +76,7 @@ class Result:
     skipped: str | None = None
     times_ms: list[float] = field(default_factory=list)
     kernels_per_step: int | None = None
+    host_ms: float | None = None  # Python time per step outside operator calls (see .hosttime)
     top_ops: dict[str, int] = field(default_factory=dict)
     ns_flops: int | None = None
     ns_useful_flops: int | None = None
@@ -107,10 +119,19 @@ def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.
     return params
 
 
-def build_contenders(wb: Workbench) -> tuple[list[Contender], list[Result]]:
+def selected(label: str, chosen: tuple[str, ...] | None) -> bool:
+    """Is the contender called ``label`` among ``chosen`` (label prefixes, any case; None: all)?"""
+    return chosen is None or any(label.lower().startswith(c.strip().lower()) for c in chosen)
+
+
+def build_contenders(
+    wb: Workbench, chosen: tuple[str, ...] | None = None
+) -> tuple[list[Contender], list[Result]]:
     contenders, skipped = [], []
     for factory in CONTENDERS[wb.optimizer]:
         label = CONTENDER_LABELS.get(factory, factory.__name__)
+        if not selected(label, chosen):
+            continue
         try:
             contenders.append(factory(wb))
         except Unavailable as e:
@@ -171,8 +192,12 @@ def run_benchmark(
         settings.policy,
         settings.ns_method,
         settings.cost_model,
+        settings.step_mode,
     )
-    contenders, unavailable = build_contenders(wb)
+    contenders, unavailable = build_contenders(wb, settings.contenders)
+    if settings.step_mode == "compiled":
+        for c in contenders:
+            compile_step(c)
     results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
 
     rates: dict[torch.dtype, float] = {}
@@ -197,16 +222,26 @@ def run_benchmark(
         progress("warmup", c.name, 0, 1)
         try:
             calibration = timer.time_steps(c.step, max(1, settings.warmup))[-1]
-        except Exception as e:  # a third-party optimizer failing on this workload
-            r.skipped = f"failed on its first step: {type(e).__name__}: {e}"
+        except Exception as e:  # a third-party optimizer failing on this workload, or on capture
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            r.skipped = (
+                f"not supported with torch.compile(mode={COMPILE_MODE!r}) of its step: {why}"
+                if settings.step_mode == "compiled"
+                else f"failed on its first step: {why}"
+            )
             continue
         steps = settings.steps or max(
             1, min(settings.max_steps, math.floor(1e3 * settings.budget_s / (settings.rounds * calibration)))
         )
         synchronize(device)
-        with KernelCounter() as counter:
+        if settings.step_mode == "compiled":  # a dispatch mode would change what runs: not counted
+            counter = None
             peak, _ = peak_extra_bytes(c.step, device)
+        else:
+            with KernelCounter() as counter:
+                peak, _ = peak_extra_bytes(c.step, device)
         _fill_static_figures(r, c, counter, peak)
+        r.host_ms = round(host_ms(c.step, HOST_STEPS), 3)
         active.append((c, steps))
         progress("ready", c.name, 1, 1)
 
@@ -250,9 +285,16 @@ def run_benchmark(
     return [*results.values(), *unavailable], facts
 
 
-def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter, peak: int) -> None:
-    r.kernels_per_step = counter.count
-    r.top_ops = dict(counter.ops.most_common(8))
+def compile_step(c: Contender) -> None:
+    """Replace ``c``'s step with ``torch.compile(step, mode=COMPILE_MODE)`` (compiled on first call)."""
+    c.step = torch.compile(c.step, mode=COMPILE_MODE)
+    c.note = f"step in torch.compile(mode={COMPILE_MODE!r}); " + c.note
+
+
+def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter | None, peak: int) -> None:
+    if counter is not None:
+        r.kernels_per_step = counter.count
+        r.top_ops = dict(counter.ops.most_common(8))
     r.peak_extra_bytes = peak
     r.state_bytes = c.state_bytes()
     r.workspace_bytes = c.workspace_bytes()

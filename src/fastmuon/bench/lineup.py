@@ -1,0 +1,51 @@
+"""Which contenders a benchmark run puts side by side, per update rule, in report order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .contenders import (
+    Contender,
+    Workbench,
+    fastmuon_contender,
+    reference_contender,
+    sgd_contender,
+    torch_muon_contender,
+    torch_muon_fp32_contender,
+    ultralytics_contender,
+    ultralytics_fp32_contender,
+)
+from .peers import heavyball_contender, pytorch_optimizer_contender
+
+#: update rule -> contender factories, in report order (the first is the one the others are compared to)
+CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
+    "musgd": [
+        fastmuon_contender,
+        reference_contender,
+        ultralytics_contender,
+        ultralytics_fp32_contender,
+        sgd_contender,
+    ],
+    "muon": [
+        fastmuon_contender,
+        reference_contender,
+        torch_muon_contender,
+        torch_muon_fp32_contender,
+        heavyball_contender,
+        pytorch_optimizer_contender,
+        sgd_contender,
+    ],
+}
+
+#: what each factory is called when it is unavailable
+CONTENDER_LABELS = {
+    fastmuon_contender: "fastmuon",
+    reference_contender: "per-parameter",
+    torch_muon_contender: "torch.optim.Muon",
+    torch_muon_fp32_contender: "torch.optim.Muon (NS in float32)",
+    heavyball_contender: "heavyball Muon",
+    pytorch_optimizer_contender: "pytorch-optimizer Muon",
+    sgd_contender: "torch.optim.SGD foreach",
+    ultralytics_contender: "Ultralytics MuSGD",
+    ultralytics_fp32_contender: "Ultralytics MuSGD (NS in float32)",
+}
