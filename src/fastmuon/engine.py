@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .compute import compute_dtype
+from .compute import compute_dtype, wider_dtype
 from .layout import memory_order
 from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
 from .nonfinite import zero_rejected_
@@ -425,10 +425,13 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
     """The planner's view of a >=2D tensor: flattened to (out, everything else), in the dtype
-    NS will really run in there; tensors of different dtypes or NS settings never share."""
+    NS will really run in there; tensors of different dtypes or NS settings never share.
+    With ``method="auto"`` a native low-precision request may run in fp32 where the planner finds
+    that faster (``compute.wider_dtype``)."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
     requested = config.dtype if config.dtype != dtype else None
+    fallback = wider_dtype(dtype, t.device) if config.method == "auto" else None
     return MatrixSpec(
         rows,
         cols,
@@ -438,6 +441,7 @@ def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec
         (layout.shape, layout.stride),
         config.method,
         requested,
+        fallback,
     )
 
 
