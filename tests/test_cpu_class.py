@@ -112,3 +112,18 @@ def test_default_routes_on_the_bf16_class_match_the_fp32_reference(bf16_cpu):
         expected = ns_reference(t.flatten(1)).view(t.shape)
         assert out.dtype == torch.bfloat16 and out.shape == t.shape
         assert rel_err(out, expected) < (1e-2 if i in fp32_routed else 0.1), shapes[i]
+
+
+def test_calibration_measures_fp32_and_the_low_precision_launch_cost(bf16_cpu):
+    from fastmuon.calibrate import calibrated_cost_model
+
+    model = calibrated_cost_model("cpu", [torch.bfloat16])
+    assert 0 < model.flop_seconds(torch.float32) < 1e-8  # measured: a bf16 request may run in fp32
+    assert 0 < model.flop_seconds(torch.bfloat16) < 1e-8
+    assert model.launch_cost(torch.bfloat16) >= model.launch_cost(torch.float32) > 0
+    assert model.low_precision_gram  # the class's choice of routes carries over
+    specs = [
+        MatrixSpec(16, 144, torch.bfloat16, fallback=torch.float32),
+        MatrixSpec(256, 1152, torch.bfloat16),
+    ]
+    assert len(plan_buckets(specs, cost_model=model).buckets) == 2
