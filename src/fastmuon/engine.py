@@ -461,7 +461,8 @@ def orthogonalize(
     Each tensor is treated as the matrix ``t.flatten(1)``. ``method`` picks the NS formulation
     ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
     cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
-    less and a bf16/fp16 ``dtype`` runs in fp32; "standard", "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
+    less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
+    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
     buffers; this function plans afresh each call.
     """
     tensors = list(tensors)
