@@ -127,3 +127,26 @@ def test_calibration_measures_fp32_and_the_low_precision_launch_cost(bf16_cpu):
         MatrixSpec(256, 1152, torch.bfloat16),
     ]
     assert len(plan_buckets(specs, cost_model=model).buckets) == 2
+
+
+def test_musgd_at_the_bf16_default_on_the_bf16_class_tracks_the_fp32_reference(bf16_cpu):
+    """The optimizer's plan mixes bf16 and fp32 buckets there; every parameter's update stays
+    within bf16 NS's error of the fp32 per-parameter reference, the fp32-routed ones far closer."""
+    from helpers import clone_params, make_grads, make_params, run_musgd_reference, run_optimizer
+
+    from fastmuon import MuSGD
+
+    shapes = [(256, 128, 3, 3), (192, 192), (32, 32, 3, 3), (16, 16, 3, 3), (8, 1, 3, 3)]
+    hp = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.3, sgd=0.7)
+    params = make_params(shapes)
+    grads = make_grads(params, steps=2)
+    ref, _ = run_musgd_reference(params, grads, [(list(range(len(shapes))), {"use_muon": True})], hp)
+    ours = clone_params(params)
+    opt = MuSGD(ours, **hp)  # ns_dtype: bf16, ns_method: auto
+    run_optimizer(opt, ours, grads)
+    plan = opt.plan()
+    assert {b.dtype for b in plan.buckets} == {torch.bfloat16, torch.float32}
+    fp32_routed = {m.index for b in plan.buckets if b.dtype == torch.float32 for m in b.members}
+    for i, (p0, o, r) in enumerate(zip(params, ours, ref)):
+        err = rel_err(o.detach() - p0.detach(), r - p0.detach())
+        assert err < (1e-3 if i in fp32_routed else 0.1), (shapes[i], err)
