@@ -177,9 +177,11 @@ _PLAIN_NORM_RANGE = (2.0**-40, 2.0**60)
 
 
 def _host_check_is_free(X: Tensor) -> bool:
+    """bf16 shares fp32's exponent range (its norms accumulate in fp32), so the same check holds;
+    fp16's narrow range would overflow ``X·Xᵀ`` long before the norm left the range."""
     return (
         X.device.type == "cpu"
-        and X.dtype in (torch.float32, torch.float64)
+        and X.dtype in (torch.float32, torch.float64, torch.bfloat16)
         and not torch.compiler.is_compiling()
     )
 
