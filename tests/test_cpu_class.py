@@ -142,7 +142,7 @@ def test_musgd_at_the_bf16_default_on_the_bf16_class_tracks_the_fp32_reference(b
     grads = make_grads(params, steps=2)
     ref, _ = run_musgd_reference(params, grads, [(list(range(len(shapes))), {"use_muon": True})], hp)
     ours = clone_params(params)
-    opt = MuSGD(ours, **hp)  # ns_dtype: bf16, ns_method: auto
+    opt = MuSGD(ours, **hp, use_muon=True)  # ns_dtype: bf16, ns_method: auto
     run_optimizer(opt, ours, grads)
     plan = opt.plan()
     assert {b.dtype for b in plan.buckets} == {torch.bfloat16, torch.float32}
