@@ -20,6 +20,13 @@ from fastmuon.planner import (
 MODELS = Path(__file__).resolve().parents[1] / "src" / "fastmuon" / "models"
 
 
+@pytest.fixture(autouse=True)
+def _cpu_without_bf16_units(monkeypatch):
+    """These tests pin the plans for CPUs without bf16 matmul units, whatever CPU runs them
+    (the bf16-capable class has its own tests: test_cpu_class.py)."""
+    monkeypatch.setenv("FASTMUON_CPU_CLASS", "no_bf16")
+
+
 def yolo_specs(name="yolo26n", device="cpu"):
     manifest = json.loads((MODELS / f"{name}.json").read_text())
     specs = []

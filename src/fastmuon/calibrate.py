@@ -4,7 +4,9 @@ Two numbers decide whether padding two groups into one bucket pays: the time one
 costs and the time one more FLOP costs. Both are measured once per (device, dtypes, threads)
 and cached; a few hundred milliseconds on a CPU, less on a GPU. Where the device type's model
 prices eigendecompositions (CPUs: ``planner.CPU_EIGH``), their cost against matmuls is measured
-too, at two sizes; where it does not (GPUs), they stay out of the plan.
+too, at two sizes; where it does not (GPUs), they stay out of the plan. On a CPU fp32 is always
+measured (a bf16 request may run in it, ``compute.wider_dtype``), and a low-precision kernel's
+fixed cost beyond an fp32 one's (large on CPUs, from small bf16 matmuls) is added to its launches.
 """
 
 from __future__ import annotations
@@ -17,26 +19,46 @@ from collections.abc import Iterable
 import torch
 
 from .compute import synchronize
-from .planner import COST_MODELS, CostModel, EighCost
+from .planner import CostModel, EighCost, default_cost_model
 
 
 def calibrated_cost_model(device: torch.device | str, dtypes: Iterable[torch.dtype]) -> CostModel:
     """A :class:`CostModel` for ``device`` from timings of a tiny op and of NS-shaped ``bmm``."""
     device = torch.device(device)
-    return _calibrate(device, tuple(sorted(set(dtypes), key=str)), torch.get_num_threads())
+    dtypes = set(dtypes) | ({torch.float32} if device.type == "cpu" else set())
+    return _calibrate(device, tuple(sorted(dtypes, key=str)), torch.get_num_threads())
 
 
 @functools.cache
 def _calibrate(device: torch.device, dtypes: tuple[torch.dtype, ...], threads: int) -> CostModel:
     del threads  # part of the cache key
-    fallback = COST_MODELS.get(device.type, COST_MODELS["cuda"])
+    fallback = default_cost_model(device)
     tiny = torch.zeros(1, device=device)
     launch = _median_seconds(lambda: tiny.add_(1.0), device, rounds=5, per_round=40)
     per_flop = {}
     for dtype in dtypes:
         per_flop[dtype] = _per_flop(device, dtype, launch)
+    launches = {}
+    if device.type == "cpu":
+        fp32_matmul = _tiny_matmul_seconds(device, torch.float32)
+        for dtype in set(dtypes) & {torch.bfloat16, torch.float16}:
+            launches[dtype] = launch + max(_tiny_matmul_seconds(device, dtype) - fp32_matmul, 0.0)
     eigh = _eigh_cost(device) if fallback.eigh is not None else None  # fp32, whatever NS's dtype
-    return CostModel(launch, per_flop, fallback.default_seconds_per_flop, eigh)
+    return CostModel(
+        launch,
+        per_flop,
+        fallback.default_seconds_per_flop,
+        eigh,
+        launches,
+        fallback.low_precision_gram,
+    )
+
+
+def _tiny_matmul_seconds(device: torch.device, dtype: torch.dtype) -> float:
+    """A matmul too small to cost FLOPs: what one kernel in ``dtype`` costs whatever its size."""
+    a = torch.randn(2, 16, 16, device=device).to(dtype)
+    out = torch.empty_like(a)
+    return _median_seconds(lambda: torch.baddbmm(a, a, a, beta=0.5, out=out), device, rounds=5, per_round=20)
 
 
 def _per_flop(device: torch.device, dtype: torch.dtype, launch: float) -> float:

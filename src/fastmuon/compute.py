@@ -60,6 +60,49 @@ def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
     return dtype if _native_is_fast(dtype, torch.get_num_threads()) else torch.float32
 
 
+def wider_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype | None:
+    """A wider dtype the planner may run a ``dtype`` request in instead, where that is faster.
+
+    On a CPU whose matmul units take bf16/fp16 (and in the "auto" mode) the request runs natively,
+    but not every bucket gains by it: small or very wide ones spend their time on per-op overheads
+    and on FLOPs that the Gram-space and eigendecomposition routes, accurate enough only in fp32,
+    would not compute. fp32 is never less accurate than what was asked for."""
+    if (
+        torch.device(device).type == "cpu"
+        and dtype in (torch.bfloat16, torch.float16)
+        and _mode == "auto"
+        and compute_dtype(dtype, device) == dtype
+    ):
+        return torch.float32
+    return None
+
+
+#: CPU classes the planner keeps cost constants for: matrix units for bf16 (AMX), vector bf16
+#: dot products (AVX512-BF16), or neither (bf16 requests run in fp32 there).
+CPU_CLASSES = ("amx_bf16", "avx512_bf16", "no_bf16")
+
+
+def cpu_class() -> str:
+    """This CPU's class (:data:`CPU_CLASSES`): ``FASTMUON_CPU_CLASS`` if set, else detected."""
+    forced = os.environ.get("FASTMUON_CPU_CLASS")
+    if forced:
+        if forced not in CPU_CLASSES:
+            raise ValueError(f"FASTMUON_CPU_CLASS={forced!r} is not a CPU class; choose one of {CPU_CLASSES}")
+        return forced
+    return _detected_cpu_class()
+
+
+@functools.cache
+def _detected_cpu_class() -> str:
+    flags = _cpu_flags()
+    if flags is None:
+        return "avx512_bf16" if _native_is_fast(torch.bfloat16, torch.get_num_threads()) else "no_bf16"
+    for name in ("amx_bf16", "avx512_bf16"):
+        if name in flags:
+            return name
+    return "no_bf16"
+
+
 @functools.cache
 def _native_is_fast(dtype: torch.dtype, threads: int) -> bool:
     """Does this CPU have matmul instructions for ``dtype``? Read from the CPU flags on Linux

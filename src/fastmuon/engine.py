@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .compute import compute_dtype
+from .compute import compute_dtype, wider_dtype
 from .layout import memory_order
 from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
 from .nonfinite import zero_rejected_
@@ -599,10 +599,13 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
     """The planner's view of a >=2D tensor: flattened to (out, everything else), in the dtype
-    NS will really run in there; tensors of different dtypes or NS settings never share."""
+    NS will really run in there; tensors of different dtypes or NS settings never share.
+    With ``method="auto"`` a native low-precision request may run in fp32 where the planner finds
+    that faster (``compute.wider_dtype``)."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
     requested = config.dtype if config.dtype != dtype else None
+    fallback = wider_dtype(dtype, t.device) if config.method == "auto" else None
     return MatrixSpec(
         rows,
         cols,
@@ -612,6 +615,7 @@ def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec
         (layout.shape, layout.stride),
         config.method,
         requested,
+        fallback,
     )
 
 
@@ -631,7 +635,8 @@ def orthogonalize(
     Each tensor is treated as the matrix ``t.flatten(1)``. ``method`` picks the NS formulation
     ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
     cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
-    less and a bf16/fp16 ``dtype`` runs in fp32; "standard", "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
+    less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
+    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
     buffers; this function plans afresh each call.
     """
     tensors = list(tensors)

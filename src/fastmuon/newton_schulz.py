@@ -183,9 +183,15 @@ HOST_READS = contextvars.ContextVar("fastmuon_ns_host_reads", default=True)
 
 
 def _host_check_is_free(X: Tensor) -> bool:
+    """bf16 shares fp32's exponent range (its norms accumulate in fp32), so the same check holds;
+    fp16's narrow range would overflow ``X·Xᵀ`` long before the norm left the range."""
     if torch.compiler.is_compiling():  # first: the compiler cannot trace a ContextVar
         return False
-    return HOST_READS.get() and X.device.type == "cpu" and X.dtype in (torch.float32, torch.float64)
+    return (
+        HOST_READS.get()
+        and X.device.type == "cpu"
+        and X.dtype in (torch.float32, torch.float64, torch.bfloat16)
+    )
 
 
 def _plain_norm_is_exact(norm: Tensor) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compute import cpu_class
 from .newton_schulz import gram_segments
 
 POLICIES = ("auto", "exact", "min_launches")
@@ -33,6 +34,9 @@ class MatrixSpec:
     formulation allowed: "standard", "gram", "eigh", or "auto" (the cheaper one where it is
     safe). ``requested`` is the precision the user asked NS for, when ``dtype`` (what it runs
     in) is higher: a bf16 request computed in fp32 tolerates the eigendecomposition route.
+    ``fallback`` is a wider dtype the matrix may run in instead of ``dtype`` (fp32 for a bf16
+    request on a CPU with bf16 matmul units): the planner takes it per shape where the cost model
+    finds it faster, and the matrix then counts as ``dtype`` requested.
     """
 
     rows: int
@@ -43,6 +47,7 @@ class MatrixSpec:
     layout: Hashable = None
     method: str = "auto"
     requested: torch.dtype | None = None
+    fallback: torch.dtype | None = None
 
     @property
     def transposed(self) -> bool:
@@ -112,15 +117,24 @@ class EighCost:
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per kernel launch and per FLOP (by dtype) on one kind of device, and what an
-    eigendecomposition costs there (``eigh=None``: too slow to consider, as on GPUs)."""
+    eigendecomposition costs there (``eigh=None``: too slow to consider, as on GPUs).
+    ``launch_seconds_by_dtype`` overrides the launch cost for kernels in one dtype (on CPUs a
+    small bf16 matmul costs several times a small fp32 one). ``low_precision_gram``: whether
+    Gram-space NS in bf16/fp16 (with restarts) competes, where it was measured to pay (CPUs with
+    bf16 matmul units, on buckets at least 4x as wide as tall)."""
 
     launch_seconds: float
     seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
     default_seconds_per_flop: float = 1e-11
     eigh: EighCost | None = None
+    launch_seconds_by_dtype: dict[torch.dtype, float] = field(default_factory=dict)
+    low_precision_gram: bool = False
 
     def flop_seconds(self, dtype: torch.dtype) -> float:
         return self.seconds_per_flop.get(dtype, self.default_seconds_per_flop)
+
+    def launch_cost(self, dtype: torch.dtype) -> float:
+        return self.launch_seconds_by_dtype.get(dtype, self.launch_seconds)
 
 
 #: What an eigendecomposition costs on a CPU, measured on this project's (AMD EPYC, AVX2;
@@ -154,6 +168,37 @@ COST_MODELS: dict[str, CostModel] = {
         default_seconds_per_flop=1 / 4e13,
     ),
 }
+
+
+#: CPU cost models by CPU class (``compute.cpu_class``). Without bf16 matmul units a bf16
+#: request runs in fp32 and the model above applies. With AVX512-BF16 (measured on an AMD EPYC),
+#: bf16 batched matmuls run ~3.5x faster per FLOP than fp32 on a quiet machine (366 against 103
+#: GFLOP/s per thread) and ~2x on a busy one, and the rate constant sits between; but a small bf16
+#: matmul has a fixed cost of ~15-20 µs against ~4 µs in fp32, so each bf16 kernel is priced at
+#: 3x an fp32 one. Those constants pick, for each of yolo26n's shapes, the faster of bf16 and fp32
+#: NS (each with its cheapest accurate method) in all but one of its 40 shapes, timed one against
+#: the other. AMX's tiles are faster still; until measured there, that class shares these
+#: constants (``cost_model="calibrate"`` measures them on the machine).
+CPU_COST_MODELS: dict[str, CostModel] = {
+    "no_bf16": COST_MODELS["cpu"],
+    "avx512_bf16": CostModel(
+        launch_seconds=15e-6,
+        seconds_per_flop={torch.float32: 1 / 1.0e11, torch.bfloat16: 1 / 2.5e11},
+        default_seconds_per_flop=1 / 1.0e11,
+        eigh=CPU_EIGH,
+        launch_seconds_by_dtype={torch.bfloat16: 45e-6},
+        low_precision_gram=True,
+    ),
+}
+CPU_COST_MODELS["amx_bf16"] = CPU_COST_MODELS["avx512_bf16"]
+
+
+def default_cost_model(device: torch.device | str) -> CostModel:
+    """The built-in constants for ``device``: per device type, and on CPUs per CPU class."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_COST_MODELS[cpu_class()]
+    return COST_MODELS.get(device.type, COST_MODELS["cuda"])
 
 
 METHODS = ("standard", "gram", "eigh")
@@ -209,6 +254,7 @@ def choose_method(
     requested: torch.dtype | None = None,
     eigh: EighCost | None = None,
     threads: int = 1,
+    low_precision_gram: bool = False,
 ) -> str:
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
@@ -220,10 +266,16 @@ def choose_method(
     eigendecomposition route on any shape (errors of 1e-6..1.6e-3 against bf16 NS's 0.02..1.6,
     ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so that route
     (``newton_schulz._iterate_eigh``) qualifies too, wherever the device's cost model prices it
-    (``eigh``: CPUs). (The Gram loop on square buckets in that case measured no faster.)"""
+    (``eigh``: CPUs). (The Gram loop on square buckets in that case measured no faster.)
+    In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restart_interval``), which keeps
+    it in standard bf16 NS's band; it competes there where the cost model says it was measured
+    to pay (``low_precision_gram``) and every member is at least 4x as wide as tall (narrower,
+    its ``R×R`` products measured no faster than standard NS's passes over ``X``)."""
     if allowed != "auto":
         return allowed
     if dtype not in (torch.float32, torch.float64):
+        if low_precision_gram and narrowest >= 4:
+            return min(("standard", "gram"), key=lambda m: ns_flops(rows, cols, steps, m, dtype))
         return "standard"
     tolerant = requested in (torch.bfloat16, torch.float16)
     candidates = ["standard"]
@@ -325,29 +377,60 @@ def plan_buckets(
             raise ValueError(f"matrix {i} has an empty shape ({s.rows}, {s.cols}); nothing to plan")
         if s.method not in ("auto", *METHODS):
             raise ValueError(f"matrix {i}: unknown NS method {s.method!r}; choose 'auto' or one of {METHODS}")
-        part = partitions.setdefault((s.dtype, torch.device(s.device), s.key, s.method, s.requested), {})
+        fallback = s.fallback if s.fallback is not None and s.fallback != s.dtype else None
+        part = partitions.setdefault(
+            (s.dtype, torch.device(s.device), s.key, s.method, s.requested, fallback), {}
+        )
         part.setdefault(s.oriented, []).append(i)
 
     threads = torch.get_num_threads() if threads is None else threads
     buckets: list[Bucket] = []
-    for (dtype, device, key, allowed, requested), by_shape in partitions.items():
-        model = cost_model or COST_MODELS.get(device.type, COST_MODELS["cuda"])
+    for (dtype, device, key, allowed, requested, fallback), by_shape in partitions.items():
+        model = cost_model or default_cost_model(device)
         groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
-        chooser = functools.partial(
-            choose_method,
-            allowed,
-            steps=steps,
-            dtype=dtype,
-            requested=requested,
-            eigh=model.eigh,
-            threads=threads,
-        )
-        if policy != "exact":
-            groups = _merge(groups, policy, steps, dtype, max_bucket_bytes, model, chooser, threads)
-        for g in sorted(groups, key=lambda g: (-g.rows * g.cols, g.rows)):
-            method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
-            buckets.extend(_materialise(g, specs, dtype, device, key, max_bucket_bytes, method))
+
+        def chooser_for(run_dtype, run_requested, allowed=allowed, model=model):
+            return functools.partial(
+                choose_method,
+                allowed,
+                steps=steps,
+                dtype=run_dtype,
+                requested=run_requested,
+                eigh=model.eigh,
+                threads=threads,
+                low_precision_gram=model.low_precision_gram,
+            )
+
+        runs = [(dtype, requested, groups)]
+        if fallback is not None:  # each shape in whichever dtype runs it faster
+            native, wide = chooser_for(dtype, requested), chooser_for(fallback, dtype)
+            faster_wide = [
+                _seconds(g, steps, fallback, model, wide, threads, max_bucket_bytes)
+                < _seconds(g, steps, dtype, model, native, threads, max_bucket_bytes)
+                for g in groups
+            ]
+            runs = [
+                (dtype, requested, [g for g, w in zip(groups, faster_wide) if not w]),
+                (fallback, dtype, [g for g, w in zip(groups, faster_wide) if w]),
+            ]
+        for run_dtype, run_requested, run_groups in runs:
+            chooser = chooser_for(run_dtype, run_requested)
+            if policy != "exact" and run_groups:
+                run_groups = _merge(
+                    run_groups, policy, steps, run_dtype, max_bucket_bytes, model, chooser, threads
+                )
+            for g in sorted(run_groups, key=lambda g: (-g.rows * g.cols, g.rows)):
+                method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
+                buckets.extend(_materialise(g, specs, run_dtype, device, key, max_bucket_bytes, method))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
+
+
+def _seconds(g, steps, dtype, model: CostModel, chooser, threads: int, cap: int) -> float:
+    """What the cost model says group ``g`` costs alone in ``dtype``: FLOPs plus launches."""
+    method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
+    flops = len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, model.eigh, threads)
+    launches = g.chunks(_itemsize(dtype), cap) * kernels_per_bucket(steps, method)
+    return flops * model.flop_seconds(dtype) + launches * model.launch_cost(dtype)
 
 
 @dataclass
@@ -399,7 +482,7 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads
             saved_calls = a.chunks(itemsize, cap) + b.chunks(itemsize, cap) - m.chunks(itemsize, cap)
             return (-saved_calls, extra_flops) if saved_calls > 0 else None
         saved_launches = launches(a) + launches(b) - launches(m)
-        delta = extra_flops * per_flop - saved_launches * model.launch_seconds
+        delta = extra_flops * per_flop - saved_launches * model.launch_cost(dtype)
         return (delta, extra_flops) if delta < 0 else None
 
     groups = sorted(groups, key=lambda g: (g.rows, g.cols))

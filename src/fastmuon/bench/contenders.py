@@ -207,7 +207,7 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     name = f"{label} {'MuSGD' if wb.optimizer == 'musgd' else 'Muon'}"
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
-    computed = useful if not getattr(opt, "foreach", True) else None
+    computed = useful if getattr(opt, "foreach", None) is False else None
     plan = opt.plan if computed is None else (lambda: None)  # the loop batches nothing
     contender = Contender(name, [opt], wb.ns_dtype, note, plan=plan, ns_useful_flops=useful)
     contender.ns_flops, contender.workspaces = computed, workspaces

@@ -13,6 +13,7 @@ import platform
 import torch
 
 from ..compute import _cpu_flags, compute_dtype
+from ..compute import cpu_class as planner_class
 
 _X86 = ("x86_64", "amd64", "i386", "i686")
 _ARM = ("aarch64", "arm64")
@@ -47,6 +48,7 @@ def cpu_facts() -> dict[str, str]:
     return {
         "cpu_class": cpu_class(platform.machine(), _cpu_flags()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "planner_class": planner_class(),  # whose cost constants the planner uses
         "bf16_ns_runs_in": str(runs_in).removeprefix("torch."),
     }
 
