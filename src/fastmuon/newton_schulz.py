@@ -114,11 +114,18 @@ def newton_schulz(
     """
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a matrix (m, n) or a batch (b, m, n), got {X.ndim}D")
-    if not dtype.is_floating_point:
+    if X.is_complex():
+        raise ValueError(
+            f"newton_schulz got a complex tensor ({X.dtype}); only real matrices can be orthogonalised "
+            "(pass a real tensor, e.g. torch.view_as_real(X) if its real view is what you mean)"
+        )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"newton_schulz dtype must be a floating dtype, got {dtype}")
     if method not in METHODS:
         raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {sorted(METHODS)}")
     schedule = resolve_coefficients(coefficients, steps)
+    if X.numel() == 0:  # nothing to orthogonalise (and no norm to take): the empty result
+        return torch.zeros(X.shape, dtype=dtype, device=X.device)
     single = X.ndim == 2
     Y = X.unsqueeze(0) if single else X
     tall = Y.size(-2) > Y.size(-1)
