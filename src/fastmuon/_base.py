@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from .calibrate import calibrated_cost_model
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .inflight import InFlight
 from .nonfinite import (
     DEFAULT_NONFINITE,
     SkipGuard,
@@ -95,6 +96,7 @@ class MatrixOptimizer(Optimizer):
         self._zero_grads: dict[Tensor, Tensor] = {}
         self._global_of: dict[int, Tensor] = {}
         self._sharded = False  # any FSDP2 DTensor parameter
+        self._inflight = InFlight()  # this step's agreement collectives (see inflight.py)
         super().__init__(params, defaults)
 
     # ----- validation ---------------------------------------------------------------------
@@ -202,7 +204,8 @@ class MatrixOptimizer(Optimizer):
         if self.process_group is not None or self._sharded:
             from .distributed import begin_step
 
-            self._zero_grads = begin_step(self)
+            self._inflight.settle()  # the last step's (finished long ago)
+            self._zero_grads = begin_step(self, self._inflight)
 
     def local_items(self, *item_lists):
         """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
@@ -317,7 +320,7 @@ class MatrixOptimizer(Optimizer):
             return None
         flags = finite_flags(grads)
         if distributed and flags:
-            flags = list(agree_across_ranks(flags, self.process_group))
+            flags = list(agree_across_ranks(flags, self.process_group, self._inflight))
         if self.nonfinite == "raise":
             raise_if_nonfinite(flags, lambda k: self.param_name(*owners[k]), flags_given=True)
             return None
@@ -363,3 +366,4 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("nonfinite", DEFAULT_NONFINITE)
         self.__dict__.setdefault("_keep", None)
         self.__dict__.setdefault("_prepared", None)
+        self.__dict__.setdefault("_inflight", InFlight())
