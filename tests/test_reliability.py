@@ -549,3 +549,13 @@ def test_ranks_agree_on_a_nan_only_one_of_them_sees(mode, tmp_path):
         assert not torch.equal(r["after"][1], r["before"][1])
     for a, b in zip(results[0]["after"], results[1]["after"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_ranks_that_return_right_after_a_step_exit_cleanly(tmp_path):
+    """A 2-rank world whose ranks return straight after ``opt.step()``: no rank may abort at
+    interpreter exit (a collective's tensor freed by a process-group thread during shutdown
+    ends in ``terminate called without an active exception``)."""
+    from reliability_support import exit_worker
+
+    torch.multiprocessing.spawn(exit_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
