@@ -179,7 +179,7 @@ class ReplicatedOrthogonalizer:
         timer = _Timer(self.profile, device)
         start = timer.now()
         ns_seconds = 0.0
-        flats, works = [], []
+        flats = []
         sent = received = 0
         for k, (unit, members, src, engine) in enumerate(
             zip(self.units, self._unit_members, self._src, self._engines)
@@ -193,10 +193,9 @@ class ReplicatedOrthogonalizer:
                 sent += flat.numel() * flat.element_size() * (self.world - 1)
             else:
                 received += flat.numel() * flat.element_size()
-            works.append(self._inflight.issue(dist.broadcast, flat, src=src, group=self.group))
+            self._inflight.issue(dist.broadcast, flat, src=src, group=self.group)
             flats.append(flat)
-        for w in works:
-            w.wait()
+        self._inflight.wait()
         results: list[Tensor | None] = [None] * len(sources)
         for flat, members in zip(flats, self._unit_members):
             _views(flat, members, self.layouts, out_dtypes, results)
@@ -322,9 +321,8 @@ class ShardedOrthogonalizer:
             if blocks:
                 torch.cat(blocks, out=send)
             recv = self._buffer(dtype, "gather recv", sum(from_rank), device)
-            self._inflight.issue(
-                dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group
-            ).wait()
+            self._inflight.issue(dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group)
+            self._inflight.wait()
             t1 = timer.now()
             # 2. whole matrices on the owner, NS over its buckets
             full = self._assemble(recv, from_rank, order[me])
@@ -341,9 +339,8 @@ class ShardedOrthogonalizer:
             if rows:
                 torch.cat(rows, out=send)
             recv = self._buffer(dtype, "scatter recv", sum(from_owner), device)
-            self._inflight.issue(
-                dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group
-            ).wait()
+            self._inflight.issue(dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group)
+            self._inflight.wait()
             casts: dict[torch.dtype, Tensor] = {}
             offset = 0
             for s in range(world):
@@ -501,7 +498,8 @@ def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group).wait()
+    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    inflight.wait()
     zeros = {}
     for p, anywhere in zip(params, has.tolist()):
         if anywhere and p.grad is None:

@@ -11,8 +11,8 @@ aborts with ``terminate called without an active exception``.
 So a collective is issued through :class:`InFlight`, which keeps the work object and every
 tensor it touches referenced from Python; :meth:`InFlight.settle` — at the start of the next
 exchange, or when its owner is freed — drops the work objects and waits until torch's count
-of references to each tensor is back where it was before the collective (the helper thread
-has let go) before dropping the tensors, on the calling thread.
+of references to each tensor has lost what the work objects held (the helper thread has let
+go) before dropping the tensors, on the calling thread.
 """
 
 from __future__ import annotations
@@ -38,18 +38,28 @@ class InFlight:
 
     def __init__(self) -> None:
         self._works: list[Any] = []
-        self._tensors: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references before)
+        self._pending: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references before)
+        self._held: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references the works hold)
 
-    def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``collective(*args, async_op=True, **kwargs)``, holding its work object and every
-        tensor among ``args`` (the buffers it reads and writes) until :meth:`settle`."""
+    def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Start ``collective(*args, async_op=True, **kwargs)``, holding its work object and
+        every tensor among ``args`` (the buffers it reads and writes) until :meth:`settle`."""
         for t in args:
-            if isinstance(t, Tensor) and id(t) not in self._tensors:
-                self._tensors[id(t)] = (t, _refs(t))
+            if isinstance(t, Tensor) and id(t) not in self._pending:
+                _, held = self._held.pop(id(t), (t, 0))
+                self._pending[id(t)] = (t, _refs(t) - held)
         work = collective(*args, async_op=True, **kwargs)
         if work is not None:
             self._works.append(work)
-        return work
+
+    def wait(self) -> None:
+        """Wait for every collective issued so far, then count the references their work
+        objects hold to each tensor (all taken by now, the result included)."""
+        for w in self._works:
+            w.wait()
+        for key, (t, before) in self._pending.items():
+            self._held[key] = (t, _refs(t) - before)
+        self._pending.clear()
 
     def settle(self, timeout: float = SETTLE_TIMEOUT_S, _now=time.monotonic, _sleep=time.sleep) -> None:
         """Let go of the held collectives: drop the work objects, wait (sleeping, so the GIL is
@@ -58,14 +68,17 @@ class InFlight:
         A collective that never finished (a failed step, a lost peer) is not waited for: its
         tensors are dropped at once, as there is no telling when its thread will let go.
         """
-        works, tensors = self._works, list(self._tensors.values())
-        self._works, self._tensors = [], {}
-        finished = all(w.is_completed() for w in works)
+        works, self._works = self._works, []
+        finished = not self._pending and all(w.is_completed() for w in works)
+        # what each tensor will be referenced by once the work objects are gone (views that
+        # callers still hold included)
+        targets = [(t, _refs(t) - held) for t, held in self._held.values()]
+        self._pending, self._held = {}, {}
         del works  # a work object dies here, unless a helper thread still holds it
         if not finished:
             return
         deadline = _now() + timeout
-        while any(_refs(t) > before for t, before in tensors) and _now() < deadline:
+        while any(_refs(t) > target for t, target in targets) and _now() < deadline:
             _sleep(1e-4)
 
     def __del__(self) -> None:

@@ -74,7 +74,8 @@ def agree_across_ranks(flags: Sequence[Tensor], group: Any, inflight: InFlight) 
     import torch.distributed as dist
 
     ok = torch.stack([f.to(flags[0].device) for f in flags]).float()
-    inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group).wait()
+    inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
+    inflight.wait()
     return ok > 0.5
 
 
