@@ -24,6 +24,7 @@ between steps: nothing a collective touched is freed by the process group's own 
 from __future__ import annotations
 
 import math
+import pickle
 import sys
 import time
 from collections.abc import Hashable, Sequence
@@ -436,8 +437,8 @@ def _plan(opt, specs, configs, policy, group) -> Plan:
 
         box[0] = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    cost_model, threads = box
+    device = specs[0].device if specs else torch.device("cpu")
+    cost_model, threads = _broadcast_object(box, src, group, opt._inflight, device)
     return plan_buckets(
         specs,
         policy=policy,
@@ -446,6 +447,24 @@ def _plan(opt, specs, configs, policy, group) -> Plan:
         cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         threads=threads,
     )
+
+
+def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: torch.device) -> Any:
+    """``obj`` as rank ``src`` (a global rank) has it, on every rank: ``broadcast_object_list``'s
+    pickle and two broadcasts, with the buffers held by ``inflight`` (see inflight.py)."""
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = pickle.dumps(obj) if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    inflight.issue(dist.broadcast, size, src=src, group=group)
+    inflight.wait()
+    payload = (
+        torch.tensor(list(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    )
+    payload = payload.to(device)
+    inflight.issue(dist.broadcast, payload, src=src, group=group)
+    inflight.wait()
+    return pickle.loads(bytes(payload.tolist()))
 
 
 def _mesh_group(opt: MatrixOptimizer, dtensors: Sequence[Any]) -> dist.ProcessGroup:
