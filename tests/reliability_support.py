@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
 
@@ -98,3 +101,42 @@ def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: 
         )
     finally:
         dist.destroy_process_group()
+
+
+def _own_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
+
+
+def exit_worker(index: int, world: int, init_dir: str) -> None:
+    """One rank of a DDP-style MuSGD (``nonfinite="skip"``, a NaN on rank 1) that returns right
+    after its last step, as a user's script does; processes ``index`` form worlds of ``world``.
+
+    To make a late process-group thread likely (it is what turns a tensor freed by that thread
+    into an abort at interpreter exit), each process is pinned to one CPU and the threads the
+    process group starts run at idle priority: they get the CPU mostly while the main thread waits.
+    """
+    import torch.distributed as dist
+
+    import fastmuon
+
+    rank, world_id = index % world, index // world
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[index % len(cpus)]})
+    before = _own_threads()
+    init = f"file://{init_dir}/world{world_id}"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    for tid in _own_threads() - before:
+        with contextlib.suppress(OSError, AttributeError):
+            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+    params = make_params([(6, 4), (6, 4), (8, 3), (4, 5, 2, 2), (7, 2), (5,)])
+    opt = fastmuon.MuSGD(
+        params, lr=0.1, momentum=0.9, ns_dtype=torch.float32, process_group=dist.group.WORLD, nonfinite="skip"
+    )
+    for step in range(2):
+        for p, g in zip(params, random_grads(params, step)):
+            p.grad = g
+        if step == 1 and rank == 1:
+            params[0].grad[0, 0] = float("nan")
+        opt.step()

@@ -5,7 +5,7 @@ import torch
 from conftest import rel_err
 from reference_impl import ns_reference
 
-from fastmuon import PRESETS, newton_schulz
+from fastmuon import PRESETS, newton_schulz, orthogonalize
 from fastmuon.accuracy import Variant, make_inputs, measure
 from fastmuon.newton_schulz import resolve_coefficients
 from fastmuon.planner import ns_flops
@@ -88,6 +88,23 @@ def test_bad_steps(steps):
 def test_bad_rank():
     with pytest.raises(ValueError, match="matrix"):
         newton_schulz(torch.randn(3))
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (3, 0, 4), (3, 4, 0), (0, 3, 4), (0, 0)])
+def test_empty_matrices_give_empty_results(shape, method):
+    out = newton_schulz(torch.empty(shape), dtype=torch.float32, method=method)
+    assert out.shape == shape and out.dtype == torch.float32
+    (res,) = orthogonalize([torch.empty(shape)], dtype=torch.float32, method=method)
+    assert res.shape == shape and res.dtype == torch.float32
+
+
+def test_complex_input_is_refused_not_truncated():
+    X = torch.randn(4, 6, dtype=torch.complex64)
+    with pytest.raises(ValueError, match=r"complex tensor \(torch.complex64\); only real matrices"):
+        newton_schulz(X)
+    with pytest.raises(ValueError, match="tensor 1 is complex; only real tensors"):
+        orthogonalize([torch.randn(4, 6), X])
 
 
 @pytest.mark.parametrize("shape", [(16, 144), (3, 40, 100), (100, 40), (1, 30)])

@@ -108,6 +108,45 @@ def test_skip_leaves_bad_parameters_untouched_and_the_rest_exact(kind, foreach):
         assert float(opt.state[params[5]]["step"]) == 2 and float(opt.state[params[6]]["step"]) == 3
 
 
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+@pytest.mark.parametrize("ns_method", ["auto", "gram", "eigh"])
+def test_skip_is_bitwise_for_bucket_mates_with_gram_and_eigh_ns(kind, ns_method):
+    """``auto`` runs 3×3 convs in Gram space: a NaN in one of three must leave the
+    other two bitwise as in a run where its gradient was finite, at that step and after."""
+    params = make_params([(32, 32, 3, 3)] * 3, seed=4)
+    twin = copy.deepcopy(params)
+    opt = OPTIMIZERS[kind](params, nonfinite="skip", ns_method=ns_method)
+    opt_twin = OPTIMIZERS[kind](twin, nonfinite="skip", ns_method=ns_method)
+    for step in range(3):
+        grads = random_grads(params, 20 + step)
+        for p, q, g in zip(params, twin, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 1:
+            params[1].grad[5, 6, 1, 2] = float("nan")
+        opt.step()
+        opt_twin.step()
+        assert opt.plan().buckets[0].method == ("gram" if ns_method == "auto" else ns_method)
+        for i in (0, 2):
+            assert torch.equal(params[i], twin[i]), (step, i)
+            _assert_same_state(opt.state[params[i]], opt_twin.state[twin[i]])
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
+@pytest.mark.parametrize("mate_scale", [0.0, 1e30, 1e-30])
+def test_a_matrix_result_does_not_depend_on_its_bucket_mates(method, mate_scale):
+    """Zeros (a skipped matrix) or an extreme scale in one slot of a batch must not change the
+    route, and so the bits, of the other slots' Newton–Schulz."""
+    gen = torch.Generator().manual_seed(5)
+    batch = torch.randn(3, 12, 40, generator=gen)
+    mates = batch.clone()
+    mates[1] *= mate_scale
+    for eps in (1e-7, 0.0):
+        alone = fastmuon.newton_schulz(batch, eps=eps, dtype=torch.float32, method=method)
+        mixed = fastmuon.newton_schulz(mates, eps=eps, dtype=torch.float32, method=method)
+        assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[2], alone[2]), eps
+        assert torch.isfinite(mixed).all()
+
+
 def test_skip_zeroes_the_bad_matrix_inside_its_bucket():
     """The engine sees the bad matrix as zeros: the NS output slot is exactly zero, not NaN."""
     params = make_params([(5, 7)] * 3)
@@ -512,3 +551,13 @@ def test_ranks_agree_on_a_nan_only_one_of_them_sees(mode, tmp_path):
         assert not torch.equal(r["after"][1], r["before"][1])
     for a, b in zip(results[0]["after"], results[1]["after"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_ranks_that_return_right_after_a_step_exit_cleanly(tmp_path):
+    """A 2-rank world whose ranks return straight after ``opt.step()``: no rank may abort at
+    interpreter exit (a collective's tensor freed by a process-group thread during shutdown
+    ends in ``terminate called without an active exception``)."""
+    from reliability_support import exit_worker
+
+    torch.multiprocessing.spawn(exit_worker, args=(2, str(tmp_path)), nprocs=2, join=True)

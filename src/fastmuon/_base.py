@@ -17,6 +17,7 @@ from .calibrate import calibrated_cost_model
 from .checkpoint import adapt_state_dict
 from .distributed import is_dtensor
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .inflight import InFlight
 from .matrix_update import batch_order
 from .newton_schulz import HOST_READS
 from .nonfinite import (
@@ -118,6 +119,7 @@ class MatrixOptimizer(Optimizer):
         self.state_initialised = False
         self._global_of: dict[int, Tensor] = {}
         self._sharded = False  # any FSDP2 DTensor parameter
+        self._inflight = InFlight()  # this step's agreement collectives (see inflight.py)
         super().__init__(params, defaults)
 
     # ----- validation ---------------------------------------------------------------------
@@ -375,7 +377,7 @@ class MatrixOptimizer(Optimizer):
                     f"{type(self).__name__}(foreach=False) is the per-parameter reference path and "
                     "cannot orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
                 )
-            guard = self.guard_nonfinite()
+            guard = self.guard_nonfinite(params, grads)
         try:
             self._apply_reference(*items)
         finally:
@@ -400,7 +402,8 @@ class MatrixOptimizer(Optimizer):
         if self.process_group is not None or self._sharded:
             from .distributed import begin_step
 
-            return begin_step(self)
+            self._inflight.settle()  # the last step's (finished long ago)
+            return begin_step(self, self._inflight)
         return {}
 
     def local_items(self, *item_lists):
@@ -513,25 +516,37 @@ class MatrixOptimizer(Optimizer):
             return None
         keep = program.check(grads)
         if distributed:
-            keep = agree_across_ranks(keep, self.process_group)
+            keep = agree_across_ranks(keep, self.process_group, self._inflight)
         if self.nonfinite == "raise":
             raise_if_nonfinite(list(keep.unbind(0)), name, flags_given=True)
             return None
         return keep
 
-    def guard_nonfinite(self) -> SkipGuard | None:
-        """The reference path's guard: raises ("raise"), or returns the guard whose ``restore()``
-        undoes the step where gradients were bad ("skip")."""
+    def guard_nonfinite(self, params: list[Tensor], grads: list[Tensor | None]) -> SkipGuard | None:
+        """The reference path's guard over this step's ``params`` and ``grads`` (zeros where only
+        another rank has one): raises ("raise"), or returns the guard whose ``restore()`` undoes
+        the step where gradients were bad ("skip"). Ranks decide alike, as the batched path does."""
         if self.nonfinite == "ignore":
             return None
-        owners = [(g, j) for g in self.param_groups for j, p in enumerate(g["params"]) if p.grad is not None]
-        params = [g["params"][j] for g, j in owners]
-        grads = [p.grad for p in params]
-        if self.nonfinite == "raise":
-            raise_if_nonfinite(grads, lambda k: self.param_name(*owners[k]))
+        owners = [(g, j) for g in self.param_groups for j in range(len(g["params"]))]  # as params
+        live = [k for k, g in enumerate(grads) if g is not None]
+        live_params = [params[k] for k in live]
+        live_grads = [grads[k] for k in live]
+
+        def name(k: int) -> str:
+            return self.param_name(*owners[live[k]])
+
+        distributed = self.process_group is not None or self._sharded
+        if self.nonfinite == "raise" and not distributed:
+            raise_if_nonfinite(live_grads, name)
             return None
-        flags = finite_flags(grads)
-        return SkipGuard(params, flags, [self.state[p] for p in params])
+        flags = finite_flags(live_grads)
+        if distributed and flags:
+            flags = list(agree_across_ranks(flags, self.process_group, self._inflight))
+        if self.nonfinite == "raise":
+            raise_if_nonfinite(flags, name, flags_given=True)
+            return None
+        return SkipGuard(live_params, flags, [self.state[p] for p in live_params])
 
     # ----- state --------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -674,3 +689,4 @@ class MatrixOptimizer(Optimizer):
         self.__dict__["_flat"] = None
         self.__dict__.setdefault("_version", 0)
         self.__dict__.setdefault("capturable", False)
+        self.__dict__["_inflight"] = InFlight()  # a copy holds no other optimizer's collectives

@@ -93,6 +93,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .cli import UsageError, check_output_file
+
+    if args.rows < 1 or args.cols < 1:
+        raise UsageError(f"--rows and --cols must be at least 1, got {args.rows}×{args.cols}")
+    if args.rows > args.cols:
+        raise UsageError(
+            f"--rows {args.rows} is more than --cols {args.cols}; give the wide orientation "
+            "(NS runs a tall matrix as its transpose, so the figures are the same)"
+        )
+    if args.json:
+        check_output_file("--json", args.json)
     results = run_accuracy(args.rows, args.cols, args.seed)
     print(f"NS accuracy on {args.rows}×{args.cols} inputs; singular values over significant directions")
     print(f"{'input':30s} {'variant':26s} {'σ min':>7s} {'σ max':>7s} {'err vs fp64':>12s}")

@@ -1,9 +1,15 @@
-"""The ``fastmuon`` command: each subcommand lives in its own module and is imported on use."""
+"""The ``fastmuon`` command: each subcommand lives in its own module and is imported on use.
+
+Mistakes are reported on one line, before any work is done where they can be seen up front,
+with argparse's exit status for every usage mistake (2); a missing optional package exits 1.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
 
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
@@ -13,6 +19,34 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("fastmuon.train.cli", "MuSGD, Muon, SGD, AdamW trained on small models: losses, curves, time"),
     "yolo": ("fastmuon.ultralytics", "Ultralytics' `yolo` command with fastmuon.MuSGD as its MuSGD"),
 }
+
+#: optional packages a subcommand may need -> the extra that installs them
+OPTIONAL_PACKAGES = {"rich": "bench", "matplotlib": "bench", "sklearn": "train"}
+
+USAGE_EXIT = 2  # what argparse exits with on a parse error
+MISSING_PACKAGE_EXIT = 1
+
+
+class UsageError(Exception):
+    """A flag value the parser accepted but the command cannot use (reported like argparse's errors)."""
+
+
+def check_output_file(flag: str, path: str) -> None:
+    """Refuse an output path that cannot be written, before the run whose results it would hold."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise UsageError(f"{flag} {path}: directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(f"{flag} {path}: directory {directory} is not writable")
+
+
+def require_packages(*names: str) -> None:
+    """Fail now, not after the run, if an optional package a requested output needs is missing."""
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +64,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    prog = f"fastmuon {args.command}"
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except UsageError as e:
+        return _fail(prog, str(e), USAGE_EXIT)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        # a subcommand that exits with a message has found a usage mistake
+        return _fail(prog, e.code.removeprefix(f"{prog}: "), USAGE_EXIT)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").partition(".")[0]
+        if top not in OPTIONAL_PACKAGES:
+            raise
+        extra = "train" if args.command == "train" else OPTIONAL_PACKAGES[top]
+        hint = f"pip install 'fastmuon[{extra}]'"
+        return _fail(
+            prog, f"needs the optional package {top!r}, which is not installed ({hint})", MISSING_PACKAGE_EXIT
+        )
+
+
+def _fail(prog: str, message: str, status: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -16,12 +16,15 @@ batched here to two collectives per step). Uneven shards (rows not divisible by 
 size, empty shards) need no padding: every rank computes every block size from the shapes.
 
 Everything is ``torch.distributed``; the only assumption is that all ranks step the same set of
-parameters, which :func:`begin_step` enforces with one small all_reduce per step.
+parameters, which :func:`begin_step` enforces with one small all_reduce per step. Every
+collective goes through an :class:`~fastmuon.inflight.InFlight`, and exchange buffers persist
+between steps: nothing a collective touched is freed by the process group's own threads.
 """
 
 from __future__ import annotations
 
 import math
+import pickle
 import sys
 import time
 from collections.abc import Hashable, Sequence
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from .inflight import InFlight
 from .planner import CostModel, Member, Plan, plan_buckets
 
 if TYPE_CHECKING:
@@ -136,6 +140,9 @@ class ReplicatedOrthogonalizer:
     travel as one flat buffer in the NS compute dtype (each matrix in its own memory order),
     which every rank — owner included — casts to the parameters' dtype and views per matrix,
     so all ranks apply bit-identical updates.
+
+    The flat buffers persist (one per unit, written again each step), and the results may be
+    views of them: valid until the next call, as the optimizer's step consumes them at once.
     """
 
     def __init__(
@@ -158,33 +165,38 @@ class ReplicatedOrthogonalizer:
             engine = Orthogonalizer(unit_plan, [self.layouts[i] for i in members], configs, compile=compile)
             self._engines.append(engine if owned else None)
         self._src = [u.owner if group is None else dist.get_global_rank(group, u.owner) for u in self.units]
+        self._numel = [
+            sum(math.prod(self.layouts[i].shape) for i in members) for members in self._unit_members
+        ]
+        self._flats: list[Tensor | None] = [None] * len(self.units)
+        self._inflight = InFlight()
         self.profile = False
         owned_flops = sum(u.flops for u in self.units if u.owner == self.rank)
         self.stats = CommStats(total_flops=plan.flops(), owned_flops=owned_flops)
 
     def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+        self._inflight.settle()  # the last call's broadcasts (finished long ago)
         device = sources[0].device
         timer = _Timer(self.profile, device)
         start = timer.now()
         ns_seconds = 0.0
-        flats, works = [], []
+        flats = []
         sent = received = 0
-        for unit, members, src, engine in zip(self.units, self._unit_members, self._src, self._engines):
-            dtype = self.plan.buckets[unit.bucket].dtype
+        for k, (unit, members, src, engine) in enumerate(
+            zip(self.units, self._unit_members, self._src, self._engines)
+        ):
+            flat = self._flat(k, self.plan.buckets[unit.bucket].dtype, device)
             if engine is not None:
                 t0 = timer.now()
-                outs = engine([sources[i] for i in members], [dtype] * len(members))
+                outs = engine([sources[i] for i in members], [flat.dtype] * len(members))
                 ns_seconds += timer.now() - t0
-                flat = torch.cat([_memory_order(o, self.layouts[i]) for o, i in zip(outs, members)])
+                torch.cat([_memory_order(o, self.layouts[i]) for o, i in zip(outs, members)], out=flat)
                 sent += flat.numel() * flat.element_size() * (self.world - 1)
             else:
-                numel = sum(math.prod(self.layouts[i].shape) for i in members)
-                flat = torch.empty(numel, dtype=dtype, device=device)
                 received += flat.numel() * flat.element_size()
-            works.append(dist.broadcast(flat, src=src, group=self.group, async_op=True))
+            self._inflight.issue(dist.broadcast, flat, src=src, group=self.group)
             flats.append(flat)
-        for w in works:
-            w.wait()
+        self._inflight.wait()
         results: list[Tensor | None] = [None] * len(sources)
         for flat, members in zip(flats, self._unit_members):
             _views(flat, members, self.layouts, out_dtypes, results)
@@ -192,6 +204,18 @@ class ReplicatedOrthogonalizer:
         self.stats.ns_seconds, self.stats.comm_seconds = ns_seconds, total - ns_seconds
         self.stats.bytes_sent, self.stats.bytes_received = sent, received
         return results  # type: ignore[return-value]
+
+    def _flat(self, k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Unit ``k``'s exchange buffer: its matrices back to back, made once."""
+        flat = self._flats[k]
+        if flat is None or flat.device != device:
+            flat = self._flats[k] = torch.empty(self._numel[k], dtype=dtype, device=device)
+        return flat
+
+    def workspaces(self) -> list[Tensor]:
+        """Every tensor kept between steps: exchange buffers and the owned units' engines'."""
+        kept = [f for f in self._flats if f is not None]
+        return kept + [t for e in self._engines if e is not None for t in e.workspaces()]
 
 
 def _memory_order(t: Tensor, layout: TensorLayout) -> Tensor:
@@ -231,7 +255,8 @@ class ShardedOrthogonalizer:
     Two ``all_to_all_single`` calls per NS dtype and step: the first sends every rank's row
     blocks to the owners (cast to NS dtype on the way, as the single-process engine casts when
     packing), the second sends every rank its rows of each result. Sizes are exact, so uneven
-    and empty shards cost nothing extra.
+    and empty shards cost nothing extra. The four exchange buffers per NS dtype persist between
+    steps, and the results are views of the last one: valid until the next call.
     """
 
     def __init__(
@@ -271,6 +296,8 @@ class ShardedOrthogonalizer:
             mine_to_owner = [sum(self._block(i, me) for i in order[o]) for o in range(world)]
             theirs_to_me = [sum(self._block(i, r) for i in order[me]) for r in range(world)]
             self._sizes[dtype] = (mine_to_owner, theirs_to_me)
+        self._buffers: dict[tuple[torch.dtype, str], Tensor] = {}
+        self._inflight = InFlight()
         self.profile = False
         self.stats = CommStats(total_flops=plan.flops(), owned_flops=sum(u.flops for u in owned))
 
@@ -279,6 +306,7 @@ class ShardedOrthogonalizer:
 
     def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
         """``sources`` are this rank's row blocks; so are the results (in ``out_dtypes``)."""
+        self._inflight.settle()  # the last call's all_to_alls (finished long ago)
         device = sources[0].device
         timer = _Timer(self.profile, device)
         results: list[Tensor | None] = [None] * len(sources)
@@ -289,12 +317,13 @@ class ShardedOrthogonalizer:
             t0 = timer.now()
             # 1. every rank's row blocks to the owners, cast to NS dtype on the way
             to_owner, from_rank = self._sizes[dtype]
-            send = torch.empty(sum(to_owner), dtype=dtype, device=device)
+            send = self._buffer(dtype, "gather send", sum(to_owner), device)
             blocks = [sources[i].reshape(-1) for o in range(world) for i in order[o]]
             if blocks:
                 torch.cat(blocks, out=send)
-            recv = torch.empty(sum(from_rank), dtype=dtype, device=device)
-            dist.all_to_all_single(recv, send, from_rank, to_owner, group=self.group)
+            recv = self._buffer(dtype, "gather recv", sum(from_rank), device)
+            self._inflight.issue(dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group)
+            self._inflight.wait()
             t1 = timer.now()
             # 2. whole matrices on the owner, NS over its buckets
             full = self._assemble(recv, from_rank, order[me])
@@ -302,7 +331,7 @@ class ShardedOrthogonalizer:
             t2 = timer.now()
             # 3. every rank's rows of each result back to it
             to_rank, from_owner = from_rank, to_owner
-            send = torch.empty(sum(to_rank), dtype=dtype, device=device)
+            send = self._buffer(dtype, "scatter send", sum(to_rank), device)
             rows = [
                 out.reshape(out.shape[0], -1).narrow(0, self._row_starts[i][d], self._rows[i][d]).reshape(-1)
                 for d in range(world)
@@ -310,8 +339,9 @@ class ShardedOrthogonalizer:
             ]
             if rows:
                 torch.cat(rows, out=send)
-            recv = torch.empty(sum(from_owner), dtype=dtype, device=device)
-            dist.all_to_all_single(recv, send, from_owner, to_rank, group=self.group)
+            recv = self._buffer(dtype, "scatter recv", sum(from_owner), device)
+            self._inflight.issue(dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group)
+            self._inflight.wait()
             casts: dict[torch.dtype, Tensor] = {}
             offset = 0
             for s in range(world):
@@ -331,6 +361,17 @@ class ShardedOrthogonalizer:
             stats.bytes_received += item * (sum(from_rank) - from_rank[me] + sum(from_owner) - from_owner[me])
         self.stats = stats
         return results  # type: ignore[return-value]
+
+    def _buffer(self, dtype: torch.dtype, role: str, numel: int, device: torch.device) -> Tensor:
+        """The persistent exchange buffer for ``role`` in ``dtype`` (its size never changes)."""
+        buf = self._buffers.get((dtype, role))
+        if buf is None or buf.device != device:
+            buf = self._buffers[(dtype, role)] = torch.empty(numel, dtype=dtype, device=device)
+        return buf
+
+    def workspaces(self) -> list[Tensor]:
+        """Every tensor kept between steps: exchange buffers and the local engines'."""
+        return list(self._buffers.values()) + [t for e in self._local.values() for t in e.workspaces()]
 
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
         """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes."""
@@ -396,8 +437,8 @@ def _plan(opt, specs, configs, policy, group) -> Plan:
 
         box[0] = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    dist.broadcast_object_list(box, src=src, group=group)
-    cost_model, threads = box
+    device = specs[0].device if specs else torch.device("cpu")
+    cost_model, threads = _broadcast_object(box, src, group, opt._inflight, device)
     return plan_buckets(
         specs,
         policy=policy,
@@ -406,6 +447,24 @@ def _plan(opt, specs, configs, policy, group) -> Plan:
         cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         threads=threads,
     )
+
+
+def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: torch.device) -> Any:
+    """``obj`` as rank ``src`` (a global rank) has it, on every rank: ``broadcast_object_list``'s
+    pickle and two broadcasts, with the buffers held by ``inflight`` (see inflight.py)."""
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = pickle.dumps(obj) if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    inflight.issue(dist.broadcast, size, src=src, group=group)
+    inflight.wait()
+    payload = (
+        torch.tensor(list(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    )
+    payload = payload.to(device)
+    inflight.issue(dist.broadcast, payload, src=src, group=group)
+    inflight.wait()
+    return pickle.loads(bytes(payload.tolist()))
 
 
 def _mesh_group(opt: MatrixOptimizer, dtensors: Sequence[Any]) -> dist.ProcessGroup:
@@ -439,13 +498,14 @@ def step_group(opt: MatrixOptimizer) -> dist.ProcessGroup | None:
     return opt.process_group
 
 
-def begin_step(opt: MatrixOptimizer) -> dict[Tensor, Tensor]:
+def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]:
     """Agree across ranks on which parameters step; returns zero gradients for the missing ones.
 
     A parameter steps on every rank if any rank has a gradient for it (a rank without one
     treats it as zero), so all ranks build the same plan and issue the same collectives.
     On the first step every parameter's state is created (zeros), so state dicts are
     rank-symmetric and a checkpoint holds every parameter even if some never had a gradient.
+    ``inflight`` keeps the all_reduce's buffer until the next step settles it.
     """
     if not opt.state_initialised:
         opt.init_state()
@@ -457,7 +517,8 @@ def begin_step(opt: MatrixOptimizer) -> dict[Tensor, Tensor]:
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
+    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    inflight.wait()
     zeros = {}
     for p, anywhere in zip(params, has.tolist()):
         if anywhere and p.grad is None:

@@ -115,11 +115,18 @@ def newton_schulz(
     """
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a matrix (m, n) or a batch (b, m, n), got {X.ndim}D")
-    if not dtype.is_floating_point:
+    if X.is_complex():
+        raise ValueError(
+            f"newton_schulz got a complex tensor ({X.dtype}); only real matrices can be orthogonalised "
+            "(pass a real tensor, e.g. torch.view_as_real(X) if its real view is what you mean)"
+        )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"newton_schulz dtype must be a floating dtype, got {dtype}")
     if method not in METHODS:
         raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {sorted(METHODS)}")
     schedule = resolve_coefficients(coefficients, steps)
+    if X.numel() == 0:  # nothing to orthogonalise (and no norm to take): the empty result
+        return torch.zeros(X.shape, dtype=dtype, device=X.device)
     single = X.ndim == 2
     Y = X.unsqueeze(0) if single else X
     tall = Y.size(-2) > Y.size(-1)
@@ -144,16 +151,22 @@ def _fresh(tag: str, shape: tuple[int, ...]) -> None:
 def _normalize(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
-    Where a host check is free (a CPU, not under ``torch.compile``) this is the plain two-pass
-    ``X / (‖X‖ + eps)`` whenever every norm is in the range where its squares can neither
-    overflow nor underflow; otherwise (and on accelerators, where the step must not
+    Where a host check is free (a CPU, not under ``torch.compile``) each matrix whose norm is in
+    the range where its squares can neither overflow nor underflow gets the plain two-pass
+    ``X / (‖X‖ + eps)``; the others (and every matrix on accelerators, where the step must not
     synchronise) :func:`_normalize_safe`, which gives the same value bit for bit in that range.
+    The choice is made per matrix, so a matrix's result never depends on its bucket mates.
     The result is a new tensor (``out`` if given), never ``X``.
     """
     if _host_check_is_free(X):
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-        if _plain_norm_is_exact(norm):
+        exact = _plain_norm_is_exact(norm)
+        if all(exact):
             return torch.div(X, _plus_eps(norm, eps), out=out)
+        if any(exact):  # rare (a skipped matrix's zeros, extreme scales): both routes, then pick
+            safe = _normalize_safe(X, eps)
+            plain = torch.div(X, _plus_eps(norm, eps), out=out)
+            return torch.where(_slot_mask(exact, X.device), plain, safe, out=plain)
     return _normalize_safe(X, eps, out)
 
 
@@ -194,10 +207,16 @@ def _host_check_is_free(X: Tensor) -> bool:
     )
 
 
-def _plain_norm_is_exact(norm: Tensor) -> bool:
-    """Every norm in range (NaN is not). One host read of a few numbers: cheaper than tensor ops."""
+def _plain_norm_is_exact(norm: Tensor) -> list[bool]:
+    """Per matrix, whether its norm is in range (NaN is not). One host read of a few numbers:
+    cheaper than tensor ops."""
     low, high = _PLAIN_NORM_RANGE
-    return all(low <= v <= high for v in norm.view(-1).tolist())
+    return [low <= v <= high for v in norm.view(-1).tolist()]
+
+
+def _slot_mask(flags: list[bool], device: torch.device) -> Tensor:
+    """Per-matrix flags as a ``(B, 1, 1)`` mask that broadcasts over a batch."""
+    return torch.tensor(flags, dtype=torch.bool, device=device).view(-1, 1, 1)
 
 
 def _plus_eps(norm: Tensor, eps: float) -> Tensor:
@@ -304,14 +323,27 @@ def _normalized_gram(X: Tensor, eps: float, scratch: Scratch) -> tuple[Tensor, T
     ``‖X‖²`` is the trace of ``X·Xᵀ``, so the normalisation costs two ``R×R`` passes instead of
     three passes over ``X``. Where that would not be exact (norms out of the safe range), or a
     host check is not free, returns ``(X₀, X₀·X₀ᵀ, None)`` from :func:`_normalize_safe`.
+
+    The route is chosen per matrix: in a batch where only some norms are in range, those
+    matrices keep the first form (their slots of the returned ``X`` hold ``X`` itself, their
+    factor is ``1/(‖X‖+eps)``) and the others get the second (factor 1), so a matrix's result
+    never depends on its bucket mates (a skipped matrix's zeros do not change the others).
     """
     gram_shape = (X.size(0), X.size(1), X.size(1))
     if _host_check_is_free(X):
         A = torch.bmm(X, X.mT, out=scratch("A", gram_shape))
         norm = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min_(0).sqrt_().view(-1, 1, 1)
-        if _plain_norm_is_exact(norm):
-            inv_norm = _plus_eps(norm, eps).reciprocal_()
+        exact = _plain_norm_is_exact(norm)
+        inv_norm = _plus_eps(norm, eps).reciprocal_()
+        if all(exact):
             return X, A.mul_(inv_norm.square()), inv_norm
+        if any(exact):  # rare (a skipped matrix's zeros, extreme scales): both routes, then pick
+            plain = _slot_mask(exact, X.device)
+            X0 = _normalize_safe(X, eps, out=scratch("X", X.shape))
+            X0 = torch.where(plain, X, X0, out=X0)
+            A0 = torch.bmm(X0, X0.mT)
+            A = torch.where(plain, A.mul_(inv_norm.square()), A0, out=A)
+            return X0, A, torch.where(plain, inv_norm, 1.0)
     X0 = _normalize_safe(X, eps, out=scratch("X", X.shape))
     return X0, torch.bmm(X0, X0.mT, out=scratch("A", gram_shape)), None
 
@@ -344,7 +376,8 @@ def _iterate_eigh(
     propagates them as the other methods do.
     """
     low = X.dtype not in (torch.float32, torch.float64)
-    Xw, A, inv_norm = _normalized_gram(X.float() if low else X, eps, _fresh if low else scratch)
+    Xf = X.float() if low else X
+    Xw, A, inv_norm = _normalized_gram(Xf, eps, _fresh if low else scratch)
     try:
         lam, V = torch.linalg.eigh(A)
     except torch.linalg.LinAlgError:
@@ -357,9 +390,8 @@ def _iterate_eigh(
         lam.mul_(p).mul_(p)
     if inv_norm is not None:
         h.mul_(inv_norm.view(-1, 1))  # Q·X = (Q/(‖X‖+eps))·X, as in the Gram loop: R numbers each
-        X0 = X
-    else:  # the safe normalisation returned X₀ itself
-        X0 = Xw.to(X.dtype) if low else Xw
+    # Xw is X (as given to _normalized_gram) where the plain route ran, else X₀ (in its slots)
+    X0 = X if Xw is Xf else (Xw.to(X.dtype) if low else Xw)
     if low:
         scratch = _fresh  # the kept temporaries are in X's dtype; these are fp32
     Vh = torch.mul(V, h.unsqueeze(-2), out=scratch("Vh", V.shape))

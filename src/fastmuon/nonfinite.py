@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .inflight import InFlight
 from .layout import memory_order
 from .program import Gather
 
@@ -68,12 +69,14 @@ def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:
     return flags  # type: ignore[return-value]
 
 
-def agree_across_ranks(flags: Sequence[Tensor], group: Any = None) -> Tensor:
-    """All ranks' flags combined (finite only where finite on every rank), one all-reduce."""
+def agree_across_ranks(flags: Sequence[Tensor], group: Any, inflight: InFlight) -> Tensor:
+    """All ranks' flags combined (finite only where finite on every rank), one all-reduce
+    (held by ``inflight``, see inflight.py)."""
     import torch.distributed as dist
 
     ok = torch.stack([f.to(flags[0].device) for f in flags]).float()
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
+    inflight.wait()
     return ok > 0.5
 
 

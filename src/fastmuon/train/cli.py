@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from ..cli import UsageError, check_output_file, require_packages
 from .contenders import WARMUP_FRACTION, parse_optimizers
 from .loop import RunResult, train_run
 from .tasks import TASKS, make_task
@@ -55,9 +56,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: CUDA is not available here; use --device cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: not a device to train on; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {name}: CUDA is not available here; use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
@@ -68,21 +77,25 @@ def resolve_ns_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def run(args: argparse.Namespace) -> int:
+    # every mistake that can be seen before training is refused before training
+    if args.steps is not None and args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    try:
+        contenders = parse_optimizers(args.optimizer)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    device = resolve_device(args.device)
+    if args.plot:
+        check_output_file("--plot", args.plot)
+        require_packages("matplotlib")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import report
 
-    if args.steps is not None and args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-    if args.threads < 1:
-        raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-    try:
-        contenders = parse_optimizers(args.optimizer)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
     torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
     ns_dtype = resolve_ns_dtype(args.ns_dtype, device)
     tasks = [make_task(n) for n in (TASKS if args.model == "all" else (args.model,))]
 

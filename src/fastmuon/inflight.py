@@ -1,0 +1,90 @@
+"""Collectives whose tensors outlive every C++ reference to them, so no helper thread frees them.
+
+A process group runs collectives on its own threads (gloo's workers, NCCL's watchdog), and
+such a thread drops its reference to a finished work object — which holds the collective's
+tensors — a moment *after* the waiting thread has been woken. If Python has already let go
+of a tensor by then, torch keeps the tensor's Python object alive from C++, and the helper
+thread must take the GIL to free it; should the interpreter be shutting down at that moment
+(a rank returning right after its last step), the thread cannot take the GIL and the process
+aborts with ``terminate called without an active exception``.
+
+So a collective is issued through :class:`InFlight`, which keeps the work object and every
+tensor it touches referenced from Python; :meth:`InFlight.settle` — at the start of the next
+exchange, or when its owner is freed — drops the work objects and waits until torch's count
+of references to each tensor has lost what the work objects held (the helper thread has let
+go) before dropping the tensors, on the calling thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+#: How long :meth:`InFlight.settle` waits for a helper thread to let go of a finished
+#: collective's tensors (normally microseconds: the thread only has to reach its next line).
+SETTLE_TIMEOUT_S = 5.0
+
+
+def _refs(t: Tensor) -> int:
+    """References to ``t``'s tensor object (C++ ones included; views count too)."""
+    return t._use_count()
+
+
+class InFlight:
+    """The work objects and tensors of one exchange's collectives, kept until settled."""
+
+    def __init__(self) -> None:
+        self._works: list[Any] = []
+        self._pending: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references before)
+        self._held: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references the works hold)
+
+    def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Start ``collective(*args, async_op=True, **kwargs)``, holding its work object and
+        every tensor among ``args`` (the buffers it reads and writes) until :meth:`settle`."""
+        for t in args:
+            if isinstance(t, Tensor) and id(t) not in self._pending:
+                _, held = self._held.pop(id(t), (t, 0))
+                self._pending[id(t)] = (t, _refs(t) - held)
+        work = collective(*args, async_op=True, **kwargs)
+        if work is not None:
+            self._works.append(work)
+
+    def wait(self) -> None:
+        """Wait for every collective issued so far, then count the references their work
+        objects hold to each tensor (all taken by now, the result included)."""
+        for w in self._works:
+            w.wait()
+        for key, (t, before) in self._pending.items():
+            self._held[key] = (t, _refs(t) - before)
+        self._pending.clear()
+
+    def settle(self, timeout: float = SETTLE_TIMEOUT_S, _now=time.monotonic, _sleep=time.sleep) -> None:
+        """Let go of the held collectives: drop the work objects, wait (sleeping, so the GIL is
+        free) until no other thread references the tensors, then drop them here.
+
+        A collective that never finished (a failed step, a lost peer) is not waited for: its
+        tensors are dropped at once, as there is no telling when its thread will let go.
+        """
+        works, self._works = self._works, []
+        finished = not self._pending and all(w.is_completed() for w in works)
+        # what each tensor will be referenced by once the work objects are gone (views that
+        # callers still hold included)
+        targets = [(t, _refs(t) - held) for t, held in self._held.values()]
+        self._pending, self._held = {}, {}
+        del works  # a work object dies here, unless a helper thread still holds it
+        if not finished:
+            return
+        deadline = _now() + timeout
+        while any(_refs(t) > target for t, target in targets) and _now() < deadline:
+            _sleep(1e-4)
+
+    def __del__(self) -> None:
+        self.settle()
+
+    def __reduce__(self):
+        """A copy (``copy``, ``deepcopy``, ``pickle``) holds nothing: collectives belong to the
+        process group that ran them."""
+        return (InFlight, ())

@@ -1,0 +1,89 @@
+"""InFlight keeps a collective's tensors until no other thread holds them (no process group needed:
+a stand-in work object holds a view, which torch counts as a reference to the tensor)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from fastmuon.inflight import InFlight
+
+
+class StandInWork:
+    """Holds a reference to the tensor, as a process group's work object does."""
+
+    def __init__(self, t: torch.Tensor, done: bool = True):
+        self.view, self.done = t.view(-1), done
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def stand_in_collective(t: torch.Tensor, async_op: bool, done: bool = True) -> StandInWork:
+    assert async_op
+    return StandInWork(t, done)
+
+
+def never_sleep(_: float) -> None:
+    raise AssertionError("settle waited although nothing else held the tensor")
+
+
+def test_settle_waits_until_the_thread_still_holding_the_work_lets_go():
+    t = torch.zeros(6)
+    before = t._use_count()
+    inflight = InFlight()
+    inflight.issue(stand_in_collective, t)
+    inflight.wait()
+    holder = list(inflight._works)  # handed to the helper thread, which keeps its own reference
+    go, released = threading.Event(), []
+
+    def helper():
+        work = holder.pop()
+        go.wait()
+        released.append(True)
+        del work
+
+    thread = threading.Thread(target=helper)
+    thread.start()
+    sleeps = []
+
+    def sleep(_: float) -> None:
+        sleeps.append(True)
+        go.set()
+        thread.join()
+
+    inflight.settle(_sleep=sleep)
+    assert sleeps and released == [True]
+    assert t._use_count() == before
+
+
+def test_views_the_caller_keeps_do_not_make_settle_wait():
+    t = torch.zeros(6)
+    inflight = InFlight()
+    inflight.issue(stand_in_collective, t)
+    inflight.wait()
+    kept = [t[:3], t[3:]]  # results handed out as views, still alive
+    inflight.settle(_sleep=never_sleep)
+    assert all(k._base is t for k in kept)
+
+
+def test_an_unfinished_collective_is_not_waited_for():
+    t = torch.zeros(6)
+    inflight = InFlight()
+    inflight.issue(stand_in_collective, t, done=False)
+    inflight.wait()
+    inflight.settle(_sleep=never_sleep)
+
+
+@pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy])
+def test_a_copy_holds_nothing(clone):
+    inflight = InFlight()
+    inflight.issue(stand_in_collective, torch.zeros(3))
+    twin = clone(inflight)
+    assert twin is not inflight and not twin._works and not twin._held and not twin._pending
