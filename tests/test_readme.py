@@ -1,0 +1,25 @@
+"""The README's quick start runs as printed, and trains."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _quick_start_code() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quick start") :]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_quick_start_runs_and_the_loss_falls():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(_quick_start_code(), "README.md quick start", "exec"), {"__name__": "__quickstart__"})
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.getvalue())]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1
+    assert "bucket 0" in out.getvalue()
