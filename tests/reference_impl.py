@@ -1,4 +1,4 @@
-"""Plain per-parameter references written straight from the update formulas (issue #2).
+"""Plain per-parameter references written straight from the update formulas.
 
 Deliberately independent of fastmuon's code: no batching, no foreach, fp32 maths, one
 parameter at a time, so the batched optimizers are checked against the algorithm itself.

@@ -1,4 +1,4 @@
-"""The faster NS variants keep the orthogonality of standard 5-step NS in fp32 (issue #4)."""
+"""The faster NS variants keep the orthogonality of standard 5-step NS in fp32."""
 
 import pytest
 

@@ -1,9 +1,9 @@
 """Which dtype Newton–Schulz's matmuls actually run in on a device.
 
 ``ns_dtype`` asks for a precision, chosen for speed: bf16 matmuls are the fast path on GPUs
-and on CPUs with AVX512-BF16/AMX. On CPUs without them, PyTorch falls back to kernels 10–100x
-slower than fp32 (measured here: ~1 GFLOP/s bf16 vs ~100 fp32 on an AVX2 EPYC), so the request
-would buy neither speed nor anything else. There, NS runs in fp32 instead — faster and more
+and on CPUs with AVX512-BF16/AMX. On CPUs without them, PyTorch falls back to emulated bf16
+kernels one to two orders of magnitude slower than fp32, so the request would buy neither speed
+nor anything else. There, NS runs in fp32 instead — faster and more
 accurate — unless the caller insists on native low precision. The check is a one-off probe
 per (device type, dtype), cached.
 """

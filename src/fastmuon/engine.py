@@ -114,9 +114,8 @@ class ScratchArena:
     """Temporaries of the NS kernels, kept between steps and shared by the buckets in turn.
 
     A CPU allocator returns large blocks to the OS when they are freed, so every fresh
-    temporary is page-faulted in again, zero-filled, on every step. On yolo26n's 19 buckets
-    (1 thread, interleaved runs) the NS took 133–141 ms (median) with kept buffers against
-    153–154 ms with fresh ones. One flat arena per (role, dtype), sized to the largest request,
+    temporary is page-faulted in again, zero-filled, on every step; kept buffers skip that.
+    One flat arena per (role, dtype), sized to the largest request,
     serves every bucket, since buckets run one after another. (On CUDA the caching allocator
     already reuses memory, so the engine does not use this there.)
     """
@@ -152,10 +151,9 @@ class ScratchArena:
 
 
 #: On a CPU, buckets of matrices with at most this many rows (after orienting them wide) keep
-#: their NS output and temporaries between steps; None: every bucket. Kept buffers paid off at
-#: every size measured (yolo26n, R <= 256: NS 8-13% faster; GPT-2, R = 768: a step of 10.4-10.9 s
-#: against 11.3-12.8 s) for workspace memory (GPT-2: 972 MiB against 324); a number here trades
-#: that speed back for memory on the larger matrices.
+#: their NS output and temporaries between steps; None: every bucket. Kept buffers save the
+#: page faults of fresh ones at every bucket size, for workspace memory (about 3x for GPT-2's
+#: 768-wide matrices); a number here trades that speed back for memory on the larger matrices.
 REUSE_MAX_ROWS: int | None = None
 
 #: Buckets holding more than this many runs are packed with one index copy instead of a copy

@@ -137,11 +137,10 @@ class CostModel:
         return self.launch_seconds_by_dtype.get(dtype, self.launch_seconds)
 
 
-#: What an eigendecomposition costs on a CPU, measured on this project's (AMD EPYC, AVX2;
-#: ``torch.linalg.eigh`` against ``bmm`` of the same size, fp32), in matmul FLOPs per ``R³``:
-#: 1 thread 67-72 at R=64, 32-41 at 128, 30 at 192, 20-26 at 256, 17-20 at 384, 11-17 at 512,
-#: 11-13 at 768; 2 threads 1.2-1.4x that. The constants sit at the upper side of those
-#: figures; beyond 2 threads the exponent is an extrapolation.
+#: What an eigendecomposition costs on a CPU, in matmul FLOPs per ``R³``: ``torch.linalg.eigh``
+#: timed against ``bmm`` of the same size (fp32, AVX2) falls from ~70 at R=64 to ~12 at R=768 and
+#: rises with the thread count; the constants sit at the upper side of such timings, and
+#: ``cost_model="calibrate"`` measures them on the machine at hand.
 CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
 
 # Rough constants: a CPU op costs ~15 µs of dispatch and threading and does ~100-400 GFLOP/s on
@@ -171,11 +170,9 @@ COST_MODELS: dict[str, CostModel] = {
 
 
 #: CPU cost models by CPU class (``compute.cpu_class``). Without bf16 matmul units a bf16
-#: request runs in fp32 and the model above applies. With AVX512-BF16 (measured on an AMD EPYC),
-#: bf16 batched matmuls run ~3.5x faster per FLOP than fp32 on a quiet machine (366 against 103
-#: GFLOP/s per thread) and ~2x on a busy one, and the rate constant sits between; but a small bf16
-#: matmul has a fixed cost of ~15-20 µs against ~4 µs in fp32, so each bf16 kernel is priced at
-#: 3x an fp32 one. Those constants pick, for each of yolo26n's shapes, the faster of bf16 and fp32
+#: request runs in fp32 and the model above applies. With AVX512-BF16, bf16 batched matmuls run
+#: 2-3.5x faster per FLOP than fp32 (the rate constant sits between), but a small bf16 matmul has
+#: a fixed cost several times an fp32 one's, so each bf16 kernel is priced at 3x an fp32 one. Those constants pick, for each of yolo26n's shapes, the faster of bf16 and fp32
 #: NS (each with its cheapest accurate method) in all but one of its 40 shapes, timed one against
 #: the other. AMX's tiles are faster still; until measured there, that class shares these
 #: constants (``cost_model="calibrate"`` measures them on the machine).

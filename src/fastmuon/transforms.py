@@ -42,9 +42,8 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
     """Whether torch's fused CPU optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
     and its gradient and state (``others``) right. They walk the tensors' memory in step without
     looking at strides, so all must share one dense layout (a channels_last weight with a
-    contiguous gradient: errors of 0.1 for SGD, 2e-3 for AdamW at lr 1e-3, measured); the SGD
-    kernel's bf16/fp16 path misreads the momentum buffer (errors of 4-31 in torch 2.13,
-    measured), so fp32/fp64 only. Not under ``torch.compile`` (the ops have no fake kernel),
+    contiguous gradient gets a wrong update); the SGD kernel's bf16/fp16 path misreads the
+    momentum buffer in torch 2.13, so fp32/fp64 only. Not under ``torch.compile`` (the ops have no fake kernel),
     and not on GPUs, where we could not test them."""
     return (
         p.device.type == "cpu"
@@ -57,8 +56,8 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
 
 def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
     """``value`` for a foreach multiply: on a CPU a 0-d tensor, since there each tensor's ``mul_``
-    by a Python number first wraps the number in a new tensor (five extra ops per tensor:
-    2.6 vs 1.4 ms per call over yolo26n's 366 tensors, measured). It takes ``like``'s dtype, as
+    by a Python number first wraps the number in a new tensor (five extra ops per tensor).
+    It takes ``like``'s dtype, as
     that wrapping does, so the products are bit for bit the same (any other dtype rounds differently)."""
     return torch.tensor(value, dtype=like.dtype) if like.device.type == "cpu" else value
 
