@@ -145,6 +145,19 @@ def test_bundled_yolo_manifest():
 
 
 # ----- a smoke run of the command ------------------------------------------------------------
+def test_bench_json_to_stdout_is_the_json_alone(tmp_path, capsys):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--contenders", "fastmuon"]
+    assert main([*args, "--steps", "1", "--rounds", "1", "--threads", "1", "--json", "-", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # the settings lines and the table went elsewhere or nowhere
+    assert doc["workload"]["model"] == "tiny" and [r["name"] for r in doc["results"]][0].startswith(
+        "fastmuon"
+    )
+    assert "threads: 1" in captured.err
+
+
 @pytest.mark.parametrize("optimizer", ["musgd", "muon"])
 def test_bench_smoke(tmp_path, optimizer, capsys):
     manifest = tmp_path / "tiny.json"

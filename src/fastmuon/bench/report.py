@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..cli import write_json_output
 from .cpuclass import cpu_facts, describe_cpu
 from .hosttime import HOW
 from .runner import HOST_STEPS, Progress, Result, speedups
@@ -77,7 +78,8 @@ def to_json(
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")
+    """``document`` to ``path`` (``-``: standard output)."""
+    write_json_output(str(path), json.dumps(document, indent=1, default=str))
 
 
 # ----- text -------------------------------------------------------------------------------------
