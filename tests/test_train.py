@@ -53,14 +53,18 @@ def test_every_contender_learns(task, steps):
         assert 0 < r.optimizer_s < r.wall_s
 
 
-def test_cli_json_and_plot(tmp_path, capsys):
+def test_cli_json_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
     png, out = tmp_path / "curves.png", tmp_path / "runs.json"
     rc = main(
         ["train", "--model", "digits", "--optimizer", "musgd,sgd", "--optimizer", "muon,adamw"]
         + ["--steps", "4", "--threads", "1", "--json", str(out), "--plot", str(png)]
     )
     assert rc == 0
-    assert "fastmuon MuSGD" in capsys.readouterr().out  # the table is printed as well
+    table = capsys.readouterr().out.splitlines()  # printed as well as the JSON file
+    assert max(len(line) for line in table) <= 80  # an 80-column terminal shows it whole
+    for label in ("fastmuon MuSGD", "fastmuon Muon", "torch SGD (Nesterov)", "torch AdamW"):
+        assert f"digits · {label}" in table
     doc = json.loads(out.read_text())
     assert doc["config"]["steps"] == {"digits": 4}
     assert doc["config"]["ns_dtype"] == "float32"

@@ -14,6 +14,7 @@ import torch
 from ..cli import STDOUT, DefaultsHelpFormatter, json_help
 from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
+from ..tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
 from .cpuclass import cpu_facts, describe_cpu
 from .lineup import CONTENDER_LABELS, CONTENDERS
@@ -238,8 +239,9 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     # with --json -, standard output carries the JSON alone
     info = sys.stderr if args.json == STDOUT else sys.stdout
-    print(f"threads: {threads} ({why_threads})", file=info, flush=True)
-    print(describe_cpu(cpu_facts()), file=info, flush=True)
+    say = lambda text: print("\n".join(wrapped(text, terminal_width())), file=info, flush=True)  # noqa: E731
+    say(f"threads: {threads} ({why_threads})")
+    say(describe_cpu(cpu_facts()))
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)
@@ -249,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_low_precision:
         set_cpu_low_precision(args.cpu_low_precision)
     settings, why = settings_from(args, device)
-    print(f"ns_dtype: {str(settings.ns_dtype).removeprefix('torch.')} ({why})", file=info, flush=True)
+    say(f"ns_dtype: {str(settings.ns_dtype).removeprefix('torch.')} ({why})")
     with progress_display(enabled=not args.quiet and sys.stderr.isatty()) as progress:
         results, run_facts = run_benchmark(manifest, settings, progress)
     run_facts["wall_seconds"] = round(time.perf_counter() - started, 2)

@@ -149,8 +149,10 @@ def run(args: argparse.Namespace) -> int:
         report.plot(results, args.plot, title=_title(config))
         console.print(f"saved the curves to {args.plot}")
     if args.json != STDOUT:
-        # piped output gets a width that fits the table rather than rich's 80-column default
-        report.print_table(results, Console(width=None if sys.stdout.isatty() else 120))
+        # piped output, with no COLUMNS asked for, gets a width that fits the table rather than
+        # rich's 80-column default
+        wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+        report.print_table(results, Console(width=None if wide else 120))
     if args.json:
         write_json_output(args.json, report.to_json(results, config))
     return 0
