@@ -17,6 +17,7 @@ from fastmuon.bench import (
     resolve_workload,
 )
 from fastmuon.cli import main
+from fastmuon.tables import grid_width, stacked
 
 
 # ----- kernel counter ------------------------------------------------------------------------
@@ -145,6 +146,50 @@ def test_bundled_yolo_manifest():
 
 
 # ----- a smoke run of the command ------------------------------------------------------------
+def test_bench_report_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))  # a manifest without a "source"
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--contenders", "fastmuon,per-param"]
+    assert main([*args, "--steps", "1", "--rounds", "1", "--threads", "1", "--quiet"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
+    assert "workload tiny: 5 tensors, 0.00M values, 3 matrices (1 with >2 dims)" in lines  # no stray "; "
+    for name in ("fastmuon MuSGD", "per-parameter MuSGD"):  # each contender's block, every figure
+        block = lines[lines.index(name) + 1 :][:4]
+        assert any("ms/step: " in line for line in block) and any("kernels/step: " in line for line in block)
+        assert any("speedup vs per-parameter MuSGD: " in line for line in block)
+
+
+def test_a_table_that_fits_stays_a_grid_and_one_that_does_not_is_stacked():
+    header, body = (
+        ["contender", "ms/step", "kernels/step"],
+        [["fastmuon MuSGD", "1.5", "12"], ["loop", "9.0", ""]],
+    )
+    assert grid_width(header, body) == 14 + 7 + 12 + 3 * 3 + 1
+    assert stacked(header, body, 80) == [
+        "fastmuon MuSGD",
+        "  ms/step: 1.5, kernels/step: 12",
+        "loop",
+        "  ms/step: 9.0",
+    ]
+    narrow = stacked(header, body, 20)
+    assert narrow[:3] == ["fastmuon MuSGD", "  ms/step: 1.5,", "  kernels/step: 12"]  # pairs stay whole
+
+
+def test_bench_json_to_stdout_is_the_json_alone(tmp_path, capsys):
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--contenders", "fastmuon"]
+    assert main([*args, "--steps", "1", "--rounds", "1", "--threads", "1", "--json", "-", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # the settings lines and the table went elsewhere or nowhere
+    assert doc["workload"]["model"] == "tiny" and [r["name"] for r in doc["results"]][0].startswith(
+        "fastmuon"
+    )
+    assert "threads: 1" in captured.err
+
+
 @pytest.mark.parametrize("optimizer", ["musgd", "muon"])
 def test_bench_smoke(tmp_path, optimizer, capsys):
     manifest = tmp_path / "tiny.json"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pytest
 
 import fastmuon.accuracy
 import fastmuon.train.cli
-from fastmuon.cli import main
+from fastmuon.cli import build_parser, main
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
@@ -45,6 +46,7 @@ def no_work(monkeypatch):
         (["accuracy", "--rows", "0"], "--rows and --cols must be at least 1, got 0×576"),
         (["accuracy", "--rows", "9", "--cols", "4"], "--rows 9 is more than --cols 4"),
         (["accuracy", "--json", "/no/such/dir/a.json"], "--json /no/such/dir/a.json: directory /no/such/dir"),
+        (["train", "--json", "/no/such/dir/t.json"], "--json /no/such/dir/t.json: directory /no/such/dir"),
     ],
 )
 def test_usage_mistakes_are_one_line_exit_2_and_nothing_runs(argv, message, capsys, no_work):
@@ -77,3 +79,28 @@ def test_train_without_rich_says_what_to_install(monkeypatch, capsys, no_work):
         "fastmuon train: error: needs the optional package 'rich', which is not installed "
         "(pip install 'fastmuon[train]')"
     ]
+
+
+def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+@pytest.mark.parametrize("name", ["bench", "accuracy", "train", "yolo"])
+def test_every_option_has_help_and_help_shows_defaults(name):
+    parser = subcommand_parsers()[name]
+    for action in parser._actions:
+        assert action.help, f"fastmuon {name} {action.dest} has no help text"
+        formatter = parser._get_formatter()
+        formatter.add_argument(action)
+        shown = " ".join(formatter.format_help().split())  # this option's lines in --help
+        no_default = any(action.default is none for none in (None, False, argparse.SUPPRESS))
+        if action.option_strings and not no_default:
+            assert "default" in shown, f"fastmuon {name} --help does not show {action.dest}'s default"
+
+
+@pytest.mark.parametrize("name", ["bench", "accuracy", "train"])
+def test_json_means_a_file_in_every_subcommand(name):
+    json_flag = next(a for a in subcommand_parsers()[name]._actions if "--json" in a.option_strings)
+    assert json_flag.metavar == "FILE" and json_flag.nargs is None and json_flag.default is None
+    assert json_flag.help.startswith("also write ") and "'-': to standard output" in json_flag.help

@@ -236,3 +236,29 @@ def test_readme_recipe_trains_a_small_language_model():
     assert losses == sorted(losses, reverse=True) and losses[-1] < 0.6 * losses[0]
     # AdamW moves an element by about lr per step: the table moved at 3e-4, not Muon's 0.02
     assert (model.tok.weight - table).abs().max() <= 2 * steps * 3e-4
+
+
+def test_repr_shows_each_groups_settings_and_counts_not_names():
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(30)))
+    opt = MuSGD(param_groups(model, lr=0.02), momentum=0.9)
+    text = repr(opt)
+    assert text.startswith("MuSGD (\n") and text.endswith("\n)")
+    assert text.count("Parameter Group ") == len(opt.param_groups)
+    for group in opt.param_groups:
+        assert f"    params: {len(group['params'])} tensors" in text
+        assert f"    param_names: {len(group['param_names'])} names" in text
+    assert "    lr: 0.02" in text and "    momentum: 0.9" in text
+    assert "0.weight" not in text and "29.bias" not in text  # no parameter is listed by name
+    small = MuSGD(param_groups(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))), lr=0.02), momentum=0.9)
+    assert len(text.splitlines()) == len(repr(small).splitlines())  # the model's size does not grow it
+
+
+def test_top_level_api_is_what_users_need():
+    import fastmuon
+
+    assert set(fastmuon.__all__) == {
+        "MuSGD", "Muon", "param_groups", "newton_schulz", "orthogonalize",
+        "PRESETS", "CostModel", "Plan", "__version__",
+    }  # fmt: skip
+    assert all(hasattr(fastmuon, name) for name in fastmuon.__all__)
+    assert isinstance(MuSGD(nn.Linear(4, 4).parameters()).plan(), fastmuon.Plan)

@@ -53,14 +53,19 @@ def test_every_contender_learns(task, steps):
         assert 0 < r.optimizer_s < r.wall_s
 
 
-def test_cli_json_and_plot(tmp_path, capsys):
-    png = tmp_path / "curves.png"
+def test_cli_json_and_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    png, out = tmp_path / "curves.png", tmp_path / "runs.json"
     rc = main(
         ["train", "--model", "digits", "--optimizer", "musgd,sgd", "--optimizer", "muon,adamw"]
-        + ["--steps", "4", "--threads", "1", "--json", "--plot", str(png)]
+        + ["--steps", "4", "--threads", "1", "--json", str(out), "--plot", str(png)]
     )
     assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
+    table = capsys.readouterr().out.splitlines()  # printed as well as the JSON file
+    assert max(len(line) for line in table) <= 80  # an 80-column terminal shows it whole
+    for label in ("fastmuon MuSGD", "fastmuon Muon", "torch SGD (Nesterov)", "torch AdamW"):
+        assert f"digits · {label}" in table
+    doc = json.loads(out.read_text())
     assert doc["config"]["steps"] == {"digits": 4}
     assert doc["config"]["ns_dtype"] == "float32"
     assert [r["optimizer"] for r in doc["runs"]] == ["musgd", "sgd", "muon", "adamw"]
@@ -73,6 +78,16 @@ def test_cli_json_and_plot(tmp_path, capsys):
         assert [e["step"] for e in r["evals"]][0] == 0 and r["evals"][-1]["step"] == 4
         assert len(r["step_loss"]) == len(r["step_time_s"]) == 4
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_json_to_stdout_replaces_the_table(capsys):
+    rc = main(
+        ["train", "--model", "digits", "--optimizer", "sgd", "--steps", "2", "--threads", "1"]
+        + ["--json", "-"]
+    )
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)  # standard output is the JSON alone
+    assert [(r["optimizer"], r["steps"]) for r in doc["runs"]] == [("sgd", 2)]
 
 
 def test_parse_optimizers():

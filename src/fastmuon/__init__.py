@@ -5,19 +5,18 @@ from .groups import param_groups
 from .muon import Muon
 from .musgd import MuSGD
 from .newton_schulz import PRESETS, newton_schulz
-from .planner import MatrixSpec, Plan, plan_buckets
+from .planner import CostModel, Plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MuSGD",
     "Muon",
+    "param_groups",
     "newton_schulz",
     "orthogonalize",
-    "param_groups",
-    "plan_buckets",
-    "MatrixSpec",
-    "Plan",
     "PRESETS",
+    "CostModel",
+    "Plan",
     "__version__",
 ]

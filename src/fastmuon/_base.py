@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from .calibrate import calibrated_cost_model
 from .checkpoint import adapt_state_dict
 from .distributed import is_dtensor
+from .distributed import local_shard as _local
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .inflight import InFlight
 from .matrix_update import batch_order
@@ -36,11 +37,6 @@ from .program import Gather, StepProgram
 from .state import drop_state_after, mark_state
 
 _PLAN_CACHE_SIZE = 4
-
-
-def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (a view: writing to it writes the DTensor), else ``t``."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
@@ -690,3 +686,20 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("_version", 0)
         self.__dict__.setdefault("capturable", False)
         self.__dict__["_inflight"] = InFlight()  # a copy holds no other optimizer's collectives
+
+    def __repr__(self) -> str:
+        """torch's layout (class, then each group's hyperparameters), with the per-parameter lists
+        summarised as counts: a model's hundreds of parameter names would bury the settings."""
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines.append(f"    params: {len(group['params'])} tensors")
+            for key in sorted(group):
+                if key == "params":
+                    continue
+                value = group[key]
+                if key == "param_names" and isinstance(value, (list, tuple)):
+                    value = f"{len(value)} names"
+                lines.append(f"    {key}: {value}")
+        lines.append(")")
+        return "\n".join(lines)

@@ -86,14 +86,21 @@ def _describe(v: Variant) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rows", type=int, default=64)
-    p.add_argument("--cols", type=int, default=576, help="default: a 64→64 3×3 conv, flattened")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="also write the figures to this file")
+    from .cli import json_help
+
+    p.add_argument("--rows", type=int, default=64, help="rows of each test matrix (the shorter side)")
+    p.add_argument(
+        "--cols",
+        type=int,
+        default=576,
+        help="columns of each test matrix (default: 576, a 64→64 3×3 conv flattened)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random test matrices")
+    p.add_argument("--json", metavar="FILE", help=json_help("every variant's figures"))
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import UsageError, check_output_file
+    from .cli import STDOUT, UsageError, check_output_file, write_json_output
 
     if args.rows < 1 or args.cols < 1:
         raise UsageError(f"--rows and --cols must be at least 1, got {args.rows}×{args.cols}")
@@ -105,14 +112,20 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output_file("--json", args.json)
     results = run_accuracy(args.rows, args.cols, args.seed)
-    print(f"NS accuracy on {args.rows}×{args.cols} inputs; singular values over significant directions")
-    print(f"{'input':30s} {'variant':26s} {'σ min':>7s} {'σ max':>7s} {'err vs fp64':>12s}")
+    if args.json != STDOUT:
+        print_table(results, args.rows, args.cols)
+    if args.json:
+        write_json_output(args.json, json.dumps(results, indent=2))
+    return 0
+
+
+def print_table(results: list[dict], rows: int, cols: int) -> None:
+    """One line per input and variant, within 80 columns."""
+    print(f"NS accuracy on {rows}×{cols} inputs; singular values over significant directions")
+    print(f"{'input':27s} {'variant':23s} {'σ min':>7s} {'σ max':>7s} {'err vs fp64':>11s}")
     for r in results:
         print(
-            f"{r['input']:30s} {r['variant']:26s} {r['sv_min']:7.3f} {r['sv_max']:7.3f} "
-            f"{r['rel_err_vs_fp64']:12.2e}"
+            f"{r['input']:27.27s} {r['variant']:23.23s} {r['sv_min']:7.3f} {r['sv_max']:7.3f} "
+            f"{r['rel_err_vs_fp64']:11.2e}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     return 0

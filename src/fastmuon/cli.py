@@ -27,12 +27,45 @@ USAGE_EXIT = 2  # what argparse exits with on a parse error
 MISSING_PACKAGE_EXIT = 1
 
 
+#: ``--json -``: the figures go to standard output, in place of the table
+STDOUT = "-"
+
+
+def json_help(what: str) -> str:
+    """The one meaning of ``--json`` in every subcommand: also write the figures to a file."""
+    return f"also write {what} as JSON to FILE ('-': to standard output, in place of the table)"
+
+
+def write_json_output(path: str, text: str) -> None:
+    """``text`` to the ``--json`` file, or to standard output for ``-``."""
+    if path == STDOUT:
+        sys.stdout.write(text + "\n")
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, except where there is none (None, or a flag's
+    False) or the help text already says it in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if any(action.default is none for none in (None, False, argparse.SUPPRESS)) or "default" in help_text:
+            return action.help
+        if not action.option_strings:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class UsageError(Exception):
     """A flag value the parser accepted but the command cannot use (reported like argparse's errors)."""
 
 
 def check_output_file(flag: str, path: str) -> None:
     """Refuse an output path that cannot be written, before the run whose results it would hold."""
+    if flag == "--json" and path == STDOUT:
+        return
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a directory; give a file name")
@@ -56,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fastmuon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
     return parser

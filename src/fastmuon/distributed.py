@@ -49,6 +49,11 @@ def is_dtensor(t: Any) -> bool:
     return module is not None and isinstance(t, module.DTensor)
 
 
+def local_shard(t: Tensor) -> Tensor:
+    """A DTensor's local shard (a view: writing to it writes the DTensor), else ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 # ----- who orthogonalises what ----------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkUnit:
@@ -273,10 +278,10 @@ class ShardedOrthogonalizer:
         layouts = [_contiguous_layout(s) for s in self.shapes]
         owned = [u for u in self.units if u.owner == self.rank]
         # one engine per NS dtype (each dtype is exchanged apart), over this rank's units
-        self._local: dict[torch.dtype, Orthogonalizer] = {}
+        self._engines: dict[torch.dtype, Orthogonalizer] = {}
         for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
             local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
-            self._local[dtype] = Orthogonalizer(
+            self._engines[dtype] = Orthogonalizer(
                 local_plan, [layouts[i] for i in index], configs, compile=compile
             )
         self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
@@ -327,7 +332,7 @@ class ShardedOrthogonalizer:
             t1 = timer.now()
             # 2. whole matrices on the owner, NS over its buckets
             full = self._assemble(recv, from_rank, order[me])
-            owned = self._local[dtype](full, [dtype] * len(full)) if full else []
+            owned = self._engines[dtype](full, [dtype] * len(full)) if full else []
             t2 = timer.now()
             # 3. every rank's rows of each result back to it
             to_rank, from_owner = from_rank, to_owner
@@ -371,7 +376,7 @@ class ShardedOrthogonalizer:
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor kept between steps: exchange buffers and the local engines'."""
-        return list(self._buffers.values()) + [t for e in self._local.values() for t in e.workspaces()]
+        return list(self._buffers.values()) + [t for e in self._engines.values() for t in e.workspaces()]
 
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
         """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes."""
@@ -513,7 +518,7 @@ def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]
     if not params:
         return {}
     group = step_group(opt)
-    device = _local(params[0]).device
+    device = local_shard(params[0]).device
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
@@ -524,10 +529,6 @@ def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]
         if anywhere and p.grad is None:
             zeros[p] = torch.zeros_like(p)
     return zeros
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if is_dtensor(t) else t
 
 
 def localize(opt: MatrixOptimizer, items: Sequence[Any]) -> dict[int, Any]:

@@ -198,7 +198,8 @@ def default_cost_model(device: torch.device | str) -> CostModel:
     return COST_MODELS.get(device.type, COST_MODELS["cuda"])
 
 
-METHODS = ("standard", "gram", "eigh")
+#: the Newton-Schulz formulations a matrix can be planned with (the iterations are in newton_schulz)
+NS_METHODS = ("standard", "gram", "eigh")
 
 #: Nominal FLOPs of a symmetric eigendecomposition with eigenvectors, in units of ``R³``
 #: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less): what the plan's
@@ -372,8 +373,10 @@ def plan_buckets(
     for i, s in enumerate(specs):
         if s.rows < 1 or s.cols < 1:
             raise ValueError(f"matrix {i} has an empty shape ({s.rows}, {s.cols}); nothing to plan")
-        if s.method not in ("auto", *METHODS):
-            raise ValueError(f"matrix {i}: unknown NS method {s.method!r}; choose 'auto' or one of {METHODS}")
+        if s.method not in ("auto", *NS_METHODS):
+            raise ValueError(
+                f"matrix {i}: unknown NS method {s.method!r}; choose 'auto' or one of {NS_METHODS}"
+            )
         fallback = s.fallback if s.fallback is not None and s.fallback != s.dtype else None
         part = partitions.setdefault(
             (s.dtype, torch.device(s.device), s.key, s.method, s.requested, fallback), {}

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ..cli import STDOUT, DefaultsHelpFormatter, json_help
 from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
+from ..tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
 from .cpuclass import cpu_facts, describe_cpu
 from .lineup import CONTENDER_LABELS, CONTENDERS
@@ -25,21 +27,12 @@ from .workloads import WORKLOADS, resolve_workload
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` shows each option's default, except where there is none (None, or a flag's False)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """All of ``bench``'s options; extensions (e.g. ``--nproc``) add theirs after these."""
     p.formatter_class = DefaultsHelpFormatter
     p.add_argument("--model", default="yolo26n", help=f"workload: {', '.join(WORKLOADS)} or a manifest .json")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="musgd", help="update rule to compare")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the parameters live")
     p.add_argument(
         "--ns-dtype",
         choices=("auto", *NS_DTYPES),
@@ -113,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "unset: all of the optimizer's lineup",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic parameters and gradients")
-    p.add_argument("--json", metavar="FILE", help="write every figure and the machine facts as JSON")
+    p.add_argument("--json", metavar="FILE", help=json_help("every figure and the machine facts"))
     p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
     p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -197,6 +190,8 @@ def usage_error(args: argparse.Namespace) -> str | None:
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda, but this torch sees no CUDA device (run on a GPU machine, or --device cpu)"
     for option in ("json", "markdown", "plot"):
+        if option == "json" and args.json == STDOUT:
+            continue
         problem = output_path_problem(getattr(args, option))
         if problem:
             return f"--{option} {getattr(args, option)}: {problem}"
@@ -242,8 +237,11 @@ def run(args: argparse.Namespace) -> int:
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     threads, why_threads = choose_threads(args.threads, load_before)
     torch.set_num_threads(threads)
-    print(f"threads: {threads} ({why_threads})", flush=True)
-    print(describe_cpu(cpu_facts()), flush=True)
+    # with --json -, standard output carries the JSON alone
+    info = sys.stderr if args.json == STDOUT else sys.stdout
+    say = lambda text: print("\n".join(wrapped(text, terminal_width())), file=info, flush=True)  # noqa: E731
+    say(f"threads: {threads} ({why_threads})")
+    say(describe_cpu(cpu_facts()))
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)
@@ -253,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     if args.cpu_low_precision:
         set_cpu_low_precision(args.cpu_low_precision)
     settings, why = settings_from(args, device)
-    print(f"ns_dtype: {str(settings.ns_dtype).removeprefix('torch.')} ({why})", flush=True)
+    say(f"ns_dtype: {str(settings.ns_dtype).removeprefix('torch.')} ({why})")
     with progress_display(enabled=not args.quiet and sys.stderr.isatty()) as progress:
         results, run_facts = run_benchmark(manifest, settings, progress)
     run_facts["wall_seconds"] = round(time.perf_counter() - started, 2)
@@ -273,7 +271,8 @@ def run(args: argparse.Namespace) -> int:
         "ns_dtype_why": why,
     }
     document = to_json(results, machine_facts(device), workload, settings_doc, run_facts)
-    print_report(document, results)
+    if args.json != STDOUT:
+        print_report(document, results)
     if args.json:
         write_json(args.json, document)
     if args.markdown:
@@ -295,7 +294,8 @@ def _run_distributed(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"fastmuon bench: {e}", file=sys.stderr)
         return 2
-    print(format_table(figures))
+    if args.json != STDOUT:
+        print(format_table(figures))
     if args.json:
         write_json(args.json, figures)
     return 0

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from .. import __version__
+from ..cli import write_json_output
+from ..tables import grid_width, stacked, terminal_width, wrapped
 from .cpuclass import cpu_facts, describe_cpu
 from .hosttime import HOW
 from .runner import HOST_STEPS, Progress, Result, speedups
@@ -77,7 +79,8 @@ def to_json(
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
-    Path(path).write_text(json.dumps(document, indent=1, default=str) + "\n")
+    """``document`` to ``path`` (``-``: standard output)."""
+    write_json_output(str(path), json.dumps(document, indent=1, default=str))
 
 
 # ----- text -------------------------------------------------------------------------------------
@@ -135,7 +138,8 @@ def describe(document: dict[str, Any]) -> list[str]:
     m, w, s = document["machine"], document["workload"], document["settings"]
     lines = [
         f"workload {w['model']}: {w['params']} tensors, {w['numel'] / 1e6:.2f}M values, "
-        f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims); {w['source']}",
+        f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims)"
+        + (f"; {w['source']}" if w.get("source") else ""),
         f"optimizer {s['optimizer']}, device {s['device']}, ns_dtype {s['ns_dtype']} ({s['ns_dtype_why']}), "
         f"policy {s['policy']}, {s['rounds']} interleaved rounds"
         + (f", steps {s['step_mode']}" if s.get("step_mode", "eager") != "eager" else ""),
@@ -178,35 +182,51 @@ def speedup_rows(document: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["faster than →", *names], body
 
 
-def print_report(document: dict[str, Any], results: list[Result]) -> None:
+def print_report(document: dict[str, Any], results: list[Result], console: Any = None) -> None:
+    """The lines around the table, the table and the speedup matrix, within the terminal's width
+    (``COLUMNS``); a file or pipe with no width asked for gets 160 columns and unwrapped lines."""
     header, body = rows(results)
     sp_header, sp_body = speedup_rows(document)
+    title = f"fastmuon bench: {document['workload']['model']} ({document['settings']['optimizer']})"
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        _print_plain(document, header, body, sp_header, sp_body)
+        _print_plain(document, title, header, body, sp_header, sp_body)
         return
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: do not squeeze the table into 80 columns
-        console = Console(width=160)
+    unwrapped = False
+    if console is None:
+        console = Console()
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            console, unwrapped = Console(width=160), True
+    width = console.width
     for line in describe(document):
-        console.print(line, highlight=False, soft_wrap=True)
-    table = Table(
-        title=f"fastmuon bench: {document['workload']['model']} ({document['settings']['optimizer']})"
-    )
-    for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i < 2 else "right")
-    for row in body:
-        table.add_row(*row)
-    console.print(table)
+        for part in [line] if unwrapped else wrapped(line, width):
+            console.print(part, highlight=False, markup=False, soft_wrap=True)
+    tables = [(title, header, body)]
     if len(sp_body) > 1:
-        sp = Table(title="speedup of the median step (row vs column)")
-        for i, h in enumerate(sp_header):
-            sp.add_column(h, justify="left" if i == 0 else "right")
-        for row in sp_body:
-            sp.add_row(*row)
-        console.print(sp)
+        tables.append(("speedup of the median step (row vs column)", sp_header, sp_body))
+    for i, (caption, h, b) in enumerate(tables):
+        if grid_width(h, b) <= width:
+            table = Table(title=caption)
+            for j, heading in enumerate(h):
+                table.add_column(heading, justify="left" if j < (2 if i == 0 else 1) else "right")
+            for row in b:
+                table.add_row(*row)
+            console.print(table)
+            continue
+        for line in _stacked_table(i, caption, h, b, width):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _stacked_table(
+    index: int, caption: str, header: list[str], body: list[list[str]], width: int
+) -> list[str]:
+    """A table too wide for the terminal, as one block per contender (see fastmuon.tables)."""
+    if index == 1:  # the speedup matrix: each contender against each other one
+        caption = "speedup of the median step (each contender against the others)"
+        header = ["", *(f"vs {name}" for name in header[1:])]
+    return ["", *wrapped(caption, width), *stacked(header, body, width)]
 
 
 def markdown(document: dict[str, Any], results: list[Result]) -> str:
@@ -217,13 +237,18 @@ def markdown(document: dict[str, Any], results: list[Result]) -> str:
     return "\n".join(["\n".join(f"- {x}" for x in describe(document)), "", *lines, ""])
 
 
-def _print_plain(document, header, body, sp_header, sp_body) -> None:
+def _print_plain(document, title, header, body, sp_header, sp_body) -> None:
+    width = terminal_width()
     for line in describe(document):
-        print(line)
-    for h, b in ((header, body), (sp_header, sp_body)):
+        print("\n".join(wrapped(line, width)))
+    for i, (h, b) in enumerate(((header, body), (sp_header, sp_body))):
         widths = [max(len(x) for x in col) for col in zip(h, *b)]
-        for row in (h, *b):
-            print("  ".join(x.ljust(n) for x, n in zip(row, widths)))
+        if sum(widths) + 2 * (len(widths) - 1) > width:
+            caption = title if i == 0 else "speedup of the median step"
+            print("\n".join(_stacked_table(i, caption, h, b, width)[1:]))
+        else:
+            for row in (h, *b):
+                print("  ".join(x.ljust(n) for x, n in zip(row, widths)))
         print()
 
 

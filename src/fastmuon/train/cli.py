@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ..cli import UsageError, check_output_file, require_packages
+from ..cli import STDOUT, UsageError, check_output_file, json_help, require_packages, write_json_output
 from .contenders import WARMUP_FRACTION, parse_optimizers
 from .loop import RunResult, train_run
 from .tasks import TASKS, make_task
@@ -47,9 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Newton-Schulz dtype of the fastmuon optimizers; auto = bfloat16 on CUDA, float32 on CPU "
         "(the same figures on every CPU; a CPU without bf16 matmul computes bfloat16 NS in float32 anyway)",
     )
-    p.add_argument(
-        "--json", action="store_true", help="print the results (with curves) as JSON instead of a table"
-    )
+    p.add_argument("--json", metavar="FILE", help=json_help("the settings, final figures and curves"))
     p.add_argument("--plot", metavar="FILE.png", help="save loss-vs-step and loss-vs-time curves")
 
 
@@ -87,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     device = resolve_device(args.device)
+    if args.json:
+        check_output_file("--json", args.json)
     if args.plot:
         check_output_file("--plot", args.plot)
         require_packages("matplotlib")
@@ -148,11 +148,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(results, args.plot, title=_title(config))
         console.print(f"saved the curves to {args.plot}")
+    if args.json != STDOUT:
+        # piped output, with no COLUMNS asked for, gets a width that fits the table rather than
+        # rich's 80-column default
+        wide = sys.stdout.isatty() or "COLUMNS" in os.environ
+        report.print_table(results, Console(width=None if wide else 120))
     if args.json:
-        sys.stdout.write(report.to_json(results, config) + "\n")
-    else:
-        # piped output gets a width that fits the table rather than rich's 80-column default
-        report.print_table(results, Console(width=None if sys.stdout.isatty() else 120))
+        write_json_output(args.json, report.to_json(results, config))
     return 0
 
 

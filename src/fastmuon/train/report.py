@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..tables import grid_width, stacked, wrapped
 from .loop import RunResult
 
 #: one colour per contender, the same in every panel
@@ -43,22 +44,31 @@ HEADERS = ["model", "optimizer", "train loss", "val loss", "val acc %", "wall s"
 
 
 def print_table(results: Sequence[RunResult], console: Any = None) -> None:
-    """A rich table of the final figures, then each contender's hyperparameters."""
+    """A rich table of the final figures (one block per run where the terminal is too narrow for
+    it), then each contender's hyperparameters."""
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title="fastmuon train: final figures (same seed, steps and schedule per model)")
-    for i, h in enumerate(HEADERS):
-        table.add_column(h, justify="left" if i < 2 else "right")
-    for row in table_rows(results):
-        table.add_row(*row)
-    console.print(table)
+    title = "fastmuon train: final figures (same seed, steps and schedule per model)"
+    body = table_rows(results)
+    if grid_width(HEADERS, body) <= console.width:
+        table = Table(title=title)
+        for i, h in enumerate(HEADERS):
+            table.add_column(h, justify="left" if i < 2 else "right")
+        for row in body:
+            table.add_row(*row)
+        console.print(table)
+    else:
+        for line in [*wrapped(title, console.width), *stacked(HEADERS, body, console.width, name_columns=2)]:
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     seen = set()
     for r in results:
         if (r.task, r.optimizer) not in seen:
             seen.add((r.task, r.optimizer))
-            console.print(f"  {r.task:6s} {r.label:22s} {r.hparams}")
+            lead = f"  {r.task:6s} {r.label:22s} "
+            for part in wrapped(lead + str(r.hparams), console.width, indent=len(lead)):
+                console.print(part, highlight=False, markup=False, soft_wrap=True)
 
 
 def markdown_table(results: Sequence[RunResult]) -> str:
