@@ -10,6 +10,7 @@ steps, so the zero padding is written once.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .planner import (
     Plan,
     plan_buckets,
 )
+from .program import Gather
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,13 @@ class Orthogonalizer:
         self.layouts = list(layouts)
         self.configs = configs
         self._runs = [self._split_runs(b) for b in plan.buckets]
+        # each bucket's members picked out of a per-call list (sources, dtypes), in slot order
+        self._members = [Gather([m.index for m in b.members]) for b in plan.buckets]
+        # each member's planned layout, and whether it is its logical order (a flat view)
+        self._flat_layouts = [
+            [(lay, lay.perm == tuple(range(len(lay.shape)))) for lay in self._members[b](self.layouts)]
+            for b in range(len(plan.buckets))
+        ]
         self._gathers = [self._gather_index(b, runs) for b, runs in zip(plan.buckets, self._runs)]
         self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
@@ -347,7 +356,8 @@ class Orthogonalizer:
     def _packed_already(self, b: int, sources: Sequence[Tensor]) -> bool:
         """Whether bucket ``b``'s sources are its :meth:`input_views` (written in place by the caller)."""
         views = self._input_views
-        return bool(views) and all(sources[m.index] is views[m.index] for m in self.plan.buckets[b].members)
+        pick = self._members[b]
+        return bool(views) and all(map(operator.is_, pick(sources), pick(views)))
 
     def pack(self, b: int, sources: Sequence[Tensor]) -> Tensor:
         """Copy bucket ``b``'s sources (cast to the NS dtype) into its persistent buffer.
@@ -372,7 +382,10 @@ class Orthogonalizer:
             return buf
         if index.device != buf.device:
             index = self._gathers[b] = index.to(buf.device)
-        flat = [_memory_flat(sources[m.index], self.layouts[m.index]) for m in bucket.members]
+        flat = [
+            s.view(-1) if upright and s.stride() == layout.stride else _memory_flat(s, layout)
+            for s, (layout, upright) in zip(self._members[b](sources), self._flat_layouts[b])
+        ]
         staging = self._staging[b]
         if staging is None:
             staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
@@ -383,9 +396,9 @@ class Orthogonalizer:
     def _pack_prepared(self, b: int, sources: Sequence[Tensor]) -> bool:
         """Pack gather bucket ``b`` by its prepared copies if its sources are the tensors of the
         previous call (preparing them on the second sight); ``False``: pack the plain way."""
-        mine = tuple(sources[m.index] for m in self.plan.buckets[b].members)
+        mine = tuple(self._members[b](sources))
         seen = self._pack_seen[b]  # weak: a step's sources are not kept alive
-        if seen is None or not all(a is c() for a, c in zip(mine, seen)):
+        if seen is None or not all(map(operator.is_, mine, map(weakref.ref.__call__, seen))):
             self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
             return False
         ops = self._pack_ops[b]
@@ -429,8 +442,9 @@ class Orthogonalizer:
     def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
         """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
         bucket, index = self.plan.buckets[b], self._gathers[b]
-        dtype = out_dtypes[bucket.members[0].index]
-        if any(out_dtypes[m.index] != dtype for m in bucket.members):
+        dtypes = self._members[b](out_dtypes)
+        dtype = dtypes[0]
+        if dtypes.count(dtype) != len(dtypes):
             raise ValueError("tensors packed together must share one output dtype")
         if self.result_views and out.dtype == dtype and out.device.type == "cpu":
             # the step consumes the results at once: hand out views of the output, no unpacking
