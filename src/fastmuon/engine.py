@@ -192,14 +192,11 @@ class Orthogonalizer:
         self._runs = [self._split_runs(b) for b in plan.buckets]
         # each bucket's members picked out of a per-call list (sources, dtypes), in slot order
         self._members = [Gather([m.index for m in b.members]) for b in plan.buckets]
-        # each member's planned layout, and whether it is its logical order (a flat view)
-        self._flat_layouts = [
-            [(lay, lay.perm == tuple(range(len(lay.shape)))) for lay in self._members[b](self.layouts)]
-            for b in range(len(plan.buckets))
-        ]
         self._gathers = [self._gather_index(b, runs) for b, runs in zip(plan.buckets, self._runs)]
         self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
+        # per gather bucket: its members' places in the staging buffer, in their planned layouts
+        self._staging_views: list[tuple[Tensor, list[Tensor], Tensor] | None] = [None] * len(plan.buckets)
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
         self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
         self._member_indices: dict[tuple, Tensor] = {}
@@ -382,16 +379,40 @@ class Orthogonalizer:
             return buf
         if index.device != buf.device:
             index = self._gathers[b] = index.to(buf.device)
-        flat = [
-            s.view(-1) if upright and s.stride() == layout.stride else _memory_flat(s, layout)
-            for s, (layout, upright) in zip(self._members[b](sources), self._flat_layouts[b])
-        ]
-        staging = self._staging[b]
-        if staging is None:
-            staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+        if not compiling:
+            # one copy (with the cast) of every source into its place in the staging buffer:
+            # the same values as concatenating their flat views, without a view per source
+            staging, places, target = self._staging_places(b, buf)
+            torch._foreach_copy_(places, self._members[b](sources))
+            target.index_copy_(0, index, staging)
+            return buf
+        flat = [_memory_flat(sources[m.index], self.layouts[m.index]) for m in bucket.members]
+        staging = self._staging_for(b, buf)
         torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
         buf.view(-1).index_copy_(0, index, staging)
         return buf
+
+    def _staging_for(self, b: int, buf: Tensor) -> Tensor:
+        """Gather bucket ``b``'s flat staging buffer: its members back to back in memory order."""
+        staging = self._staging[b]
+        if staging is None:
+            numel = self._gathers[b].numel()  # type: ignore[union-attr]
+            staging = self._staging[b] = torch.empty(numel, dtype=buf.dtype, device=buf.device)
+        return staging
+
+    def _staging_places(self, b: int, buf: Tensor) -> tuple[Tensor, list[Tensor], Tensor]:
+        """The staging buffer of gather bucket ``b``, each member's place there as a view in its
+        planned layout (dense, so its elements lie in memory order, as a flat view's would), and
+        the bucket buffer viewed flat: made once per buffer."""
+        made = self._staging_views[b]
+        if made is None or made[2]._base is not buf:
+            staging = self._staging_for(b, buf)
+            places, offset = [], 0
+            for layout in self._members[b](self.layouts):
+                places.append(torch.as_strided(staging, layout.shape, layout.stride, offset))
+                offset += _numel(layout.shape)
+            made = self._staging_views[b] = (staging, places, buf.view(-1))
+        return made
 
     def _pack_prepared(self, b: int, sources: Sequence[Tensor]) -> bool:
         """Pack gather bucket ``b`` by its prepared copies if its sources are the tensors of the
@@ -430,9 +451,7 @@ class Orthogonalizer:
         index = self._gathers[b]
         if index.device != buf.device:
             index = self._gathers[b] = index.to(buf.device)
-        staging = self._staging[b]
-        if staging is None:
-            staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+        staging = self._staging_for(b, buf)
         target = buf.view(-1)
         return [
             functools.partial(torch.cat, flat, out=staging),  # one copy, with the cast
