@@ -41,6 +41,7 @@ _PLAN_CACHE_SIZE = 4
 # per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
 _is_none = functools.partial(operator.is_, None)
 _is_sparse = operator.attrgetter("is_sparse")
+_grad_of = operator.attrgetter("grad")
 
 
 def _local(t: Tensor) -> Tensor:
@@ -274,8 +275,7 @@ class MatrixOptimizer(Optimizer):
         # a distributed step prepares anew (its lists hold this step's shards), and so does one
         # being traced by torch.compile (its Python runs once, at tracing: nothing to save)
         if self.process_group is None and not self._sharded and not torch.compiler.is_compiling():
-            params = self._flat_params()
-            grads = [p.grad for p in params]
+            grads = list(map(_grad_of, self._flat_params()))
             program = self._programs.get((tuple(map(_is_none, grads)), pattern))
         if program is not None:
             live = program.live(grads)

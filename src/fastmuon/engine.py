@@ -127,10 +127,17 @@ class ScratchArena:
         self.device = device
         self._arenas: dict[tuple[str, torch.dtype], Tensor] = {}
         self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], Tensor] = {}
+        self._takers: dict[torch.dtype, Callable[[str, tuple[int, ...]], Tensor]] = {}
 
     def for_dtype(self, dtype: torch.dtype):
-        """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch)."""
+        """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch), made
+        once per dtype."""
+        taker = self._takers.get(dtype)
+        if taker is None:
+            taker = self._takers[dtype] = self._taker(dtype)
+        return taker
 
+    def _taker(self, dtype: torch.dtype):
         def take(tag: str, shape: tuple[int, ...]) -> Tensor:
             view = self._views.get((tag, dtype, shape))  # made once: a view costs Python time
             if view is None:
@@ -189,6 +196,7 @@ class Orthogonalizer:
         self.result_views = result_views
         self.layouts = list(layouts)
         self.configs = configs
+        self._bucket_configs = [configs[bucket.key] for bucket in plan.buckets]
         self._runs = [self._split_runs(b) for b in plan.buckets]
         # each bucket's members picked out of a per-call list (sources, dtypes), in slot order
         self._members = [Gather([m.index for m in b.members]) for b in plan.buckets]
@@ -283,7 +291,7 @@ class Orthogonalizer:
         call) and the kernel's temporaries in the shared scratch arena: no fresh memory per step.
         """
         bucket = self.plan.buckets[b]
-        config = self.configs[bucket.key]
+        config = self._bucket_configs[b]
         coefficients = list(config.coefficients)
         if self.compile and bucket.method != "eigh":  # eigh: one LAPACK call, nothing to fuse
             return compiled_kernel(bucket.method)(batch, coefficients, config.eps)
