@@ -208,9 +208,6 @@ class Orthogonalizer:
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
         self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
         self._member_indices: dict[tuple, Tensor] = {}
-        # packing from the same source tensors step after step: the copies, their views made once
-        self._pack_seen: list[tuple[weakref.ref, ...] | None] = [None] * len(plan.buckets)
-        self._pack_ops: list[list[Callable[[], object]] | None] = [None] * len(plan.buckets)
         self._slot_regions: list[tuple[Tensor, list[Tensor]] | None] = [None] * len(plan.buckets)
         # unpacking a cast into kept buffers (result views): the copies and the views made once
         self._unpack_ops: list[tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None] = [
@@ -368,9 +365,8 @@ class Orthogonalizer:
         """Copy bucket ``b``'s sources (cast to the NS dtype) into its persistent buffer.
 
         A bucket of few runs takes one ``stack`` per run straight into the run's slots (a view
-        made once), whatever the sources' strides; one of many runs takes one ``cat`` into a
-        staging buffer and one index copy, with every source's flat view made once while the
-        sources are the same tensors step after step.
+        made once), whatever the sources' strides; one of many runs takes one foreach copy into
+        its members' places in a staging buffer (views made once) and one index copy.
         """
         bucket = self.plan.buckets[b]
         if self._packed_already(b, sources):
@@ -383,13 +379,12 @@ class Orthogonalizer:
             for run, slots in zip(self._runs[b], regions):
                 torch.stack([sources[i] for i in run.tensors], out=slots)
             return buf
-        if not compiling and self._pack_prepared(b, sources):
-            return buf
         if index.device != buf.device:
             index = self._gathers[b] = index.to(buf.device)
         if not compiling:
             # one copy (with the cast) of every source into its place in the staging buffer:
-            # the same values as concatenating their flat views, without a view per source
+            # the same values as concatenating their flat views, without a view per source per
+            # call (the sources are new tensors each step) and, on a CPU, faster than that cat
             staging, places, target = self._staging_places(b, buf)
             torch._foreach_copy_(places, self._members[b](sources))
             target.index_copy_(0, index, staging)
@@ -422,49 +417,12 @@ class Orthogonalizer:
             made = self._staging_views[b] = (staging, places, buf.view(-1))
         return made
 
-    def _pack_prepared(self, b: int, sources: Sequence[Tensor]) -> bool:
-        """Pack gather bucket ``b`` by its prepared copies if its sources are the tensors of the
-        previous call (preparing them on the second sight); ``False``: pack the plain way."""
-        mine = tuple(self._members[b](sources))
-        seen = self._pack_seen[b]  # weak: a step's sources are not kept alive
-        if seen is None or not all(map(operator.is_, mine, map(weakref.ref.__call__, seen))):
-            self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
-            return False
-        ops = self._pack_ops[b]
-        if ops is None:
-            ops = self._pack_ops[b] = self._prepare_pack(b, mine) or []
-        for op in ops:
-            op()
-        return bool(ops)
-
     def _run_slots(self, b: int, buf: Tensor) -> list[Tensor]:
         """Each run's region of bucket ``b``'s buffer as ``(k, *shape)`` (views made once)."""
         views = self._slot_regions[b]
         if views is None or views[0] is not buf:
             views = self._slot_regions[b] = (buf, [run.slots(buf) for run in self._runs[b]])
         return views[1]
-
-    def _prepare_pack(self, b: int, sources: tuple[Tensor, ...]) -> list[Callable[[], object]] | None:
-        """The two copies that pack gather bucket ``b`` from exactly these tensors (in member
-        order), with every flat view made now; ``None`` where a source is not in its planned
-        layout (it is copied into one each step) or cannot be viewed flat."""
-        layouts = [self.layouts[m.index] for m in self.plan.buckets[b].members]
-        if any(s.stride() != lay.stride for s, lay in zip(sources, layouts)):
-            return None
-        try:
-            flat = [s.permute(lay.perm).view(-1) for s, lay in zip(sources, layouts)]
-        except RuntimeError:
-            return None
-        buf = self.buffer(b, sources[0].device)
-        index = self._gathers[b]
-        if index.device != buf.device:
-            index = self._gathers[b] = index.to(buf.device)
-        staging = self._staging_for(b, buf)
-        target = buf.view(-1)
-        return [
-            functools.partial(torch.cat, flat, out=staging),  # one copy, with the cast
-            functools.partial(target.index_copy_, 0, index, staging),
-        ]
 
     def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
         """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
