@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
@@ -38,6 +40,11 @@ from .state import drop_state_after, mark_state
 
 _PLAN_CACHE_SIZE = 4
 
+# per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
+_is_none = functools.partial(operator.is_, None)
+_is_sparse = operator.attrgetter("is_sparse")
+_grad_of = operator.attrgetter("grad")
+
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
     """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format."""
@@ -52,6 +59,32 @@ def check_nonnegative(name: str, value: Any, where: str) -> None:
         value = value.item() if value.numel() == 1 else math.nan
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
         raise ValueError(f"invalid {name} {value!r} in {where}: it must be a number >= 0")
+
+
+def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: Any) -> NSConfig:
+    """:meth:`NSConfig.make` of a group's values, made once per distinct values: a step reads
+    every group's config, and making one resolves and checks its coefficients."""
+    if not (_plain(steps) and _plain(eps) and _plain(coefficients)):  # a tensor may change in place
+        return NSConfig.make(steps, coefficients, eps, dtype, method)
+    try:
+        # the types too: equal values of other types (5 and 5.0) make configs that differ
+        return _cached_ns_config(type(steps), steps, coefficients, type(eps), eps, dtype, method)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return NSConfig.make(steps, coefficients, eps, dtype, method)
+
+
+def _plain(value: Any) -> bool:
+    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return type(value) in (str, int, float, bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ns_config(_steps_type, steps, coefficients, _eps_type, eps, dtype, method) -> NSConfig:
+    return NSConfig.make(steps, coefficients, eps, dtype, method)
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -189,7 +222,7 @@ class MatrixOptimizer(Optimizer):
 
     @staticmethod
     def ns_config(group: dict[str, Any]) -> NSConfig:
-        return NSConfig.make(
+        return ns_config_of(
             group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
         )
 
@@ -240,12 +273,11 @@ class MatrixOptimizer(Optimizer):
         # a distributed step prepares anew (its lists hold this step's shards), and so does one
         # being traced by torch.compile (its Python runs once, at tracing: nothing to save)
         if self.process_group is None and not self._sharded and not torch.compiler.is_compiling():
-            params = self._flat_params()
-            grads = [p.grad for p in params]
-            program = self._programs.get((tuple(g is None for g in grads), pattern))
+            grads = list(map(_grad_of, self._flat_params()))
+            program = self._programs.get((tuple(map(_is_none, grads)), pattern))
         if program is not None:
             live = program.live(grads)
-            if not program.fits(live) or any(g.is_sparse for g in live):
+            if not program.fits(live) or any(map(_is_sparse, live)):
                 program = None
             else:
                 keep = self._check_nonfinite(program, live)
@@ -359,9 +391,15 @@ class MatrixOptimizer(Optimizer):
         engine = matrices.engine
         self.last_plan = engine.plan
         orthogonalize = self.orthogonalize  # looked up per step: an instance may wrap it
-        positions = matrices.keep_positions
+        positions, dtypes = matrices.keep_positions, matrices.dtypes
         return lambda sources, keep: orthogonalize(
-            sources, matrices.params, matrices.configs, keep=keep, engine=engine, keep_positions=positions
+            sources,
+            matrices.params,
+            matrices.configs,
+            keep=keep,
+            engine=engine,
+            keep_positions=positions,
+            out_dtypes=dtypes,
         )
 
     def _reference_step(self) -> None:
@@ -434,16 +472,18 @@ class MatrixOptimizer(Optimizer):
         keep: Tensor | None = None,
         engine: Any = None,
         keep_positions: tuple[int, ...] | None = None,
+        out_dtypes: Sequence[torch.dtype] | None = None,
     ) -> list[Tensor]:
         """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes.
 
         ``keep`` (bools on the device: one per source, or with ``keep_positions`` source ``i``'s
         at ``keep_positions[i]``) zeroes the rejected sources first; ``engine``: the plan's
-        executor when the caller holds it (else looked up by the params).
+        executor when the caller holds it (else looked up by the params); ``out_dtypes``: the
+        params' dtypes when the caller holds them.
         """
         if engine is None:
             engine = self._engine(params, configs)
-        dtypes = [p.dtype for p in params]
+        dtypes = [p.dtype for p in params] if out_dtypes is None else out_dtypes
         if keep is None:
             return engine(sources, dtypes)
         if isinstance(engine, Orthogonalizer):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .program import Gather, Scalar
+from .program import Gather, Scalar, strides_of
 from .transforms import foreach_scalar, fusable, partition
 
 
@@ -120,9 +120,7 @@ class AdamWProgram:
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides (see ``transforms.fusable``)."""
         for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
-            if [g.stride() for g in pick(grads)] != grad_strides or [
-                p.stride() for p in params
-            ] != param_strides:
+            if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
         return True
 

@@ -10,6 +10,7 @@ steps, so the zero padding is written once.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .planner import (
     Plan,
     plan_buckets,
 )
+from .program import Gather
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,17 @@ class ScratchArena:
         self.device = device
         self._arenas: dict[tuple[str, torch.dtype], Tensor] = {}
         self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], Tensor] = {}
+        self._takers: dict[torch.dtype, Callable[[str, tuple[int, ...]], Tensor]] = {}
 
     def for_dtype(self, dtype: torch.dtype):
-        """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch)."""
+        """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch), made
+        once per dtype."""
+        taker = self._takers.get(dtype)
+        if taker is None:
+            taker = self._takers[dtype] = self._taker(dtype)
+        return taker
 
+    def _taker(self, dtype: torch.dtype):
         def take(tag: str, shape: tuple[int, ...]) -> Tensor:
             view = self._views.get((tag, dtype, shape))  # made once: a view costs Python time
             if view is None:
@@ -185,16 +194,18 @@ class Orthogonalizer:
         self.result_views = result_views
         self.layouts = list(layouts)
         self.configs = configs
+        self._bucket_configs = [configs[bucket.key] for bucket in plan.buckets]
         self._runs = [self._split_runs(b) for b in plan.buckets]
+        # each bucket's members picked out of a per-call list (sources, dtypes), in slot order
+        self._members = [Gather([m.index for m in b.members]) for b in plan.buckets]
         self._gathers = [self._gather_index(b, runs) for b, runs in zip(plan.buckets, self._runs)]
         self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
         self._staging: list[Tensor | None] = [None] * len(plan.buckets)
+        # per gather bucket: its members' places in the staging buffer, in their planned layouts
+        self._staging_views: list[tuple[Tensor, list[Tensor], Tensor] | None] = [None] * len(plan.buckets)
         self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
         self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
         self._member_indices: dict[tuple, Tensor] = {}
-        # packing from the same source tensors step after step: the copies, their views made once
-        self._pack_seen: list[tuple[weakref.ref, ...] | None] = [None] * len(plan.buckets)
-        self._pack_ops: list[list[Callable[[], object]] | None] = [None] * len(plan.buckets)
         self._slot_regions: list[tuple[Tensor, list[Tensor]] | None] = [None] * len(plan.buckets)
         # unpacking a cast into kept buffers (result views): the copies and the views made once
         self._unpack_ops: list[tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None] = [
@@ -275,7 +286,7 @@ class Orthogonalizer:
         call) and the kernel's temporaries in the shared scratch arena: no fresh memory per step.
         """
         bucket = self.plan.buckets[b]
-        config = self.configs[bucket.key]
+        config = self._bucket_configs[b]
         coefficients = list(config.coefficients)
         if self.compile and bucket.method != "eigh":  # eigh: one LAPACK call, nothing to fuse
             return compiled_kernel(bucket.method)(batch, coefficients, config.eps)
@@ -345,15 +356,15 @@ class Orthogonalizer:
     def _packed_already(self, b: int, sources: Sequence[Tensor]) -> bool:
         """Whether bucket ``b``'s sources are its :meth:`input_views` (written in place by the caller)."""
         views = self._input_views
-        return bool(views) and all(sources[m.index] is views[m.index] for m in self.plan.buckets[b].members)
+        pick = self._members[b]
+        return bool(views) and all(map(operator.is_, pick(sources), pick(views)))
 
     def pack(self, b: int, sources: Sequence[Tensor]) -> Tensor:
         """Copy bucket ``b``'s sources (cast to the NS dtype) into its persistent buffer.
 
         A bucket of few runs takes one ``stack`` per run straight into the run's slots (a view
-        made once), whatever the sources' strides; one of many runs takes one ``cat`` into a
-        staging buffer and one index copy, with every source's flat view made once while the
-        sources are the same tensors step after step.
+        made once), whatever the sources' strides; one of many runs takes one foreach copy into
+        its members' places in a staging buffer (views made once) and one index copy.
         """
         bucket = self.plan.buckets[b]
         if self._packed_already(b, sources):
@@ -366,32 +377,43 @@ class Orthogonalizer:
             for run, slots in zip(self._runs[b], regions):
                 torch.stack([sources[i] for i in run.tensors], out=slots)
             return buf
-        if not compiling and self._pack_prepared(b, sources):
-            return buf
         if index.device != buf.device:
             index = self._gathers[b] = index.to(buf.device)
+        if not compiling:
+            # one copy (with the cast) of every source into its place in the staging buffer:
+            # the same values as concatenating their flat views, without a view per source per
+            # call (the sources are new tensors each step) and, on a CPU, faster than that cat
+            staging, places, target = self._staging_places(b, buf)
+            torch._foreach_copy_(places, self._members[b](sources))
+            target.index_copy_(0, index, staging)
+            return buf
         flat = [_memory_flat(sources[m.index], self.layouts[m.index]) for m in bucket.members]
-        staging = self._staging[b]
-        if staging is None:
-            staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
+        staging = self._staging_for(b, buf)
         torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
         buf.view(-1).index_copy_(0, index, staging)
         return buf
 
-    def _pack_prepared(self, b: int, sources: Sequence[Tensor]) -> bool:
-        """Pack gather bucket ``b`` by its prepared copies if its sources are the tensors of the
-        previous call (preparing them on the second sight); ``False``: pack the plain way."""
-        mine = tuple(sources[m.index] for m in self.plan.buckets[b].members)
-        seen = self._pack_seen[b]  # weak: a step's sources are not kept alive
-        if seen is None or not all(a is c() for a, c in zip(mine, seen)):
-            self._pack_seen[b], self._pack_ops[b] = tuple(weakref.ref(t) for t in mine), None
-            return False
-        ops = self._pack_ops[b]
-        if ops is None:
-            ops = self._pack_ops[b] = self._prepare_pack(b, mine) or []
-        for op in ops:
-            op()
-        return bool(ops)
+    def _staging_for(self, b: int, buf: Tensor) -> Tensor:
+        """Gather bucket ``b``'s flat staging buffer: its members back to back in memory order."""
+        staging = self._staging[b]
+        if staging is None:
+            numel = self._gathers[b].numel()  # type: ignore[union-attr]
+            staging = self._staging[b] = torch.empty(numel, dtype=buf.dtype, device=buf.device)
+        return staging
+
+    def _staging_places(self, b: int, buf: Tensor) -> tuple[Tensor, list[Tensor], Tensor]:
+        """The staging buffer of gather bucket ``b``, each member's place there as a view in its
+        planned layout (dense, so its elements lie in memory order, as a flat view's would), and
+        the bucket buffer viewed flat: made once per buffer."""
+        made = self._staging_views[b]
+        if made is None or made[2]._base is not buf:
+            staging = self._staging_for(b, buf)
+            places, offset = [], 0
+            for layout in self._members[b](self.layouts):
+                places.append(torch.as_strided(staging, layout.shape, layout.stride, offset))
+                offset += _numel(layout.shape)
+            made = self._staging_views[b] = (staging, places, buf.view(-1))
+        return made
 
     def _run_slots(self, b: int, buf: Tensor) -> list[Tensor]:
         """Each run's region of bucket ``b``'s buffer as ``(k, *shape)`` (views made once)."""
@@ -400,35 +422,12 @@ class Orthogonalizer:
             views = self._slot_regions[b] = (buf, [run.slots(buf) for run in self._runs[b]])
         return views[1]
 
-    def _prepare_pack(self, b: int, sources: tuple[Tensor, ...]) -> list[Callable[[], object]] | None:
-        """The two copies that pack gather bucket ``b`` from exactly these tensors (in member
-        order), with every flat view made now; ``None`` where a source is not in its planned
-        layout (it is copied into one each step) or cannot be viewed flat."""
-        layouts = [self.layouts[m.index] for m in self.plan.buckets[b].members]
-        if any(s.stride() != lay.stride for s, lay in zip(sources, layouts)):
-            return None
-        try:
-            flat = [s.permute(lay.perm).view(-1) for s, lay in zip(sources, layouts)]
-        except RuntimeError:
-            return None
-        buf = self.buffer(b, sources[0].device)
-        index = self._gathers[b]
-        if index.device != buf.device:
-            index = self._gathers[b] = index.to(buf.device)
-        staging = self._staging[b]
-        if staging is None:
-            staging = self._staging[b] = torch.empty(index.numel(), dtype=buf.dtype, device=buf.device)
-        target = buf.view(-1)
-        return [
-            functools.partial(torch.cat, flat, out=staging),  # one copy, with the cast
-            functools.partial(target.index_copy_, 0, index, staging),
-        ]
-
     def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
         """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
         bucket, index = self.plan.buckets[b], self._gathers[b]
-        dtype = out_dtypes[bucket.members[0].index]
-        if any(out_dtypes[m.index] != dtype for m in bucket.members):
+        dtypes = self._members[b](out_dtypes)
+        dtype = dtypes[0]
+        if dtypes.count(dtype) != len(dtypes):
             raise ValueError("tensors packed together must share one output dtype")
         if self.result_views and out.dtype == dtype and out.device.type == "cpu":
             # the step consumes the results at once: hand out views of the output, no unpacking

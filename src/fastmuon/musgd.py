@@ -23,7 +23,7 @@ from .matrix_update import (
 )
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from .program import Gather, Scalar, apply_scaled_, classes, scale_limit
+from .program import Gather, Scalar, apply_scaled_, classes, scale_limit, strides_of
 from .transforms import ADJUST_LR, foreach_scalar, fusable, lr_scale, partition
 
 
@@ -351,9 +351,7 @@ class SGDProgram:
         """The fused kernel walks memory without looking at strides: gradients and parameters
         must still have the layouts it was chosen for."""
         for _, params, pick, _, _, grad_strides, param_strides in self.fused:
-            if [g.stride() for g in pick(grads)] != grad_strides or [
-                p.stride() for p in params
-            ] != param_strides:
+            if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
         return True
 

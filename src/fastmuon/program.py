@@ -28,6 +28,12 @@ def classes(values: Sequence[Hashable]) -> tuple[int, ...]:
     return tuple(first.setdefault(v, i) for i, v in enumerate(values))
 
 
+def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
+    """Each tensor's strides (read every step by the fused paths' layout checks: ``map`` over the
+    method runs no Python frame per tensor)."""
+    return list(map(Tensor.stride, tensors))
+
+
 class Gather:
     """Picks fixed positions out of a per-step list (e.g. the gradients of one foreach call)."""
 
