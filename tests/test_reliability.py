@@ -156,14 +156,14 @@ def test_skip_zeroes_the_bad_matrix_inside_its_bucket():
     for p, g in zip(params, grads):
         p.grad = g
     seen = []
-    original = opt.orthogonalize
+    original = opt._orthogonalize
 
     def spy(sources, ps, configs, **kwargs):
         out = original(sources, ps, configs, **kwargs)
         seen.append([o.clone() for o in out])
         return out
 
-    opt.orthogonalize = spy
+    opt._orthogonalize = spy
     opt.step()
     (outs,) = seen
     assert torch.count_nonzero(outs[0]) == 0

@@ -9,11 +9,12 @@ import math
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from .calibrate import calibrated_cost_model
 from .checkpoint import adapt_state_dict
@@ -44,6 +45,9 @@ _PLAN_CACHE_SIZE = 4
 _is_none = functools.partial(operator.is_, None)
 _is_sparse = operator.attrgetter("is_sparse")
 _grad_of = operator.attrgetter("grad")
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
@@ -116,14 +120,14 @@ class MatrixOptimizer(Optimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         defaults: dict[str, Any],
         *,
         policy: str,
         max_bucket_bytes: int,
         cost_model,
         compile: bool,
-        process_group=None,
+        process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
     ):
@@ -181,7 +185,7 @@ class MatrixOptimizer(Optimizer):
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
             candidate["param_names"] = names
-        self.validate_group(candidate, f"param group {len(self.param_groups)}")
+        self._validate_group(candidate, f"param group {len(self.param_groups)}")
         for j, p in enumerate(tensors):
             self._check_param(candidate, j, p)
         return params
@@ -189,17 +193,17 @@ class MatrixOptimizer(Optimizer):
     def _check_param(self, group: dict[str, Any], j: int, p: Tensor) -> None:
         if p.is_complex():
             raise ValueError(
-                f"{self.param_name(group, j)} is complex; {type(self).__name__} supports real "
+                f"{self._param_name(group, j)} is complex; {type(self).__name__} supports real "
                 "parameters only (view it as real with torch.view_as_real and optimise that)"
             )
         if not p.is_floating_point():
             raise ValueError(
-                f"{self.param_name(group, j)} has dtype {p.dtype}; {type(self).__name__} optimises "
+                f"{self._param_name(group, j)} has dtype {p.dtype}; {type(self).__name__} optimises "
                 "floating-point parameters only (convert it, e.g. with .float(), or leave it out "
                 "of the optimizer)"
             )
 
-    def validate_group(self, group: dict[str, Any], where: str) -> None:
+    def _validate_group(self, group: dict[str, Any], where: str) -> None:
         lr = group["lr"]
         if isinstance(lr, Tensor) and lr.numel() != 1:  # torch.optim's wording
             raise ValueError(
@@ -216,17 +220,17 @@ class MatrixOptimizer(Optimizer):
         if use_muon is not None and not isinstance(use_muon, bool):
             raise ValueError(f"use_muon in {where} must be True, False or absent, got {use_muon!r}")
         try:
-            self.ns_config(group)
+            self._ns_config(group)
         except ValueError as e:
             raise ValueError(f"{e} (in {where})") from None
 
     @staticmethod
-    def ns_config(group: dict[str, Any]) -> NSConfig:
+    def _ns_config(group: dict[str, Any]) -> NSConfig:
         return ns_config_of(
             group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
         )
 
-    def param_name(self, group: dict[str, Any], j: int) -> str:
+    def _param_name(self, group: dict[str, Any], j: int) -> str:
         names = group.get("param_names")
         p = group["params"][j]
         if names is not None and j < len(names):
@@ -235,14 +239,14 @@ class MatrixOptimizer(Optimizer):
         index = next((i for i, g in enumerate(self.param_groups) if g is group), len(self.param_groups))
         return f"parameter {j} of param group {index} (shape {tuple(p.shape)})"
 
-    def check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
+    def _check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
         if grad.is_sparse:
             raise RuntimeError(
-                f"{self.param_name(group, j)} has a sparse gradient; {type(self).__name__} needs "
+                f"{self._param_name(group, j)} has a sparse gradient; {type(self).__name__} needs "
                 "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
             )
 
-    def lr_value(self, lr: Any) -> Any:
+    def _lr_value(self, lr: Any) -> Any:
         """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no
         device waits) unless ``capturable``; a tensor on an accelerator, or any tensor when
         ``capturable``, stays a tensor (reading it would make the host wait for the device)."""
@@ -268,7 +272,7 @@ class MatrixOptimizer(Optimizer):
         if self.foreach is False:
             self._reference_step()
             return loss
-        pattern, scalars = self.step_scalars()
+        pattern, scalars = self._step_scalars()
         program = None
         # a distributed step prepares anew (its lists hold this step's shards), and so does one
         # being traced by torch.compile (its Python runs once, at tracing: nothing to save)
@@ -315,7 +319,7 @@ class MatrixOptimizer(Optimizer):
 
     def _step_grads(self) -> tuple[list[Tensor], list[Tensor | None]]:
         """Every parameter and its gradient this step (zeros where only another rank has one)."""
-        zero_grads = self.begin_step()
+        zero_grads = self._begin_step()
         params = self._flat_params()
         grads = [p.grad for p in params]
         if zero_grads:
@@ -326,7 +330,7 @@ class MatrixOptimizer(Optimizer):
         """This step's work items (one list per kind of update), creating missing state."""
         raise NotImplementedError
 
-    def step_scalars(self) -> tuple[Hashable, Any]:
+    def _step_scalars(self) -> tuple[Hashable, Any]:
         """This step's hyperparameters, read once per group: ``(pattern, scalars)``, where the
         pattern (equality classes and structure) decides whether a program still fits."""
         raise NotImplementedError
@@ -352,7 +356,7 @@ class MatrixOptimizer(Optimizer):
         self._programs.clear()
 
     def _make_program(self, params: list[Tensor], grads: list[Tensor | None], key: Hashable) -> StepProgram:
-        items = self.local_items(*self._collect(params, grads))
+        items = self._local_items(*self._collect(params, grads))
         distributed = self.process_group is not None or self._sharded
         positions = [k for k, g in enumerate(grads) if g is not None]
         local = [_local(params[k]) for k in positions]
@@ -390,7 +394,7 @@ class MatrixOptimizer(Optimizer):
             return None
         engine = matrices.engine
         self.last_plan = engine.plan
-        orthogonalize = self.orthogonalize  # looked up per step: an instance may wrap it
+        orthogonalize = self._orthogonalize  # looked up per step: an instance may wrap it
         positions, dtypes = matrices.keep_positions, matrices.dtypes
         return lambda sources, keep: orthogonalize(
             sources,
@@ -405,13 +409,13 @@ class MatrixOptimizer(Optimizer):
     def _reference_step(self) -> None:
         with self._refusal_leaves_no_state():
             params, grads = self._step_grads()
-            items = self.local_items(*self._collect(params, grads))
+            items = self._local_items(*self._collect(params, grads))
             if self._global_of:
                 raise ValueError(
                     f"{type(self).__name__}(foreach=False) is the per-parameter reference path and "
                     "cannot orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
                 )
-            guard = self.guard_nonfinite(params, grads)
+            guard = self._guard_nonfinite(params, grads)
         try:
             self._apply_reference(*items)
         finally:
@@ -429,7 +433,7 @@ class MatrixOptimizer(Optimizer):
         self._collect(params, list(params))
         self.state_initialised = True
 
-    def begin_step(self) -> dict[Tensor, Tensor]:
+    def _begin_step(self) -> dict[Tensor, Tensor]:
         """In a distributed run, agree with the other ranks on which parameters step; returns
         zero gradients for those that step elsewhere but have none here (else ``{}``)."""
         self._global_of = {}
@@ -440,7 +444,7 @@ class MatrixOptimizer(Optimizer):
             return begin_step(self, self._inflight)
         return {}
 
-    def local_items(self, *item_lists):
+    def _local_items(self, *item_lists):
         """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
         if not self._sharded:
             return item_lists
@@ -450,12 +454,12 @@ class MatrixOptimizer(Optimizer):
             self._global_of.update(localize(self, items))
         return item_lists
 
-    def global_param(self, p: Tensor) -> Tensor:
+    def _global_param(self, p: Tensor) -> Tensor:
         """The DTensor a local shard in this step belongs to (``p`` itself when not sharded)."""
         return self._global_of.get(id(p), p)
 
     # ----- the batching plan --------------------------------------------------------------
-    def ns_inputs(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> list[Tensor] | None:
+    def _ns_inputs(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> list[Tensor] | None:
         """Where the plan's NS reads each matrix's source from, for the momentum step to write
         there directly (see :meth:`Orthogonalizer.input_views`); ``None``: hand the sources over
         to :meth:`orthogonalize` as tensors."""
@@ -464,7 +468,7 @@ class MatrixOptimizer(Optimizer):
             return None  # distributed engines exchange the sources themselves
         return engine.input_views([p.dtype for p in params])
 
-    def orthogonalize(
+    def _orthogonalize(
         self,
         sources: Sequence[Tensor],
         params: Sequence[Tensor],
@@ -496,7 +500,7 @@ class MatrixOptimizer(Optimizer):
     def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> Orthogonalizer:
         """The cached engine for these matrices in this order (built on first sight)."""
         policy = self.policy
-        keyed = [self.global_param(p) for p in params] if self._global_of else params
+        keyed = [self._global_param(p) for p in params] if self._global_of else params
         key = (
             policy,
             tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(keyed, configs)),
@@ -558,7 +562,7 @@ class MatrixOptimizer(Optimizer):
             return None
         return keep
 
-    def guard_nonfinite(self, params: list[Tensor], grads: list[Tensor | None]) -> SkipGuard | None:
+    def _guard_nonfinite(self, params: list[Tensor], grads: list[Tensor | None]) -> SkipGuard | None:
         """The reference path's guard over this step's ``params`` and ``grads`` (zeros where only
         another rank has one): raises ("raise"), or returns the guard whose ``restore()`` undoes
         the step where gradients were bad ("skip"). Ranks decide alike, as the batched path does."""
@@ -570,7 +574,7 @@ class MatrixOptimizer(Optimizer):
         live_grads = [grads[k] for k in live]
 
         def name(k: int) -> str:
-            return self.param_name(*owners[live[k]])
+            return self._param_name(*owners[live[k]])
 
         distributed = self.process_group is not None or self._sharded
         if self.nonfinite == "raise" and not distributed:

@@ -291,14 +291,14 @@ def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
         for j, s in enumerate(states):
             if not isinstance(s, dict):
                 raise ValueError(
-                    f"{optimizer.param_name(own, j)}: its saved state is a {type(s).__name__}, not a dict "
+                    f"{optimizer._param_name(own, j)}: its saved state is a {type(s).__name__}, not a dict "
                     "of buffers; pass an optimizer's state_dict() unchanged"
                 )
         family = source_family(saved, states, default)
         group = adapt_group(optimizer, saved, family, own)
         candidate = {**group, "params": own["params"]}
         try:
-            optimizer.validate_group(candidate, where)
+            optimizer._validate_group(candidate, where)
         except (TypeError, ValueError) as e:
             raise type(e)(
                 f"cannot load the state dict: {e}; correct that value in state_dict['param_groups'][{index}], "
@@ -309,7 +309,7 @@ def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
             owned.add(pid)
             roles = _source_roles(family, saved, saved_buffers)
             _check_buffers(optimizer, own, j, p, saved_buffers, roles)
-            wanted = optimizer.state_roles(candidate, p)
+            wanted = optimizer._state_roles(candidate, p)
             carried = carry_buffers(saved_buffers, roles, wanted, group, source_decay)
             known = roles.keys() | wanted.keys() | _BUFFER_NAMES
             extra = {
@@ -334,7 +334,7 @@ def _check_buffers(optimizer, group, j, p: Tensor, buffers: dict[str, Any], role
         value = buffers.get(name)
         if value is None:
             continue
-        where = f"{optimizer.param_name(group, j)}: saved state {name!r}"
+        where = f"{optimizer._param_name(group, j)}: saved state {name!r}"
         if name == "step":
             ok = (
                 isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -406,14 +406,14 @@ def build_distributed(
     opt: MatrixOptimizer, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str
 ):
     """The orthogonalizer for a step's matrices: sharded if they are DTensors, else replicated."""
-    sharded = [is_dtensor(opt.global_param(p)) for p in params]
+    sharded = [is_dtensor(opt._global_param(p)) for p in params]
     if any(sharded) and not all(sharded):
         raise ValueError(
             "some matrix parameters are FSDP2 DTensors and some are plain tensors; "
             f"{type(opt).__name__} needs all of them sharded (apply fully_shard to the root module too)"
         )
     if all(sharded) and params:
-        globals_ = [opt.global_param(p) for p in params]
+        globals_ = [opt._global_param(p) for p in params]
         group = _mesh_group(opt, globals_)
         shapes = [tuple(g.shape) for g in globals_]
         # the planner sees each matrix whole; its device and dtype are the local shard's
@@ -482,13 +482,13 @@ def _mesh_group(opt: MatrixOptimizer, dtensors: Sequence[Any]) -> dist.ProcessGr
                 continue
             if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
                 raise ValueError(
-                    f"{opt.param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
+                    f"{opt._param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
                     f"on a {p.device_mesh.ndim}-D mesh; {type(opt).__name__} supports FSDP2's "
                     "Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP)"
                 )
             if p.device_mesh != mesh:
                 raise ValueError(
-                    f"{opt.param_name(group, j)} lives on another device mesh than the first "
+                    f"{opt._param_name(group, j)} lives on another device mesh than the first "
                     "sharded parameter; shard all parameters over one mesh"
                 )
     return mesh.get_group()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative, state_buffer
 from .adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
@@ -26,6 +27,9 @@ from .transforms import ADJUST_LR, lr_scale
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
 ADAMW_LR = 3e-4
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class Muon(MatrixOptimizer):
@@ -77,7 +81,7 @@ class Muon(MatrixOptimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float | Tensor = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -97,7 +101,7 @@ class Muon(MatrixOptimizer):
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
         compile: bool = False,
-        process_group=None,
+        process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
     ):
@@ -138,8 +142,8 @@ class Muon(MatrixOptimizer):
                 param_group = {**param_group, **missing}
         super().add_param_group(param_group)
 
-    def validate_group(self, group: dict[str, Any], where: str) -> None:
-        super().validate_group(group, where)
+    def _validate_group(self, group: dict[str, Any], where: str) -> None:
+        super()._validate_group(group, where)
         mode = group["adjust_lr_fn"]
         if mode is not None and mode not in ADJUST_LR:
             raise ValueError(f"unknown adjust_lr_fn {mode!r} in {where}; choose None or one of {ADJUST_LR}")
@@ -153,13 +157,13 @@ class Muon(MatrixOptimizer):
             for j, p in enumerate(group["params"]):
                 if p.ndim < 2:
                     raise ValueError(
-                        f"{self.param_name(group, j)} is in a use_muon=True group of {where} but has "
+                        f"{self._param_name(group, j)} is in a use_muon=True group of {where} but has "
                         f"{p.ndim} dim(s); Muon orthogonalises matrices only: move it to a group "
                         "with use_muon=False (AdamW)"
                     )
 
     @staticmethod
-    def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+    def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
         """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
         creates them."""
         use_muon = group.get("use_muon")
@@ -177,9 +181,9 @@ class Muon(MatrixOptimizer):
         flat = 0
         live = 0
         for gi, group in enumerate(self.param_groups):
-            lr, wd = self.lr_value(group["lr"]), group["weight_decay"]
+            lr, wd = self._lr_value(group["lr"]), group["weight_decay"]
             use_muon = group.get("use_muon")
-            config = self.ns_config(group)
+            config = self._ns_config(group)
             adjust = group["adjust_lr_fn"] or "original"
             adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
             for j, p in enumerate(group["params"]):
@@ -188,7 +192,7 @@ class Muon(MatrixOptimizer):
                 if grad is None:
                     continue
                 index, live = live, live + 1
-                self.check_grad(group, j, grad)
+                self._check_grad(group, j, grad)
                 state = self.state[p]
                 if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
                     factor = lr_scale(adjust, p.shape)
@@ -226,16 +230,16 @@ class Muon(MatrixOptimizer):
                     )
         return matrices, others
 
-    def step_scalars(self) -> tuple[Hashable, MuonScalars]:
+    def _step_scalars(self) -> tuple[Hashable, MuonScalars]:
         groups = self.param_groups
-        lr = [self.lr_value(g["lr"]) for g in groups]
+        lr = [self._lr_value(g["lr"]) for g in groups]
         wd = [g["weight_decay"] for g in groups]
         beta = [g["momentum"] for g in groups]
         nesterov = [g["nesterov"] for g in groups]
         decay = [1 - r * w for r, w in zip(lr, wd)]
         betas = [tuple(g["betas"]) for g in groups]
         eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]
-        structure = tuple((g.get("use_muon"), g["adjust_lr_fn"], self.ns_config(g)) for g in groups)
+        structure = tuple((g.get("use_muon"), g["adjust_lr_fn"], self._ns_config(g)) for g in groups)
         pattern = (
             classes(beta),
             classes(nesterov),

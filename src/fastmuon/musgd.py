@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from ._base import ArgumentTypeError, MatrixOptimizer, check_foreach, check_nonnegative, state_buffer
 from .checkpoint import EMA, HEAVY_BALL
@@ -25,6 +26,9 @@ from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .program import Gather, Scalar, apply_scaled_, classes, scale_limit, strides_of
 from .transforms import ADJUST_LR, foreach_scalar, fusable, lr_scale, partition
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 @dataclass
@@ -103,7 +107,7 @@ class MuSGD(MatrixOptimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float | Tensor = 1e-3,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
@@ -123,7 +127,7 @@ class MuSGD(MatrixOptimizer):
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
         compile: bool = False,
-        process_group=None,
+        process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
     ):
@@ -179,8 +183,8 @@ class MuSGD(MatrixOptimizer):
         for group in self.param_groups:
             group[key] = value
 
-    def validate_group(self, group: dict[str, Any], where: str) -> None:
-        super().validate_group(group, where)
+    def _validate_group(self, group: dict[str, Any], where: str) -> None:
+        super()._validate_group(group, where)
         if not isinstance(group["use_muon"], bool):
             raise ArgumentTypeError(f"use_muon in {where} must be True or False, got {group['use_muon']!r}")
         check_nonnegative("muon", group["muon"], where)
@@ -191,7 +195,7 @@ class MuSGD(MatrixOptimizer):
             )
 
     @staticmethod
-    def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+    def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
         """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
         creates them."""
         if not group["use_muon"]:
@@ -208,16 +212,16 @@ class MuSGD(MatrixOptimizer):
         flat = 0
         live = 0
         for gi, group in enumerate(self.param_groups):
-            lr, beta, nesterov = self.lr_value(group["lr"]), group["momentum"], group["nesterov"]
+            lr, beta, nesterov = self._lr_value(group["lr"]), group["momentum"], group["nesterov"]
             muon_group = group["use_muon"]
-            config = self.ns_config(group)
+            config = self._ns_config(group)
             for j, p in enumerate(group["params"]):
                 grad = grads[flat]
                 flat += 1
                 if grad is None:
                     continue
                 index, live = live, live + 1
-                self.check_grad(group, j, grad)
+                self._check_grad(group, j, grad)
                 state = self.state[p]
                 if muon_group and p.ndim >= 2 and p.numel() > 0:
                     factor = lr_scale(group["adjust_lr"], p.shape)
@@ -252,16 +256,16 @@ class MuSGD(MatrixOptimizer):
                 )
         return matrices, elementwise
 
-    def step_scalars(self) -> tuple[Hashable, MuSGDScalars]:
+    def _step_scalars(self) -> tuple[Hashable, MuSGDScalars]:
         groups = self.param_groups
-        lr = [self.lr_value(g["lr"]) for g in groups]
+        lr = [self._lr_value(g["lr"]) for g in groups]
         beta = [g["momentum"] for g in groups]
         nesterov = [g["nesterov"] for g in groups]
         wd = [g["weight_decay"] for g in groups]
         base = [r * g["muon"] for r, g in zip(lr, groups)]
         lr_sgd = [r * g["sgd"] for r, g in zip(lr, groups)]
         lr_plain = [r * 1.0 for r in lr]
-        structure = tuple((g.get("use_muon"), g["adjust_lr"], self.ns_config(g)) for g in groups)
+        structure = tuple((g.get("use_muon"), g["adjust_lr"], self._ns_config(g)) for g in groups)
         pattern = (
             classes(beta),
             classes(nesterov),
@@ -305,7 +309,7 @@ class SGDProgram:
     else foreach calls with one scale class per learning rate."""
 
     def __init__(self, items: list[SGDItem], lr_class: Sequence[int], num_groups: int, fused_ok: bool):
-        def lr_key(i: SGDItem) -> int:  # classes over lr_sgd + lr_plain, as step_scalars lists them
+        def lr_key(i: SGDItem) -> int:  # classes over lr_sgd + lr_plain, as _step_scalars lists them
             return lr_class[i.group + (0 if i.muon_group else num_groups)]
 
         self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []

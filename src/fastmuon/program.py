@@ -135,7 +135,7 @@ class StepProgram:
         return self.update.fits(grads)
 
     def name_of(self, optimizer: Any):
-        return lambda k: optimizer.param_name(*self.owners[k])
+        return lambda k: optimizer._param_name(*self.owners[k])
 
     def run(self, grads: list[Tensor], scalars: Any, keep: Tensor | None, ns: Any) -> None:
         self.update.run(grads, scalars, keep, ns)

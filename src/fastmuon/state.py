@@ -54,7 +54,7 @@ def check_state_layout(optimizer: Any, state_dict: dict[str, Any]) -> None:
                     want = f"shape {tuple(p.shape)}"
                 if not fits:
                     raise ValueError(
-                        f"{optimizer.param_name(group, j)}: saved state {key!r} has shape "
+                        f"{optimizer._param_name(group, j)}: saved state {key!r} has shape "
                         f"{tuple(value.shape)} but needs {want}; {_FIX}"
                     )
 

@@ -195,7 +195,7 @@ def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
     for p, g in zip(params, grads):
         p.grad = g
     times: list[float] = []
-    inner = opt.orthogonalize
+    inner = opt._orthogonalize
 
     def timed(*args, **kwargs):
         synchronize(device)
@@ -205,7 +205,7 @@ def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
         times.append(time.perf_counter() - t0)
         return out
 
-    opt.orthogonalize = timed  # the step looks the method up on the instance
+    opt._orthogonalize = timed  # the step looks the method up on the instance
     return opt, times
 
 
