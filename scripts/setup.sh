@@ -14,7 +14,10 @@ fi
 # The tests run Ultralytics' trainer (the [ultralytics] extra). torch is pinned in the same command
 # so that torchvision's torch requirement cannot swap the installed build. Best effort: without it
 # the trainer tests skip.
-if [[ ",$EXTRAS," == *,test,* ]]; then
+# Skipped once the trainer's own dependencies are there, so that a second run does not install
+# (and remove again) torchvision each time.
+trainer_ready='import cv2, polars, yaml, importlib.metadata as m; assert m.version("ultralytics") == "8.4.190"'
+if [[ ",$EXTRAS," == *,test,* ]] && ! .venv/bin/python -c "$trainer_ready" 2>/dev/null; then
   .venv/bin/python -m pip install -q -e ".[$EXTRAS,ultralytics]" torch==2.13.0 \
     || echo "setup: the [ultralytics] extra did not install; the trainer tests will skip" >&2
   # PyPI's x86-64 torchvision is linked against the CUDA build of torch: beside the CPU build its
