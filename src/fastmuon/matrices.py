@@ -1,0 +1,270 @@
+"""How a parameter tensor maps to the matrices Newton–Schulz orthogonalises.
+
+A conv kernel ``(out, in, kh, kw)`` is one matrix, ``(out, in·kh·kw)``: the default, "flatten".
+The layers LLMs are built from are not: a Mixture-of-Experts stack ``(E, out, in)`` is E
+matrices, a fused projection (GPT-2's ``c_attn``, ``nn.MultiheadAttention.in_proj_weight``, a
+gate/up pair) is several matrices side by side, and per-head orthogonalisation treats each head's
+slice as its own matrix. A *matrix map*, given per param group or per parameter under the key
+``matrices``, says which:
+
+- ``"flatten"``: the whole tensor as ``(shape[0], everything else)``;
+- ``{"batch_dims": b}`` (or ``"experts"``, b = 1): the first ``b`` dims index separate matrices;
+- ``{"split": [s1, s2, ...], "dim": d}``: each matrix is cut along its output (``d=0``, the
+  default) or input (``d=1``) dim into parts of these sizes, each orthogonalised alone;
+- ``{"heads": n, "dim": d}``: the same cut into ``n`` equal parts;
+- ``{"transposed": True}``: the tensor is stored ``(in, out)`` (GPT-2's ``Conv1D``), so ``d``
+  and the learning-rate factor refer to its transpose.
+
+The keys combine (batch, then split), and a list gives one map per parameter of its group. Maps
+are plain strings and dicts so they travel in ``state_dict()`` and load with ``weights_only``.
+Orthogonalisation commutes with transposition (``NS(Xᵀ) = NS(X)ᵀ``), so a transposed tensor is
+orthogonalised as stored; only which dim is "output" and the factor ``s`` depend on it.
+Per-expert batching follows the proposals for torch.optim.Muon and Primus; splitting fused
+projections and per-head NS follow Dion's ``split_sizes``/``num_heads`` options.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from torch import Tensor
+
+#: What a group's ``matrices`` entry holds: a map (string or dict), or a list of maps, one per parameter.
+MatrixMapSpec = Union[str, dict, None]
+
+KEYS = ("batch_dims", "split", "heads", "dim", "transposed")
+SHORTHANDS = {"flatten": {}, "experts": {"batch_dims": 1}, "transposed": {"transposed": True}}
+
+#: A piece of a tensor: an index (ints for batch dims, a slice for the split dim) into it.
+Box = tuple[Union[int, slice], ...]
+
+
+@dataclass(frozen=True)
+class MatrixMap:
+    """A parsed matrix map (see the module docstring); ``parse`` builds one from a spec."""
+
+    batch_dims: int = 0
+    split: tuple[int, ...] | None = None
+    heads: int | None = None
+    dim: int = 0
+    transposed: bool = False
+
+    @property
+    def is_flatten(self) -> bool:
+        return self == FLATTEN
+
+    # ----- geometry ---------------------------------------------------------------------
+    def stored_dim(self) -> int:
+        """The tensor dim a split cuts: the output or input dim of each (transposed?) matrix."""
+        return self.batch_dims + (1 - self.dim if self.transposed else self.dim)
+
+    def check(self, shape: Sequence[int]) -> None:
+        """Raise ``ValueError`` (what is wrong, and the fix) unless this map fits ``shape``."""
+        shape = tuple(shape)
+        b = self.batch_dims
+        if len(shape) < b + 2:
+            raise ValueError(
+                f"its matrix map {self.plain()!r} needs at least {b + 2} dims ({b} batch dim(s) and a "
+                f"matrix), the tensor has {len(shape)}; use 'flatten' or fewer batch_dims"
+            )
+        if self.transposed and len(shape) != b + 2:
+            raise ValueError(
+                f"its matrix map {self.plain()!r} says each matrix is stored transposed (in, out), but "
+                f"a matrix of shape {shape[b:]} is not 2-D; drop 'transposed' for conv-like tensors"
+            )
+        cut = self.part_sizes(shape)
+        if cut is not None:
+            size = shape[self.stored_dim()]
+            if self.heads is not None and size % self.heads:
+                raise ValueError(
+                    f"its matrix map {self.plain()!r} cuts dim {self.stored_dim()} (size {size}) into "
+                    f"{self.heads} heads, which does not divide it; give a head count that divides {size}"
+                )
+            if sum(cut) != size:
+                raise ValueError(
+                    f"its matrix map {self.plain()!r} cuts dim {self.stored_dim()} (size {size}) into "
+                    f"sizes {list(cut)}, which add up to {sum(cut)}; give sizes that sum to {size}"
+                )
+
+    def part_sizes(self, shape: Sequence[int]) -> tuple[int, ...] | None:
+        """The sizes the split dim is cut into, or None when nothing is cut."""
+        if self.split is not None:
+            return self.split
+        if self.heads is not None:
+            size = shape[self.stored_dim()]
+            if size % self.heads:
+                return (size // self.heads + 1,) * self.heads  # reported as not adding up by check()
+            return (size // self.heads,) * self.heads
+        return None
+
+    def boxes(self, shape: Sequence[int]) -> list[Box]:
+        """Each matrix as an index into the tensor, batch index first, then split part."""
+        shape = tuple(shape)
+        batch = [()] if self.batch_dims == 0 else _indices(shape[: self.batch_dims])
+        cut = self.part_sizes(shape)
+        if cut is None:
+            return [tuple(index) for index in batch]
+        rel = self.stored_dim() - self.batch_dims  # the split dim within each matrix
+        starts = [sum(cut[:k]) for k in range(len(cut))]
+        fill = (slice(None),) * rel
+        return [(*index, *fill, slice(a, a + s)) for index in batch for a, s in zip(starts, cut)]
+
+    def shapes(self, shape: Sequence[int]) -> list[tuple[int, ...]]:
+        """Each matrix's shape as the learning-rate factor reads it: ``(out, in, ...)``.
+
+        For "flatten" the tensor's own shape (so factors that read the raw shape keep doing so);
+        a transposed matrix reversed."""
+        shape = tuple(shape)
+        if self.is_flatten:
+            return [shape]
+        out = []
+        for box in self.boxes(shape):
+            piece = _box_shape(shape, box)
+            out.append(piece[::-1] if self.transposed else piece)
+        return out
+
+    def views(self, t: Tensor) -> list[Tensor]:
+        """Each matrix as a view of ``t`` (as stored), in :meth:`boxes` order: ``t[box]`` for each
+        box, made with one ``unbind`` and one ``split`` per batch element instead of an index op per
+        matrix (the per-step cost of a mapped gradient)."""
+        if self.is_flatten:
+            return [t]
+        b = self.batch_dims
+        if b == 0:
+            matrices = [t]
+        elif b == 1:
+            matrices = list(t.unbind(0))
+        else:
+            matrices = list(t.flatten(0, b - 1).unbind(0))
+        cut = self.part_sizes(t.shape)
+        if cut is None:
+            return matrices
+        rel = self.stored_dim() - b
+        return [part for m in matrices for part in m.split(cut, dim=rel)]
+
+    # ----- spec round trip ----------------------------------------------------------------
+    def plain(self) -> str | dict[str, Any]:
+        """This map as a spec (a string where a shorthand says it), for state dicts and messages."""
+        spec: dict[str, Any] = {}
+        if self.batch_dims:
+            spec["batch_dims"] = self.batch_dims
+        if self.split is not None:
+            spec["split"] = list(self.split)
+        if self.heads is not None:
+            spec["heads"] = self.heads
+        if self.dim:
+            spec["dim"] = self.dim
+        if self.transposed:
+            spec["transposed"] = True
+        for name, short in SHORTHANDS.items():
+            if spec == short:
+                return name
+        return spec
+
+
+FLATTEN = MatrixMap()
+
+
+def parse(spec: MatrixMapSpec) -> MatrixMap:
+    """A spec (``None``/"flatten", "experts", "transposed", a dict of :data:`KEYS`, or a
+    :class:`MatrixMap`) as a :class:`MatrixMap`; ``ValueError`` saying what is accepted otherwise."""
+    if isinstance(spec, MatrixMap):
+        return spec
+    if spec is None:
+        return FLATTEN
+    if isinstance(spec, str):
+        if spec not in SHORTHANDS:
+            raise ValueError(
+                f"unknown matrix map {spec!r}; choose one of {sorted(SHORTHANDS)} or a dict with keys {KEYS}"
+            )
+        return _parse_items(tuple(SHORTHANDS[spec].items()))
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(KEYS), key=str)
+        if unknown:
+            raise ValueError(f"matrix map {spec!r} has unknown key(s) {unknown}; the keys are {KEYS}")
+        items = tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in sorted(spec.items()))
+        try:
+            return _parse_items(items)
+        except TypeError:  # an unhashable value (a tensor, a dict): report it as a bad value
+            return _parse_items_uncached(items)
+    raise ValueError(
+        f"a matrix map is a string ({sorted(SHORTHANDS)}) or a dict with keys {KEYS}, "
+        f"got {type(spec).__name__}"
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_items(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
+    return _parse_items_uncached(items)
+
+
+def _parse_items_uncached(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
+    spec = dict(items)
+    batch_dims = spec.get("batch_dims", 0)
+    if not _is_int(batch_dims) or batch_dims < 0:
+        raise ValueError(f"batch_dims of a matrix map must be an int >= 0, got {batch_dims!r}")
+    split, heads = spec.get("split"), spec.get("heads")
+    if split is not None and heads is not None:
+        raise ValueError("a matrix map takes 'split' (sizes) or 'heads' (a count), not both")
+    if split is not None:
+        if not isinstance(split, tuple) or not split or not all(_is_int(s) and s > 0 for s in split):
+            raise ValueError(f"split of a matrix map must be a list of positive ints, got {split!r}")
+        split = tuple(int(s) for s in split)
+    if heads is not None and (not _is_int(heads) or heads < 1):
+        raise ValueError(f"heads of a matrix map must be an int >= 1, got {heads!r}")
+    dim = spec.get("dim", 0)
+    if dim not in (0, 1) or isinstance(dim, bool):
+        raise ValueError(f"dim of a matrix map must be 0 (output dim) or 1 (input dim), got {dim!r}")
+    if "dim" in spec and split is None and heads is None:
+        raise ValueError("'dim' of a matrix map says which dim 'split' or 'heads' cuts; give one of them")
+    transposed = spec.get("transposed", False)
+    if not isinstance(transposed, bool):
+        raise ValueError(f"transposed of a matrix map must be True or False, got {transposed!r}")
+    return MatrixMap(int(batch_dims), split, None if heads is None else int(heads), dim, transposed)
+
+
+def maps_of(spec: MatrixMapSpec | list, count: int) -> list[MatrixMap]:
+    """A group's ``matrices`` entry as one map per parameter (a list must have one per parameter)."""
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != count:
+            raise ValueError(
+                f"matrices holds {len(spec)} maps but the group has {count} parameters; give one map "
+                "(for all of them) or a list with one per parameter"
+            )
+        return [parse(s) for s in spec]
+    one = parse(spec)
+    return [one] * count
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
+    """Every index into ``shape``, in row-major order."""
+    out: list[tuple[int, ...]] = [()]
+    for size in shape:
+        out = [(*index, k) for index in out for k in range(size)]
+    return out
+
+
+def _box_shape(shape: tuple[int, ...], box: Box) -> tuple[int, ...]:
+    """The shape of ``t[box]`` for a tensor of ``shape``."""
+    dims: list[int] = []
+    for d, size in enumerate(shape):
+        if d >= len(box):
+            dims.append(size)
+        elif isinstance(box[d], slice):
+            dims.append(len(range(*box[d].indices(size))))
+    return tuple(dims)
+
+
+def count(shape: Sequence[int], m: MatrixMap) -> int:
+    """How many matrices ``m`` makes of a tensor of ``shape``."""
+    batch = math.prod(shape[: m.batch_dims])
+    cut = m.part_sizes(shape)
+    return batch * (1 if cut is None else len(cut))
