@@ -22,6 +22,7 @@ from .distributed import is_dtensor
 from .distributed import local_shard as _local
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .inflight import InFlight
+from .matrices import MatrixMap, maps_of
 from .matrix_update import batch_order
 from .newton_schulz import HOST_READS
 from .nonfinite import (
@@ -45,6 +46,15 @@ _PLAN_CACHE_SIZE = 4
 _is_none = functools.partial(operator.is_, None)
 _is_sparse = operator.attrgetter("is_sparse")
 _grad_of = operator.attrgetter("grad")
+
+
+def _engine_key(p: Any, config: NSConfig) -> Hashable:
+    """What an engine depends on for one matrix: its layout, dtype, device and NS settings
+    (a sharded matrix: its description, see distributed.py)."""
+    if isinstance(p, Tensor):
+        return (p.shape, p.stride(), p.dtype, p.device, config)
+    return (p, config)
+
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -223,6 +233,47 @@ class MatrixOptimizer(Optimizer):
             self._ns_config(group)
         except ValueError as e:
             raise ValueError(f"{e} (in {where})") from None
+
+    def _is_matrix(self, group: dict[str, Any], p: Tensor) -> bool:
+        """Whether ``p`` in ``group`` is orthogonalised (else updated elementwise)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _matrix_maps(group: dict[str, Any]) -> list[MatrixMap]:
+        """How each parameter of ``group`` maps to matrices (see :mod:`fastmuon.matrices`)."""
+        return maps_of(group.get("matrices"), len(group["params"]))
+
+    def _check_matrix_maps(self, group: dict[str, Any], where: str) -> None:
+        """The group's matrix maps parse and fit the shapes of the parameters they apply to."""
+        try:
+            maps = self._matrix_maps(group)
+        except ValueError as e:
+            raise ValueError(f"{e} (matrices in {where})") from None
+        for j, (p, m) in enumerate(zip(group["params"], maps)):
+            if m.is_flatten or not self._is_matrix(group, p):
+                continue
+            try:
+                m.check(p.shape)
+            except ValueError as e:
+                raise ValueError(f"{self._param_name(group, j)} in {where}: {e}") from None
+
+    def _matrix_pieces(
+        self, m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor
+    ) -> list[tuple[Tensor, Tensor, Tensor, tuple[int, ...], Any, int]]:
+        """The matrices ``p`` is orthogonalised as: ``(param, grad, buffer, shape, split, piece)``
+        each, views of the tensors; ``shape`` as the learning-rate factor reads it, ``split`` the
+        step's way from a gradient of ``p`` to the pieces' (None: ``p`` is one matrix)."""
+        if m.is_flatten:
+            return [(p, grad, buf, tuple(p.shape), None, 0)]
+        if is_dtensor(p):
+            from .distributed import sharded_pieces
+
+            return sharded_pieces(self, m, p, grad, buf)
+        split = m.views
+        return [
+            (*views, shape, split, k)
+            for k, (*views, shape) in enumerate(zip(split(p), split(grad), split(buf), m.shapes(p.shape)))
+        ]
 
     @staticmethod
     def _ns_config(group: dict[str, Any]) -> NSConfig:
@@ -501,10 +552,7 @@ class MatrixOptimizer(Optimizer):
         """The cached engine for these matrices in this order (built on first sight)."""
         policy = self.policy
         keyed = [self._global_param(p) for p in params] if self._global_of else params
-        key = (
-            policy,
-            tuple((id(p), p.shape, p.stride(), p.dtype, p.device, c) for p, c in zip(keyed, configs)),
-        )
+        key = (policy, tuple(map(_engine_key, keyed, configs)))
         engine = self._plans.get(key)
         if engine is None:
             engine = self._build(params, configs, policy)

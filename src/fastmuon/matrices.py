@@ -177,11 +177,11 @@ def parse(spec: MatrixMapSpec) -> MatrixMap:
     if spec is None:
         return FLATTEN
     if isinstance(spec, str):
-        if spec not in SHORTHANDS:
+        if spec not in SHORTHAND_MAPS:
             raise ValueError(
                 f"unknown matrix map {spec!r}; choose one of {sorted(SHORTHANDS)} or a dict with keys {KEYS}"
             )
-        return _parse_items(tuple(SHORTHANDS[spec].items()))
+        return SHORTHAND_MAPS[spec]
     if isinstance(spec, dict):
         unknown = sorted(set(spec) - set(KEYS), key=str)
         if unknown:
@@ -238,6 +238,21 @@ def maps_of(spec: MatrixMapSpec | list, count: int) -> list[MatrixMap]:
         return [parse(s) for s in spec]
     one = parse(spec)
     return [one] * count
+
+
+SHORTHAND_MAPS = {name: _parse_items_uncached(tuple(spec.items())) for name, spec in SHORTHANDS.items()}
+
+
+def maps_key(spec: Any) -> Any:
+    """A hashable stand-in for a group's ``matrices`` entry (read every step: a string, the
+    usual case, is its own key)."""
+    if isinstance(spec, (str, type(None), MatrixMap)):
+        return spec
+    if isinstance(spec, dict):
+        return tuple(sorted((k, maps_key(v)) for k, v in spec.items()))
+    if isinstance(spec, (list, tuple)):
+        return tuple(maps_key(v) for v in spec)
+    return spec
 
 
 def _is_int(value: Any) -> bool:

@@ -35,6 +35,10 @@ class MatrixItem:
     group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
     index: int = 0  # its position among the step's parameters with gradients
     factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
+    # for one of several matrices in a tensor (see fastmuon.matrices): how a step's gradient of
+    # the tensor splits into its matrices' gradients, and which of them this one is
+    split: Callable[[Tensor], list[Tensor]] | None = None
+    piece: int = 0
 
 
 def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
@@ -94,6 +98,22 @@ class MatrixProgram:
         self.configs = [i.config for i in ordered]
         self.dtypes = [p.dtype for p in self.params]
         self.keep_positions = tuple(i.index for i in ordered)  # among the step's gradients
+        # tensors holding several matrices: their gradients split into the matrices' ones each
+        # step, placed before the step's gradients in the list the parts pick from
+        # (every piece a split returns has an item: the items were made from the same split)
+        splits: dict[int, Callable[[Tensor], list[Tensor]]] = {}
+        pieces: dict[int, int] = {}
+        for i in ordered:
+            if i.split is not None:
+                splits.setdefault(i.index, i.split)
+                pieces[i.index] = max(pieces.get(i.index, 0), i.piece + 1)
+        self.splits = list(splits.items())
+        starts, count = {}, 0
+        for index, _ in self.splits:
+            starts[index], count = count, count + pieces[index]
+        position = {
+            id(i): starts[i.index] + i.piece if i.split is not None else count + i.index for i in ordered
+        }
         # the plan's executor, and where it reads each source from (momentum is written there)
         self.engine = engine_for(self.params, self.configs) if engine_for is not None and ordered else None
         views = getattr(self.engine, "input_views", None)
@@ -102,7 +122,9 @@ class MatrixProgram:
         start = 0
         for part in parts:
             out = inputs[start : start + len(part)] if inputs is not None else None
-            self.parts.append(([i.buf for i in part], Gather([i.index for i in part]), part[0].group, out))
+            self.parts.append(
+                ([i.buf for i in part], Gather([position[id(i)] for i in part]), part[0].group, out)
+            )
             start += len(part)
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
@@ -119,6 +141,8 @@ class MatrixProgram:
     def run(self, grads: Sequence[Tensor], scalars: MatrixScalars, ns: RunNS, keep: Tensor | None) -> None:
         if not self.items:
             return
+        if self.splits:
+            grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
         for bufs, pick, g, out in self.parts:

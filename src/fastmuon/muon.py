@@ -2,7 +2,8 @@
 
 The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay,
 "original", "match_rms_adamw" or "spectral_unclamped" learning-rate adjustment), extended to >2D weights (flattened
-to ``(out, everything else)``) and to non-matrix parameters, which AdamW updates.
+to ``(out, everything else)``, or mapped to several matrices: see :mod:`fastmuon.matrices`)
+and to non-matrix parameters, which AdamW updates.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.optim.optimizer import ParamsT
 from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative, state_buffer
 from .adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
 from .checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA
+from .matrices import MatrixMapSpec, maps_key
 from .matrix_update import MatrixItem, MatrixProgram, MatrixScalars, single_tensor_matrix_update
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
@@ -54,6 +56,8 @@ class Muon(MatrixOptimizer):
             "spectral_unclamped" (torch's modes), or "ultralytics", "none".
         ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
         ns_method: "auto", "standard", "gram" or "eigh" (as in :class:`~fastmuon.MuSGD`).
+        matrices: how each tensor maps to matrices: "flatten", "experts", "transposed" or a dict
+            (see :mod:`fastmuon.matrices`); per group, or a list with one per parameter.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         betas: AdamW's ``(β1, β2)``, default (0.9, 0.95).
         adamw_lr: AdamW's learning rate in ``use_muon=False`` groups that do not set their own
@@ -93,6 +97,7 @@ class Muon(MatrixOptimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         ns_method: str = "auto",
+        matrices: MatrixMapSpec | list = "flatten",
         policy: str = "auto",
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
@@ -116,6 +121,7 @@ class Muon(MatrixOptimizer):
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
             ns_method=ns_method,
+            matrices=matrices,
             betas=betas,
             adamw_eps=adamw_eps,
         )
@@ -161,6 +167,11 @@ class Muon(MatrixOptimizer):
                         f"{p.ndim} dim(s); Muon orthogonalises matrices only: move it to a group "
                         "with use_muon=False (AdamW)"
                     )
+        self._check_matrix_maps(group, where)
+
+    def _is_matrix(self, group: dict[str, Any], p: Tensor) -> bool:
+        use_muon = group.get("use_muon")
+        return (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0
 
     @staticmethod
     def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
@@ -186,6 +197,7 @@ class Muon(MatrixOptimizer):
             config = self._ns_config(group)
             adjust = group["adjust_lr_fn"] or "original"
             adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
+            maps = self._matrix_maps(group)
             for j, p in enumerate(group["params"]):
                 grad = grads[flat]
                 flat += 1
@@ -194,23 +206,29 @@ class Muon(MatrixOptimizer):
                 index, live = live, live + 1
                 self._check_grad(group, j, grad)
                 state = self.state[p]
-                if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
-                    factor = lr_scale(adjust, p.shape)
-                    matrices.append(
-                        MatrixItem(
-                            p,
-                            grad,
-                            state_buffer(state, "momentum_buffer", p),
-                            group["momentum"],
-                            group["nesterov"],
-                            lr * factor,
-                            config,
-                            decay=1 - lr * wd,
-                            group=gi,
-                            index=index,
-                            factor=factor,
+                if self._is_matrix(group, p):
+                    buf = state_buffer(state, "momentum_buffer", p)
+                    for view, grad_view, buf_view, shape, split, piece in self._matrix_pieces(
+                        maps[j], p, grad, buf
+                    ):
+                        factor = lr_scale(adjust, shape)
+                        matrices.append(
+                            MatrixItem(
+                                view,
+                                grad_view,
+                                buf_view,
+                                group["momentum"],
+                                group["nesterov"],
+                                lr * factor,
+                                config,
+                                decay=1 - lr * wd,
+                                group=gi,
+                                index=index,
+                                factor=factor,
+                                split=split,
+                                piece=piece,
+                            )
                         )
-                    )
                 elif use_muon is not True:
                     exp_avg, exp_avg_sq, step = adamw_state(state, p, self.capturable)
                     others.append(
@@ -239,7 +257,10 @@ class Muon(MatrixOptimizer):
         decay = [1 - r * w for r, w in zip(lr, wd)]
         betas = [tuple(g["betas"]) for g in groups]
         eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]
-        structure = tuple((g.get("use_muon"), g["adjust_lr_fn"], self._ns_config(g)) for g in groups)
+        structure = tuple(
+            (g.get("use_muon"), g["adjust_lr_fn"], self._ns_config(g), maps_key(g.get("matrices")))
+            for g in groups
+        )
         pattern = (
             classes(beta),
             classes(nesterov),

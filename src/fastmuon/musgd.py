@@ -16,6 +16,7 @@ from torch.optim.optimizer import ParamsT
 
 from ._base import ArgumentTypeError, MatrixOptimizer, check_foreach, check_nonnegative, state_buffer
 from .checkpoint import EMA, HEAVY_BALL
+from .matrices import MatrixMapSpec, maps_key
 from .matrix_update import (
     MatrixItem,
     MatrixProgram,
@@ -80,6 +81,9 @@ class MuSGD(MatrixOptimizer):
             fp32 buckets; on CPUs, where bf16 NS runs in fp32, the eigendecomposition route where
             it costs less, e.g. from 256 rows on 1 thread; see planner.choose_method),
             "standard", "gram", "eigh".
+        matrices: how each tensor maps to the matrices NS orthogonalises: "flatten" (conv
+            kernels, linear weights), "experts", "transposed" or a dict (see
+            :mod:`fastmuon.matrices`); per group, or a list with one per parameter.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw",
             "spectral_unclamped", "none".
@@ -121,6 +125,7 @@ class MuSGD(MatrixOptimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
         ns_method: str = "auto",
+        matrices: MatrixMapSpec | list = "flatten",
         policy: str = "auto",
         adjust_lr: str = "ultralytics",
         foreach: bool | None = None,
@@ -143,6 +148,7 @@ class MuSGD(MatrixOptimizer):
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
             ns_method=ns_method,
+            matrices=matrices,
             eps=eps,
             adjust_lr=adjust_lr,
         )
@@ -193,6 +199,10 @@ class MuSGD(MatrixOptimizer):
             raise ValueError(
                 f"unknown adjust_lr {group['adjust_lr']!r} in {where}; choose one of {ADJUST_LR}"
             )
+        self._check_matrix_maps(group, where)
+
+    def _is_matrix(self, group: dict[str, Any], p: Tensor) -> bool:
+        return group["use_muon"] and p.ndim >= 2 and p.numel() > 0
 
     @staticmethod
     def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
@@ -215,6 +225,7 @@ class MuSGD(MatrixOptimizer):
             lr, beta, nesterov = self._lr_value(group["lr"]), group["momentum"], group["nesterov"]
             muon_group = group["use_muon"]
             config = self._ns_config(group)
+            maps = self._matrix_maps(group)
             for j, p in enumerate(group["params"]):
                 grad = grads[flat]
                 flat += 1
@@ -223,22 +234,28 @@ class MuSGD(MatrixOptimizer):
                 index, live = live, live + 1
                 self._check_grad(group, j, grad)
                 state = self.state[p]
-                if muon_group and p.ndim >= 2 and p.numel() > 0:
-                    factor = lr_scale(group["adjust_lr"], p.shape)
-                    matrices.append(
-                        MatrixItem(
-                            p,
-                            grad,
-                            state_buffer(state, "momentum_buffer", p),
-                            beta,
-                            nesterov,
-                            lr * group["muon"] * factor,
-                            config,
-                            group=gi,
-                            index=index,
-                            factor=factor,
+                if self._is_matrix(group, p):
+                    buf = state_buffer(state, "momentum_buffer", p)
+                    for view, grad_view, buf_view, shape, split, piece in self._matrix_pieces(
+                        maps[j], p, grad, buf
+                    ):
+                        factor = lr_scale(group["adjust_lr"], shape)
+                        matrices.append(
+                            MatrixItem(
+                                view,
+                                grad_view,
+                                buf_view,
+                                beta,
+                                nesterov,
+                                lr * group["muon"] * factor,
+                                config,
+                                group=gi,
+                                index=index,
+                                factor=factor,
+                                split=split,
+                                piece=piece,
+                            )
                         )
-                    )
                 key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
                 elementwise.append(
                     SGDItem(
@@ -265,7 +282,10 @@ class MuSGD(MatrixOptimizer):
         base = [r * g["muon"] for r, g in zip(lr, groups)]
         lr_sgd = [r * g["sgd"] for r, g in zip(lr, groups)]
         lr_plain = [r * 1.0 for r in lr]
-        structure = tuple((g.get("use_muon"), g["adjust_lr"], self._ns_config(g)) for g in groups)
+        structure = tuple(
+            (g.get("use_muon"), g["adjust_lr"], self._ns_config(g), maps_key(g.get("matrices")))
+            for g in groups
+        )
         pattern = (
             classes(beta),
             classes(nesterov),
