@@ -240,9 +240,6 @@ def maps_of(spec: MatrixMapSpec | list, count: int) -> list[MatrixMap]:
     return [one] * count
 
 
-SHORTHAND_MAPS = {name: _parse_items_uncached(tuple(spec.items())) for name, spec in SHORTHANDS.items()}
-
-
 def maps_key(spec: Any) -> Any:
     """A hashable stand-in for a group's ``matrices`` entry (read every step: a string, the
     usual case, is its own key)."""
@@ -283,3 +280,7 @@ def count(shape: Sequence[int], m: MatrixMap) -> int:
     batch = math.prod(shape[: m.batch_dims])
     cut = m.part_sizes(shape)
     return batch * (1 if cut is None else len(cut))
+
+
+#: The shorthands parsed once (a string spec, the usual case, costs a dict lookup).
+SHORTHAND_MAPS = {name: _parse_items_uncached(tuple(spec.items())) for name, spec in SHORTHANDS.items()}
