@@ -570,6 +570,10 @@ class MatrixOptimizer(Optimizer):
             from .distributed import build_distributed
 
             return build_distributed(self, params, configs, policy)
+        return self._build_local(params, configs, policy)
+
+    def _build_local(self, params, configs, policy) -> Orthogonalizer:
+        """The engine for matrices this process orthogonalises alone."""
         layouts = [TensorLayout.of(p) for p in params]
         specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
         cost_model = self.cost_model

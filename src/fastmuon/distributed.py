@@ -23,6 +23,7 @@ between steps: nothing a collective touched is freed by the process group's own 
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import sys
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .inflight import InFlight
+from .matrices import Box, MatrixMap, box_shape
 from .planner import CostModel, Member, Plan, plan_buckets
 
 if TYPE_CHECKING:
@@ -271,6 +273,7 @@ class ShardedOrthogonalizer:
         configs: dict[Hashable, NSConfig],
         group: dist.ProcessGroup,
         compile: bool = False,
+        rows: Sequence[Sequence[int]] | None = None,
     ):
         self.plan, self.shapes, self.group = plan, [tuple(s) for s in shapes], group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -284,7 +287,11 @@ class ShardedOrthogonalizer:
             self._engines[dtype] = Orthogonalizer(
                 local_plan, [layouts[i] for i in index], configs, compile=compile
             )
-        self._rows = [shard_rows(s[0], self.world) for s in self.shapes]
+        # rows of each matrix each rank holds: Shard(0)'s chunks of a whole parameter, or given
+        # (a matrix cut out of a parameter, see ShardedMatrix)
+        self._rows = (
+            [shard_rows(s[0], self.world) for s in self.shapes] if rows is None else [list(r) for r in rows]
+        )
         self._cols = [math.prod(s[1:]) for s in self.shapes]
         self._row_starts = [[sum(rows[:r]) for r in range(self.world)] for rows in self._rows]
         # per NS dtype: the matrices each rank owns, in unit and slot order
@@ -379,15 +386,16 @@ class ShardedOrthogonalizer:
         return list(self._buffers.values()) + [t for e in self._engines.values() for t in e.workspaces()]
 
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
-        """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes."""
+        """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes
+        (and equal rows per rank)."""
         chunks = list(recv.split(recv_sizes))
         offsets = [0] * self.world
         full: list[Tensor] = []
         k = 0
         while k < len(owned):
-            shape = self.shapes[owned[k]]
+            shape, held = self.shapes[owned[k]], self._rows[owned[k]]
             end = k
-            while end < len(owned) and self.shapes[owned[end]] == shape:
+            while end < len(owned) and self.shapes[owned[end]] == shape and self._rows[owned[end]] == held:
                 end += 1
             count, rows, cols = end - k, self._rows[owned[k]], self._cols[owned[k]]
             blocks = []
@@ -401,29 +409,180 @@ class ShardedOrthogonalizer:
         return full
 
 
+# ----- matrices cut out of FSDP2 parameters (see fastmuon.matrices) ---------------------------
+@dataclass(frozen=True)
+class ShardedMatrix:
+    """One matrix of an FSDP2 (``Shard(0)``) parameter: its whole shape as stored (rows first)
+    and how many of its rows each rank holds.
+
+    A matrix held by one rank is orthogonalised there, with no exchange at all: an expert of a
+    stack sharded on its expert dim, a fused projection's part that falls inside one shard, a
+    ``[1, N]`` weight. One spread over ranks goes through :class:`ShardedOrthogonalizer`.
+    """
+
+    shape: tuple[int, ...]
+    rows: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def spread(self) -> bool:
+        return sum(1 for n in self.rows if n) >= 2
+
+    @classmethod
+    def of(cls, whole: Any, local: Tensor, world: int) -> ShardedMatrix:
+        """A whole ``Shard(0)`` DTensor parameter as one matrix (``local``: this rank's shard)."""
+        shape = tuple(whole.shape)
+        return cls(shape, tuple(shard_rows(shape[0], world)), local.dtype, local.device)
+
+
+def sharded_pieces(opt: MatrixOptimizer, m: MatrixMap, p: Any, grad: Any, buf: Any) -> list[tuple]:
+    """The matrices of FSDP2 parameter ``p`` under map ``m`` that this rank takes part in, as
+    views of its local shards (see ``MatrixOptimizer._matrix_pieces``).
+
+    Each piece is a box of the whole tensor; its rows on a rank are the box's overlap with the
+    rank's ``Shard(0)`` chunk. A piece with rows here, or spread over several ranks (then it is
+    exchanged, and every rank must take part, maybe with no rows), is kept; one held whole by
+    another rank is that rank's alone. Every rank computes every box from the global shape, so
+    all agree on which pieces are exchanged.
+    """
+    from torch.distributed.tensor import Shard
+
+    for t in (p, grad):
+        if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+            raise ValueError(
+                f"a DTensor of shape {tuple(p.shape)} has placements {tuple(t.placements)} on a "
+                f"{t.device_mesh.ndim}-D mesh; {type(opt).__name__} orthogonalises the matrices of "
+                "FSDP2's Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP; "
+                "gradients sharded like their parameters)"
+            )
+    mesh = p.device_mesh
+    world, rank = mesh.size(), mesh.get_local_rank()
+    shape = tuple(p.shape)
+    counts = shard_rows(shape[0], world)
+    starts = [sum(counts[:r]) for r in range(world)]
+    lo, hi = starts[rank], starts[rank] + counts[rank]
+    local = [t.to_local() for t in (p, grad, buf)]
+    boxes: list[Box] = []
+    pieces = []
+    for box, factor_shape in zip(m.boxes(shape), m.shapes(shape)):
+        first = box[0] if box else slice(None)
+        whole = box_shape(shape, box)
+        if isinstance(first, int):  # a batch index: the matrix lies in one rank's chunk
+            rows = tuple(whole[0] if s <= first < s + n else 0 for s, n in zip(starts, counts))
+            here: int | slice = first - lo
+        else:
+            a, b, _ = first.indices(shape[0])
+            rows = tuple(max(0, min(b, s + n) - max(a, s)) for s, n in zip(starts, counts))
+            start = min(max(a, lo), hi)
+            here = slice(start - lo, max(min(b, hi), start) - lo)
+        matrix = ShardedMatrix(whole, rows, local[0].dtype, local[0].device)
+        if not (rows[rank] or matrix.spread):
+            continue
+        local_box = (here, *box[1:])
+        views = [t[local_box] for t in local]
+        opt._global_of[id(views[0])] = matrix
+        boxes.append(local_box)
+        pieces.append((*views, factor_shape))
+    split = functools.partial(_cut, tuple(boxes))
+    return [(pv, gv, bv, factor_shape, split, k) for k, (pv, gv, bv, factor_shape) in enumerate(pieces)]
+
+
+def _cut(boxes: tuple[Box, ...], t: Tensor) -> list[Tensor]:
+    """A step's local gradient shard cut into this rank's pieces (see :func:`sharded_pieces`)."""
+    if is_dtensor(t):
+        t = t.to_local()
+    return [t[box] for box in boxes]
+
+
+class SplitShardedOrthogonalizer:
+    """FSDP2 matrices by where they live: spread ones through the exchange, ones held whole by
+    this rank through a local engine, ones held by another rank not at all (no rows here)."""
+
+    def __init__(self, exchanged, exchanged_index: list[int], local, local_index: list[int], count: int):
+        self.exchanged, self.local = exchanged, local
+        self.exchanged_index, self.local_index = exchanged_index, local_index
+        self.count = count
+        self.plan = exchanged.plan if exchanged is not None else local.plan if local is not None else None
+        self.stats = exchanged.stats if exchanged is not None else CommStats()
+
+    @property
+    def profile(self) -> bool:
+        return self.exchanged is not None and self.exchanged.profile
+
+    @profile.setter
+    def profile(self, value: bool) -> None:
+        if self.exchanged is not None:
+            self.exchanged.profile = value
+
+    def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
+        results: list[Tensor | None] = [None] * self.count
+        for engine, index in ((self.exchanged, self.exchanged_index), (self.local, self.local_index)):
+            if engine is None:
+                continue
+            outs = engine([sources[i] for i in index], [out_dtypes[i] for i in index])
+            for i, out in zip(index, outs):
+                results[i] = out
+        if self.exchanged is not None:
+            self.stats = self.exchanged.stats
+        for i, r in enumerate(results):
+            if r is None:  # held by another rank: no rows here
+                results[i] = sources[i].new_empty(sources[i].shape, dtype=out_dtypes[i])
+        return results  # type: ignore[return-value]
+
+    def workspaces(self) -> list[Tensor]:
+        return [t for e in (self.exchanged, self.local) if e is not None for t in e.workspaces()]
+
+
 # ----- the optimizer side: building, agreeing, localising ------------------------------------
 def build_distributed(
     opt: MatrixOptimizer, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str
 ):
-    """The orthogonalizer for a step's matrices: sharded if they are DTensors, else replicated."""
-    sharded = [is_dtensor(opt._global_param(p)) for p in params]
+    """The orthogonalizer for a step's matrices: sharded if they are DTensors (or matrices cut
+    out of DTensors), else replicated."""
+    globals_ = [opt._global_param(p) for p in params]
+    sharded = [is_dtensor(g) or isinstance(g, ShardedMatrix) for g in globals_]
     if any(sharded) and not all(sharded):
         raise ValueError(
             "some matrix parameters are FSDP2 DTensors and some are plain tensors; "
             f"{type(opt).__name__} needs all of them sharded (apply fully_shard to the root module too)"
         )
     if all(sharded) and params:
-        globals_ = [opt._global_param(p) for p in params]
-        group = _mesh_group(opt, globals_)
-        shapes = [tuple(g.shape) for g in globals_]
-        # the planner sees each matrix whole; its device and dtype are the local shard's
-        specs = [
-            matrix_spec(torch.empty(0, dtype=p.dtype, device=p.device), c, _contiguous_layout(shape))
-            for p, c, shape in zip(params, configs, shapes)
+        group = _mesh_group(opt)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        matrices = [
+            g if isinstance(g, ShardedMatrix) else ShardedMatrix.of(g, p, world)
+            for g, p in zip(globals_, params)
         ]
-        plan = _plan(opt, specs, configs, policy, group)
-        configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
-        return ShardedOrthogonalizer(plan, shapes, configs_by_key, group, compile=opt.compile)
+        spread = [i for i, m in enumerate(matrices) if m.spread]
+        mine = [i for i, m in enumerate(matrices) if not m.spread and m.rows[rank]]
+        exchanged = None
+        if spread:  # the same list on every rank: computed from global shapes alone
+            # the planner sees each matrix whole; its device and dtype are the local shard's
+            specs = [
+                matrix_spec(
+                    torch.empty(0, dtype=params[i].dtype, device=params[i].device),
+                    configs[i],
+                    _contiguous_layout(matrices[i].shape),
+                )
+                for i in spread
+            ]
+            plan = _plan(opt, specs, [configs[i] for i in spread], policy, group)
+            configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
+            exchanged = ShardedOrthogonalizer(
+                plan,
+                [matrices[i].shape for i in spread],
+                configs_by_key,
+                group,
+                compile=opt.compile,
+                rows=[matrices[i].rows for i in spread],
+            )
+            if len(spread) == len(params):
+                return exchanged
+        local = (
+            opt._build_local([params[i] for i in mine], [configs[i] for i in mine], policy) if mine else None
+        )
+        return SplitShardedOrthogonalizer(exchanged, spread, local, mine, len(params))
     layouts = [TensorLayout.of(p) for p in params]
     specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = _plan(opt, specs, configs, policy, opt.process_group)
@@ -472,14 +631,16 @@ def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: tor
     return pickle.loads(bytes(payload.tolist()))
 
 
-def _mesh_group(opt: MatrixOptimizer, dtensors: Sequence[Any]) -> dist.ProcessGroup:
+def _mesh_group(opt: MatrixOptimizer) -> dist.ProcessGroup:
+    """The process group of the mesh every sharded parameter lives on (checked: Shard(0), 1-D)."""
     from torch.distributed.tensor import Shard
 
-    mesh = dtensors[0].device_mesh
+    mesh = None
     for group in opt.param_groups:
         for j, p in enumerate(group["params"]):
             if not is_dtensor(p):
                 continue
+            mesh = p.device_mesh if mesh is None else mesh
             if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
                 raise ValueError(
                     f"{opt._param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
@@ -491,6 +652,7 @@ def _mesh_group(opt: MatrixOptimizer, dtensors: Sequence[Any]) -> dist.ProcessGr
                     f"{opt._param_name(group, j)} lives on another device mesh than the first "
                     "sharded parameter; shard all parameters over one mesh"
                 )
+    assert mesh is not None, "no sharded parameter"
     return mesh.get_group()
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .compute import compute_dtype, wider_dtype
 from .layout import memory_order
+from .matrices import MatrixMap, MatrixMapSpec, maps_of
 from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
 from .nonfinite import zero_rejected_
 from .planner import (
@@ -563,6 +564,16 @@ def compiled_kernel(method: str):
     return torch.compile(METHODS[method], fullgraph=True, dynamic=False)
 
 
+def _assemble(t: Tensor, m: MatrixMap, results: Sequence[Tensor], start: int, dtype: torch.dtype) -> Tensor:
+    """``t``'s orthogonalised matrices (``results[start:]``, in ``m``'s order) as one tensor."""
+    if m.is_flatten:
+        return results[start]
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    for k, box in enumerate(m.boxes(t.shape)):
+        out[box] = results[start + k]
+    return out
+
+
 def _memory_flat(t: Tensor, layout: TensorLayout) -> Tensor:
     """``t``'s elements in the planned layout's memory order, as a 1-D tensor (a view when ``t``
     has the planned strides; a contiguous one takes one view op, not two)."""
@@ -626,10 +637,14 @@ def orthogonalize(
     max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
     cost_model: CostModel | None = None,
     method: str = "auto",
+    matrices: MatrixMapSpec | list = None,
 ) -> list[Tensor]:
     """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
 
-    Each tensor is treated as the matrix ``t.flatten(1)``. ``method`` picks the NS formulation
+    Each tensor is treated as the matrix ``t.flatten(1)``, or as the matrices its ``matrices``
+    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.matrices`):
+    an expert stack ``(E, out, in)`` with ``"experts"`` is E matrices, each orthogonalised alone,
+    all of them batched by the planner like any others. ``method`` picks the NS formulation
     ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
     cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
     less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
@@ -637,11 +652,33 @@ def orthogonalize(
     buffers; this function plans afresh each call.
     """
     tensors = list(tensors)
-    for i, t in enumerate(tensors):
+    maps = maps_of(matrices, len(tensors))
+    for i, (t, m) in enumerate(zip(tensors, maps)):
         if t.ndim < 2:
             raise ValueError(f"tensor {i} has shape {tuple(t.shape)}; orthogonalize needs >=2D tensors")
         if t.is_complex():
             raise ValueError(f"tensor {i} is complex; only real tensors can be orthogonalised")
+        try:
+            m.check(t.shape)
+        except ValueError as e:
+            raise ValueError(f"tensor {i} (shape {tuple(t.shape)}): {e}") from None
+    if any(not m.is_flatten for m in maps):
+        pieces = [m.views(t) for t, m in zip(tensors, maps)]
+        flat = orthogonalize(
+            [v for vs in pieces for v in vs],
+            steps,
+            coefficients,
+            eps,
+            dtype,
+            policy,
+            max_bucket_bytes,
+            cost_model,
+            method,
+        )
+        return [
+            _assemble(t, m, flat, sum(map(len, pieces[:i])), dtype)
+            for i, (t, m) in enumerate(zip(tensors, maps))
+        ]
     config = NSConfig.make(steps, coefficients, eps, dtype, method)
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     layouts = [TensorLayout.of(tensors[i]) for i in live]

@@ -123,7 +123,7 @@ class MatrixMap:
             return [shape]
         out = []
         for box in self.boxes(shape):
-            piece = _box_shape(shape, box)
+            piece = box_shape(shape, box)
             out.append(piece[::-1] if self.transposed else piece)
         return out
 
@@ -264,7 +264,7 @@ def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
     return out
 
 
-def _box_shape(shape: tuple[int, ...], box: Box) -> tuple[int, ...]:
+def box_shape(shape: tuple[int, ...], box: Box) -> tuple[int, ...]:
     """The shape of ``t[box]`` for a tensor of ``shape``."""
     dims: list[int] = []
     for d, size in enumerate(shape):

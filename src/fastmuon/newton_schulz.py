@@ -16,6 +16,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from .matrices import MatrixMapSpec, parse
+
 Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]
 
@@ -102,8 +104,13 @@ def newton_schulz(
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
     method: str = "standard",
+    matrices: MatrixMapSpec = None,
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
+
+    With a ``matrices`` map (see :mod:`fastmuon.matrices`) ``X`` may be any tensor of two or more
+    dims, orthogonalised as the matrices the map makes of it, one call each (for many of them
+    :func:`fastmuon.orthogonalize` batches).
 
     Every matrix is first divided by its own Frobenius norm (+ ``eps``; computed so that huge
     or tiny matrices neither overflow nor underflow) so that its spectral norm is at most 1,
@@ -113,6 +120,15 @@ def newton_schulz(
     ``method="gram"`` runs the same iteration in Gram space (see :func:`_iterate_gram`), and
     ``"eigh"`` evaluates it through an eigendecomposition of the Gram matrix (:func:`_iterate_eigh`).
     """
+    if matrices is not None:
+        m = parse(matrices)
+        m.check(X.shape)
+        out = torch.empty(X.shape, dtype=dtype, device=X.device)
+        for box, piece in zip(m.boxes(X.shape), m.views(X)):
+            out[box] = newton_schulz(
+                piece.reshape(piece.shape[0], -1), steps, coefficients, eps, dtype, method
+            ).view(piece.shape)
+        return out
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a matrix (m, n) or a batch (b, m, n), got {X.ndim}D")
     if X.is_complex():
