@@ -111,3 +111,76 @@ def adamw_reference_step(p, g, state, *, lr, betas=(0.9, 0.95), eps=1e-8, weight
     mhat = m / (1 - b1**t)
     vhat = v / (1 - b2**t)
     p.copy_(p - lr * mhat / (vhat.sqrt() + eps))
+
+
+def _piece_updates(U, pieces, ns_steps, coefficients, eps, factor_of):
+    """The orthogonalised update of a tensor holding several matrices: ``pieces`` are
+    ``(index, transposed)``; each matrix ``U[index]`` (transposed back to ``(out, in)`` where
+    stored ``(in, out)``) is orthogonalised alone and scaled by ``factor_of(its shape)``."""
+    update = torch.zeros_like(U)
+    for box, transposed in pieces:
+        u = U[box]
+        u = u.T if transposed else u
+        O = ns_reference(u.reshape(u.shape[0], -1), ns_steps, coefficients, eps).reshape(u.shape)
+        O = O * factor_of(u.shape)
+        update[box] = O.T if transposed else O
+    return update
+
+
+def muon_reference_pieces(
+    p,
+    g,
+    state,
+    pieces,
+    *,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    adjust_lr_fn=None,
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One Muon step on a tensor holding several matrices (see :func:`_piece_updates`)."""
+    beta = momentum
+    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
+    M.copy_(beta * M + (1 - beta) * g)
+    U = beta * M + (1 - beta) * g if nesterov else M
+    update = _piece_updates(
+        U, pieces, ns_steps, coefficients, eps, lambda s: adjust(adjust_lr_fn or "original", s)
+    )
+    p.copy_(p * (1 - lr * weight_decay))
+    p.copy_(p - lr * update.to(p.dtype))
+
+
+def musgd_reference_pieces(
+    p,
+    g,
+    state,
+    pieces,
+    *,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    muon,
+    sgd,
+    adjust_lr="ultralytics",
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One MuSGD step on a tensor holding several matrices: the Muon half per matrix, the SGD
+    half on the whole tensor."""
+    beta = momentum
+    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
+    M.copy_(beta * M + (1 - beta) * g)
+    U = beta * M + (1 - beta) * g if nesterov else M
+    update = _piece_updates(U, pieces, ns_steps, coefficients, eps, lambda s: adjust(adjust_lr, s))
+    p.copy_(p - lr * muon * update.to(p.dtype))
+    g2 = g + weight_decay * p
+    B = state.setdefault("momentum_buffer_SGD", torch.zeros_like(p))
+    B.copy_(beta * B + g2)
+    upd = g2 + beta * B if nesterov else B
+    p.copy_(p - lr * sgd * upd)
