@@ -16,7 +16,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
+from reference_impl import (
+    adamw_reference_step,
+    muon_reference_pieces,
+    muon_reference_step,
+    musgd_reference_step,
+)
 from torch import nn
 
 import fastmuon
@@ -362,6 +367,86 @@ def check_fsdp_reference() -> None:
         log("FSDP2 MuSGD with two NS dtypes: equal to the per-parameter reference")
 
 
+# ----- matrices cut out of tensors (matrix maps) -----------------------------------------------
+class MappedNet(nn.Module):
+    """Tensors holding several matrices, with row counts that put some matrices inside one
+    rank's shard and spread others over ranks (2 and 3 ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.Parameter(torch.randn(4, 6, 5) * 0.3)  # 4 experts of (out 6, in 5)
+        self.qkv = nn.Parameter(torch.randn(15, 5) * 0.3)  # Q, K, V rows
+        self.c_attn = nn.Parameter(torch.randn(5, 15) * 0.3)  # Q, K, V stored (in, out)
+        self.parts = nn.Parameter(torch.randn(7, 5) * 0.3)  # rows 0:3 and 3:7
+
+    def forward(self, x):
+        h = torch.einsum("eoi,bi->beo", self.experts, x).tanh().sum(1)
+        return (
+            h.square().sum()
+            + ((x @ self.qkv.T) * (x @ self.c_attn)).sum()
+            + (x @ self.parts.T).square().sum()
+        )
+
+
+MAPS = ["experts", {"split": [5, 5, 5]}, {"split": [5, 5, 5], "transposed": True}, {"split": [3, 4]}]
+ALL = slice(None)
+PIECES = [  # the same matrices, by hand: (index, stored (in, out)?)
+    [((e,), False) for e in range(4)],
+    [((slice(a, a + 5),), False) for a in (0, 5, 10)],
+    [((ALL, slice(a, a + 5)), True) for a in (0, 5, 10)],
+    [((slice(0, 3),), False), ((slice(3, 7),), False)],
+]
+# matrices spread over ranks (exchanged); the rest lie in one rank's shard (2 ranks: chunks of
+# 2 experts, 8|7 qkv rows, 3|2 c_attn rows, 4|3 parts rows; 3 ranks: 2|2|0, 5|5|5, 2|2|1, 3|3|1)
+SPREAD = {2: 5, 3: 4}
+
+
+def mapped_batch(step: int) -> torch.Tensor:
+    return torch.randn(3, 5, generator=torch.Generator().manual_seed(2000 + step))
+
+
+def check_matrix_maps(group) -> None:
+    """DDP and FSDP2 Muon on mapped tensors: equal to one process and to the per-matrix reference."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    torch.manual_seed(7)
+    twin = MappedNet()
+    ddp_net, fsdp_net = copy.deepcopy(twin), copy.deepcopy(twin)
+    fully_shard(fsdp_net)
+    ref = [p.detach().clone() for p in twin.parameters()]
+    states = [{} for _ in PIECES]
+
+    def muon(params, **kw):
+        return fastmuon.Muon([{"params": list(params), "matrices": MAPS}], ns_dtype=F32, **MUON_KW, **kw)
+
+    twin_opt, ddp_opt, fsdp_opt = (
+        muon(twin.parameters()),
+        muon(ddp_net.parameters(), process_group=group),
+        muon(fsdp_net.parameters()),
+    )
+    for t in range(3):
+        for net, opt in ((twin, twin_opt), (ddp_net, ddp_opt), (fsdp_net, fsdp_opt)):
+            opt.zero_grad()
+            net(mapped_batch(t)).backward()
+        grads = [p.grad.full_tensor() for p in fsdp_net.parameters()]
+        for opt in (twin_opt, ddp_opt, fsdp_opt):
+            opt.step()
+        for q, g, pieces, st in zip(ref, grads, PIECES, states):
+            muon_reference_pieces(q, g, st, pieces, **MUON_KW)
+    want = [p.detach() for p in twin.parameters()]
+    check_close("DDP Muon with matrix maps", [p.detach() for p in ddp_net.parameters()], want)
+    full = [p.full_tensor() for p in fsdp_net.parameters()]
+    check_close("FSDP2 Muon with matrix maps", full, want)
+    check_reference("FSDP2 Muon with matrix maps", full, ref)
+    engine = next(iter(fsdp_opt._plans.values()))
+    assert engine.exchanged.plan.num_matrices == SPREAD[world], engine.exchanged.plan.describe()
+    if dist.get_rank() == 0:
+        log(
+            f"DDP and FSDP2 Muon with matrix maps: equal to one process and the reference; {SPREAD[world]} of 13 matrices exchanged"
+        )
+
+
 def check_errors() -> None:
     """Unsupported set-ups fail on every rank with a message that says what to do."""
     net, _ = sharded_net(3)
@@ -401,6 +486,7 @@ def main() -> int:
         check_thread_counts_differ(dist.group.WORLD)
         check_fsdp(args.dir)
         check_fsdp_reference()
+        check_matrix_maps(dist.group.WORLD)
         check_state_dict_api(args.dir)
         check_errors()
         dist.barrier()

@@ -74,4 +74,5 @@ def test_distributed_world(world, tmp_path):
     report = launch(world, tmp_path)
     assert "checkpoint save/load/resume identical" in report
     assert "thread counts differing by rank: one plan" in report
+    assert "with matrix maps: equal to one process and the reference" in report
     print(report)
