@@ -129,22 +129,18 @@ class MatrixMap:
 
     def views(self, t: Tensor) -> list[Tensor]:
         """Each matrix as a view of ``t`` (as stored), in :meth:`boxes` order: ``t[box]`` for each
-        box, made with one ``unbind`` and one ``split`` per batch element instead of an index op per
-        matrix (the per-step cost of a mapped gradient)."""
+        box, made with a few view ops whatever the number of matrices (one ``split``, then one
+        ``unbind`` per part), not an index op per matrix: this runs on every step's gradient."""
         if self.is_flatten:
             return [t]
         b = self.batch_dims
-        if b == 0:
-            matrices = [t]
-        elif b == 1:
-            matrices = list(t.unbind(0))
-        else:
-            matrices = list(t.flatten(0, b - 1).unbind(0))
+        batched = t if b == 1 else t.unsqueeze(0) if b == 0 else t.flatten(0, b - 1)
         cut = self.part_sizes(t.shape)
         if cut is None:
-            return matrices
-        rel = self.stored_dim() - b
-        return [part for m in matrices for part in m.split(cut, dim=rel)]
+            return list(batched.unbind(0))
+        # parts[k][e]: part k of matrix e; boxes run batch-major (matrix e's parts together)
+        parts = [part.unbind(0) for part in batched.split(cut, dim=self.stored_dim() - b + 1)]
+        return [part[e] for e in range(batched.shape[0]) for part in parts]
 
     # ----- spec round trip ----------------------------------------------------------------
     def plain(self) -> str | dict[str, Any]:
