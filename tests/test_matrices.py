@@ -306,3 +306,21 @@ def test_shorthands_round_trip():
     for name in ("flatten", "experts", "transposed"):
         assert parse(name).plain() == name
     assert parse(None) == MatrixMap()
+
+
+@pytest.mark.parametrize("cls, hp", [(Muon, MUON_HP), (MuSGD, MUSGD_HP)])
+def test_a_capturable_step_on_mapped_tensors_makes_no_host_sync(cls, hp):
+    from fastmuon.bench.hosttime import host_syncs
+
+    params, specs, _ = _layout_params(["gate_up", "conv1d_qkv", "heads_cols"])
+    opt = cls(
+        [{"params": params, "use_muon": True, "matrices": specs}],
+        capturable=True,
+        nonfinite="skip",
+        lr=torch.tensor(hp["lr"]),
+        **{k: v for k, v in hp.items() if k != "lr"},
+    )
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # builds the step program
+    assert host_syncs(opt.step) == {}
