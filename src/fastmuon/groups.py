@@ -1,16 +1,20 @@
 """Split a model's parameters into the Muon group and the rest.
 
 Each trainable parameter gets a *kind* (Muon matrix, other, or no-decay) and each kind becomes
-one param group; a new way of treating parameters (say, a matrix layout) is one more kind.
+one param group. The Muon group also says how each of its tensors maps to matrices (see
+:mod:`fastmuon.matrices`): detected for known layers (:mod:`fastmuon.layer_maps`), set by the caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import Any, Union
 
 from torch import Tensor, nn
+
+from .layer_maps import detected_maps
+from .matrices import FLATTEN, MatrixMapSpec, parse
 
 #: Attribute names of a model's output layer (Transformers' ``lm_head``, ``classifier``,
 #: ``score``, ``qa_outputs``; timm's ``head``; torchvision's ``fc``, ``classifier``, ``head``).
@@ -36,6 +40,7 @@ def param_groups(
     head: Selector | str = "auto",
     exclude: Selector = None,
     decay_vectors: bool = False,
+    matrices: Mapping[Any, MatrixMapSpec] | None = None,
     **overrides: Any,
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`~fastmuon.Muon` or :class:`~fastmuon.MuSGD`.
@@ -57,6 +62,19 @@ def param_groups(
     If none is found and ``model`` is an ``nn.Sequential``, its last ``nn.Linear`` is the head.
     Say which it is with ``head=`` (a :data:`Selector`), or ``head=None`` for none.
 
+    The Muon group says how each tensor maps to the matrices it orthogonalises (its
+    ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.matrices`). Known layers
+    are recognised: Transformers' fused Mixture-of-Experts stacks are one matrix per expert
+    (with ``gate_up_proj``'s gate and up halves apart where they are stored as halves, and
+    ``transposed`` where experts are stored (in, out)), GPT-2's ``Conv1D`` weights are
+    ``transposed`` and its fused ``c_attn`` is split into query, key and value,
+    ``nn.MultiheadAttention``'s ``in_proj_weight`` likewise; everything else is "flatten", and
+    a group of only those has no ``"matrices"`` entry. ``matrices=`` overrides, as a dict
+    ``{selector: spec}`` with selectors as for ``head=`` (a tuple of them for several); later
+    entries win, only the Muon group's matrices are affected, and ``"flatten"`` undoes a
+    detection. Per-head orthogonalisation, for instance, is
+    ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj": {"heads": 4}}``.
+
     ``overrides`` (e.g. ``ns_dtype=torch.float32``) are set on every group, except that the
     no-decay group keeps ``weight_decay=0``; hyperparameters per kind belong on the optimizer
     (e.g. ``Muon(..., adamw_lr=3e-4)``) or on the returned groups. Shared parameters appear
@@ -73,7 +91,69 @@ def param_groups(
         kind = kind_of(p, id(p) in kept_out, decay_vectors)
         groups[kind]["params"].append(p)
         groups[kind]["param_names"].append(name)
+    muon = groups[MUON]
+    specs = matrix_specs(model, muon["params"], muon["param_names"], matrices)
+    if specs is not None:
+        muon["matrices"] = specs
     return [{**g, **overrides, **dict(kind)} for kind, g in groups.items() if g["params"]]
+
+
+def matrix_specs(
+    model: nn.Module, params: list[Tensor], names: list[str], matrices: Mapping[Any, MatrixMapSpec] | None
+) -> list[MatrixMapSpec] | None:
+    """One spec per Muon parameter (detected, then the caller's), or None if all are "flatten"."""
+    detected = detected_maps(model)
+    maps = {id(p): detected[id(p)] for p in params if id(p) in detected}
+    set_by_caller: set[int] = set()
+    if matrices is not None:
+        if not isinstance(matrices, Mapping):
+            raise TypeError(
+                "matrices= takes a dict {selector: matrix map}, e.g. {'*.experts': 'experts'}; "
+                f"got {type(matrices).__name__}"
+            )
+        ours = {id(p) for p in params}
+        for selector, spec in matrices.items():
+            hits = selected(model, selector, "matrices") & ours
+            if not hits:
+                raise ValueError(
+                    f"matrices= selector {describe(selector)} names no parameter that Muon orthogonalises "
+                    "(matrix maps apply to the >=2-D parameters left in the Muon group); select those"
+                )
+            try:
+                m = parse(spec)
+            except ValueError as e:
+                raise ValueError(f"matrices= entry for {describe(selector)}: {e}") from None
+            maps.update(dict.fromkeys(hits, m))
+            set_by_caller |= hits
+    for name, p in zip(names, params):
+        m = maps.get(id(p), FLATTEN)
+        try:
+            m.check(p.shape)
+        except ValueError as e:
+            origin = "as given" if id(p) in set_by_caller else "detected from its layer"
+            raise ValueError(
+                f"parameter {name!r} of shape {tuple(p.shape)}, {origin}: {e}; or set its map with "
+                f"param_groups(..., matrices={{{name!r}: ...}})"
+            ) from None
+    specs = [maps.get(id(p), FLATTEN) for p in params]
+    if all(m.is_flatten for m in specs):
+        return None
+    return [m.plain() for m in specs]
+
+
+def describe(selector: Any) -> str:
+    """A short name for a selector in a message (modules and tensors print large)."""
+    if isinstance(selector, nn.Module):
+        return f"<{type(selector).__name__} module>"
+    if isinstance(selector, Tensor):
+        return f"<tensor of shape {tuple(selector.shape)}>"
+    if isinstance(selector, str):
+        return repr(selector)
+    if callable(selector):
+        return f"<predicate {getattr(selector, '__name__', type(selector).__name__)}>"
+    if isinstance(selector, tuple):
+        return "(" + ", ".join(describe(s) for s in selector) + ")"
+    return repr(selector)
 
 
 def kind_of(p: Tensor, kept_out: bool, decay_vectors: bool) -> tuple:

@@ -1,0 +1,148 @@
+"""The matrix maps of known layer types, read off the module that owns each parameter.
+
+``param_groups`` uses these so that a Mixture-of-Experts stack is orthogonalised expert by
+expert and a fused projection part by part without the caller describing either. Each rule
+below states the layout it relies on; every one was read from the layer's forward (and is
+tested against it), not guessed from parameter names. Parameters no rule speaks for stay
+"flatten" (see :mod:`fastmuon.matrices`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+
+from torch import Tensor, nn
+
+from .matrices import MatrixMap
+
+#: One rule: the (parameter, map) pairs it knows for one module (its own or its children's).
+Rule = Callable[[nn.Module], Iterator[tuple[Tensor, MatrixMap]]]
+
+#: Transformers' fused-expert classes that do not carry the ``use_experts_implementation``
+#: flags, with the flags their forward implies: ``(is_transposed, is_concatenated)``.
+#: Llama-4 multiplies ``x @ gate_up_proj[e]`` (stored (in, out)) and ``chunk``s the result;
+#: Step-3.7 and LongCat-Flash use ``F.linear`` with a ``chunk``ed gate/up, like Mixtral.
+UNFLAGGED_EXPERTS = {
+    "Llama4TextExperts": (True, True),
+    "Step3p7Experts": (False, True),
+    "LongcatFlashExperts": (False, True),
+}
+
+
+def detected_maps(model: nn.Module) -> dict[int, MatrixMap]:
+    """``id(param) -> map`` for every parameter of ``model`` a rule recognises.
+
+    Rules run generic first and specific last, so a rule that knows a whole layer (GPT-2's
+    attention) overrides one that knows its parts (each ``Conv1D``)."""
+    maps: dict[int, MatrixMap] = {}
+    modules = list(model.modules())
+    for rule in RULES:
+        for module in modules:
+            for p, m in rule(module):
+                maps[id(p)] = m
+    return maps
+
+
+# ----- Mixture-of-Experts stacks ---------------------------------------------------------------
+
+
+def experts_by_class_name(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
+    """Any 3-D parameter of a module whose class name ends in "Experts" is a stack of expert
+    matrices, one per leading index (Transformers' and most MoE code's convention). Whether
+    each is stored (out, in) or (in, out) is not known here, so only the batch dim is set."""
+    if type(module).__name__.endswith("Experts"):
+        for p in module.parameters(recurse=False):
+            if p.ndim == 3:
+                yield p, MatrixMap(batch_dims=1)
+
+
+def fused_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
+    """Transformers' fused experts: ``gate_up_proj`` ``(E, 2I, H)`` (or ``(E, H, 2I)``
+    transposed), ``up_proj`` and ``down_proj``, one matrix per expert.
+
+    The classes decorated with ``use_experts_implementation`` carry its flags on every
+    instance: ``is_transposed`` (weights stored (in, out), multiplied as ``x @ W``) and
+    ``is_concatenated`` (``gate_up_proj``'s output is ``[gate; up]``, split by ``chunk(2)``;
+    otherwise gate and up columns alternate, as in GPT-OSS, and a contiguous split would mix
+    them, so such a tensor is split by expert only)."""
+    flags = experts_flags(module)
+    if flags is None:
+        return
+    transposed, concatenated = flags
+    for name, p in module.named_parameters(recurse=False):
+        if p.ndim != 3:
+            continue  # biases (E, out)
+        out_size = p.shape[2] if transposed else p.shape[1]
+        if name == "gate_up_proj" and concatenated and out_size % 2 == 0:
+            half = out_size // 2
+            yield p, MatrixMap(batch_dims=1, split=(half, half), transposed=transposed)
+        else:
+            yield p, MatrixMap(batch_dims=1, transposed=transposed)
+
+
+def experts_flags(module: nn.Module) -> tuple[bool, bool] | None:
+    """``(is_transposed, is_concatenated)`` of a Transformers fused-experts module, else None."""
+    flags = getattr(module, "is_transposed", None), getattr(module, "is_concatenated", None)
+    if all(isinstance(f, bool) for f in flags) and isinstance(getattr(module, "has_gate", None), bool):
+        return flags  # type: ignore[return-value]
+    return UNFLAGGED_EXPERTS.get(type(module).__name__)
+
+
+def dbrx_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
+    """DBRX keeps its experts as 2-D stacks ``(E·F, H)``: its forward views each as
+    ``(E, F, H)`` and computes ``x @ w1[e].T``, ``x @ v1[e].T`` (so each block is (out, in))
+    but ``h @ w2[e]`` (so ``w2``'s blocks are stored (in, out))."""
+    if type(module).__name__ != "DbrxExpertGLU":
+        return
+    experts, ffn = module.moe_num_experts, module.ffn_hidden_size
+    blocks = (ffn,) * experts
+    yield module.w1, MatrixMap(split=blocks)
+    yield module.v1, MatrixMap(split=blocks)
+    yield module.w2, MatrixMap(split=blocks, dim=1, transposed=True)
+
+
+# ----- fused projections ----------------------------------------------------------------------
+
+
+def conv1d(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
+    """Transformers' ``Conv1D`` (GPT-2, OpenAI GPT, ImageGPT, ...) stores its weight (in, out)
+    and computes ``x @ W + b``."""
+    if is_conv1d(module):
+        yield module.weight, MatrixMap(transposed=True)
+
+
+def conv1d_attention(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
+    """GPT-2-style attention: ``c_attn`` is a ``Conv1D`` whose output the forward splits into
+    parts of ``split_size`` (query, key, value; key, value in cross-attention, where ``q_attn``
+    makes the query); each part is its own matrix."""
+    c_attn, size = getattr(module, "c_attn", None), getattr(module, "split_size", None)
+    if is_conv1d(c_attn) and isinstance(size, int) and size > 0 and c_attn.nf % size == 0:
+        yield c_attn.weight, MatrixMap(split=(size,) * (c_attn.nf // size), transposed=True)
+
+
+def is_conv1d(module: object) -> bool:
+    # The class is looked up where it lives, never imported: a model holding one has loaded it.
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d_class = getattr(pytorch_utils, "Conv1D", None)
+    return conv1d_class is not None and isinstance(module, conv1d_class)
+
+
+def multihead_attention(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
+    """``nn.MultiheadAttention`` with equal q/k/v dims packs their projections in
+    ``in_proj_weight`` ``(3E, E)``, rows in the order query, key, value."""
+    if isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim:
+        weight = module.in_proj_weight
+        if weight is not None:
+            e = module.embed_dim
+            yield weight, MatrixMap(split=(e, e, e))
+
+
+RULES: tuple[Rule, ...] = (
+    experts_by_class_name,
+    conv1d,
+    fused_experts,
+    dbrx_experts,
+    conv1d_attention,
+    multihead_attention,
+)
