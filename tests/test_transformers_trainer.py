@@ -77,7 +77,9 @@ def test_trainer_trains_gpt2_with_muon_on_its_matrices(transformers, first_run):
     assert other["param_names"] == ["transformer.wte.weight", "transformer.wpe.weight"]
     assert trainer.model.lm_head.weight is trainer.model.transformer.wte.weight
     assert other["lr"] == no_decay["lr"] == 3e-4 and muon["lr"] == 0.02 and no_decay["weight_decay"] == 0
-    assert opt.plan().num_matrices == 8
+    # each block's fused c_attn is three matrices (query, key, value): 2 blocks x (3 + 3 more)
+    assert opt.plan().num_matrices == 12
+    assert muon["matrices"][0] == {"split": [64, 64, 64], "transposed": True}
     assert all(set(opt.state[p]) == {"momentum_buffer"} for p in muon["params"])
     assert all(set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in other["params"])
     assert all(float(opt.state[p]["step"]) == STEPS for p in other["params"] + no_decay["params"])
