@@ -63,17 +63,25 @@ def param_groups(
     Say which it is with ``head=`` (a :data:`Selector`), or ``head=None`` for none.
 
     The Muon group says how each tensor maps to the matrices it orthogonalises (its
-    ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.matrices`). Known layers
-    are recognised: Transformers' fused Mixture-of-Experts stacks are one matrix per expert
-    (with ``gate_up_proj``'s gate and up halves apart where they are stored as halves, and
-    ``transposed`` where experts are stored (in, out)), GPT-2's ``Conv1D`` weights are
-    ``transposed`` and its fused ``c_attn`` is split into query, key and value,
-    ``nn.MultiheadAttention``'s ``in_proj_weight`` likewise; everything else is "flatten", and
-    a group of only those has no ``"matrices"`` entry. ``matrices=`` overrides, as a dict
-    ``{selector: spec}`` with selectors as for ``head=`` (a tuple of them for several); later
-    entries win, only the Muon group's matrices are affected, and ``"flatten"`` undoes a
-    detection. Per-head orthogonalisation, for instance, is
-    ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj": {"heads": 4}}``.
+    ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.matrices`), recognised
+    for known layers (:mod:`fastmuon.layer_maps`):
+
+    - Transformers' fused Mixture-of-Experts stacks (Mixtral, Qwen-MoE, DeepSeek, OLMoE,
+      GPT-OSS, Llama-4, DBRX, ...): one matrix per expert, ``gate_up_proj``'s gate and up
+      halves apart where the forward splits it in halves (not GPT-OSS, whose gate and up
+      columns alternate), ``transposed`` where experts are stored (in, out); the 3-D tensors of
+      other modules whose class name ends in "Experts": one matrix per leading index;
+    - GPT-2's ``Conv1D`` (also OpenAI GPT, ImageGPT): ``transposed``, with attention's fused
+      ``c_attn`` split into query, key and value;
+    - ``nn.MultiheadAttention``'s ``in_proj_weight``: split into query, key and value.
+
+    Everything else is "flatten"; a group of only those has no ``"matrices"`` entry.
+    ``matrices=`` sets maps as a dict ``{selector: spec}``, selectors as for ``head=`` (a tuple
+    of them for several). Later entries win over earlier ones and over detection, only the
+    Muon group's parameters are affected, and ``"flatten"`` undoes a detection. Per-head
+    orthogonalisation, for instance, is ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj":
+    {"heads": 4}}`` (k with the key/value head count). A selector that names none of Muon's
+    parameters, or a map that does not fit its tensor, is an error naming both.
 
     ``overrides`` (e.g. ``ns_dtype=torch.float32``) are set on every group, except that the
     no-decay group keeps ``weight_decay=0``; hyperparameters per kind belong on the optimizer
