@@ -23,3 +23,14 @@ def test_quick_start_runs_and_the_loss_falls():
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.getvalue())]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.1
     assert "bucket 0" in out.getvalue()
+
+
+def test_llm_layers_example_runs_and_plans_every_matrix():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## LLM layers") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md LLM layers", "exec"), {"__name__": "__llm__"})
+    # 2 layers x 4 experts x (gate, up, down) + 2 x 4 query heads + k, v, o, router per layer
+    assert out.getvalue().startswith("plan: 40 matrices")
