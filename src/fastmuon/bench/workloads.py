@@ -139,7 +139,7 @@ GENERATED: dict[str, Generated] = {
     "granite-moe": Generated(
         moe_decoder,
         "granite-3.0-1b-a400m config (ibm-granite/granite-3.0-1b-a400m-base: vocab 49152, d 1024, "
-        "16 heads / 8 KV heads, 32 experts of FFN 512, tied), first 1 of its 24 layers; experts "
+        "16 heads / 8 KV heads, 32 experts of FFN 512, tied) with 1 of its 24 decoder layers; experts "
         "fused as Transformers 5.x stores them: gate_up_proj (32, 1024, 1024) mapped {batch_dims: 1, "
         "split: [512, 512]} and down_proj (32, 1024, 512) mapped 'experts'; router (32, 1024) and "
         "attention q/k/v/o as plain matrices",
