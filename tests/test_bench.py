@@ -208,6 +208,7 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
         "numel": 8 * 36 + 2 * 128 + 8 + 16,
         "matrices": 3,
         "matrices_over_2d": 1,
+        "ns_matrices": 3,
     }
     assert doc["run"]["params_finite"] and doc["run"]["grads_unchanged"]
     results = {r["name"]: r for r in doc["results"]}

@@ -4,6 +4,7 @@ import pytest
 import torch
 from conftest import rel_err
 from reference_impl import ns_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmuon import PRESETS, newton_schulz, orthogonalize
 from fastmuon.accuracy import Variant, make_inputs, measure
@@ -258,3 +259,34 @@ def test_bf16_plain_normalisation_matches_the_safe_path(method, monkeypatch):
     else:
         expected = torch.stack([ns_reference(g.float()) for g in G])
         assert rel_err(plain.float(), expected) <= 1.25 * rel_err(safe.float(), expected)
+
+
+class _OutBuffers(TorchDispatchMode):
+    """Records whether each ``out=`` tensor an op writes into is contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.contiguous: list[bool] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(kwargs.get("out"), torch.Tensor):
+            self.contiguous.append(kwargs["out"].is_contiguous())
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_tall_matrix_is_never_iterated_into_a_transposed_buffer(method, dtype):
+    """A tall matrix is iterated on its transpose; the loops write later iterates into earlier
+    buffers, which must be contiguous (CPU bf16 ``baddbmm`` into a transposed ``out=`` falls
+    back to a far slower kernel)."""
+    torch.manual_seed(0)
+    G = torch.randn(48, 16)
+    with _OutBuffers() as mode:
+        tall = newton_schulz(G, dtype=dtype, method=method)
+    assert all(mode.contiguous)
+    if method == "standard":  # the loop that ping-pongs between its two iterate buffers
+        assert mode.contiguous
+    wide = newton_schulz(G.T.contiguous(), dtype=dtype, method=method).T
+    assert rel_err(tall.float(), wide.float()) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)

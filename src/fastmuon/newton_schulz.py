@@ -172,8 +172,13 @@ def _normalize(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     ``X / (‖X‖ + eps)``; the others (and every matrix on accelerators, where the step must not
     synchronise) :func:`_normalize_safe`, which gives the same value bit for bit in that range.
     The choice is made per matrix, so a matrix's result never depends on its bucket mates.
-    The result is a new tensor (``out`` if given), never ``X``.
+    The result is a new tensor (``out`` if given), never ``X``; contiguous when ``out`` is not
+    given, whatever ``X``'s strides (a tall matrix arrives transposed): the loops write later
+    iterates into this buffer, and CPU bf16 ``baddbmm`` into a transposed ``out=`` runs a
+    fallback kernel hundreds of times slower than its usual one.
     """
+    if out is None and not X.is_contiguous():
+        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
     if _host_check_is_free(X):
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
         exact = _plain_norm_is_exact(norm)

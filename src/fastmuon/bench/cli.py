@@ -264,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
         "numel": manifest.numel(),
         "matrices": len(matrices),
         "matrices_over_2d": sum(len(p.shape) > 2 for p in matrices),
+        "ns_matrices": manifest.ns_matrices(),
     }
     settings_doc = {
         **settings.__dict__,

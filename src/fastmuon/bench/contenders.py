@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import math
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from .. import Muon, MuSGD
 from ..compute import compute_dtype
+from ..matrices import maps_of
 from ..newton_schulz import newton_schulz
 from ..planner import COST_MODELS, Plan, ns_flops
 from ..reference import ReferenceMuon, ReferenceMuSGD
@@ -52,13 +54,21 @@ class Workbench:
     step_mode: str = "eager"
 
     def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
-        """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own."""
+        """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own.
+
+        A group's list of matrix maps (one per parameter) keeps the entries of the parameters
+        ``select`` keeps."""
         groups = [{**hyper, "params": [], "param_names": []} for hyper in self.manifest.param_groups]
-        for p, spec in zip(self.params, self.manifest.params):
+        maps: list[list[Any]] = [[] for _ in groups]
+        for p, spec, m in zip(self.params, self.manifest.params, self.manifest.map_specs()):
             g = groups[spec.group]
             if select is None or select(p, g):
                 g["params"].append(p)
                 g["param_names"].append(spec.name)
+                maps[spec.group].append(m)
+        for g, kept in zip(groups, maps):
+            if isinstance(g.get("matrices"), list):
+                g["matrices"] = kept
         return [g for g in groups if g["params"]]
 
     def private_copy(self) -> Workbench:
@@ -75,13 +85,63 @@ class Workbench:
         return (flag if flag is not None else p.ndim >= 2) and p.ndim >= 2 and p.numel() > 0
 
     def matrix_flops(self) -> int:
-        """NS FLOPs of the orthogonalised matrices one at a time (no padding)."""
+        """NS FLOPs of the orthogonalised matrices one at a time (no padding), cut by their maps."""
         return sum(
-            ns_flops(p.shape[0], p.numel() // p.shape[0], g.get("ns_steps", 5))
+            ns_flops(shape[0], math.prod(shape[1:]), g.get("ns_steps", 5))
             for g in self.groups()
-            for p in g["params"]
+            for p, m in zip(g["params"], maps_of(g.get("matrices"), len(g["params"])))
             if self.is_matrix(p, g)
+            for shape in m.shapes(p.shape)
         )
+
+
+@dataclass
+class Unmapped:
+    """Groups for an optimizer that knows no matrix maps (see :func:`as_2d_matrices`)."""
+
+    groups: list[dict[str, Any]]
+    tensors: int = 0  # mapped parameters replaced by views
+    views: int = 0  # the views that replaced them
+
+    @property
+    def note(self) -> str:
+        if not self.tensors:
+            return ""
+        return (
+            f"; {self.tensors} mapped tensors given as {self.views} 2-D views, one per matrix of their maps "
+            "(transposed ones as (out, in))"
+        )
+
+
+def as_2d_matrices(groups: list[dict[str, Any]], is_matrix: Callable[[Tensor, dict], bool]) -> Unmapped:
+    """``groups`` for an optimizer that knows no matrix maps: each mapped matrix parameter
+    replaced by its matrices as 2-D views ``(out, in)`` (a transposed map's as transposes),
+    each with the matching view of the gradient as its ``.grad``, and the ``matrices`` key
+    dropped. Updating a view updates the parameter, so the optimizer steps the same tensors
+    and orthogonalises the same matrices as fastmuon does with the maps (``NS(Xᵀ) = NS(X)ᵀ``,
+    and momentum and weight decay are elementwise). Returns the groups and how many
+    parameters were replaced and by how many views."""
+    out = Unmapped([])
+    for g in groups:
+        maps = maps_of(g.get("matrices"), len(g["params"]))
+        names = g.get("param_names") or [str(j) for j in range(len(g["params"]))]
+        params, kept_names = [], []
+        for p, m, name in zip(g["params"], maps, names):
+            if m.is_flatten or not is_matrix(p, g):
+                params.append(p)
+                kept_names.append(name)
+                continue
+            out.tensors += 1
+            for k, (view, grad) in enumerate(zip(m.views(p.detach()), m.views(p.grad))):
+                if m.transposed:
+                    view, grad = view.T, grad.T
+                view.grad = grad
+                params.append(view)
+                kept_names.append(f"{name}[{k}]")
+                out.views += 1
+        plain = {k: v for k, v in g.items() if k not in ("matrices", "params", "param_names")}
+        out.groups.append({**plain, "params": params, "param_names": kept_names})
+    return out
 
 
 @dataclass
@@ -196,6 +256,9 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     )
     if dropped:
         note += f"; ignored manifest kwargs {dropped}"
+    mapped = wb.manifest.ns_matrices()
+    if mapped != len(wb.manifest.matrices()):
+        note += f"; the manifest's matrix maps: {len(wb.manifest.matrices())} tensors, {mapped} matrices"
 
     def workspaces() -> list[Tensor]:
         # whatever tensors the cached plan executors keep between steps (bucket buffers, indices)
@@ -247,7 +310,8 @@ def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contende
     if cls is None:
         raise Unavailable(f"torch {torch.__version__} has no torch.optim.Muon (needs torch >= 2.9)")
     muon_groups, flattened = [], 0
-    for g in wb.groups(wb.is_matrix):
+    unmapped = as_2d_matrices(wb.groups(wb.is_matrix), wb.is_matrix)
+    for g in unmapped.groups:
         views = []
         for p in g["params"]:
             if p.ndim > 2:  # torch's Muon takes 2D only: a (out, rest) view shares p's memory
@@ -272,6 +336,7 @@ def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contende
     precision = "bfloat16 (fixed by torch)" if dtype == torch.bfloat16 else "float32 (torch's swapped)"
     note = f"NS in {precision}; rest: torch.optim.AdamW(foreach=True)"
     note += f"; {flattened} >2D weights flattened to (out, rest) views" if flattened else "; all matrices 2D"
+    note += unmapped.note
     return Contender(
         f"torch.optim.Muon{_swapped_suffix(dtype)}",
         optimizers,
@@ -279,7 +344,7 @@ def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contende
         note,
         ns_useful_flops=wb.matrix_flops(),
         ns_flops=wb.matrix_flops(),
-        extra={"flattened_weights": flattened},
+        extra={"flattened_weights": flattened, "mapped_tensors_as_views": unmapped.tensors},
     )
 
 
@@ -351,15 +416,16 @@ def ultralytics_fp32_contender(wb: Workbench) -> Contender:
 
 def _ultralytics(wb: Workbench, cls: type, version: str, dtype: torch.dtype, note: str) -> Contender:
     kwargs, _ = _accepted(cls, wb.manifest.optimizer_kwargs)
+    unmapped = as_2d_matrices(wb.groups(), wb.is_matrix)
     try:
-        opt = cls(wb.groups(), **kwargs)
+        opt = cls(unmapped.groups, **kwargs)
     except Exception as e:  # an API we do not know: say so rather than guess
         raise Unavailable(f"ultralytics {version} MuSGD rejected the groups: {e}") from None
     return Contender(
         f"Ultralytics MuSGD {version}{_swapped_suffix(dtype)}",
         [opt],
         dtype,
-        note,
+        note + unmapped.note,
         ns_useful_flops=wb.matrix_flops(),
     )
 

@@ -8,7 +8,9 @@ A manifest is JSON::
      "params": [{"name": "model.0.conv.weight", "shape": [16, 3, 3, 3], "group": 1}, ...]}
 
 It is all a benchmark needs to recreate an optimizer's work on a model (same tensors, same
-groups), and small enough to ship for models whose code we do not want to depend on.
+groups), and small enough to ship for models whose code we do not want to depend on. A group
+may carry the optimizers' ``"matrices"`` key (see :mod:`fastmuon.matrices`): one map for its
+parameters, or a list with one per parameter, in the order they appear in ``params``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..matrices import MatrixMap, MatrixMapSpec, maps_of, parse
+from ..matrices import count as matrix_count
 
 #: Group keys that hold tensors or names, never hyperparameters.
 _NON_HYPER_KEYS = ("params", "param_names")
@@ -55,12 +60,23 @@ class Manifest:
 
     def matrices(self, use_muon_default: bool = True) -> list[ParamSpec]:
         """Parameters an optimizer would orthogonalise: >=2D ones in groups that do not opt out."""
-        out = []
-        for p in self.params:
-            flag = self.param_groups[p.group].get("use_muon")
-            if (flag if flag is not None else use_muon_default) and len(p.shape) >= 2 and p.numel > 0:
-                out.append(p)
-        return out
+        return [p for p in self.params if _orthogonalised(p, self.param_groups, use_muon_default)]
+
+    def map_specs(self) -> list[MatrixMapSpec]:
+        """Each parameter's matrix map as its group gives it (None: the group gives none)."""
+        return _map_specs(self.param_groups, self.params)
+
+    def maps(self) -> list[MatrixMap]:
+        """Each parameter's matrix map, parsed ("flatten" where its group gives none)."""
+        return [parse(spec) for spec in self.map_specs()]
+
+    def ns_matrices(self, use_muon_default: bool = True) -> int:
+        """How many matrices Newton–Schulz orthogonalises: :meth:`matrices` cut by their maps."""
+        return sum(
+            matrix_count(p.shape, m)
+            for p, m in zip(self.params, self.maps())
+            if _orthogonalised(p, self.param_groups, use_muon_default)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -114,6 +130,7 @@ def manifest_from_dict(data: Any, where: str = "<manifest>") -> Manifest:
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ManifestError(f"{where}: parameter name {dup!r} appears more than once")
+    _check_maps(groups, params, where)
     return Manifest(
         model=str(data.get("model", Path(where).stem)),
         params=params,
@@ -176,12 +193,15 @@ def manifest_from_module(
                 raise ManifestError(f"parameter {names[id(p)]!r} appears in more than one param group")
             seen.add(id(p))
             params.append(ParamSpec(names[id(p)], tuple(p.shape), gi))
+    hyper = [
+        {k: _plain_maps(v) if k == "matrices" else v for k, v in g.items() if k not in _NON_HYPER_KEYS}
+        for g in groups
+    ]
+    _check_maps(hyper, params, name or type(model).__name__)
     return Manifest(
         model=name or type(model).__name__,
         params=params,
-        param_groups=[
-            {k: v for k, v in g.items() if k not in _NON_HYPER_KEYS and _json_value(v)} for g in groups
-        ],
+        param_groups=[{k: v for k, v in g.items() if _json_value(v)} for g in hyper],
         optimizer_kwargs=dict(optimizer_kwargs or {}),
         source=source,
     )
@@ -193,3 +213,57 @@ def _json_value(v: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _orthogonalised(p: ParamSpec, groups: list[Mapping[str, Any]], use_muon_default: bool = True) -> bool:
+    """Whether an optimizer orthogonalises ``p``: >=2D, in a group that does not opt out."""
+    flag = groups[p.group].get("use_muon")
+    return (flag if flag is not None else use_muon_default) and len(p.shape) >= 2 and p.numel > 0
+
+
+def _map_specs(groups: list[Mapping[str, Any]], params: list[ParamSpec]) -> list[MatrixMapSpec]:
+    """Each parameter's map spec: its group's ``matrices``, or that list's entry at the
+    parameter's position among its group's parameters."""
+    seen = [0] * len(groups)
+    specs = []
+    for p in params:
+        spec = groups[p.group].get("matrices")
+        specs.append(spec[seen[p.group]] if isinstance(spec, list) else spec)
+        seen[p.group] += 1
+    return specs
+
+
+def _check_maps(groups: list[Mapping[str, Any]], params: list[ParamSpec], where: str) -> None:
+    """Every group's ``matrices`` parses, has one map per parameter where it is a list, and
+    fits the shape of each parameter it maps (one the optimizers orthogonalise)."""
+    sizes = [0] * len(groups)
+    for p in params:
+        sizes[p.group] += 1
+    for i, g in enumerate(groups):
+        if "matrices" not in g:
+            continue
+        try:
+            maps_of(g["matrices"], sizes[i])
+        except ValueError as e:
+            raise ManifestError(f"{where}: param_groups[{i}] 'matrices': {e}") from None
+    for k, (p, spec) in enumerate(zip(params, _map_specs(groups, params))):
+        if spec is None or not _orthogonalised(p, groups):
+            continue
+        try:
+            parse(spec).check(p.shape)
+        except ValueError as e:
+            raise ManifestError(
+                f"{where}: params[{k}] ({p.name!r}, shape {list(p.shape)}) in param_groups[{p.group}]: {e}"
+            ) from None
+
+
+def _plain_maps(spec: Any) -> Any:
+    """A ``matrices`` entry as JSON holds it (lists for tuples, parsed maps as their specs), so
+    that a manifest saved and loaded again is equal to the one saved."""
+    if isinstance(spec, MatrixMap):
+        return spec.plain()
+    if isinstance(spec, (list, tuple)):
+        return [_plain_maps(s) for s in spec]
+    if isinstance(spec, Mapping):
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
+    return spec

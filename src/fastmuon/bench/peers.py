@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .contenders import Contender, Unavailable, Workbench
+from .contenders import Contender, Unavailable, Unmapped, Workbench, as_2d_matrices
 
 #: the AdamW settings every Muon row uses for the parameters Muon does not take
 OTHER_BETAS = (0.9, 0.95)
@@ -39,10 +39,12 @@ def _needs_muon(wb: Workbench, library: str) -> None:
         raise Unavailable(f"{library} is compared as a Muon optimizer: run with --optimizer muon")
 
 
-def _split(wb: Workbench) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The workbench's groups split into Muon's matrices and the rest, on a private copy."""
+def _split(wb: Workbench) -> tuple[Unmapped, list[dict[str, Any]]]:
+    """The workbench's groups split into Muon's matrices and the rest, on a private copy; mapped
+    matrix parameters as 2-D views of their matrices (see :func:`.contenders.as_2d_matrices`)."""
     own = wb.private_copy()
-    return own.groups(own.is_matrix), own.groups(lambda p, g: not own.is_matrix(p, g))
+    matrices = as_2d_matrices(own.groups(own.is_matrix), own.is_matrix)
+    return matrices, own.groups(lambda p, g: not own.is_matrix(p, g))
 
 
 # ----- heavyball ---------------------------------------------------------------------------------
@@ -101,11 +103,11 @@ def heavyball_contender(wb: Workbench) -> Contender:
     _needs_muon(wb, "heavyball")
     heavyball, version = import_peer("heavyball", "heavyball")
     matrices, others = _split(wb)
-    opt = heavyball.SplitOpt(heavyball_specs(heavyball, matrices, others))
+    opt = heavyball.SplitOpt(heavyball_specs(heavyball, matrices.groups, others))
     note = (
         "SplitOpt(Muon for matrices, AdamW for the rest), NS in bfloat16 (its own); eager: "
         "heavyball.utils.compile_mode=None (its default compiles every block, minutes per shape on a CPU)"
-    )
+    ) + matrices.note
     return Contender(
         f"heavyball Muon {version}",
         [opt],
@@ -137,12 +139,12 @@ def pytorch_optimizer_contender(wb: Workbench) -> Contender:
     _needs_muon(wb, "pytorch-optimizer")
     module, version = import_peer("pytorch_optimizer", "pytorch_optimizer")
     matrices, others = _split(wb)
-    opt = module.Muon(pytorch_optimizer_groups(matrices, others))
+    opt = module.Muon(pytorch_optimizer_groups(matrices.groups, others))
     return Contender(
         f"pytorch-optimizer Muon {version}",
         [opt],
         torch.bfloat16,
-        "use_muon groups (its AdamW for the rest), foreach default, NS in bfloat16 (its own)",
+        "use_muon groups (its AdamW for the rest), foreach default, NS in bfloat16 (its own)" + matrices.note,
         ns_useful_flops=wb.matrix_flops(),
         ns_flops=wb.matrix_flops(),
     )

@@ -139,6 +139,7 @@ def describe(document: dict[str, Any]) -> list[str]:
     lines = [
         f"workload {w['model']}: {w['params']} tensors, {w['numel'] / 1e6:.2f}M values, "
         f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims)"
+        + _mapped_clause(w)
         + (f"; {w['source']}" if w.get("source") else ""),
         f"optimizer {s['optimizer']}, device {s['device']}, ns_dtype {s['ns_dtype']} ({s['ns_dtype_why']}), "
         f"policy {s['policy']}, {s['rounds']} interleaved rounds"
@@ -173,6 +174,12 @@ def describe(document: dict[str, Any]) -> list[str]:
         "allocates beyond what it started with"
     )
     return lines
+
+
+def _mapped_clause(workload: dict[str, Any]) -> str:
+    """How many matrices Newton–Schulz sees, where the matrix maps make it more than the tensors."""
+    n = workload.get("ns_matrices")
+    return "" if n is None or n == workload["matrices"] else f", {n} after the matrix maps"
 
 
 def speedup_rows(document: dict[str, Any]) -> tuple[list[str], list[list[str]]]:

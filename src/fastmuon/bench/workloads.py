@@ -3,7 +3,8 @@
 The yolo26 manifests are shipped as JSON (their real shapes and the groups Ultralytics' trainer
 builds). The transformer and ResNet workloads are generated here from their published
 configurations: the model is built from ``torch.nn`` modules on the ``meta`` device (no memory,
-no weights) and grouped with :func:`fastmuon.param_groups`, exactly as a user would.
+no weights) and grouped with :func:`fastmuon.param_groups`, exactly as a user would; the ones
+whose tensors hold several matrices (:mod:`.mapped`) with their groups and matrix maps written out.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..groups import param_groups
 from .manifest import Manifest, ManifestError, load_manifest, manifest_from_dict, manifest_from_module
+from .mapped import GPT2Conv1D, gpt2_conv1d_groups, moe_decoder, moe_groups
 
 YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 
@@ -110,25 +113,61 @@ class _ResNet(nn.Module):
         self.fc = nn.Linear(cin, classes)
 
 
-#: name -> (builder of a meta-device module, description of the config it follows)
-GENERATED: dict[str, tuple[Callable[[], nn.Module], str]] = {
-    "gpt2": (_GPT2, "GPT-2 small (124M): vocab 50257, context 1024, d 768, 12 layers, tied head"),
-    "llama-1b": (
+class Generated(NamedTuple):
+    """A workload built from code: the model (on the meta device), what config it follows, and
+    how its parameters are grouped (the hyperparameters are set by :func:`generated_manifest`)."""
+
+    build: Callable[[], nn.Module]
+    source: str
+    grouping: Callable[[nn.Module], list[dict[str, Any]]] = param_groups
+    grouping_note: str = "groups: fastmuon.param_groups"
+
+
+_WRITTEN_OUT = "groups and matrix maps written out (fastmuon.bench.mapped)"
+
+#: name -> how the workload is built
+GENERATED: dict[str, Generated] = {
+    "gpt2": Generated(_GPT2, "GPT-2 small (124M): vocab 50257, context 1024, d 768, 12 layers, tied head"),
+    "gpt2-split": Generated(
+        GPT2Conv1D,
+        "GPT-2 small (124M) as its reference code stores it: Conv1D weights (in, out), each mapped "
+        "'transposed'; c_attn (768, 2304) mapped {split: [768, 768, 768], transposed}, so q, k and v "
+        "are orthogonalised as three matrices",
+        gpt2_conv1d_groups,
+        _WRITTEN_OUT,
+    ),
+    "granite-moe": Generated(
+        moe_decoder,
+        "granite-3.0-1b-a400m config (ibm-granite/granite-3.0-1b-a400m-base: vocab 49152, d 1024, "
+        "16 heads / 8 KV heads, 32 experts of FFN 512, tied) with 1 of its 24 decoder layers; experts "
+        "fused as Transformers 5.x stores them: gate_up_proj (32, 1024, 1024) mapped {batch_dims: 1, "
+        "split: [512, 512]} and down_proj (32, 1024, 512) mapped 'experts'; router (32, 1024) and "
+        "attention q/k/v/o as plain matrices",
+        moe_groups,
+        _WRITTEN_OUT,
+    ),
+    "llama-1b": Generated(
         _Llama,
         "Llama 3.2 1B config: vocab 128256, d 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192, tied",
     ),
-    "resnet50": (_ResNet, "ResNet-50: bottlenecks [3, 4, 6, 3], 1000 classes (He et al. 2016)"),
+    "resnet50": Generated(_ResNet, "ResNet-50: bottlenecks [3, 4, 6, 3], 1000 classes (He et al. 2016)"),
 }
 
 WORKLOADS = (*YOLO_MODELS, *GENERATED)
 
 
 def generated_manifest(name: str) -> Manifest:
-    build, source = GENERATED[name]
+    return manifest_of(GENERATED[name], name)
+
+
+def manifest_of(workload: Generated, name: str) -> Manifest:
+    """``workload``'s manifest: its model built on the meta device and grouped, at the usual
+    Muon hyperparameters for the matrices and an AdamW-like learning rate for the rest."""
     with torch.device("meta"):
-        model = build()
-    groups = [{**g, **(_MATRIX_GROUP if g["use_muon"] else _OTHER_GROUP)} for g in param_groups(model)]
-    return manifest_from_module(model, groups, name=name, source=source + "; groups: fastmuon.param_groups")
+        model = workload.build()
+    groups = [{**g, **(_MATRIX_GROUP if g["use_muon"] else _OTHER_GROUP)} for g in workload.grouping(model)]
+    source = f"{workload.source}; {workload.grouping_note}"
+    return manifest_from_module(model, groups, name=name, source=source)
 
 
 def bundled_manifest(name: str) -> Manifest:
