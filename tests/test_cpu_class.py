@@ -35,12 +35,44 @@ def bf16_cpu(monkeypatch):
 def test_cpu_class_is_read_from_the_flags(monkeypatch, flags, expected):
     monkeypatch.delenv("FASTMUON_CPU_CLASS", raising=False)
     monkeypatch.setattr(compute, "_cpu_flags", lambda: flags)
-    compute._detected_cpu_class.cache_clear()
+    compute._hardware_cpu_class.cache_clear()
     try:
         assert compute.cpu_class() == expected
         assert default_cost_model("cpu") is CPU_COST_MODELS[expected]
     finally:
-        compute._detected_cpu_class.cache_clear()
+        compute._hardware_cpu_class.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "cap, expected",
+    [
+        ("AVX2", "no_bf16"),
+        ("avx512_core", "no_bf16"),
+        ("AVX512_CORE_BF16", "avx512_bf16"),
+        ("ALL", "amx_bf16"),
+    ],
+)
+def test_a_onednn_isa_cap_lowers_the_class_and_where_bf16_runs(monkeypatch, cap, expected):
+    """Capping oneDNN below bf16 instructions (``ONEDNN_MAX_CPU_ISA``) makes bf16 matmuls emulated,
+    so the CPU plans, and runs bf16 requests, as one without them."""
+    monkeypatch.delenv("FASTMUON_CPU_CLASS", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(compute, "_cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
+    compute._hardware_cpu_class.cache_clear()
+    compute._hardware_native.cache_clear()
+    try:
+        assert compute.cpu_class() == expected
+        native = expected != "no_bf16"
+        assert compute.compute_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if native else torch.float32)
+    finally:
+        compute._hardware_cpu_class.cache_clear()
+        compute._hardware_native.cache_clear()
+
+
+def test_forcing_the_class_without_bf16_runs_bf16_requests_in_fp32(monkeypatch):
+    monkeypatch.setenv("FASTMUON_CPU_CLASS", "no_bf16")
+    assert compute.compute_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert compute.compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
 
 
 def test_each_class_has_its_constants(monkeypatch):

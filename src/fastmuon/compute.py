@@ -92,8 +92,34 @@ def cpu_class() -> str:
     return _detected_cpu_class()
 
 
-@functools.cache
+#: ``ONEDNN_MAX_CPU_ISA`` values that leave oneDNN (which runs torch's CPU bf16/fp16 matmuls) no
+#: bf16 dot-product instructions, and those that leave it no AMX tiles (or no fp16 ones).
+ONEDNN_NO_BF16 = frozenset(
+    {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+)
+ONEDNN_NO_AMX = ONEDNN_NO_BF16 | {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512"}
+ONEDNN_NO_FP16 = ONEDNN_NO_BF16 | {"AVX512_CORE_BF16", "AVX512_CORE_AMX"}
+
+
+def onednn_isa_cap() -> str | None:
+    """The instruction-set cap oneDNN runs under (``ONEDNN_MAX_CPU_ISA``), if one is set: a CPU
+    capped below its bf16 instructions computes bf16 matmuls in emulation, as one without them."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return cap.upper() if cap else None
+
+
 def _detected_cpu_class() -> str:
+    cls = _hardware_cpu_class()
+    cap = onednn_isa_cap()
+    if cap in ONEDNN_NO_BF16:
+        return "no_bf16"
+    if cap in ONEDNN_NO_AMX and cls == "amx_bf16":
+        return "avx512_bf16"
+    return cls
+
+
+@functools.cache
+def _hardware_cpu_class() -> str:
     flags = _cpu_flags()
     if flags is None:
         return "avx512_bf16" if _native_is_fast(torch.bfloat16, torch.get_num_threads()) else "no_bf16"
@@ -103,9 +129,22 @@ def _detected_cpu_class() -> str:
     return "no_bf16"
 
 
-@functools.cache
 def _native_is_fast(dtype: torch.dtype, threads: int) -> bool:
-    """Does this CPU have matmul instructions for ``dtype``? Read from the CPU flags on Linux
+    """Does this CPU have matmul instructions for ``dtype``, and may torch use them? Not where
+    ``FASTMUON_CPU_CLASS=no_bf16`` says so (bf16) or oneDNN is capped below them."""
+    cap = onednn_isa_cap()
+    if dtype == torch.bfloat16 and (
+        os.environ.get("FASTMUON_CPU_CLASS") == "no_bf16" or cap in ONEDNN_NO_BF16
+    ):
+        return False
+    if dtype == torch.float16 and cap in ONEDNN_NO_FP16:
+        return False
+    return _hardware_native(dtype, threads)
+
+
+@functools.cache
+def _hardware_native(dtype: torch.dtype, threads: int) -> bool:
+    """Does the CPU have matmul instructions for ``dtype``? Read from the CPU flags on Linux
     (deterministic, unlike a timing on a shared machine); elsewhere, time a small product."""
     del threads  # part of the cache key: a timing can depend on the thread count
     flags = _cpu_flags()

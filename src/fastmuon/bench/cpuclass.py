@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-from ..compute import _cpu_flags, compute_dtype
+from ..compute import _cpu_flags, compute_dtype, onednn_isa_cap
 from ..compute import cpu_class as planner_class
 
 _X86 = ("x86_64", "amd64", "i386", "i686")
@@ -50,14 +50,20 @@ def cpu_facts() -> dict[str, str]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "planner_class": planner_class(),  # whose cost constants the planner uses
         "bf16_ns_runs_in": str(runs_in).removeprefix("torch."),
+        "onednn_isa_cap": onednn_isa_cap() or "",  # ONEDNN_MAX_CPU_ISA: bf16 units unused below it
     }
 
 
 def describe_cpu(facts: dict[str, str]) -> str:
     """One line for the report header."""
     native = facts["bf16_ns_runs_in"] == "bfloat16"
-    how = "natively in bf16" if native else f"in {facts['bf16_ns_runs_in']} (no bf16 matmul units here)"
+    cap = facts.get("onednn_isa_cap")
+    units = (
+        f"oneDNN capped at {cap}: no bf16 matmul instructions in use" if cap else "no bf16 matmul units here"
+    )
+    how = "natively in bf16" if native else f"in {facts['bf16_ns_runs_in']} ({units})"
+    capped = f", oneDNN ISA capped at {cap}" if cap else ""
     return (
-        f"CPU class {facts['cpu_class']} (torch kernels: {facts['cpu_capability']}): "
+        f"CPU class {facts['cpu_class']} (torch kernels: {facts['cpu_capability']}{capped}): "
         f"fastmuon's bf16 Newton–Schulz runs {how}"
     )
