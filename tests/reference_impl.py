@@ -40,6 +40,22 @@ def adjust(mode: str, shape) -> float:
     }[mode]
 
 
+def ema_update(p, g, state, beta, nesterov):
+    """Muon's EMA momentum ``M ← β·M + (1−β)·g``; returns the update (Nesterov: ``β·M + (1−β)·g``)."""
+    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
+    M.copy_(beta * M + (1 - beta) * g)
+    return beta * M + (1 - beta) * g if nesterov else M
+
+
+def sgd_step(p, g, state, key, lr, beta, nesterov, weight_decay):
+    """SGD with heavy-ball momentum and coupled weight decay (the buffer under ``key``)."""
+    g2 = g + weight_decay * p
+    B = state.setdefault(key, torch.zeros_like(p))
+    B.copy_(beta * B + g2)
+    upd = g2 + beta * B if nesterov else B
+    p.copy_(p - lr * upd)
+
+
 def musgd_reference_step(
     p,
     g,
@@ -61,19 +77,12 @@ def musgd_reference_step(
     beta = momentum
     muon_group = use_muon if use_muon is not None else p.ndim >= 2
     if muon_group and p.ndim >= 2:
-        M = state.setdefault("momentum_buffer", torch.zeros_like(p))
-        M.copy_(beta * M + (1 - beta) * g)
-        U = beta * M + (1 - beta) * g if nesterov else M
+        U = ema_update(p, g, state, beta, nesterov)
         O = ns_reference(U.reshape(U.shape[0], -1), ns_steps, coefficients, eps).reshape(p.shape)
         O = O.to(p.dtype) * adjust(adjust_lr, p.shape)
         p.copy_(p - lr * muon * O)
     key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
-    scale = sgd if muon_group else 1.0
-    g2 = g + weight_decay * p
-    B = state.setdefault(key, torch.zeros_like(p))
-    B.copy_(beta * B + g2)
-    upd = g2 + beta * B if nesterov else B
-    p.copy_(p - lr * scale * upd)
+    sgd_step(p, g, state, key, lr * (sgd if muon_group else 1.0), beta, nesterov, weight_decay)
 
 
 def muon_reference_step(
@@ -92,9 +101,7 @@ def muon_reference_step(
 ):
     """One Muon step on one matrix parameter."""
     beta = momentum
-    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
-    M.copy_(beta * M + (1 - beta) * g)
-    U = beta * M + (1 - beta) * g if nesterov else M
+    U = ema_update(p, g, state, beta, nesterov)
     O = ns_reference(U.reshape(U.shape[0], -1), ns_steps, coefficients, eps).reshape(p.shape)
     p.copy_(p * (1 - lr * weight_decay))
     p.copy_(p - lr * adjust(adjust_lr_fn or "original", p.shape) * O.to(p.dtype))
@@ -144,9 +151,7 @@ def muon_reference_pieces(
 ):
     """One Muon step on a tensor holding several matrices (see :func:`_piece_updates`)."""
     beta = momentum
-    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
-    M.copy_(beta * M + (1 - beta) * g)
-    U = beta * M + (1 - beta) * g if nesterov else M
+    U = ema_update(p, g, state, beta, nesterov)
     update = _piece_updates(
         U, pieces, ns_steps, coefficients, eps, lambda s: adjust(adjust_lr_fn or "original", s)
     )
@@ -174,13 +179,7 @@ def musgd_reference_pieces(
     """One MuSGD step on a tensor holding several matrices: the Muon half per matrix, the SGD
     half on the whole tensor."""
     beta = momentum
-    M = state.setdefault("momentum_buffer", torch.zeros_like(p))
-    M.copy_(beta * M + (1 - beta) * g)
-    U = beta * M + (1 - beta) * g if nesterov else M
+    U = ema_update(p, g, state, beta, nesterov)
     update = _piece_updates(U, pieces, ns_steps, coefficients, eps, lambda s: adjust(adjust_lr, s))
     p.copy_(p - lr * muon * update.to(p.dtype))
-    g2 = g + weight_decay * p
-    B = state.setdefault("momentum_buffer_SGD", torch.zeros_like(p))
-    B.copy_(beta * B + g2)
-    upd = g2 + beta * B if nesterov else B
-    p.copy_(p - lr * sgd * upd)
+    sgd_step(p, g, state, "momentum_buffer_SGD", lr * sgd, beta, nesterov, weight_decay)
