@@ -120,7 +120,8 @@ def test_bf16_class_runs_each_shape_in_the_faster_dtype(bf16_cpu):
 def test_bf16_gram_needs_the_class_and_a_wide_enough_bucket():
     args = dict(steps=5, dtype=torch.bfloat16)
     assert choose_method("auto", 256, 1152, narrowest=4.5, low_precision_gram=True, **args) == "gram"
-    assert choose_method("auto", 256, 768, narrowest=3, low_precision_gram=True, **args) == "standard"
+    assert choose_method("auto", 256, 768, narrowest=3, low_precision_gram=True, **args) == "gram"
+    assert choose_method("auto", 256, 384, narrowest=1.5, low_precision_gram=True, **args) == "standard"
     assert choose_method("auto", 256, 1152, narrowest=4.5, **args) == "standard"  # other classes
 
 

@@ -121,7 +121,7 @@ class CostModel:
     ``launch_seconds_by_dtype`` overrides the launch cost for kernels in one dtype (on CPUs a
     small bf16 matmul costs several times a small fp32 one). ``low_precision_gram``: whether
     Gram-space NS in bf16/fp16 (with restarts) competes, where it was measured to pay (CPUs with
-    bf16 matmul units, on buckets at least 4x as wide as tall)."""
+    bf16 matmul units, on buckets at least twice as wide as tall)."""
 
     launch_seconds: float
     seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
@@ -266,13 +266,14 @@ def choose_method(
     (``newton_schulz._iterate_eigh``) qualifies too, wherever the device's cost model prices it
     (``eigh``: CPUs). (The Gram loop on square buckets in that case measured no faster.)
     In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restart_interval``), which keeps
-    it in standard bf16 NS's band; it competes there where the cost model says it was measured
-    to pay (``low_precision_gram``) and every member is at least 4x as wide as tall (narrower,
-    its ``R×R`` products measured no faster than standard NS's passes over ``X``)."""
+    it in standard bf16 NS's band from twice as wide as tall on (random, graded and
+    ill-conditioned inputs at 128..768 rows, 2..3x as wide: errors against fp64 NS no larger);
+    it competes there where the cost model says it was measured to pay (``low_precision_gram``),
+    by FLOPs, which track its measured time against standard NS's on such CPUs."""
     if allowed != "auto":
         return allowed
     if dtype not in (torch.float32, torch.float64):
-        if low_precision_gram and narrowest >= 4:
+        if low_precision_gram and narrowest >= 2:
             return min(("standard", "gram"), key=lambda m: ns_flops(rows, cols, steps, m, dtype))
         return "standard"
     tolerant = requested in (torch.bfloat16, torch.float16)
