@@ -173,15 +173,38 @@ def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov,
         assert torch.count_nonzero(padding) == 0
 
 
-def test_no_ns_input_views_where_the_compute_dtype_differs():
-    """bf16 parameters whose NS runs in fp32 (this CPU, or any with ``ns_dtype=float32``) are cast
-    while packing, so the engine offers no views to write into; the step still packs them."""
-    params = make_params([(8, 4, 3, 3), (12, 20)], dtype=torch.bfloat16)
-    opt = MuSGD(params, lr=0.02, momentum=0.9, use_muon=True, ns_dtype=torch.float32)
-    run_optimizer(opt, params, make_grads(params, steps=2))
-    (eng,) = opt._plans.values()
-    assert eng.input_views([p.dtype for p in params]) is None
-    assert all(torch.isfinite(p).all() for p in params)
+@pytest.mark.parametrize(
+    "param_dtype, ns_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float32)],
+)
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_momentum_written_into_ns_inputs_of_another_dtype_is_the_packed_step(
+    param_dtype, ns_dtype, nesterov, monkeypatch
+):
+    """Where NS runs in another dtype than the parameters, the momentum step writes each input
+    into its bucket slot rounded once on the store: bit for bit the step that computes the
+    momentum in the parameters' dtype and casts it while packing."""
+    from fastmuon import compute
+    from fastmuon.engine import Orthogonalizer
+
+    shapes = [(8, 4, 3, 3), (12, 20), (30, 6)]
+    params = make_params(shapes, dtype=param_dtype)
+    grads = make_grads(params, steps=3)
+    runs = []
+    with compute.cpu_low_precision("native"):  # bf16 NS in bf16 on any CPU
+        for views in (True, False):
+            if not views:
+                monkeypatch.setattr(Orthogonalizer, "input_views", lambda self, dtypes: None)
+            ours = clone_params(params)
+            opt = MuSGD(ours, lr=0.02, momentum=0.9, nesterov=nesterov, use_muon=True, ns_dtype=ns_dtype)
+            run_optimizer(opt, ours, grads)
+            (eng,) = opt._plans.values()
+            if views:
+                inputs = eng.input_views([p.dtype for p in ours])
+                assert {t.dtype for t in inputs} == {ns_dtype}
+                assert not any(eng._buffers[b] is None for b in range(len(eng.plan.buckets)))
+            runs.append([p.detach().clone() for p in ours])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_eigh_route_through_the_engine_is_exact_with_padding():

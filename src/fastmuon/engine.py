@@ -329,23 +329,22 @@ class Orthogonalizer:
 
     def input_views(self, dtypes: Sequence[torch.dtype]) -> list[Tensor] | None:
         """Where NS reads each tensor from: a view of its slot in its bucket's buffer, in the
-        tensor's own shape (``dtypes``: the tensors' dtypes, as given to ``__call__``). A caller that writes its sources there itself (e.g. the momentum step,
-        with ``out=``) and passes these views back as the sources skips packing: on yolo26n that
-        saves a fresh tensor per matrix and two copies of the whole set.
+        tensor's own shape and in the bucket's NS dtype (``dtypes``: the tensors' dtypes, as given
+        to ``__call__``). A caller that writes its sources there itself (e.g. the momentum step,
+        with ``out=``, rounding each value once to the slot's dtype where it differs) and passes
+        these views back as the sources skips packing: on yolo26n that saves a fresh tensor per
+        matrix and two copies of the whole set.
 
-        CPU only, and only where every bucket computes in its tensors' dtype (else ``None``, and
-        the sources are packed, cast included): on a GPU the strided per-tensor writes would cost
-        a launch per matrix, where a pack costs two. Never while ``torch.compile`` traces the
-        step (see :func:`_compiling`).
+        CPU only (else ``None``, and the sources are packed, cast included): on a GPU the strided
+        per-tensor writes would cost a launch per matrix, where a pack costs two. Never while
+        ``torch.compile`` traces the step (see :func:`_compiling`).
         """
         if _compiling():
             return None
         if self._input_views is None:
             views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
             for b, bucket in enumerate(self.plan.buckets):
-                if bucket.device.type != "cpu" or any(
-                    dtypes[m.index] != bucket.dtype for m in bucket.members
-                ):
+                if bucket.device.type != "cpu":
                     views = []
                     break
                 buf = self.buffer(b, bucket.device)

@@ -17,7 +17,7 @@ from .compute import compute_dtype
 from .engine import NSConfig
 from .newton_schulz import newton_schulz
 from .program import Gather, Scalar, apply_scaled_, scale_limit
-from .transforms import ema_momentum_, partition
+from .transforms import ema_momentum_, ema_momentum_cast_, partition
 
 
 @dataclass
@@ -80,9 +80,9 @@ class MatrixProgram:
     Built from one step's items; each later step with the same equality classes of
     hyperparameters (see :mod:`fastmuon.program`) runs the same calls with that step's values:
     one ``lerp`` per momentum part, the plan's NS, one decay call, one ``add_`` per scale class.
-    Where the engine offers its input buffers (a CPU, NS in the parameters' dtype) the momentum
-    step writes each matrix's NS input straight into its bucket slot: one pass over the matrices
-    and no packing copy.
+    Where the engine offers its input buffers (a CPU) the momentum step writes each matrix's NS
+    input straight into its bucket slot, rounded to the bucket's NS dtype on the store: one pass
+    over the matrices and no packing copy.
     """
 
     def __init__(
@@ -118,13 +118,16 @@ class MatrixProgram:
         self.engine = engine_for(self.params, self.configs) if engine_for is not None and ordered else None
         views = getattr(self.engine, "input_views", None)
         inputs = views(self.dtypes) if views is not None else None
-        self.parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None]] = []
+        # per part: buffers, gradient picks, group, NS input views (or None), and the momentum
+        # step that writes them (casting where a view's dtype is not the buffers')
+        self.parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] = []
         start = 0
         for part in parts:
             out = inputs[start : start + len(part)] if inputs is not None else None
-            self.parts.append(
-                ([i.buf for i in part], Gather([position[id(i)] for i in part]), part[0].group, out)
-            )
+            bufs = [i.buf for i in part]
+            casting = out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs))
+            momentum = ema_momentum_cast_ if casting else ema_momentum_
+            self.parts.append((bufs, Gather([position[id(i)] for i in part]), part[0].group, out, momentum))
             start += len(part)
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
@@ -145,8 +148,8 @@ class MatrixProgram:
             grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
-        for bufs, pick, g, out in self.parts:
-            sources += ema_momentum_(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
+        for bufs, pick, g, out, momentum in self.parts:
+            sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
         # 2. orthogonalise, one NS call per bucket of the cached plan
         updates = ns(sources, keep)  # keep: one flag per gradient, picked at keep_positions
         # 3-4. decay, scale and apply

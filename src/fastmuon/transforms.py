@@ -38,6 +38,22 @@ def ema_momentum_(
     return out
 
 
+def ema_momentum_cast_(
+    bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor]
+) -> list[Tensor]:
+    """:func:`ema_momentum_` writing the update into ``out`` of other dtypes (e.g. bf16 views of
+    NS input buffers for fp32 momentum): each value is computed in the buffers' dtype and
+    rounded once on the store, as computing it and then casting does, in one pass instead of
+    a fresh tensor and a casting copy."""
+    torch._foreach_lerp_(bufs, grads, 1 - beta)
+    if nesterov:
+        for g, m, o in zip(grads, bufs, out):
+            torch.lerp(g, m, beta, out=o)
+    else:
+        torch._foreach_copy_(out, bufs)
+    return out
+
+
 def fusable(p: Tensor, *others: Tensor) -> bool:
     """Whether torch's fused CPU optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
     and its gradient and state (``others``) right. They walk the tensors' memory in step without
