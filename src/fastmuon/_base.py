@@ -510,15 +510,6 @@ class MatrixOptimizer(Optimizer):
         return self._global_of.get(id(p), p)
 
     # ----- the batching plan --------------------------------------------------------------
-    def _ns_inputs(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> list[Tensor] | None:
-        """Where the plan's NS reads each matrix's source from, for the momentum step to write
-        there directly (see :meth:`Orthogonalizer.input_views`); ``None``: hand the sources over
-        to :meth:`orthogonalize` as tensors."""
-        engine = self._engine(params, configs)
-        if not isinstance(engine, Orthogonalizer):
-            return None  # distributed engines exchange the sources themselves
-        return engine.input_views([p.dtype for p in params])
-
     def _orthogonalize(
         self,
         sources: Sequence[Tensor],

@@ -327,10 +327,9 @@ class Orthogonalizer:
             buf = self._buffers[b] = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
         return buf
 
-    def input_views(self, dtypes: Sequence[torch.dtype]) -> list[Tensor] | None:
+    def input_views(self) -> list[Tensor] | None:
         """Where NS reads each tensor from: a view of its slot in its bucket's buffer, in the
-        tensor's own shape and in the bucket's NS dtype (``dtypes``: the tensors' dtypes, as given
-        to ``__call__``). A caller that writes its sources there itself (e.g. the momentum step,
+        tensor's own shape and in the bucket's NS dtype. A caller that writes its sources there itself (e.g. the momentum step,
         with ``out=``, rounding each value once to the slot's dtype where it differs) and passes
         these views back as the sources skips packing: on yolo26n that saves a fresh tensor per
         matrix and two copies of the whole set.

@@ -117,7 +117,7 @@ class MatrixProgram:
         # the plan's executor, and where it reads each source from (momentum is written there)
         self.engine = engine_for(self.params, self.configs) if engine_for is not None and ordered else None
         views = getattr(self.engine, "input_views", None)
-        inputs = views(self.dtypes) if views is not None else None
+        inputs = views() if views is not None else None
         # per part: buffers, gradient picks, group, NS input views (or None), and the momentum
         # step that writes them (casting where a view's dtype is not the buffers')
         self.parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] = []
