@@ -10,6 +10,7 @@ steps, so the zero padding is written once.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from .compute import compute_dtype, wider_dtype
 from .layout import memory_order
-from .matrices import MatrixMap, MatrixMapSpec, maps_of
+from .matrices import MatrixMapSpec, maps_of
 from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
 from .nonfinite import zero_rejected_
 from .planner import (
@@ -562,16 +563,6 @@ def compiled_kernel(method: str):
     return torch.compile(METHODS[method], fullgraph=True, dynamic=False)
 
 
-def _assemble(t: Tensor, m: MatrixMap, results: Sequence[Tensor], start: int, dtype: torch.dtype) -> Tensor:
-    """``t``'s orthogonalised matrices (``results[start:]``, in ``m``'s order) as one tensor."""
-    if m.is_flatten:
-        return results[start]
-    out = torch.empty(t.shape, dtype=dtype, device=t.device)
-    for k, box in enumerate(m.boxes(t.shape)):
-        out[box] = results[start + k]
-    return out
-
-
 def _memory_flat(t: Tensor, layout: TensorLayout) -> Tensor:
     """``t``'s elements in the planned layout's memory order, as a 1-D tensor (a view when ``t``
     has the planned strides; a contiguous one takes one view op, not two)."""
@@ -673,9 +664,10 @@ def orthogonalize(
             cost_model,
             method,
         )
+        starts = [0, *itertools.accumulate(map(len, pieces))]
         return [
-            _assemble(t, m, flat, sum(map(len, pieces[:i])), dtype)
-            for i, (t, m) in enumerate(zip(tensors, maps))
+            flat[a] if m.is_flatten else m.assemble(t.shape, flat[a:b], dtype, t.device)
+            for t, m, a, b in zip(tensors, maps, starts, starts[1:])
         ]
     config = NSConfig.make(steps, coefficients, eps, dtype, method)
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
+import torch
 from torch import Tensor
 
 #: What a group's ``matrices`` entry holds: a map (string or dict), or a list of maps, one per parameter.
@@ -141,6 +142,15 @@ class MatrixMap:
         # parts[k][e]: part k of matrix e; boxes run batch-major (matrix e's parts together)
         parts = [part.unbind(0) for part in batched.split(cut, dim=self.stored_dim() - b + 1)]
         return [part[e] for e in range(batched.shape[0]) for part in parts]
+
+    def assemble(
+        self, shape: Sequence[int], results: Sequence[Tensor], dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """One tensor of ``shape`` from its matrices' results (in :meth:`boxes` order)."""
+        out = torch.empty(tuple(shape), dtype=dtype, device=device)
+        for box, result in zip(self.boxes(shape), results):
+            out[box] = result
+        return out
 
     # ----- spec round trip ----------------------------------------------------------------
     def plain(self) -> str | dict[str, Any]:

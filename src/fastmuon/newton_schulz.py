@@ -123,12 +123,13 @@ def newton_schulz(
     if matrices is not None:
         m = parse(matrices)
         m.check(X.shape)
-        out = torch.empty(X.shape, dtype=dtype, device=X.device)
-        for box, piece in zip(m.boxes(X.shape), m.views(X)):
-            out[box] = newton_schulz(
-                piece.reshape(piece.shape[0], -1), steps, coefficients, eps, dtype, method
-            ).view(piece.shape)
-        return out
+        results = [
+            newton_schulz(piece.reshape(piece.shape[0], -1), steps, coefficients, eps, dtype, method).view(
+                piece.shape
+            )
+            for piece in m.views(X)
+        ]
+        return m.assemble(X.shape, results, dtype, X.device)
     if X.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a matrix (m, n) or a batch (b, m, n), got {X.ndim}D")
     if X.is_complex():
