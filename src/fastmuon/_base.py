@@ -234,7 +234,8 @@ class MatrixOptimizer(Optimizer):
         except ValueError as e:
             raise ValueError(f"{e} (in {where})") from None
 
-    def _is_matrix(self, group: dict[str, Any], p: Tensor) -> bool:
+    @staticmethod
+    def _is_matrix(group: dict[str, Any], p: Tensor) -> bool:
         """Whether ``p`` in ``group`` is orthogonalised (else updated elementwise)."""
         raise NotImplementedError
 

@@ -169,7 +169,8 @@ class Muon(MatrixOptimizer):
                     )
         self._check_matrix_maps(group, where)
 
-    def _is_matrix(self, group: dict[str, Any], p: Tensor) -> bool:
+    @staticmethod
+    def _is_matrix(group: dict[str, Any], p: Tensor) -> bool:
         use_muon = group.get("use_muon")
         return (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0
 
@@ -177,10 +178,9 @@ class Muon(MatrixOptimizer):
     def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
         """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
         creates them."""
-        use_muon = group.get("use_muon")
-        if (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0:
+        if Muon._is_matrix(group, p):
             return {"momentum_buffer": EMA}
-        if use_muon is True:
+        if group.get("use_muon") is True:
             return {}
         return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
 

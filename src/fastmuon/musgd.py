@@ -201,7 +201,8 @@ class MuSGD(MatrixOptimizer):
             )
         self._check_matrix_maps(group, where)
 
-    def _is_matrix(self, group: dict[str, Any], p: Tensor) -> bool:
+    @staticmethod
+    def _is_matrix(group: dict[str, Any], p: Tensor) -> bool:
         return group["use_muon"] and p.ndim >= 2 and p.numel() > 0
 
     @staticmethod
@@ -210,7 +211,7 @@ class MuSGD(MatrixOptimizer):
         creates them."""
         if not group["use_muon"]:
             return {"momentum_buffer": HEAVY_BALL}
-        if p.ndim >= 2 and p.numel() > 0:
+        if MuSGD._is_matrix(group, p):
             return {"momentum_buffer": EMA, "momentum_buffer_SGD": HEAVY_BALL}
         return {"momentum_buffer_SGD": HEAVY_BALL}
 
