@@ -269,13 +269,12 @@ class ShardedOrthogonalizer:
     def __init__(
         self,
         plan: Plan,
-        shapes: Sequence[tuple[int, ...]],
+        matrices: Sequence[ShardedMatrix],
         configs: dict[Hashable, NSConfig],
         group: dist.ProcessGroup,
         compile: bool = False,
-        rows: Sequence[Sequence[int]] | None = None,
     ):
-        self.plan, self.shapes, self.group = plan, [tuple(s) for s in shapes], group
+        self.plan, self.shapes, self.group = plan, [m.shape for m in matrices], group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.units = assign_work(plan, self.world)
         layouts = [_contiguous_layout(s) for s in self.shapes]
@@ -287,11 +286,7 @@ class ShardedOrthogonalizer:
             self._engines[dtype] = Orthogonalizer(
                 local_plan, [layouts[i] for i in index], configs, compile=compile
             )
-        # rows of each matrix each rank holds: Shard(0)'s chunks of a whole parameter, or given
-        # (a matrix cut out of a parameter, see ShardedMatrix)
-        self._rows = (
-            [shard_rows(s[0], self.world) for s in self.shapes] if rows is None else [list(r) for r in rows]
-        )
+        self._rows = [list(m.rows) for m in matrices]  # rows of each matrix each rank holds
         self._cols = [math.prod(s[1:]) for s in self.shapes]
         self._row_starts = [[sum(rows[:r]) for r in range(self.world)] for rows in self._rows]
         # per NS dtype: the matrices each rank owns, in unit and slot order
@@ -570,12 +565,7 @@ def build_distributed(
             plan = _plan(opt, specs, [configs[i] for i in spread], policy, group)
             configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
             exchanged = ShardedOrthogonalizer(
-                plan,
-                [matrices[i].shape for i in spread],
-                configs_by_key,
-                group,
-                compile=opt.compile,
-                rows=[matrices[i].rows for i in spread],
+                plan, [matrices[i] for i in spread], configs_by_key, group, compile=opt.compile
             )
             if len(spread) == len(params):
                 return exchanged
