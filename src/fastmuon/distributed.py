@@ -441,10 +441,8 @@ def sharded_pieces(opt: MatrixOptimizer, m: MatrixMap, p: Any, grad: Any, buf: A
     another rank is that rank's alone. Every rank computes every box from the global shape, so
     all agree on which pieces are exchanged.
     """
-    from torch.distributed.tensor import Shard
-
     for t in (p, grad):
-        if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        if not _shard0_on_1d_mesh(t):
             raise ValueError(
                 f"a DTensor of shape {tuple(p.shape)} has placements {tuple(t.placements)} on a "
                 f"{t.device_mesh.ndim}-D mesh; {type(opt).__name__} orthogonalises the matrices of "
@@ -485,9 +483,14 @@ def sharded_pieces(opt: MatrixOptimizer, m: MatrixMap, p: Any, grad: Any, buf: A
 
 def _cut(boxes: tuple[Box, ...], t: Tensor) -> list[Tensor]:
     """A step's local gradient shard cut into this rank's pieces (see :func:`sharded_pieces`)."""
-    if is_dtensor(t):
-        t = t.to_local()
     return [t[box] for box in boxes]
+
+
+def _shard0_on_1d_mesh(t: Any) -> bool:
+    """Whether DTensor ``t`` is laid out as FSDP2 shards by default: ``Shard(0)`` on a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+
+    return t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
 
 
 class SplitShardedOrthogonalizer:
@@ -623,15 +626,13 @@ def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: tor
 
 def _mesh_group(opt: MatrixOptimizer) -> dist.ProcessGroup:
     """The process group of the mesh every sharded parameter lives on (checked: Shard(0), 1-D)."""
-    from torch.distributed.tensor import Shard
-
     mesh = None
     for group in opt.param_groups:
         for j, p in enumerate(group["params"]):
             if not is_dtensor(p):
                 continue
             mesh = p.device_mesh if mesh is None else mesh
-            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            if not _shard0_on_1d_mesh(p):
                 raise ValueError(
                     f"{opt._param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
                     f"on a {p.device_mesh.ndim}-D mesh; {type(opt).__name__} supports FSDP2's "
