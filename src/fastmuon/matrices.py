@@ -95,11 +95,8 @@ class MatrixMap:
         """The sizes the split dim is cut into, or None when nothing is cut."""
         if self.split is not None:
             return self.split
-        if self.heads is not None:
-            size = shape[self.stored_dim()]
-            if size % self.heads:
-                return (size // self.heads + 1,) * self.heads  # reported as not adding up by check()
-            return (size // self.heads,) * self.heads
+        if self.heads is not None:  # equal parts (check() refuses a count that does not divide)
+            return (shape[self.stored_dim()] // self.heads,) * self.heads
         return None
 
     def boxes(self, shape: Sequence[int]) -> list[Box]:
