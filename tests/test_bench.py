@@ -218,6 +218,7 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     for r in (ours, loop, sgd):
         assert r["skipped"] is None and r["steps_timed"] == 1
         assert r["host_ms"] > 0  # Python around the ops, profiled
+        assert r["python_calls"] > 1  # the step and what it calls
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["max_ms"]
         assert r["kernels_per_step"] > 0 and r["state_bytes"] > 0 and r["peak_extra_bytes"] >= 0
     useful = sum(5 * (4 * m * m * n + 2 * m**3) for m, n in [(8, 36), (8, 16), (8, 16)])
@@ -316,6 +317,29 @@ def test_host_time_counts_the_python_around_the_ops_and_not_the_ops():
     p.grad = torch.randn(8, 8)
     opt = torch.optim.SGD([p], lr=0.1, foreach=True)
     assert host_ms(opt.step) > 0  # torch's own "Optimizer.step#SGD.step" region is looked through
+
+
+def test_python_calls_counts_every_call_a_step_makes_from_python():
+    import sys
+
+    from fastmuon.bench.hosttime import python_calls
+
+    a = torch.randn(4, 4)
+
+    def helper():
+        return torch.mm(a, a)  # a built-in: one call
+
+    def step():
+        helper()
+        helper()
+        len(())
+
+    # step, twice (helper + torch.mm), len
+    assert python_calls(step) == 1 + 2 * 2 + 1
+    assert python_calls(lambda: None) == 1
+    previous = sys.getprofile()
+    python_calls(step)
+    assert sys.getprofile() is previous  # the caller's profiler, if any, is back in place
 
 
 # ----- CPU class ----------------------------------------------------------------------------------

@@ -178,10 +178,11 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
         for r in part.get("bench", {}).get("results", []):
             if r.get("median_ms"):
                 host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.2f}"
-                kernels = r.get("kernels_per_step")
+                kernels, calls = r.get("kernels_per_step"), r.get("python_calls")
                 lines.append(
                     f"    {r['name']:<40} {r['median_ms']:9.2f} ms/step  host {host:>7} ms"
                     + (f"  {kernels} kernels" if kernels else "")
+                    + (f"  {calls} Python calls" if calls else "")
                 )
             elif r.get("skipped"):
                 lines.append(f"    {r['name']:<40} skipped: {r['skipped'][:90]}")

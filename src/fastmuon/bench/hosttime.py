@@ -23,7 +23,9 @@ REGION = "fastmuon.bench.step"
 #: how host time is measured, in one line (for the report)
 HOW = (
     "host ms/step: torch.profiler span of the step minus its outermost operator calls "
-    "(aten:: and other registered ops), i.e. the Python around the ops; median of {n} profiled steps"
+    "(aten:: and other registered ops), i.e. the Python around the ops; median of {n} profiled steps; "
+    "Python calls/step: the function calls one step makes from Python (Python functions and "
+    "built-ins, torch's ops among them), the same on any device"
 )
 
 
@@ -43,6 +45,31 @@ def host_ms(step: Callable[[], None], steps: int = 3) -> float:
     regions = [e for e in prof.events() if e.name == REGION and e.cpu_parent is None]
     per_step = [_outside_ops_us(e) / 1e3 for e in regions[1:]]
     return statistics.median(per_step)
+
+
+def python_calls(step: Callable[[], object]) -> int:
+    """How many function calls one call of ``step`` makes from Python, ``step`` itself included:
+    Python functions and built-ins (each torch op called from Python is one), counted with
+    :func:`sys.setprofile`.
+
+    A count, not a time: it is the same on any machine and device, while the profiler's host
+    time on a CPU also holds what long kernels leave behind (cold caches, page faults). The host
+    cost of a step on a GPU grows with it, and with the launches its ops make.
+    """
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event == "call" or event == "c_call":
+            calls += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(count)
+    try:
+        step()
+    finally:
+        sys.setprofile(previous)
+    return calls - 1  # the profiler's own removal is reported as a call of setprofile
 
 
 @contextlib.contextmanager
@@ -119,13 +146,22 @@ def _run_cli() -> None:  # pragma: no cover - a measuring tool, run by hand
     parser = argparse.ArgumentParser(description="Host time of fastmuon's step on a bench workload.")
     parser.add_argument("--model", default="yolo26n")
     parser.add_argument("--optimizer", default="musgd", choices=("musgd", "muon"))
+    parser.add_argument("--cost-model", default="device", choices=("device", "cpu", "cuda"))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     manifest = resolve_workload(args.model)
     params = materialize(manifest, torch.device("cpu"), seed=0)
-    wb = Workbench(manifest, params, torch.device("cpu"), args.optimizer, torch.bfloat16, "auto")
+    wb = Workbench(
+        manifest,
+        params,
+        torch.device("cpu"),
+        args.optimizer,
+        torch.bfloat16,
+        "auto",
+        cost_model=args.cost_model,
+    )
     contender = fastmuon_contender(wb)
     contender.step()  # builds the plan and the step program
     walls = []
@@ -134,9 +170,11 @@ def _run_cli() -> None:  # pragma: no cover - a measuring tool, run by hand
         contender.step()
         walls.append(time.perf_counter() - t0)
     host = host_ms(contender.step, args.steps)
+    calls = python_calls(contender.step)
     print(
-        f"{contender.name} on {args.model}: host {host:.2f} ms/step, "
-        f"wall {statistics.median(walls) * 1e3:.1f} ms/step (medians of {args.steps})"
+        f"{contender.name} on {args.model} (cost model {args.cost_model}): host {host:.2f} ms/step, "
+        f"{calls} Python calls/step, wall {statistics.median(walls) * 1e3:.1f} ms/step "
+        f"(medians of {args.steps})"
     )
 
 

@@ -32,7 +32,7 @@ from .contenders import (
     dtype_label,
 )
 from .counter import KernelCounter
-from .hosttime import host_ms
+from .hosttime import host_ms, python_calls
 from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest
 from .memory import peak_extra_bytes
@@ -77,6 +77,7 @@ class Result:
     times_ms: list[float] = field(default_factory=list)
     kernels_per_step: int | None = None
     host_ms: float | None = None  # Python time per step outside operator calls (see .hosttime)
+    python_calls: int | None = None  # function calls one step makes from Python (see .hosttime)
     top_ops: dict[str, int] = field(default_factory=dict)
     ns_flops: int | None = None
     ns_useful_flops: int | None = None
@@ -242,6 +243,7 @@ def run_benchmark(
                 peak, _ = peak_extra_bytes(c.step, device)
         _fill_static_figures(r, c, counter, peak)
         r.host_ms = round(host_ms(c.step, HOST_STEPS), 3)
+        r.python_calls = python_calls(c.step)
         active.append((c, steps))
         progress("ready", c.name, 1, 1)
 
