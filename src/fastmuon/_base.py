@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
+from . import compute
 from .calibrate import calibrated_cost_model
 from .checkpoint import adapt_state_dict
 from .distributed import is_dtensor
@@ -302,7 +303,7 @@ class MatrixOptimizer(Optimizer):
         """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no
         device waits) unless ``capturable``; a tensor on an accelerator, or any tensor when
         ``capturable``, stays a tensor (reading it would make the host wait for the device)."""
-        if isinstance(lr, Tensor) and not self.capturable and lr.device.type == "cpu":
+        if isinstance(lr, Tensor) and not self.capturable and compute.is_host(lr.device):
             return lr.item()
         return lr
 

@@ -49,6 +49,14 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def is_host(device: torch.device) -> bool:
+    """Whether ``device`` is the host's CPU, which takes the code paths only a CPU can: there a
+    read of a tensor's value makes nothing wait, an op per tensor costs no launch, memory kept
+    between steps costs no device memory, and torch's fused CPU optimizer kernels run. Every
+    such choice asks this, so that tests can run the accelerators' paths on CPU tensors."""
+    return device.type == "cpu"
+
+
 def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     """The dtype NS matmuls run in for a requested ``dtype`` on ``device``."""
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import compute
 from .compute import compute_dtype, wider_dtype
 from .layout import memory_order
 from .matrices import MatrixMapSpec, maps_of
@@ -308,7 +309,7 @@ class Orthogonalizer:
         up to :data:`REUSE_MAX_ROWS`, and not while ``torch.compile`` traces the step (see
         :func:`_compiling`)."""
         return (
-            batch.device.type == "cpu"
+            compute.is_host(batch.device)
             and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
             and not _compiling()
         )
@@ -344,7 +345,7 @@ class Orthogonalizer:
         if self._input_views is None:
             views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
             for b, bucket in enumerate(self.plan.buckets):
-                if bucket.device.type != "cpu":
+                if not compute.is_host(bucket.device):
                     views = []
                     break
                 buf = self.buffer(b, bucket.device)
@@ -429,7 +430,7 @@ class Orthogonalizer:
         dtype = dtypes[0]
         if dtypes.count(dtype) != len(dtypes):
             raise ValueError("tensors packed together must share one output dtype")
-        if self.result_views and out.dtype == dtype and out.device.type == "cpu":
+        if self.result_views and out.dtype == dtype and compute.is_host(out.device):
             # the step consumes the results at once: hand out views of the output, no unpacking
             # copy (views of a persistent buffer are made once: a view costs Python time per matrix)
             views = self._result_views[b] if out is self._outputs[b] else None

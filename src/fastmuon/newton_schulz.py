@@ -16,6 +16,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
+from . import compute
 from .matrices import MatrixMapSpec, parse
 
 Coefficients = tuple[float, float, float]
@@ -224,7 +225,7 @@ def _host_check_is_free(X: Tensor) -> bool:
         return False
     return (
         HOST_READS.get()
-        and X.device.type == "cpu"
+        and compute.is_host(X.device)
         and X.dtype in (torch.float32, torch.float64, torch.bfloat16)
     )
 
@@ -249,7 +250,7 @@ def _max_abs(X: Tensor) -> Tensor:
     """Largest |entry| of each matrix (NaN if any is NaN). On a CPU the inf-norm kernel is
     10-20x slower than a max and a min (measured; ``aminmax`` is slower still), so it is computed
     from those there."""
-    if X.device.type == "cpu":
+    if compute.is_host(X.device):
         return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
     return torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
 

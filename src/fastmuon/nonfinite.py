@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import compute
 from .inflight import InFlight
 from .layout import memory_order
 from .program import Gather
@@ -52,7 +53,7 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
 def _max_abs(tensors: list[Tensor]) -> Tensor:
     """Each tensor's largest |entry|, stacked. On a CPU the fused inf-norm runs one slow kernel
     per tensor, slower than abs + max there."""
-    if tensors[0].device.type == "cpu":
+    if compute.is_host(tensors[0].device):
         return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
     return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
 

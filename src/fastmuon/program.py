@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import compute
+
 #: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
 Scalar = Any
 
@@ -60,7 +62,7 @@ class Gather:
 def scale_limit(device: torch.device) -> int:
     """How many distinct scales take one fused ``add_`` each before one scaling pass and one
     subtracting pass over all of them cost less: every call is a launch on a GPU."""
-    return 8 if device.type == "cpu" else 2
+    return 8 if compute.is_host(device) else 2
 
 
 def apply_scaled_(

@@ -15,6 +15,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from . import compute
+
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 
 T = TypeVar("T")
@@ -62,7 +64,7 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
     momentum buffer in torch 2.13, so fp32/fp64 only. Not under ``torch.compile`` (the ops have no fake kernel),
     and not on GPUs, where we could not test them."""
     return (
-        p.device.type == "cpu"
+        compute.is_host(p.device)
         and p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
@@ -75,7 +77,7 @@ def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
     by a Python number first wraps the number in a new tensor (five extra ops per tensor).
     It takes ``like``'s dtype, as
     that wrapping does, so the products are bit for bit the same (any other dtype rounds differently)."""
-    return torch.tensor(value, dtype=like.dtype) if like.device.type == "cpu" else value
+    return torch.tensor(value, dtype=like.dtype) if compute.is_host(like.device) else value
 
 
 def lr_scale(mode: str, shape: Sequence[int]) -> float:

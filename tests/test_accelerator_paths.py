@@ -1,0 +1,153 @@
+"""The code an accelerator runs, run on CPU tensors.
+
+Every choice fastmuon makes only on the host's CPU (reading a value on the host, writing momentum
+into the NS buffers one tensor at a time, keeping NS outputs between steps, torch's fused CPU
+kernels) asks :func:`fastmuon.compute.is_host`. With it answering "no", CPU tensors take the
+paths a GPU takes, so those paths are checked here against the per-parameter fp32 reference and
+for host reads, on any machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MIXED_SHAPES, rel_err
+from helpers import (
+    clone_params,
+    make_grads,
+    make_params,
+    run_checking_grads_untouched,
+    run_muon_reference,
+    run_musgd_reference,
+    run_optimizer,
+)
+from reference_impl import muon_reference_pieces, musgd_reference_pieces
+
+from fastmuon import Muon, MuSGD, compute
+from fastmuon.bench.hosttime import host_syncs
+from fastmuon.planner import COST_MODELS
+
+SHAPES = MIXED_SHAPES + [(24,), (7,)]
+MUSGD = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.5, sgd=0.5)
+MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+ADAMW = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+@pytest.fixture
+def accelerator_paths(monkeypatch):
+    monkeypatch.setattr(compute, "is_host", lambda device: False)
+
+
+def _musgd(params, **kw):
+    n = len(MIXED_SHAPES)
+    groups = [{"params": params[:n], "use_muon": True}, {"params": params[n:], "use_muon": False}]
+    return MuSGD(groups, **MUSGD, ns_dtype=torch.float32, cost_model=COST_MODELS["cuda"], **kw)
+
+
+def _muon(params, **kw):
+    n = len(MIXED_SHAPES)
+    groups = [{"params": params[:n], "use_muon": True}, {"params": params[n:], "use_muon": False}]
+    return Muon(
+        groups, **MUON, adamw_lr=ADAMW["lr"], ns_dtype=torch.float32, cost_model=COST_MODELS["cuda"], **kw
+    )
+
+
+def _reference(cls, params, grads):
+    n = len(MIXED_SHAPES)
+    groups = [(list(range(n)), {"use_muon": True}), ([n, n + 1], {"use_muon": False})]
+    if cls is MuSGD:
+        return run_musgd_reference(params, grads, groups, MUSGD)[0]
+    return run_muon_reference(params, grads, groups, MUON, ADAMW)[0]
+
+
+def _assert_accelerator_engine(opt):
+    """The step really took the accelerator's paths: nothing written into kept NS buffers."""
+    for engine in opt._plans.values():
+        assert engine.input_views() is None
+        assert all(out is None for out in engine._outputs)
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+@pytest.mark.parametrize("policy", ["auto", "exact", "min_launches"])
+def test_steps_are_the_reference_steps(accelerator_paths, cls, policy):
+    params = make_params(SHAPES, channels_last=(1, 2))
+    grads = make_grads(params, steps=3)
+    ours = clone_params(params)
+    opt = (_musgd if cls is MuSGD else _muon)(ours, policy=policy)
+    run_checking_grads_untouched(opt, ours, grads)
+    for o, r in zip(ours, _reference(cls, params, grads)):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+    _assert_accelerator_engine(opt)
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+def test_matrix_maps_give_the_reference_steps(accelerator_paths, cls):
+    """A stack of experts and a fused projection stored ``(in, out)``: every matrix cut out of
+    them takes the reference's step."""
+    params = [torch.nn.Parameter(torch.randn(4, 12, 20) * 0.1), torch.nn.Parameter(torch.randn(16, 36) * 0.1)]
+    maps = ["experts", {"split": [12, 12, 12], "transposed": True}]
+    pieces = [
+        [((e,), False) for e in range(4)],
+        [((slice(None), slice(12 * k, 12 * (k + 1))), True) for k in range(3)],
+    ]
+    hyper = MUSGD if cls is MuSGD else MUON
+    grads = make_grads(params, steps=3)
+    ours = clone_params(params)
+    opt = cls(
+        [{"params": ours, "matrices": maps, "use_muon": True}],
+        **hyper,
+        ns_dtype=torch.float32,
+        cost_model=COST_MODELS["cuda"],
+    )
+    run_optimizer(opt, ours, grads)
+    step_of = musgd_reference_pieces if cls is MuSGD else muon_reference_pieces
+    for i, p in enumerate(params):
+        ref, state = p.detach().clone(), {}
+        for g in grads:
+            step_of(ref, g[i], state, pieces[i], **hyper)
+        assert rel_err(ours[i].detach(), ref) <= 1e-5, i
+    _assert_accelerator_engine(opt)
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+@pytest.mark.parametrize("nonfinite", ["skip", "ignore"])
+def test_a_capturable_step_reads_nothing_on_the_host(accelerator_paths, cls, nonfinite):
+    """What a CUDA graph needs: after the step that builds the program, no op copies a value to
+    the host, with a tensor learning rate, and for a non-finite gradient too."""
+    params = make_params(SHAPES)
+    ours = clone_params(params)
+    opt = (_musgd if cls is MuSGD else _muon)(ours, capturable=True, nonfinite=nonfinite)
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(group["lr"])
+    grads = make_grads(params, steps=2)
+    run_optimizer(opt, ours, grads[:1])
+    for p, g in zip(ours, grads[1]):
+        p.grad = g.clone()
+    assert host_syncs(opt.step) == {}
+    ours[0].grad[0, 0, 0, 0] = float("nan")
+    assert host_syncs(opt.step) == {}
+    _assert_accelerator_engine(opt)
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+def test_skip_leaves_the_non_finite_parameter_and_its_state_unchanged(accelerator_paths, cls):
+    """``nonfinite="skip"`` decides on the device: the parameter with a NaN gradient and its
+    state stay as they were; every other parameter takes the reference's step."""
+    params = make_params(SHAPES)
+    grads = make_grads(params, steps=2)
+    ours = clone_params(params)
+    opt = (_musgd if cls is MuSGD else _muon)(ours, nonfinite="skip")
+    run_optimizer(opt, ours, grads[:1])
+    before = ours[3].detach().clone()
+    state_before = {k: v.clone() for k, v in opt.state[ours[3]].items() if isinstance(v, torch.Tensor)}
+    bad = [g.clone() for g in grads[1]]
+    bad[3][0, 0, 0, 0] = float("nan")
+    run_optimizer(opt, ours, [bad])
+    assert torch.equal(ours[3].detach(), before)
+    for k, v in opt.state[ours[3]].items():
+        if k in state_before:
+            assert torch.equal(v, state_before[k]), k
+    reference = _reference(cls, params, [grads[0], [None if i == 3 else g for i, g in enumerate(bad)]])
+    for i, (o, r) in enumerate(zip(ours, reference)):
+        if i != 3:
+            assert rel_err(o.detach(), r) <= 1e-5, o.shape
