@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from torch import nn
 
 import fastmuon
 from fastmuon.compute import cpu_low_precision
+from fastmuon.distributed import local_shard
 
 F32 = torch.float32
 MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
@@ -462,10 +465,9 @@ def count_builds(opt) -> list[int]:
 
 def local_tensors(opt, params) -> list[torch.Tensor]:
     """Every parameter and state buffer of ``opt`` (local shards where sharded)."""
-    local = fastmuon.distributed.local_shard
-    out = [local(p.detach()) for p in params]
+    out = [local_shard(p.detach()) for p in params]
     for p in params:
-        out += [local(v) for _, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
+        out += [local_shard(v) for _, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
     return out
 
 
@@ -484,6 +486,7 @@ def check_cached_against_fresh(name: str, make, grads_at) -> None:
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     (kept_net, kept), (fresh_net, fresh) = make(), make()
     builds, fresh_builds = count_builds(kept), count_builds(fresh)
+    grads = []  # weak references to the gradients of the steps that build a program
     for t, what in enumerate(SCHEDULE):
         for net, opt in ((kept_net, kept), (fresh_net, fresh)):
             params = list(net.parameters())
@@ -496,9 +499,11 @@ def check_cached_against_fresh(name: str, make, grads_at) -> None:
                 opt.invalidate()
             if what != "nan":
                 opt.step()
+                if t in (0, 2) and opt is kept:  # the steps that build its two programs
+                    grads += [weakref.ref(local_shard(p.grad)) for p in params if p.grad is not None]
                 continue
             if rank == last:
-                fastmuon.distributed.local_shard(picked.grad).view(-1)[0] = float("nan")
+                local_shard(picked.grad).view(-1)[0] = float("nan")
             programs, before = list(opt._programs), [x.clone() for x in local_tensors(opt, params)]
             try:
                 opt.step()
@@ -513,6 +518,10 @@ def check_cached_against_fresh(name: str, make, grads_at) -> None:
         assert all(torch.equal(a, b) for a, b in pairs), f"{name}: step {t} ({what}) differs from fresh"
     assert len(builds) == 2, f"{name}: {len(builds)} programs built over {len(SCHEDULE)} steps"
     assert len(fresh_builds) == len(SCHEDULE), fresh_builds
+    # the programs hold no gradient of the steps that built them
+    kept_net.zero_grad(set_to_none=True)
+    gc.collect()
+    assert not any(g() is not None for g in grads), f"{name}: a kept program holds a gradient"
 
 
 def check_cached_programs(group) -> None:

@@ -468,7 +468,7 @@ class MatrixOptimizer(Optimizer):
 
     def _ns_runner(self, program: StepProgram):
         matrices = program.matrices
-        if matrices is None or not matrices.items:
+        if matrices is None or not matrices.params:
             return None
         engine = matrices.engine
         self.last_plan = engine.plan
