@@ -315,7 +315,9 @@ class MatrixOptimizer(Optimizer):
         the set of parameters with gradients, their layouts, the groups or the equality classes
         of their hyperparameters change), it holds every list the step needs, so a step reads
         the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and
-        NS calls. The per-parameter reference path (``foreach=False``) collects its items anew.
+        NS calls. In a distributed run the set is the one the ranks agree on at every step
+        (a gradient on any rank; zeros stand in where a rank has none). The per-parameter
+        reference path (``foreach=False``) collects its items anew.
         """
         loss = None
         if closure is not None:
