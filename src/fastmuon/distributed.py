@@ -672,8 +672,8 @@ def _mesh_group(opt: MatrixOptimizer) -> dist.ProcessGroup:
 
 def step_group(opt: MatrixOptimizer) -> dist.ProcessGroup | None:
     """The group the ranks agree on: the DTensors' mesh if any, else the optimizer's process group."""
-    for group in opt.param_groups:
-        for p in group["params"]:
+    if opt._sharded:
+        for p in opt._flat_params():
             if is_dtensor(p):
                 return p.device_mesh.get_group()
     return opt.process_group
@@ -690,7 +690,7 @@ def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]
     """
     if not opt.state_initialised:
         opt.init_state()
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = opt._flat_params()
     if not params:
         return {}
     group = step_group(opt)
