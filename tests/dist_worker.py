@@ -2,9 +2,10 @@
 
 Each world runs every check in turn, so the seconds a torch process takes to start are paid
 once per rank: DDP equivalence (MuSGD and Muon), a parameter some ranks have no gradient for,
-FSDP2 equivalence (uneven and empty shards), and a torch.distributed.checkpoint round trip.
-Distributed results are compared with fastmuon run on one process (exact or within fp32
-rounding) and with the plain per-parameter references in ``reference_impl.py`` (rel. 1e-5).
+FSDP2 equivalence (uneven and empty shards), a torch.distributed.checkpoint round trip, and
+step programs kept across steps. Distributed results are compared with fastmuon run on one
+process (exact or within fp32 rounding) and with the plain per-parameter references in
+``reference_impl.py`` (rel. 1e-5); kept programs bitwise with programs built afresh.
 """
 
 from __future__ import annotations
