@@ -2,17 +2,20 @@
 
 Each world runs every check in turn, so the seconds a torch process takes to start are paid
 once per rank: DDP equivalence (MuSGD and Muon), a parameter some ranks have no gradient for,
-FSDP2 equivalence (uneven and empty shards), and a torch.distributed.checkpoint round trip.
-Distributed results are compared with fastmuon run on one process (exact or within fp32
-rounding) and with the plain per-parameter references in ``reference_impl.py`` (rel. 1e-5).
+FSDP2 equivalence (uneven and empty shards), a torch.distributed.checkpoint round trip, and
+step programs kept across steps. Distributed results are compared with fastmuon run on one
+process (exact or within fp32 rounding) and with the plain per-parameter references in
+``reference_impl.py`` (rel. 1e-5); kept programs bitwise with programs built afresh.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -26,6 +29,7 @@ from torch import nn
 
 import fastmuon
 from fastmuon.compute import cpu_low_precision
+from fastmuon.distributed import local_shard
 
 F32 = torch.float32
 MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
@@ -447,6 +451,171 @@ def check_matrix_maps(group) -> None:
         )
 
 
+# ----- prepared step programs reused across steps ----------------------------------------------
+def count_builds(opt) -> list[int]:
+    """Counts the step programs ``opt`` builds (one entry per build)."""
+    builds, build = [], opt._make_program
+
+    def counted(*args, **kwargs):
+        builds.append(1)
+        return build(*args, **kwargs)
+
+    opt._make_program = counted  # the step looks the method up on the instance
+    return builds
+
+
+def local_tensors(opt, params) -> list[torch.Tensor]:
+    """Every parameter and state buffer of ``opt`` (local shards where sharded)."""
+    out = [local_shard(p.detach()) for p in params]
+    for p in params:
+        out += [local_shard(v) for _, v in sorted(opt.state[p].items()) if isinstance(v, torch.Tensor)]
+    return out
+
+
+# What each step does to the gradient of the parameter a check picks: "all" leaves it;
+# "drop": the last rank has none (it steps there as zeros, with the program of "all");
+# "none": no rank has one (another program); "nan": a NaN on the last rank only (every rank
+# refuses the step, which changes nothing).
+SCHEDULE = ["all", "drop", "none", "all", "nan", "drop", "all"]
+
+
+def check_cached_against_fresh(name: str, make, grads_at) -> None:
+    """Two models from ``make()`` (same weights): one optimizer keeps its step programs, the
+    other forgets them before every step (``invalidate``). After every step both hold bitwise
+    the same parameters and state, and the first has built one program per set of gradients
+    (two: "all" and "drop" share one)."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    (kept_net, kept), (fresh_net, fresh) = make(), make()
+    builds, fresh_builds = count_builds(kept), count_builds(fresh)
+    grads = []  # weak references to the gradients of the steps that build a program
+    for t, what in enumerate(SCHEDULE):
+        for net, opt in ((kept_net, kept), (fresh_net, fresh)):
+            params = list(net.parameters())
+            for p in params:
+                p.grad = None
+            picked = grads_at(t, net)
+            if (what == "drop" and rank == last) or what == "none":
+                picked.grad = None
+            if opt is fresh:
+                opt.invalidate()
+            if what != "nan":
+                opt.step()
+                if t in (0, 2) and opt is kept:  # the steps that build its two programs
+                    grads += [weakref.ref(local_shard(p.grad)) for p in params if p.grad is not None]
+                continue
+            if rank == last:
+                local_shard(picked.grad).view(-1)[0] = float("nan")
+            programs, before = list(opt._programs), [x.clone() for x in local_tensors(opt, params)]
+            try:
+                opt.step()
+            except FloatingPointError:
+                pass
+            else:
+                raise AssertionError(f"{name}: a NaN on rank {last} was not refused on rank {rank}")
+            assert list(opt._programs) == programs, f"{name}: a refused step changed the programs"
+            after = local_tensors(opt, params)
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), f"{name}: a refused step wrote"
+        pairs = zip(local_tensors(kept, kept_net.parameters()), local_tensors(fresh, fresh_net.parameters()))
+        assert all(torch.equal(a, b) for a, b in pairs), f"{name}: step {t} ({what}) differs from fresh"
+    assert len(builds) == 2, f"{name}: {len(builds)} programs built over {len(SCHEDULE)} steps"
+    assert len(fresh_builds) == len(SCHEDULE), fresh_builds
+    # the programs hold no gradient of the steps that built them
+    kept_net.zero_grad(set_to_none=True)
+    gc.collect()
+    assert not any(g() is not None for g in grads), f"{name}: a kept program holds a gradient"
+
+
+def check_cached_programs(group) -> None:
+    """Distributed steps reuse their prepared program, bitwise as a fresh one steps: DDP and
+    FSDP2, MuSGD and Muon, whole tensors and matrix maps."""
+    from torch.distributed.fsdp import fully_shard
+
+    shapes = [(16, 16, 3, 3), (16, 16, 3, 3), (8, 24), (40, 12), (24, 8, 3, 3), (16,), (5,)]
+
+    def replicated(opt_cls, kwargs):
+        def make():
+            net = nn.ParameterList(make_params(shapes, 21))
+            groups = [
+                {"params": [p for p in net if p.ndim >= 2], "use_muon": True},
+                {"params": [p for p in net if p.ndim < 2], "use_muon": False},
+            ]
+            return net, opt_cls(groups, ns_dtype=F32, process_group=group, **kwargs)
+
+        def grads_at(t, net):
+            set_grads(list(net), 300 + t)
+            return net[2 + t % 2]
+
+        return make, grads_at
+
+    def sharded(opt_cls, kwargs):
+        def make():
+            net, _ = sharded_net(13)
+            return net, opt_cls(fastmuon.param_groups(net), ns_dtype=F32, **kwargs)
+
+        def grads_at(t, net):
+            net(batch(t)).square().mean().backward()
+            return net.fc2.weight if t % 2 else net.conv2.weight  # conv2: a module sharded on its own
+
+        return make, grads_at
+
+    def mapped(process_group):
+        def make():
+            torch.manual_seed(7)
+            net = MappedNet()
+            if process_group is None:
+                fully_shard(net)
+            params = [{"params": list(net.parameters()), "matrices": MAPS}]
+            return net, fastmuon.Muon(params, ns_dtype=F32, process_group=process_group, **MUON_KW)
+
+        def grads_at(t, net):
+            net(mapped_batch(t)).backward()
+            return net.qkv  # matrices inside one rank's rows and spread ones
+
+        return make, grads_at
+
+    for opt_cls, kwargs in ((fastmuon.MuSGD, MUSGD_KW), (fastmuon.Muon, MUON_KW)):
+        check_cached_against_fresh(f"DDP {opt_cls.__name__}", *replicated(opt_cls, kwargs))
+        check_cached_against_fresh(f"FSDP2 {opt_cls.__name__}", *sharded(opt_cls, kwargs))
+    check_cached_against_fresh("DDP Muon with matrix maps", *mapped(group))
+    check_cached_against_fresh("FSDP2 Muon with matrix maps", *mapped(None))
+    if dist.get_rank() == 0:
+        log("step programs kept across distributed steps: bitwise as fresh ones, one per gradient set")
+
+
+def check_new_local_shard() -> None:
+    """A DTensor parameter given a new local tensor between steps (as FSDP2 re-pads one after
+    ``nn.Module._apply``) is updated in that tensor: the step program is rebuilt over it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return distribute_tensor(t, mesh, [Shard(0)])
+
+    def make() -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(5)
+        return [nn.Parameter(shard(torch.randn(s, generator=g))) for s in [(9, 4), (6, 6), (7,)]]
+
+    moved, twin = make(), make()
+    opts = [fastmuon.Muon(ps, ns_dtype=F32, **MUON_KW) for ps in (moved, twin)]
+    builds = count_builds(opts[0])
+    for t in range(3):
+        for ps, opt in zip((moved, twin), opts):
+            g = torch.Generator().manual_seed(40 + t)
+            for p in ps:
+                p.grad = shard(torch.randn(p.shape, generator=g))
+            if t == 2 and ps is moved:
+                for p in ps:
+                    p._local_tensor = p._local_tensor.clone()
+            opt.step()
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(moved, twin))
+    assert same, "a parameter's new local tensor missed the update"
+    assert len(builds) == 2, f"{len(builds)} programs built (one, then one over the new local tensors)"
+    if dist.get_rank() == 0:
+        log("a parameter's new local tensor: the program is rebuilt over it")
+
+
 def check_errors() -> None:
     """Unsupported set-ups fail on every rank with a message that says what to do."""
     net, _ = sharded_net(3)
@@ -487,6 +656,8 @@ def main() -> int:
         check_fsdp(args.dir)
         check_fsdp_reference()
         check_matrix_maps(dist.group.WORLD)
+        check_cached_programs(dist.group.WORLD)
+        check_new_local_shard()
         check_state_dict_api(args.dir)
         check_errors()
         dist.barrier()

@@ -75,4 +75,6 @@ def test_distributed_world(world, tmp_path):
     assert "checkpoint save/load/resume identical" in report
     assert "thread counts differing by rank: one plan" in report
     assert "with matrix maps: equal to one process and the reference" in report
+    assert "step programs kept across distributed steps: bitwise as fresh ones" in report
+    assert "new local tensor: the program is rebuilt over it" in report
     print(report)

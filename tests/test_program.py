@@ -2,7 +2,9 @@
 what it was built for changes, and the capturable step reads nothing on the host."""
 
 import copy
+import gc
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -120,6 +122,21 @@ def test_gaining_and_losing_gradients_rebuilds_the_program():
     _set_grads(params, grads[2])
     opt.step()
     assert len(opt._programs) == 2  # the first program serves again
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+def test_a_kept_program_holds_no_gradient(cls):
+    """The program outlives the step that built it; the gradients it was built from are freed
+    once the model drops them (a kept gradient would cost a model's worth of memory)."""
+    params = make_params(SHAPES)
+    opt = cls(_groups(params, matrices=["flatten", {"split": [12, 12]}, "flatten"]), lr=0.02, **F32)
+    _set_grads(params, make_grads(params, steps=1)[0])
+    opt.step()
+    grads = [weakref.ref(p.grad) for p in params]
+    for p in params:
+        p.grad = None
+    gc.collect()
+    assert len(opt._programs) == 1 and not any(g() is not None for g in grads)
 
 
 def test_load_state_dict_and_add_param_group_invalidate_the_program():

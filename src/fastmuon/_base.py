@@ -19,7 +19,7 @@ from torch.optim.optimizer import ParamsT
 from . import compute
 from .calibrate import calibrated_cost_model
 from .checkpoint import adapt_state_dict
-from .distributed import is_dtensor
+from .distributed import LocalShards, is_dtensor
 from .distributed import local_shard as _local
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .inflight import InFlight
@@ -316,7 +316,9 @@ class MatrixOptimizer(Optimizer):
         the set of parameters with gradients, their layouts, the groups or the equality classes
         of their hyperparameters change), it holds every list the step needs, so a step reads
         the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and
-        NS calls. The per-parameter reference path (``foreach=False``) collects its items anew.
+        NS calls. In a distributed run the set is the one the ranks agree on at every step
+        (a gradient on any rank; zeros stand in where a rank has none). The per-parameter
+        reference path (``foreach=False``) collects its items anew.
         """
         loss = None
         if closure is not None:
@@ -326,24 +328,34 @@ class MatrixOptimizer(Optimizer):
             self._reference_step()
             return loss
         pattern, scalars = self._step_scalars()
-        program = None
-        # a distributed step prepares anew (its lists hold this step's shards), and so does one
-        # being traced by torch.compile (its Python runs once, at tracing: nothing to save)
-        if self.process_group is None and not self._sharded and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
+        distributed = self.process_group is not None or self._sharded
+        params = grads = program = stale = None
+        if distributed and self.state_initialised:
+            # the ranks agree on which parameters step with a collective, hit or miss; with the
+            # state made, preparing creates nothing a refusal would have to take back
+            params, grads = self._step_grads()
+        elif not distributed and not compiling:
             grads = list(map(_grad_of, self._flat_params()))
+        if grads is not None and not compiling:
             program = self._programs.get((tuple(map(_is_none, grads)), pattern))
         if program is not None:
             live = program.live(grads)
             if not program.fits(live) or any(map(_is_sparse, live)):
-                program = None
+                program, stale = None, program
             else:
                 keep = self._check_nonfinite(program, live)
         if program is None:
             with self._refusal_leaves_no_state():
-                params, grads = self._step_grads()
-                program = self._make_program(params, grads, (tuple(g is None for g in grads), pattern))
+                if params is None:
+                    params, grads = self._step_grads()
+                key = (tuple(g is None for g in grads), pattern)
+                engine = stale.matrices.engine if stale is not None and stale.matrices is not None else None
+                program = self._make_program(params, grads, key, engine)
                 live = program.live(grads)
                 keep = self._check_nonfinite(program, live)
+            if not compiling:
+                self._remember(key, program)
         saved = program.skip.snapshot() if keep is not None else None
         token = HOST_READS.set(False) if self.capturable else None
         try:
@@ -358,7 +370,9 @@ class MatrixOptimizer(Optimizer):
     @contextlib.contextmanager
     def _refusal_leaves_no_state(self) -> Iterator[None]:
         """A step refused while preparing (a bad or non-finite gradient) leaves the optimizer as
-        it was: no zero buffers for parameters it never stepped, and no program over them."""
+        it was: no zero buffers for parameters it never stepped. No program over them remains
+        either: a program is remembered only once its step is accepted (so, in a distributed
+        run, every rank remembers the same programs: a refusal on one rank changes none)."""
         mark = mark_state(self.state)
         initialised = self.state_initialised
         try:
@@ -367,7 +381,6 @@ class MatrixOptimizer(Optimizer):
             drop_state_after(self.state, mark)
             self.state_initialised = initialised
             self._global_of = {}
-            self.invalidate()
             raise
 
     def _step_grads(self) -> tuple[list[Tensor], list[Tensor | None]]:
@@ -388,8 +401,9 @@ class MatrixOptimizer(Optimizer):
         pattern (equality classes and structure) decides whether a program still fits."""
         raise NotImplementedError
 
-    def _build_program(self, items: tuple[list, ...], pattern: Any) -> Any:
-        """The subclass's update prepared for these items: ``run(grads, scalars, keep, ns)``."""
+    def _build_program(self, items: tuple[list, ...], pattern: Any, engine_for: Any) -> Any:
+        """The subclass's update prepared for these items: ``run(grads, scalars, keep, ns)``;
+        ``engine_for(params, configs)`` gives the matrices' orthogonalizer."""
         raise NotImplementedError
 
     def _apply_reference(self, *items: list) -> None:
@@ -408,9 +422,20 @@ class MatrixOptimizer(Optimizer):
         self._version += 1
         self._programs.clear()
 
-    def _make_program(self, params: list[Tensor], grads: list[Tensor | None], key: Hashable) -> StepProgram:
+    def _make_program(
+        self,
+        params: list[Tensor],
+        grads: list[Tensor | None],
+        key: Hashable,
+        engine: Orthogonalizer | None = None,
+    ) -> StepProgram:
+        """The program for this step's ``params`` and ``grads`` (zeros where only another rank
+        has one). ``engine``: the orthogonalizer of a program for the same key that no longer
+        fits this step's layouts (its matrices are the same); reusing it leaves the engine cache
+        untouched, which in a distributed run must change alike on every rank (building an
+        engine takes a collective), while a misfit is one rank's own."""
         items = self._local_items(*self._collect(params, grads))
-        distributed = self.process_group is not None or self._sharded
+        engine_for = self._engine if engine is None else lambda _params, _configs: engine
         positions = [k for k, g in enumerate(grads) if g is not None]
         local = [_local(params[k]) for k in positions]
         live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
@@ -420,19 +445,22 @@ class MatrixOptimizer(Optimizer):
             states = [{k: _local(v) for k, v in self.state[params[k]].items()} for k in positions]
             skip = SkipPlan(local, states, owners)
         owners_names = [self._owner(params[k]) for k in positions]
-        program = StepProgram(
-            self._build_program(items, key[1]),
+        return StepProgram(
+            self._build_program(items, key[1], engine_for),
             Gather(positions),
             FiniteCheck(live_grads),
             skip,
             owners_names,
-            localize=self._sharded,
+            shards=LocalShards([params[k] for k in positions]) if self._sharded else None,
         )
-        if not distributed and not torch.compiler.is_compiling():
-            self._programs[key] = program
-            if len(self._programs) > _PLAN_CACHE_SIZE:
-                del self._programs[next(iter(self._programs))]
-        return program
+
+    def _remember(self, key: Hashable, program: StepProgram) -> None:
+        """Keep ``program`` for later steps with ``key`` (the oldest goes past a few). A program
+        replacing a misfit one takes its place in the order, so the programs a distributed run
+        keeps, and which it forgets, are the same on every rank."""
+        self._programs[key] = program
+        if len(self._programs) > _PLAN_CACHE_SIZE:
+            del self._programs[next(iter(self._programs))]
 
     def _owner(self, p: Tensor) -> tuple[dict[str, Any], int]:
         for g in self.param_groups:
@@ -443,7 +471,7 @@ class MatrixOptimizer(Optimizer):
 
     def _ns_runner(self, program: StepProgram):
         matrices = program.matrices
-        if matrices is None or not matrices.items:
+        if matrices is None or not matrices.params:
             return None
         engine = matrices.engine
         self.last_plan = engine.plan

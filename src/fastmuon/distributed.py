@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import pickle
 import sys
 import time
@@ -54,6 +55,28 @@ def is_dtensor(t: Any) -> bool:
 def local_shard(t: Tensor) -> Tensor:
     """A DTensor's local shard (a view: writing to it writes the DTensor), else ``t``."""
     return t.to_local() if is_dtensor(t) else t
+
+
+#: A DTensor's own local tensor. ``to_local()`` of a parameter returns a new view at every call
+#: (one that is a Parameter too), so the tensor's identity is read from this field.
+_local_tensor = operator.attrgetter("_local_tensor")
+
+
+class LocalShards:
+    """The local tensors of a step program's DTensor parameters, as they were when it was built.
+
+    The program updates views of them. FSDP2 gives a parameter a new local tensor when it
+    re-pads one (after ``nn.Module._apply`` or ``load_state_dict(assign=True)``), and views of
+    the old one would then update memory that is no longer the parameter's: :meth:`current`
+    tells whether each parameter still holds the tensor the program was built over.
+    """
+
+    def __init__(self, params: Sequence[Any]):
+        self._params = [p for p in params if is_dtensor(p)]
+        self._locals = list(map(_local_tensor, self._params))
+
+    def current(self) -> bool:
+        return all(map(operator.is_, map(_local_tensor, self._params), self._locals))
 
 
 # ----- who orthogonalises what ----------------------------------------------------------------
@@ -649,8 +672,8 @@ def _mesh_group(opt: MatrixOptimizer) -> dist.ProcessGroup:
 
 def step_group(opt: MatrixOptimizer) -> dist.ProcessGroup | None:
     """The group the ranks agree on: the DTensors' mesh if any, else the optimizer's process group."""
-    for group in opt.param_groups:
-        for p in group["params"]:
+    if opt._sharded:
+        for p in opt._flat_params():
             if is_dtensor(p):
                 return p.device_mesh.get_group()
     return opt.process_group
@@ -667,7 +690,7 @@ def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]
     """
     if not opt.state_initialised:
         opt.init_state()
-    params = [p for g in opt.param_groups for p in g["params"]]
+    params = opt._flat_params()
     if not params:
         return {}
     group = step_group(opt)

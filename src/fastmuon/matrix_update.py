@@ -92,8 +92,7 @@ class MatrixProgram:
         engine_for: Callable[[list, list], Any] | None = None,
     ):
         parts = batch_order(items)
-        ordered = [i for part in parts for i in part]
-        self.items = ordered
+        ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
         self.params = [i.param for i in ordered]
         self.configs = [i.config for i in ordered]
         self.dtypes = [p.dtype for p in self.params]
@@ -142,7 +141,7 @@ class MatrixProgram:
         return True
 
     def run(self, grads: Sequence[Tensor], scalars: MatrixScalars, ns: RunNS, keep: Tensor | None) -> None:
-        if not self.items:
+        if not self.params:
             return
         if self.splits:
             grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)

@@ -273,12 +273,12 @@ class Muon(MatrixOptimizer):
         scalars = MuonScalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
         return pattern, scalars
 
-    def _build_program(self, items, pattern) -> MuonProgram:
+    def _build_program(self, items, pattern, engine_for) -> MuonProgram:
         matrices, others = items
         lr_class = pattern[2]
         adamw_classes = {"lr": lr_class, "betas": pattern[3], "eps": pattern[4], "wd": pattern[5]}
         return MuonProgram(
-            MatrixProgram(matrices, lr_class, self._engine),
+            MatrixProgram(matrices, lr_class, engine_for),
             AdamWProgram(others, adamw_classes, self.capturable),
         )
 

@@ -300,11 +300,11 @@ class MuSGD(MatrixOptimizer):
             MatrixScalars(beta, nesterov, base), beta, nesterov, wd, lr_sgd, lr_plain
         )
 
-    def _build_program(self, items, pattern) -> MuSGDProgram:
+    def _build_program(self, items, pattern, engine_for) -> MuSGDProgram:
         matrices, elementwise = items
         base_class, lr_class = pattern[3], pattern[4]
         return MuSGDProgram(
-            MatrixProgram(matrices, base_class, self._engine),
+            MatrixProgram(matrices, base_class, engine_for),
             SGDProgram(elementwise, lr_class, len(self.param_groups), fused_ok=not self.capturable),
         )
 

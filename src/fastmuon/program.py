@@ -113,28 +113,31 @@ class StepProgram:
 
     ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
     ``check`` tests their gradients for NaN/Inf; ``skip`` (``nonfinite="skip"``) snapshots and
-    restores what the update writes; ``owners`` name the parameters in errors.
+    restores what the update writes; ``owners`` name the parameters in errors; ``shards``
+    (sharded parameters: :class:`~fastmuon.distributed.LocalShards`) the local tensors the
+    program updates, whose gradients a step takes as local shards too.
     """
 
-    def __init__(self, update: Any, live: Gather, check: Any, skip: Any, owners: list, localize: bool):
+    def __init__(self, update: Any, live: Gather, check: Any, skip: Any, owners: list, shards: Any = None):
         self.update = update
         self.matrices = getattr(update, "matrices", None)
         self.live_pick = live
         self.check = check
         self.skip = skip
         self.owners = owners
-        self.localize = localize
+        self.shards = shards
 
     def live(self, grads: Sequence[Any]) -> list[Tensor]:
         """This step's gradients of the parameters the program updates (local shards if sharded)."""
         picked = self.live_pick(grads)
-        if self.localize:
+        if self.shards is not None:
             picked = [g.to_local() if hasattr(g, "to_local") else g for g in picked]
         return picked
 
     def fits(self, grads: list[Tensor]) -> bool:
-        """Whether this step's gradients have the layouts the program was built for."""
-        return self.update.fits(grads)
+        """Whether this step's gradients have the layouts the program was built for (and the
+        sharded parameters still the local tensors it updates)."""
+        return self.update.fits(grads) and (self.shards is None or self.shards.current())
 
     def name_of(self, optimizer: Any):
         return lambda k: optimizer._param_name(*self.owners[k])
