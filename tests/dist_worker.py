@@ -616,6 +616,44 @@ def check_new_local_shard() -> None:
         log("a parameter's new local tensor: the program is rebuilt over it")
 
 
+def check_one_ranks_misfit(group) -> None:
+    """A gradient in another layout on one rank only (a contiguous gradient of a channels_last
+    weight, which torch's fused CPU kernel would misread) refits that rank's program alone: it
+    rebuilds over the engine it had, the other ranks keep theirs, no rank waits on a collective
+    the others skip, and every rank steps bitwise as with fresh programs."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    shapes = [(16, 16, 3, 3), (8, 24), (24, 8, 3, 3), (16,)]
+
+    def make():
+        params = make_params(shapes, 23)  # the first weight channels_last
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2], "use_muon": True},
+            {"params": [p for p in params if p.ndim < 2], "use_muon": False},
+        ]
+        return params, fastmuon.MuSGD(groups, ns_dtype=F32, process_group=group, **MUSGD_KW)
+
+    (kept_params, kept), (fresh_params, fresh) = make(), make()
+    builds = count_builds(kept)
+    engines = []
+    for t in range(4):
+        for params, opt in ((kept_params, kept), (fresh_params, fresh)):
+            set_grads(params, 500 + t)
+            if t == 2 and rank == last:
+                params[0].grad = params[0].grad.contiguous()
+            if opt is fresh:
+                opt.invalidate()
+            opt.step()
+        engines.append(next(iter(kept._programs.values())).matrices.engine)
+        pairs = zip(local_tensors(kept, kept_params), local_tensors(fresh, fresh_params))
+        assert all(torch.equal(a, b) for a, b in pairs), f"step {t} differs from fresh on rank {rank}"
+    # the refit program takes the foreach path for that weight, which fits either layout after
+    assert len(builds) == (2 if rank == last else 1), f"{len(builds)} programs built on rank {rank}"
+    assert all(e is engines[0] for e in engines), "a refit program changed its engine"
+    assert len(kept._programs) == 1
+    if rank == 0:
+        log("a gradient layout on one rank only: that rank refits its program alone, bitwise")
+
+
 def check_errors() -> None:
     """Unsupported set-ups fail on every rank with a message that says what to do."""
     net, _ = sharded_net(3)
@@ -658,6 +696,7 @@ def main() -> int:
         check_matrix_maps(dist.group.WORLD)
         check_cached_programs(dist.group.WORLD)
         check_new_local_shard()
+        check_one_ranks_misfit(dist.group.WORLD)
         check_state_dict_api(args.dir)
         check_errors()
         dist.barrier()

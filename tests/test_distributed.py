@@ -77,4 +77,5 @@ def test_distributed_world(world, tmp_path):
     assert "with matrix maps: equal to one process and the reference" in report
     assert "step programs kept across distributed steps: bitwise as fresh ones" in report
     assert "new local tensor: the program is rebuilt over it" in report
+    assert "a gradient layout on one rank only: that rank refits its program alone, bitwise" in report
     print(report)
