@@ -7,7 +7,7 @@ from .musgd import MuSGD
 from .newton_schulz import PRESETS, newton_schulz
 from .planner import CostModel, Plan
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "MuSGD",
