@@ -14,6 +14,7 @@ import torch
 from conftest import MIXED_SHAPES, rel_err
 from helpers import (
     clone_params,
+    count_fused_tensors,
     make_grads,
     make_params,
     run_checking_grads_untouched,
@@ -69,7 +70,8 @@ def _assert_accelerator_engine(opt):
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
 @pytest.mark.parametrize("policy", ["auto", "exact", "min_launches"])
-def test_steps_are_the_reference_steps(accelerator_paths, cls, policy):
+def test_steps_are_the_reference_steps(accelerator_paths, cls, policy, monkeypatch):
+    fused = [count_fused_tensors(monkeypatch, op) for op in ("_fused_sgd_", "_fused_adamw_")]
     params = make_params(SHAPES, channels_last=(1, 2))
     grads = make_grads(params, steps=3)
     ours = clone_params(params)
@@ -78,6 +80,7 @@ def test_steps_are_the_reference_steps(accelerator_paths, cls, policy):
     for o, r in zip(ours, _reference(cls, params, grads)):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
     _assert_accelerator_engine(opt)
+    assert fused == [[], []]  # the CPU's fused kernels: not on this path
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
