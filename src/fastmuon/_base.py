@@ -24,7 +24,7 @@ from .distributed import local_shard as _local
 from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from .inflight import InFlight
 from .matrices import MatrixMap, maps_of
-from .matrix_update import batch_order
+from .matrix_update import MatrixItem, batch_order
 from .newton_schulz import HOST_READS
 from .nonfinite import (
     DEFAULT_NONFINITE,
@@ -40,6 +40,7 @@ from .param_names import agree_on_names, restore_names
 from .planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel, Plan, plan_buckets
 from .program import Gather, StepProgram
 from .state import drop_state_after, mark_state
+from .transforms import lr_scale
 
 _PLAN_CACHE_SIZE = 4
 
@@ -276,6 +277,48 @@ class MatrixOptimizer(Optimizer):
             (*views, shape, split, k)
             for k, (*views, shape) in enumerate(zip(split(p), split(grad), split(buf), m.shapes(p.shape)))
         ]
+
+    def _matrix_items(
+        self,
+        m: MatrixMap,
+        p: Tensor,
+        grad: Tensor,
+        state: dict[str, Any],
+        *,
+        beta: float,
+        nesterov: bool,
+        base: Any,
+        adjust: str,
+        config: NSConfig,
+        group: int,
+        index: int,
+        decay: Any = 1.0,
+    ) -> list[MatrixItem]:
+        """The Muon updates of ``p``, one per matrix its map ``m`` makes of it (see
+        :meth:`_matrix_pieces`), over its EMA buffer ``state["momentum_buffer"]`` (made here if
+        missing): each scaled by ``base`` times the learning-rate factor of its own shape."""
+        buf = state_buffer(state, "momentum_buffer", p)
+        items = []
+        for view, grad_view, buf_view, shape, split, piece in self._matrix_pieces(m, p, grad, buf):
+            factor = lr_scale(adjust, shape)
+            items.append(
+                MatrixItem(
+                    view,
+                    grad_view,
+                    buf_view,
+                    beta,
+                    nesterov,
+                    base * factor,
+                    config,
+                    decay=decay,
+                    group=group,
+                    index=index,
+                    factor=factor,
+                    split=split,
+                    piece=piece,
+                )
+            )
+        return items
 
     @staticmethod
     def _ns_config(group: dict[str, Any]) -> NSConfig:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative, state_buffer
+from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative
 from .adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
 from .checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA
 from .matrices import MatrixMapSpec, maps_key
@@ -24,7 +24,7 @@ from .matrix_update import MatrixItem, MatrixProgram, MatrixScalars, single_tens
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .program import classes
-from .transforms import ADJUST_LR, lr_scale
+from .transforms import ADJUST_LR
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
@@ -207,28 +207,20 @@ class Muon(MatrixOptimizer):
                 self._check_grad(group, j, grad)
                 state = self.state[p]
                 if self._is_matrix(group, p):
-                    buf = state_buffer(state, "momentum_buffer", p)
-                    for view, grad_view, buf_view, shape, split, piece in self._matrix_pieces(
-                        maps[j], p, grad, buf
-                    ):
-                        factor = lr_scale(adjust, shape)
-                        matrices.append(
-                            MatrixItem(
-                                view,
-                                grad_view,
-                                buf_view,
-                                group["momentum"],
-                                group["nesterov"],
-                                lr * factor,
-                                config,
-                                decay=1 - lr * wd,
-                                group=gi,
-                                index=index,
-                                factor=factor,
-                                split=split,
-                                piece=piece,
-                            )
-                        )
+                    matrices += self._matrix_items(
+                        maps[j],
+                        p,
+                        grad,
+                        state,
+                        beta=group["momentum"],
+                        nesterov=group["nesterov"],
+                        base=lr,
+                        adjust=adjust,
+                        config=config,
+                        group=gi,
+                        index=index,
+                        decay=1 - lr * wd,
+                    )
                 elif use_muon is not True:
                     exp_avg, exp_avg_sq, step = adamw_state(state, p, self.capturable)
                     others.append(

@@ -26,7 +26,7 @@ from .matrix_update import (
 from .nonfinite import DEFAULT_NONFINITE
 from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from .program import Gather, Scalar, apply_scaled_, classes, scale_limit, strides_of
-from .transforms import ADJUST_LR, foreach_scalar, fusable, lr_scale, partition
+from .transforms import ADJUST_LR, foreach_scalar, fusable, partition
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -236,27 +236,19 @@ class MuSGD(MatrixOptimizer):
                 self._check_grad(group, j, grad)
                 state = self.state[p]
                 if self._is_matrix(group, p):
-                    buf = state_buffer(state, "momentum_buffer", p)
-                    for view, grad_view, buf_view, shape, split, piece in self._matrix_pieces(
-                        maps[j], p, grad, buf
-                    ):
-                        factor = lr_scale(group["adjust_lr"], shape)
-                        matrices.append(
-                            MatrixItem(
-                                view,
-                                grad_view,
-                                buf_view,
-                                beta,
-                                nesterov,
-                                lr * group["muon"] * factor,
-                                config,
-                                group=gi,
-                                index=index,
-                                factor=factor,
-                                split=split,
-                                piece=piece,
-                            )
-                        )
+                    matrices += self._matrix_items(
+                        maps[j],
+                        p,
+                        grad,
+                        state,
+                        beta=beta,
+                        nesterov=nesterov,
+                        base=lr * group["muon"],
+                        adjust=group["adjust_lr"],
+                        config=config,
+                        group=gi,
+                        index=index,
+                    )
                 key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
                 elementwise.append(
                     SGDItem(
