@@ -62,6 +62,17 @@ def run_muon_reference(params, grads, groups, defaults, adamw_defaults):
     return params, states
 
 
+def run_pieces_reference(step, params, grads, pieces, **hyper):
+    """``step`` (``muon_reference_pieces`` or ``musgd_reference_pieces``) over every step's
+    gradients, each parameter with its own ``pieces``; returns the updated copies."""
+    params = [p.detach().clone() for p in params]
+    states = [dict() for _ in params]
+    for step_grads in grads:
+        for p, g, state, pcs in zip(params, step_grads, states, pieces):
+            step(p, g, state, pcs, **hyper)
+    return params
+
+
 def clone_params(params):
     return [torch.nn.Parameter(copy.deepcopy(p.detach())) for p in params]
 

@@ -21,6 +21,7 @@ from helpers import (
     run_muon_reference,
     run_musgd_reference,
     run_optimizer,
+    run_pieces_reference,
 )
 from reference_impl import muon_reference_pieces, musgd_reference_pieces
 
@@ -103,11 +104,8 @@ def test_matrix_maps_give_the_reference_steps(accelerator_paths, cls):
         cost_model=COST_MODELS["cuda"],
     )
     run_optimizer(opt, ours, grads)
-    step_of = musgd_reference_pieces if cls is MuSGD else muon_reference_pieces
-    for i, p in enumerate(params):
-        ref, state = p.detach().clone(), {}
-        for g in grads:
-            step_of(ref, g[i], state, pieces[i], **hyper)
+    step = musgd_reference_pieces if cls is MuSGD else muon_reference_pieces
+    for i, ref in enumerate(run_pieces_reference(step, params, grads, pieces, **hyper)):
         assert rel_err(ours[i].detach(), ref) <= 1e-5, i
     _assert_accelerator_engine(opt)
 

@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 from conftest import rel_err
-from helpers import clone_params, make_grads, make_params, run_checking_grads_untouched
+from helpers import clone_params, make_grads, make_params, run_checking_grads_untouched, run_pieces_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_impl import muon_reference_pieces, musgd_reference_pieces, ns_reference
@@ -65,11 +65,7 @@ def test_muon_matches_per_matrix_reference(foreach, adjust_lr_fn, nesterov):
     params, specs, pieces = _layout_params(names)
     grads = make_grads(params, steps=3)
     hp = {**MUON_HP, "nesterov": nesterov}
-    ref = [p.detach().clone() for p in params]
-    states = [{} for _ in params]
-    for step in grads:
-        for q, g, st_, pcs in zip(ref, step, states, pieces):
-            muon_reference_pieces(q, g, st_, pcs, adjust_lr_fn=adjust_lr_fn, **hp)
+    ref = run_pieces_reference(muon_reference_pieces, params, grads, pieces, adjust_lr_fn=adjust_lr_fn, **hp)
     ours = clone_params(params)
     opt = Muon(
         [{"params": ours, "use_muon": True, "matrices": specs}],
@@ -89,11 +85,7 @@ def test_musgd_matches_per_matrix_reference(foreach, adjust_lr):
     names = list(LAYOUTS)
     params, specs, pieces = _layout_params(names)
     grads = make_grads(params, steps=3)
-    ref = [p.detach().clone() for p in params]
-    states = [{} for _ in params]
-    for step in grads:
-        for q, g, st_, pcs in zip(ref, step, states, pieces):
-            musgd_reference_pieces(q, g, st_, pcs, adjust_lr=adjust_lr, **MUSGD_HP)
+    ref = run_pieces_reference(musgd_reference_pieces, params, grads, pieces, adjust_lr=adjust_lr, **MUSGD_HP)
     ours = clone_params(params)
     opt = MuSGD(
         [{"params": ours, "use_muon": True, "matrices": specs}],
