@@ -28,8 +28,8 @@ from reference_impl import (
 from torch import nn
 
 import fastmuon
-from fastmuon.compute import cpu_low_precision
-from fastmuon.distributed import local_shard
+from fastmuon.distributed.exchange import local_shard
+from fastmuon.ns.device import cpu_low_precision
 
 F32 = torch.float32
 MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)

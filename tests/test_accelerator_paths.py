@@ -2,7 +2,7 @@
 
 Every choice fastmuon makes only on the host's CPU (reading a value on the host, writing momentum
 into the NS buffers one tensor at a time, keeping NS outputs between steps, torch's fused CPU
-kernels) asks :func:`fastmuon.compute.is_host`. With it answering "no", CPU tensors take the
+kernels) asks :func:`fastmuon.ns.device.is_host`. With it answering "no", CPU tensors take the
 paths a GPU takes, so those paths are checked here against the per-parameter fp32 reference and
 for host reads, on any machine.
 """
@@ -25,9 +25,10 @@ from helpers import (
 )
 from reference_impl import muon_reference_pieces, musgd_reference_pieces
 
-from fastmuon import Muon, MuSGD, compute
+from fastmuon import Muon, MuSGD
 from fastmuon.bench.hosttime import host_syncs
-from fastmuon.planner import COST_MODELS
+from fastmuon.ns import device as compute
+from fastmuon.ns.planner import COST_MODELS
 
 SHAPES = MIXED_SHAPES + [(24,), (7,)]
 MUSGD = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.5, sgd=0.5)

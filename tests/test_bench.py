@@ -364,7 +364,7 @@ def test_cpu_class_from_the_flags(machine, flags, label):
 
 def test_cpu_facts_say_where_bf16_ns_really_runs():
     from fastmuon.bench.cpuclass import cpu_facts, describe_cpu
-    from fastmuon.compute import compute_dtype
+    from fastmuon.ns.device import compute_dtype
 
     facts = cpu_facts()
     runs_in = compute_dtype(torch.bfloat16, "cpu")

@@ -2,7 +2,7 @@
 
 Each cross-load test steps one optimizer, saves, loads into the other and steps on; what the
 loaded optimizer then does is checked against the per-parameter fp32 reference started from the
-same weights and the buffers the mapping promises (see fastmuon.checkpoint).
+same weights and the buffers the mapping promises (see fastmuon.optim.checkpoint).
 """
 
 from __future__ import annotations

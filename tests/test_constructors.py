@@ -20,7 +20,7 @@ from torch import nn
 
 import fastmuon
 from fastmuon import Muon, MuSGD
-from fastmuon.transforms import lr_scale
+from fastmuon.step.elementwise import lr_scale
 
 ULTRALYTICS_ORDER = ["params", "lr", "momentum", "weight_decay", "nesterov", "use_muon", "muon", "sgd"]
 
@@ -106,7 +106,7 @@ def test_muon_keeps_torch_optim_muons_signature_and_its_spectral_unclamped_mode(
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
 def test_foreach_none_is_the_batched_path(cls, monkeypatch):
-    from fastmuon import matrix_update
+    from fastmuon.step import matrix as matrix_update
 
     calls = []
     real = matrix_update.MatrixProgram.run

@@ -6,8 +6,9 @@ import torch
 from conftest import rel_err
 from reference_impl import ns_reference
 
-from fastmuon import compute, orthogonalize
-from fastmuon.planner import (
+from fastmuon import orthogonalize
+from fastmuon.ns import device as compute
+from fastmuon.ns.planner import (
     COST_MODELS,
     CPU_COST_MODELS,
     MatrixSpec,
@@ -148,7 +149,7 @@ def test_default_routes_on_the_bf16_class_match_the_fp32_reference(bf16_cpu):
 
 
 def test_calibration_measures_fp32_and_the_low_precision_launch_cost(bf16_cpu):
-    from fastmuon.calibrate import calibrated_cost_model
+    from fastmuon.ns.calibrate import calibrated_cost_model
 
     model = calibrated_cost_model("cpu", [torch.bfloat16])
     assert 0 < model.flop_seconds(torch.float32) < 1e-8  # measured: a bf16 request may run in fp32

@@ -4,9 +4,10 @@ from conftest import MIXED_SHAPES, rel_err
 from helpers import clone_params, make_grads, make_params, run_musgd_reference, run_optimizer
 from reference_impl import ns_reference
 
-from fastmuon import MuSGD, engine, orthogonalize
+from fastmuon import MuSGD, orthogonalize
 from fastmuon import newton_schulz as fastmuon_newton_schulz
-from fastmuon.compute import compute_dtype, cpu_low_precision, set_cpu_low_precision
+from fastmuon.ns import engine
+from fastmuon.ns.device import compute_dtype, cpu_low_precision, set_cpu_low_precision
 
 
 def reference(t):
@@ -184,8 +185,8 @@ def test_momentum_written_into_ns_inputs_of_another_dtype_is_the_packed_step(
     """Where NS runs in another dtype than the parameters, the momentum step writes each input
     into its bucket slot rounded once on the store: bit for bit the step that computes the
     momentum in the parameters' dtype and casts it while packing."""
-    from fastmuon import compute
-    from fastmuon.engine import Orthogonalizer
+    from fastmuon.ns import device as compute
+    from fastmuon.ns.engine import Orthogonalizer
 
     shapes = [(8, 4, 3, 3), (12, 20), (30, 6)]
     params = make_params(shapes, dtype=param_dtype)

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from fastmuon.inflight import InFlight
+from fastmuon.distributed.inflight import InFlight
 
 
 class StandInWork:

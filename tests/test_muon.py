@@ -12,7 +12,7 @@ from helpers import (
 )
 
 from fastmuon import Muon
-from fastmuon.compute import cpu_low_precision
+from fastmuon.ns.device import cpu_low_precision
 
 HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
 ADAMW = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

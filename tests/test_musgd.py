@@ -13,8 +13,8 @@ from helpers import (
 )
 
 from fastmuon import MuSGD
-from fastmuon.reference import ReferenceMuSGD
-from fastmuon.transforms import foreach_scalar
+from fastmuon.optim.reference import ReferenceMuSGD
+from fastmuon.step.elementwise import foreach_scalar
 
 HP = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.3, sgd=0.7)
 VECTORS = [(32,), (16,), (100,)]
@@ -195,7 +195,7 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     (one pass); a channels_last weight with a contiguous gradient (the kernel would walk them
     out of step) and bf16 tensors (its low-precision path misreads the buffer) take foreach.
     Either way: the reference's steps, and the gradients untouched."""
-    from fastmuon import transforms
+    from fastmuon.step import elementwise as transforms
 
     fused_sizes = count_fused_tensors(monkeypatch, "_fused_sgd_")
     shapes = [(8, 4, 3, 3), (8, 4, 3, 3), (24, 40), (40,)]

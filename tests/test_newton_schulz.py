@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmuon import PRESETS, newton_schulz, orthogonalize
 from fastmuon.accuracy import Variant, make_inputs, measure
-from fastmuon.newton_schulz import resolve_coefficients
-from fastmuon.planner import ns_flops
+from fastmuon.ns.newton_schulz import resolve_coefficients
+from fastmuon.ns.planner import ns_flops
 
 
 @pytest.mark.parametrize("shape", [(32, 64), (64, 32), (40, 40), (1, 17), (17, 1)])
@@ -179,7 +179,7 @@ def test_low_precision_gram_space_restarts_and_stays_in_standard_bf16_band(monke
         ours, base = measure(gram, G), measure(standard, G)
         assert ours["sv_min"] >= base["sv_min"] - 0.05 and ours["sv_max"] <= base["sv_max"] + 0.05, kind
         assert ours["rel_err_vs_fp64"] <= 3 * base["rel_err_vs_fp64"], kind
-    ns_module = importlib.import_module("fastmuon.newton_schulz")
+    ns_module = importlib.import_module("fastmuon.ns.newton_schulz")
     monkeypatch.setattr(ns_module, "gram_restart_interval", lambda dtype: None)
     blown = measure(gram, make_inputs()["low-rank (4) + 1e-4 noise"])
     assert blown["sv_max"] > 10
@@ -251,7 +251,7 @@ def test_bf16_plain_normalisation_matches_the_safe_path(method, monkeypatch):
     G = torch.randn(3, 24, 120).bfloat16()
     plain = newton_schulz(G, dtype=torch.bfloat16, method=method)
     monkeypatch.setattr(
-        importlib.import_module("fastmuon.newton_schulz"), "_host_check_is_free", lambda X: False
+        importlib.import_module("fastmuon.ns.newton_schulz"), "_host_check_is_free", lambda X: False
     )
     safe = newton_schulz(G, dtype=torch.bfloat16, method=method)
     if method == "standard":

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastmuon.planner import (
+from fastmuon.ns.planner import (
     COST_MODELS,
     CPU_EIGH,
     EIGH_FLOPS_PER_R3,
@@ -229,7 +229,7 @@ def test_unknown_method_rejected():
 
 
 def test_calibrated_cost_model_is_measured_and_usable():
-    from fastmuon.calibrate import calibrated_cost_model
+    from fastmuon.ns.calibrate import calibrated_cost_model
 
     model = calibrated_cost_model("cpu", [torch.float32])
     assert 0 < model.launch_seconds < 1e-2
@@ -258,8 +258,8 @@ def test_optimizer_accepts_calibrate():
 def test_kernels_per_bucket_is_what_the_kernel_dispatches(method, steps):
     """The planner's launch count per bucket (what merging saves) matches the kernels' real op count."""
     from fastmuon.bench.counter import KernelCounter
-    from fastmuon.engine import ScratchArena
-    from fastmuon.newton_schulz import METHODS, resolve_coefficients
+    from fastmuon.ns.engine import ScratchArena
+    from fastmuon.ns.newton_schulz import METHODS, resolve_coefficients
 
     schedule = resolve_coefficients("jordan", steps)
     X, out = torch.randn(3, 16, 64), torch.empty(3, 16, 64)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastmuon.bench.probe import FloorRun, floor_products, ns_floor_seconds
-from fastmuon.planner import EIGH_FLOPS_PER_R3, MatrixSpec, plan_buckets
+from fastmuon.ns.planner import EIGH_FLOPS_PER_R3, MatrixSpec, plan_buckets
 
 SHAPES = [(64, 576), (64, 576), (32, 288), (48, 48), (96, 40), (16, 2304)]
 

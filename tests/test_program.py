@@ -239,7 +239,7 @@ def test_capturable_muon_keeps_step_counts_on_the_parameters_device_across_a_che
 
 def test_capturable_ns_skips_the_host_range_check(monkeypatch):
     """The CPU's one free host read (NS checking its norms' range) is off in a capturable step."""
-    ns = importlib.import_module("fastmuon.newton_schulz")
+    ns = importlib.import_module("fastmuon.ns.newton_schulz")
     calls = []
     real = ns._plain_norm_is_exact
     monkeypatch.setattr(ns, "_plain_norm_is_exact", lambda n: calls.append(1) or real(n))

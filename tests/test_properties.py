@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from reliability_support import reference_muon_step, reference_musgd_step
 
 import fastmuon
-from fastmuon.planner import POLICIES, MatrixSpec, plan_buckets
+from fastmuon.ns.planner import POLICIES, MatrixSpec, plan_buckets
 
 # Shrinking a failing optimizer example can take minutes on 2 cores: CI reports the failing
 # (derandomized, hence reproducible) example as drawn; FASTMUON_SHRINK=1 minimises it locally.

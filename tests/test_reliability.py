@@ -20,8 +20,8 @@ from torch import nn
 
 import fastmuon
 from fastmuon.bench.memory import AllocationTracker
-from fastmuon.newton_schulz import _normalize, _normalize_safe
-from fastmuon.nonfinite import DEFAULT_NONFINITE
+from fastmuon.ns.newton_schulz import _normalize, _normalize_safe
+from fastmuon.step.nonfinite import DEFAULT_NONFINITE
 
 F32 = dict(ns_dtype=torch.float32)
 OPTIMIZERS = {
@@ -176,7 +176,7 @@ def test_skip_does_not_synchronise(monkeypatch):
     The one host read a CPU step makes on purpose, NS normalisation checking its norms' range
     (free on a CPU), is switched off as on an accelerator: any other read fails the test.
     """
-    ns_module = importlib.import_module("fastmuon.newton_schulz")
+    ns_module = importlib.import_module("fastmuon.ns.newton_schulz")
     monkeypatch.setattr(ns_module, "_host_check_is_free", lambda X: False)
     params = make_params(SHAPES, channels_last={3})
     opt = OPTIMIZERS["musgd"](params, nonfinite="skip")

@@ -339,7 +339,7 @@ def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
     finally:
         dist.ddp_cleanup(trainer, worker_file)
-    assert record.read_text() == "fastmuon.musgd.MuSGD torch.float32"
+    assert record.read_text() == "fastmuon.optim.musgd.MuSGD torch.float32"
 
 
 def test_fastmuon_yolo_command_runs_ultralytics_cli_with_the_integration(yolo, monkeypatch):

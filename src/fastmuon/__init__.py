@@ -1,13 +1,16 @@
 """fastmuon: Muon-family optimizers whose step costs a few kernels per bucket, not per matrix."""
 
-from .engine import orthogonalize
+from . import module_paths as _module_paths
 from .groups import param_groups
-from .muon import Muon
-from .musgd import MuSGD
-from .newton_schulz import PRESETS, newton_schulz
-from .planner import CostModel, Plan
+from .ns.engine import orthogonalize
+from .ns.newton_schulz import PRESETS, newton_schulz
+from .ns.planner import CostModel, Plan
+from .optim.muon import Muon
+from .optim.musgd import MuSGD
 
 __version__ = "0.4.0"
+
+_module_paths.register(__name__)
 
 __all__ = [
     "MuSGD",

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .compute import cpu_low_precision
-from .newton_schulz import newton_schulz
+from .ns.device import cpu_low_precision
+from .ns.newton_schulz import newton_schulz
 
 
 @dataclass(frozen=True)

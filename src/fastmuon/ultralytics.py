@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from . import __version__
-from .musgd import MuSGD
+from .optim.musgd import MuSGD
 
 #: fastmuon's choice for a NaN/Inf gradient under Ultralytics: carry on, as Ultralytics' MuSGD does,
 #: so its own end-of-epoch check sees the non-finite loss and reloads last.pt.

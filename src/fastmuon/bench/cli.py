@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from ..cli import STDOUT, DefaultsHelpFormatter, json_help
-from ..compute import set_cpu_low_precision
-from ..planner import POLICIES
+from ..ns.device import set_cpu_low_precision
+from ..ns.planner import POLICIES
 from ..tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
 from .cpuclass import cpu_facts, describe_cpu
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cpu-low-precision",
         choices=("auto", "native", "fp32"),
         default=None,
-        help="how fastmuon runs bf16/fp16 NS on a CPU (fastmuon.compute): native forces the "
+        help="how fastmuon runs bf16/fp16 NS on a CPU (fastmuon.ns.device): native forces the "
         "requested dtype, e.g. to compare at equal precision with a native-bf16 peer; unset: "
         "FASTMUON_CPU_LOW_PRECISION or auto",
     )

@@ -25,11 +25,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import Muon, MuSGD
-from ..compute import compute_dtype
 from ..matrices import maps_of
-from ..newton_schulz import newton_schulz
-from ..planner import COST_MODELS, Plan, ns_flops
-from ..reference import ReferenceMuon, ReferenceMuSGD
+from ..ns.device import compute_dtype
+from ..ns.newton_schulz import newton_schulz
+from ..ns.planner import COST_MODELS, Plan, ns_flops
+from ..optim.reference import ReferenceMuon, ReferenceMuSGD
 from .manifest import Manifest
 
 OPTIMIZERS = ("musgd", "muon")
@@ -236,7 +236,7 @@ def fastmuon_contender(wb: Workbench) -> Contender:
 
 def reference_contender(wb: Workbench) -> Contender:
     cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
-    return _ours(wb, cls, "per-parameter", "fastmuon.reference: one NS call per matrix")
+    return _ours(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
 
 
 def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
@@ -374,7 +374,7 @@ def _torch_muon_with_fp32_ns() -> type | None:
 
 def _fp32_zeropower(grad: Tensor, ns_coefficients: tuple, ns_steps: int, eps: float) -> Tensor:
     """torch.optim.Muon's NS contract (2D, its norm clamped at ``eps``) computed in fp32 by our
-    own kernel, ``fastmuon.newton_schulz`` (standard form, per matrix as torch does)."""
+    own kernel, ``fastmuon.ns.newton_schulz`` (standard form, per matrix as torch does)."""
     X = grad.float()
     X = X / X.norm().clamp(min=eps)
     return newton_schulz(X, ns_steps, ns_coefficients, eps=0.0, dtype=torch.float32, method="standard")
@@ -470,5 +470,5 @@ def load_ultralytics_musgd(fp32_ns: bool = False) -> tuple[type, str]:
 
 def _fp32_newton_schulz5(G: Tensor, eps: float = 1e-7) -> Tensor:
     """Standard 5-step NS (Jordan's coefficients) on a matrix or batch, in fp32: what Ultralytics'
-    bf16 function computes, at fastmuon's precision here. Our own code (``fastmuon.newton_schulz``)."""
+    bf16 function computes, at fastmuon's precision here. Our own code (``fastmuon.ns.newton_schulz``)."""
     return newton_schulz(G, steps=5, coefficients="jordan", eps=eps, dtype=torch.float32, method="standard")

@@ -12,8 +12,8 @@ import platform
 
 import torch
 
-from ..compute import _cpu_flags, compute_dtype, onednn_isa_cap
-from ..compute import cpu_class as planner_class
+from ..ns.device import _cpu_flags, compute_dtype, onednn_isa_cap
+from ..ns.device import cpu_class as planner_class
 
 _X86 = ("x86_64", "amd64", "i386", "i686")
 _ARM = ("aarch64", "arm64")

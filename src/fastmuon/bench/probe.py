@@ -8,9 +8,9 @@ import time
 import torch
 from torch import Tensor
 
-from ..compute import compute_dtype, synchronize
-from ..newton_schulz import gram_restart_interval
-from ..planner import Plan
+from ..ns.device import compute_dtype, synchronize
+from ..ns.newton_schulz import gram_restart_interval
+from ..ns.planner import Plan
 
 _RATES: dict[tuple[str, torch.dtype], float] = {}
 
@@ -199,7 +199,7 @@ def choose_ns_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     if computed != torch.bfloat16:
         return torch.bfloat16, (
             "the optimizers' default; this CPU has no native bf16 matmul, so fastmuon runs its NS "
-            f"in {str(computed).removeprefix('torch.')} (see fastmuon.compute)"
+            f"in {str(computed).removeprefix('torch.')} (see fastmuon.ns.device)"
         )
     bf16 = matmul_rate(device, torch.bfloat16)
     fp32 = matmul_rate(device, torch.float32)

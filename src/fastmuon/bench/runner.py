@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compute import synchronize
+from ..ns.device import synchronize
 from .contenders import (
     Contender,
     Unavailable,

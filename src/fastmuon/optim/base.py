@@ -8,25 +8,27 @@ import functools
 import math
 import operator
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
+from torch.utils.hooks import RemovableHandle
 
-from . import compute
-from .calibrate import calibrated_cost_model
-from .checkpoint import adapt_state_dict
-from .distributed import LocalShards, is_dtensor
-from .distributed import local_shard as _local
-from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
-from .inflight import InFlight
-from .matrices import MatrixMap, maps_of
-from .matrix_update import MatrixItem, batch_order
-from .newton_schulz import HOST_READS
-from .nonfinite import (
+from ..distributed.exchange import LocalShards, is_dtensor
+from ..distributed.exchange import local_shard as _local
+from ..distributed.inflight import InFlight
+from ..matrices import MatrixMap, maps_of
+from ..ns import device as compute
+from ..ns.calibrate import calibrated_cost_model
+from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from ..ns.newton_schulz import HOST_READS
+from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel, Plan, plan_buckets
+from ..step.elementwise import lr_scale
+from ..step.matrix import MatrixItem, batch_order
+from ..step.nonfinite import (
     DEFAULT_NONFINITE,
     FiniteCheck,
     SkipGuard,
@@ -36,11 +38,10 @@ from .nonfinite import (
     finite_flags,
     raise_if_nonfinite,
 )
+from ..step.program import Gather, StepProgram
+from .checkpoint import adapt_state_dict
 from .param_names import agree_on_names, restore_names
-from .planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel, Plan, plan_buckets
-from .program import Gather, StepProgram
 from .state import drop_state_after, mark_state
-from .transforms import lr_scale
 
 _PLAN_CACHE_SIZE = 4
 
@@ -165,6 +166,7 @@ class MatrixOptimizer(Optimizer):
         self._global_of: dict[int, Tensor] = {}
         self._sharded = False  # any FSDP2 DTensor parameter
         self._inflight = InFlight()  # this step's agreement collectives (see inflight.py)
+        self._orthogonalize_hooks: OrderedDict[int, Callable] = OrderedDict()
         super().__init__(params, defaults)
 
     # ----- validation ---------------------------------------------------------------------
@@ -269,7 +271,7 @@ class MatrixOptimizer(Optimizer):
         if m.is_flatten:
             return [(p, grad, buf, tuple(p.shape), None, 0)]
         if is_dtensor(p):
-            from .distributed import sharded_pieces
+            from ..distributed.exchange import sharded_pieces
 
             return sharded_pieces(self, m, p, grad, buf)
         split = m.views
@@ -518,17 +520,26 @@ class MatrixOptimizer(Optimizer):
             return None
         engine = matrices.engine
         self.last_plan = engine.plan
-        orthogonalize = self._orthogonalize  # looked up per step: an instance may wrap it
+        orthogonalize = self._orthogonalize
         positions, dtypes = matrices.keep_positions, matrices.dtypes
-        return lambda sources, keep: orthogonalize(
-            sources,
-            matrices.params,
-            matrices.configs,
-            keep=keep,
-            engine=engine,
-            keep_positions=positions,
-            out_dtypes=dtypes,
-        )
+
+        def run(sources, keep):
+            def call():
+                return orthogonalize(
+                    sources,
+                    matrices.params,
+                    matrices.configs,
+                    keep=keep,
+                    engine=engine,
+                    keep_positions=positions,
+                    out_dtypes=dtypes,
+                )
+
+            for hook in self._orthogonalize_hooks.values():
+                call = functools.partial(hook, call)
+            return call()
+
+        return run
 
     def _reference_step(self) -> None:
         with self._refusal_leaves_no_state():
@@ -562,7 +573,7 @@ class MatrixOptimizer(Optimizer):
         zero gradients for those that step elsewhere but have none here (else ``{}``)."""
         self._global_of = {}
         if self.process_group is not None or self._sharded:
-            from .distributed import begin_step
+            from ..distributed.exchange import begin_step
 
             self._inflight.settle()  # the last step's (finished long ago)
             return begin_step(self, self._inflight)
@@ -572,7 +583,7 @@ class MatrixOptimizer(Optimizer):
         """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
         if not self._sharded:
             return item_lists
-        from .distributed import localize
+        from ..distributed.exchange import localize
 
         for items in item_lists:
             self._global_of.update(localize(self, items))
@@ -631,7 +642,7 @@ class MatrixOptimizer(Optimizer):
     @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
     def _build(self, params, configs, policy) -> Orthogonalizer:
         if self.process_group is not None or self._global_of:
-            from .distributed import build_distributed
+            from ..distributed.exchange import build_distributed
 
             return build_distributed(self, params, configs, policy)
         return self._build_local(params, configs, policy)
@@ -708,7 +719,7 @@ class MatrixOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, from this optimizer's state dicts and from those of Ultralytics'
         MuSGD, ``torch.optim`` SGD/Muon/AdamW and older fastmuon versions (translated by
-        :func:`fastmuon.checkpoint.adapt_state_dict`: missing group keys from this optimizer's
+        :func:`fastmuon.optim.checkpoint.adapt_state_dict`: missing group keys from this optimizer's
         groups, buffers carried where the maths agrees, cast to each parameter's dtype).
 
         A state dict that cannot be used (another model's layout, a non-numeric hyperparameter,
@@ -751,6 +762,28 @@ class MatrixOptimizer(Optimizer):
                 state["step"] = step.to(device, torch.float32)
         self._plans.clear()
         self.invalidate()
+
+    # ----- what tools may read: the executors, their kept buffers, a hook around NS ----------
+    def orthogonalizers(self) -> list[Any]:
+        """The cached Newton–Schulz executors, least recently used first. Each has ``plan`` and
+        ``workspaces()``; in a distributed run also ``stats`` (the last call's
+        :class:`~fastmuon.distributed.exchange.CommStats`) and ``profile`` (set True to time NS
+        and communication apart, at the cost of a synchronisation)."""
+        return list(self._plans.values())
+
+    def workspaces(self) -> list[Tensor]:
+        """Every tensor the cached executors keep between steps (bucket buffers, NS scratch,
+        exchange buffers): memory the optimizer holds beyond its state."""
+        return [t for engine in self._plans.values() for t in engine.workspaces()]
+
+    def register_orthogonalize_hook(self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]):
+        """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
+        it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
+        For timing and inspection (a hook must not change the results). Returns a handle whose
+        ``remove()`` takes the hook out again, as torch's optimizer hooks do."""
+        handle = RemovableHandle(self._orthogonalize_hooks)
+        self._orthogonalize_hooks[handle.id] = hook
+        return handle
 
     def plan(self) -> Plan:
         """The batching plan of the last step.
@@ -846,6 +879,7 @@ class MatrixOptimizer(Optimizer):
         self.__dict__.setdefault("_version", 0)
         self.__dict__.setdefault("capturable", False)
         self.__dict__["_inflight"] = InFlight()  # a copy holds no other optimizer's collectives
+        self.__dict__["_orthogonalize_hooks"] = OrderedDict()  # hooks are not copied (as torch's)
 
     def __repr__(self) -> str:
         """torch's layout (class, then each group's hyperparameters), with the per-parameter lists

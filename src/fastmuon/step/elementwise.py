@@ -15,7 +15,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from . import compute
+from ..ns import device as compute
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 

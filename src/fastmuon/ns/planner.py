@@ -2,7 +2,7 @@
 
 Each bucket is one batched Newton–Schulz call on a ``(B, R, C)`` tensor. Matrices of one
 oriented shape stack without padding; smaller groups may share a bucket by zero-padding to
-the largest rows/cols among them, which is exact (see :mod:`fastmuon.newton_schulz`) but costs
+the largest rows/cols among them, which is exact (see :mod:`fastmuon.ns.newton_schulz`) but costs
 FLOPs. Whether a merge pays is a trade of kernel launches against padded FLOPs: launches
 dominate on a GPU, FLOPs on a CPU, so the cost model carries constants per device type.
 Nothing here touches tensor data; the plan is easy to test alone.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compute import cpu_class
+from .device import cpu_class
 from .newton_schulz import gram_segments
 
 POLICIES = ("auto", "exact", "min_launches")

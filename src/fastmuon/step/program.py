@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import compute
+from ..ns import device as compute
 
 #: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
 Scalar = Any
@@ -114,7 +114,7 @@ class StepProgram:
     ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
     ``check`` tests their gradients for NaN/Inf; ``skip`` (``nonfinite="skip"``) snapshots and
     restores what the update writes; ``owners`` name the parameters in errors; ``shards``
-    (sharded parameters: :class:`~fastmuon.distributed.LocalShards`) the local tensors the
+    (sharded parameters: :class:`~fastmuon.distributed.exchange.LocalShards`) the local tensors the
     program updates, whose gradients a step takes as local shards too.
     """
 

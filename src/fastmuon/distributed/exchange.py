@@ -17,7 +17,7 @@ size, empty shards) need no padding: every rank computes every block size from t
 
 Everything is ``torch.distributed``; the only assumption is that all ranks step the same set of
 parameters, which :func:`begin_step` enforces with one small all_reduce per step. Every
-collective goes through an :class:`~fastmuon.inflight.InFlight`, and exchange buffers persist
+collective goes through an :class:`~fastmuon.distributed.inflight.InFlight`, and exchange buffers persist
 between steps: nothing a collective touched is freed by the process group's own threads.
 """
 
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from ..matrices import Box, MatrixMap, box_shape
+from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from ..ns.planner import CostModel, Member, Plan, plan_buckets
 from .inflight import InFlight
-from .matrices import Box, MatrixMap, box_shape
-from .planner import CostModel, Member, Plan, plan_buckets
 
 if TYPE_CHECKING:
-    from ._base import MatrixOptimizer
+    from ..optim.base import MatrixOptimizer
 
 
 def is_dtensor(t: Any) -> bool:
@@ -613,7 +613,7 @@ def _plan(opt, specs, configs, policy, group) -> Plan:
     cost_model = opt.cost_model
     box: list[Any] = [cost_model, torch.get_num_threads()]
     if cost_model == "calibrate" and specs:
-        from .calibrate import calibrated_cost_model
+        from ..ns.calibrate import calibrated_cost_model
 
         box[0] = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
     src = 0 if group is None else dist.get_global_rank(group, 0)

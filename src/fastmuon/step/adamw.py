@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .elementwise import foreach_scalar, fusable, partition
 from .program import Gather, Scalar, strides_of
-from .transforms import foreach_scalar, fusable, partition
 
 
 @dataclass

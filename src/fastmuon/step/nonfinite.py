@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import compute
-from .inflight import InFlight
-from .layout import memory_order
+from ..distributed.inflight import InFlight
+from ..ns import device as compute
+from ..ns.layout import memory_order
 from .program import Gather
 
 NONFINITE_MODES = ("raise", "skip", "ignore")

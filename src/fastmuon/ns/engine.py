@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import compute
-from .compute import compute_dtype, wider_dtype
+from ..matrices import MatrixMapSpec, maps_of
+from ..step.nonfinite import zero_rejected_
+from ..step.program import Gather
+from . import device as compute
+from .device import compute_dtype, wider_dtype
 from .layout import memory_order
-from .matrices import MatrixMapSpec, maps_of
 from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
-from .nonfinite import zero_rejected_
 from .planner import (
     DEFAULT_MAX_BUCKET_BYTES,
     Bucket,
@@ -33,7 +34,6 @@ from .planner import (
     Plan,
     plan_buckets,
 )
-from .program import Gather
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .compute import compute_dtype
-from .engine import NSConfig
-from .newton_schulz import newton_schulz
+from ..ns.device import compute_dtype
+from ..ns.engine import NSConfig
+from ..ns.newton_schulz import newton_schulz
+from .elementwise import ema_momentum_, ema_momentum_cast_, partition
 from .program import Gather, Scalar, apply_scaled_, scale_limit
-from .transforms import ema_momentum_, ema_momentum_cast_, partition
 
 
 @dataclass
@@ -78,7 +78,7 @@ class MatrixProgram:
     """The batched matrix update prepared once for a fixed set of matrices.
 
     Built from one step's items; each later step with the same equality classes of
-    hyperparameters (see :mod:`fastmuon.program`) runs the same calls with that step's values:
+    hyperparameters (see :mod:`fastmuon.step.program`) runs the same calls with that step's values:
     one ``lerp`` per momentum part, the plan's NS, one decay call, one ``add_`` per scale class.
     Where the engine offers its input buffers (a CPU) the momentum step writes each matrix's NS
     input straight into its bucket slot, rounded to the bucket's NS dtype on the store: one pass

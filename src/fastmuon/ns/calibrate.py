@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .compute import synchronize
+from .device import synchronize
 from .planner import CostModel, EighCost, default_cost_model
 
 

@@ -16,8 +16,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from . import compute
-from .matrices import MatrixMapSpec, parse
+from ..matrices import MatrixMapSpec, parse
+from . import device as compute
 
 Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]

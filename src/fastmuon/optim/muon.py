@@ -16,15 +16,15 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ._base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative
-from .adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
+from ..matrices import MatrixMapSpec, maps_key
+from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
+from ..step.adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
+from ..step.elementwise import ADJUST_LR
+from ..step.matrix import MatrixItem, MatrixProgram, MatrixScalars, single_tensor_matrix_update
+from ..step.nonfinite import DEFAULT_NONFINITE
+from ..step.program import classes
+from .base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative
 from .checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA
-from .matrices import MatrixMapSpec, maps_key
-from .matrix_update import MatrixItem, MatrixProgram, MatrixScalars, single_tensor_matrix_update
-from .nonfinite import DEFAULT_NONFINITE
-from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from .program import classes
-from .transforms import ADJUST_LR
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
@@ -68,7 +68,7 @@ class Muon(MatrixOptimizer):
         foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter loop.
         compile, max_bucket_bytes, cost_model: as in :class:`~fastmuon.MuSGD`.
         process_group: DDP: ranks split the Newton–Schulz work; FSDP2 DTensor parameters are
-            detected without it (see :mod:`fastmuon.distributed`).
+            detected without it (see :mod:`fastmuon.distributed.exchange`).
         nonfinite: what a NaN/Inf gradient does ("raise" by default, "skip" or "ignore"), as in
             :class:`~fastmuon.MuSGD`.
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
@@ -78,7 +78,7 @@ class Muon(MatrixOptimizer):
     The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
 
     ``load_state_dict`` also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of
-    Ultralytics' MuSGD (see :mod:`fastmuon.checkpoint`).
+    Ultralytics' MuSGD (see :mod:`fastmuon.optim.checkpoint`).
     """
 
     _COPIED = (*MatrixOptimizer._COPIED, "adamw_lr")
@@ -176,7 +176,7 @@ class Muon(MatrixOptimizer):
 
     @staticmethod
     def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
-        """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
+        """What each state buffer of ``p`` holds (see :mod:`fastmuon.optim.checkpoint`), as ``_collect``
         creates them."""
         if Muon._is_matrix(group, p):
             return {"momentum_buffer": EMA}

@@ -14,19 +14,19 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ._base import ArgumentTypeError, MatrixOptimizer, check_foreach, check_nonnegative, state_buffer
-from .checkpoint import EMA, HEAVY_BALL
-from .matrices import MatrixMapSpec, maps_key
-from .matrix_update import (
+from ..matrices import MatrixMapSpec, maps_key
+from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
+from ..step.elementwise import ADJUST_LR, foreach_scalar, fusable, partition
+from ..step.matrix import (
     MatrixItem,
     MatrixProgram,
     MatrixScalars,
     single_tensor_matrix_update,
 )
-from .nonfinite import DEFAULT_NONFINITE
-from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from .program import Gather, Scalar, apply_scaled_, classes, scale_limit, strides_of
-from .transforms import ADJUST_LR, foreach_scalar, fusable, partition
+from ..step.nonfinite import DEFAULT_NONFINITE
+from ..step.program import Gather, Scalar, apply_scaled_, classes, scale_limit, strides_of
+from .base import ArgumentTypeError, MatrixOptimizer, check_foreach, check_nonnegative, state_buffer
+from .checkpoint import EMA, HEAVY_BALL
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -106,7 +106,7 @@ class MuSGD(MatrixOptimizer):
     the same; the hyperparameters' values are read from the groups at every step.
 
     ``load_state_dict`` also takes state dicts of Ultralytics' MuSGD, ``torch.optim`` SGD, Muon
-    and AdamW (see :mod:`fastmuon.checkpoint`); what it saves loads into Ultralytics' MuSGD.
+    and AdamW (see :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
     """
 
     def __init__(
@@ -207,7 +207,7 @@ class MuSGD(MatrixOptimizer):
 
     @staticmethod
     def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
-        """What each state buffer of ``p`` holds (see :mod:`fastmuon.checkpoint`), as ``_collect``
+        """What each state buffer of ``p`` holds (see :mod:`fastmuon.optim.checkpoint`), as ``_collect``
         creates them."""
         if not group["use_muon"]:
             return {"momentum_buffer": HEAVY_BALL}
@@ -318,7 +318,7 @@ class MuSGDScalars:
 
 class SGDProgram:
     """The SGD half (and plain SGD) prepared once: per (β, nesterov, wd, device, dtype), torch's
-    fused kernel per learning rate where it is exact (:func:`~fastmuon.transforms.fusable`),
+    fused kernel per learning rate where it is exact (:func:`~fastmuon.step.elementwise.fusable`),
     else foreach calls with one scale class per learning rate."""
 
     def __init__(self, items: list[SGDItem], lr_class: Sequence[int], num_groups: int, fused_ok: bool):
