@@ -136,7 +136,7 @@ def check_ddp(group) -> None:
                         )
         check_reference(f"DDP {opt_cls.__name__}", [p.detach() for p in dist_params], ref_params)
         # every rank ran a share of the NS FLOPs, and the shares add up to the whole plan
-        engine = next(iter(opt._plans.values()))
+        engine = next(iter(opt.orthogonalizers()))
         owned = torch.tensor([engine.stats.owned_flops], dtype=torch.float64)
         shares = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(shares, owned, group=group)
@@ -443,7 +443,7 @@ def check_matrix_maps(group) -> None:
     full = [p.full_tensor() for p in fsdp_net.parameters()]
     check_close("FSDP2 Muon with matrix maps", full, want)
     check_reference("FSDP2 Muon with matrix maps", full, ref)
-    engine = next(iter(fsdp_opt._plans.values()))
+    engine = next(iter(fsdp_opt.orthogonalizers()))
     assert engine.exchanged.plan.num_matrices == SPREAD[world], engine.exchanged.plan.describe()
     if dist.get_rank() == 0:
         log(
@@ -505,14 +505,14 @@ def check_cached_against_fresh(name: str, make, grads_at) -> None:
                 continue
             if rank == last:
                 local_shard(picked.grad).view(-1)[0] = float("nan")
-            programs, before = list(opt._programs), [x.clone() for x in local_tensors(opt, params)]
+            programs, before = list(opt._cache.programs), [x.clone() for x in local_tensors(opt, params)]
             try:
                 opt.step()
             except FloatingPointError:
                 pass
             else:
                 raise AssertionError(f"{name}: a NaN on rank {last} was not refused on rank {rank}")
-            assert list(opt._programs) == programs, f"{name}: a refused step changed the programs"
+            assert list(opt._cache.programs) == programs, f"{name}: a refused step changed the programs"
             after = local_tensors(opt, params)
             assert all(torch.equal(a, b) for a, b in zip(after, before)), f"{name}: a refused step wrote"
         pairs = zip(local_tensors(kept, kept_net.parameters()), local_tensors(fresh, fresh_net.parameters()))
@@ -643,13 +643,13 @@ def check_one_ranks_misfit(group) -> None:
             if opt is fresh:
                 opt.invalidate()
             opt.step()
-        engines.append(next(iter(kept._programs.values())).matrices.engine)
+        engines.append(next(iter(kept._cache.programs.values())).matrices.engine)
         pairs = zip(local_tensors(kept, kept_params), local_tensors(fresh, fresh_params))
         assert all(torch.equal(a, b) for a, b in pairs), f"step {t} differs from fresh on rank {rank}"
     # the refit program takes the foreach path for that weight, which fits either layout after
     assert len(builds) == (2 if rank == last else 1), f"{len(builds)} programs built on rank {rank}"
     assert all(e is engines[0] for e in engines), "a refit program changed its engine"
-    assert len(kept._programs) == 1
+    assert len(kept._cache.programs) == 1
     if rank == 0:
         log("a gradient layout on one rank only: that rank refits its program alone, bitwise")
 

@@ -331,6 +331,7 @@ def test_copies_keep_every_setting_and_step_identically(info, inp, how):
     clone = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     original, copied = _public(opt), _public(clone)
     assert copied.keys() == original.keys()
+    assert clone.options == opt.options
     for name in (
         "foreach",
         "policy",
@@ -340,7 +341,7 @@ def test_copies_keep_every_setting_and_step_identically(info, inp, how):
         "nonfinite",
         "process_group",
     ):
-        assert copied[name] == original[name], name
+        assert getattr(clone, name) == getattr(opt, name), name
     assert str(clone.param_groups) == str(opt.param_groups)
     clone_params = params_of(clone)
     assert all(c is not p for c, p in zip(clone_params, params))

@@ -29,9 +29,9 @@ import operator
 import pickle
 import sys
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,6 @@ from ..matrices import Box, MatrixMap, box_shape
 from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from ..ns.planner import CostModel, Member, Plan, plan_buckets
 from .inflight import InFlight
-
-if TYPE_CHECKING:
-    from ..optim.base import MatrixOptimizer
 
 
 def is_dtensor(t: Any) -> bool:
@@ -454,9 +451,10 @@ class ShardedMatrix:
         return cls(shape, tuple(shard_rows(shape[0], world)), local.dtype, local.device)
 
 
-def sharded_pieces(opt: MatrixOptimizer, m: MatrixMap, p: Any, grad: Any, buf: Any) -> list[tuple]:
+def sharded_pieces(m: MatrixMap, p: Any, grad: Any, buf: Any, optimizer: str) -> list[tuple]:
     """The matrices of FSDP2 parameter ``p`` under map ``m`` that this rank takes part in, as
-    views of its local shards (see ``MatrixOptimizer._matrix_pieces``).
+    ``(param, grad, buffer, shape, split, piece, whole)`` with views of its local shards (see
+    :func:`fastmuon.step.matrix.matrix_items`); ``whole`` describes the matrix for the planner.
 
     Each piece is a box of the whole tensor; its rows on a rank are the box's overlap with the
     rank's ``Shard(0)`` chunk. A piece with rows here, or spread over several ranks (then it is
@@ -468,7 +466,7 @@ def sharded_pieces(opt: MatrixOptimizer, m: MatrixMap, p: Any, grad: Any, buf: A
         if not _shard0_on_1d_mesh(t):
             raise ValueError(
                 f"a DTensor of shape {tuple(p.shape)} has placements {tuple(t.placements)} on a "
-                f"{t.device_mesh.ndim}-D mesh; {type(opt).__name__} orthogonalises the matrices of "
+                f"{t.device_mesh.ndim}-D mesh; {optimizer} orthogonalises the matrices of "
                 "FSDP2's Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP; "
                 "gradients sharded like their parameters)"
             )
@@ -497,11 +495,10 @@ def sharded_pieces(opt: MatrixOptimizer, m: MatrixMap, p: Any, grad: Any, buf: A
             continue
         local_box = (here, *box[1:])
         views = [t[local_box] for t in local]
-        opt._global_of[id(views[0])] = matrix
         boxes.append(local_box)
-        pieces.append((*views, factor_shape))
+        pieces.append((*views, factor_shape, matrix))
     split = functools.partial(_cut, tuple(boxes))
-    return [(pv, gv, bv, factor_shape, split, k) for k, (pv, gv, bv, factor_shape) in enumerate(pieces)]
+    return [(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)]
 
 
 def _cut(boxes: tuple[Box, ...], t: Tensor) -> list[Tensor]:
@@ -556,24 +553,41 @@ class SplitShardedOrthogonalizer:
 
 
 # ----- the optimizer side: building, agreeing, localising ------------------------------------
+@dataclass(frozen=True)
+class DistContext:
+    """What an optimizer hands the distributed layer (never itself): the ranks, the keeper of
+    in-flight collectives, its settings, and how to name a parameter or build a local engine."""
+
+    process_group: Any  # DDP: the ranks that share the NS work; None under FSDP2 (the mesh's)
+    inflight: InFlight  # holds every collective's tensors until the next step settles them
+    options: Any  # the optimizer's Options: cost model, compile, bucket cap
+    optimizer: str  # the optimizer's class name, for errors
+    groups: list[dict[str, Any]]  # its param groups, to name parameters in errors
+    param_name: Callable[[dict[str, Any], int], str]
+    build_local: Callable[[Sequence[Tensor], Sequence[NSConfig], str], Any]  # an engine of this rank's own
+
+
 def build_distributed(
-    opt: MatrixOptimizer, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str
+    ctx: DistContext,
+    params: Sequence[Tensor],
+    configs: Sequence[NSConfig],
+    wholes: Sequence[Any],
+    policy: str,
 ):
     """The orthogonalizer for a step's matrices: sharded if they are DTensors (or matrices cut
-    out of DTensors), else replicated."""
-    globals_ = [opt._global_param(p) for p in params]
-    sharded = [is_dtensor(g) or isinstance(g, ShardedMatrix) for g in globals_]
+    out of DTensors: ``wholes`` holds what each matrix is whole), else replicated."""
+    sharded = [is_dtensor(g) or isinstance(g, ShardedMatrix) for g in wholes]
     if any(sharded) and not all(sharded):
         raise ValueError(
             "some matrix parameters are FSDP2 DTensors and some are plain tensors; "
-            f"{type(opt).__name__} needs all of them sharded (apply fully_shard to the root module too)"
+            f"{ctx.optimizer} needs all of them sharded (apply fully_shard to the root module too)"
         )
     if all(sharded) and params:
-        group = _mesh_group(opt)
+        group = mesh_group(ctx)
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         matrices = [
             g if isinstance(g, ShardedMatrix) else ShardedMatrix.of(g, p, world)
-            for g, p in zip(globals_, params)
+            for g, p in zip(wholes, params)
         ]
         spread = [i for i, m in enumerate(matrices) if m.spread]
         mine = [i for i, m in enumerate(matrices) if not m.spread and m.rows[rank]]
@@ -588,29 +602,31 @@ def build_distributed(
                 )
                 for i in spread
             ]
-            plan = _plan(opt, specs, [configs[i] for i in spread], policy, group)
+            plan = _plan(ctx, specs, [configs[i] for i in spread], policy, group)
             configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
             exchanged = ShardedOrthogonalizer(
-                plan, [matrices[i] for i in spread], configs_by_key, group, compile=opt.compile
+                plan, [matrices[i] for i in spread], configs_by_key, group, compile=ctx.options.compile
             )
             if len(spread) == len(params):
                 return exchanged
         local = (
-            opt._build_local([params[i] for i in mine], [configs[i] for i in mine], policy) if mine else None
+            ctx.build_local([params[i] for i in mine], [configs[i] for i in mine], policy) if mine else None
         )
         return SplitShardedOrthogonalizer(exchanged, spread, local, mine, len(params))
     layouts = [TensorLayout.of(p) for p in params]
     specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
-    plan = _plan(opt, specs, configs, policy, opt.process_group)
+    plan = _plan(ctx, specs, configs, policy, ctx.process_group)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
-    return ReplicatedOrthogonalizer(plan, layouts, configs_by_key, opt.process_group, compile=opt.compile)
+    return ReplicatedOrthogonalizer(
+        plan, layouts, configs_by_key, ctx.process_group, compile=ctx.options.compile
+    )
 
 
-def _plan(opt, specs, configs, policy, group) -> Plan:
+def _plan(ctx: DistContext, specs, configs, policy, group) -> Plan:
     """The plan every rank builds alike: what varies by rank and steers the planner (a
     calibrated cost model, the thread count that prices eigendecompositions) is rank 0's,
     sent to all."""
-    cost_model = opt.cost_model
+    cost_model = ctx.options.cost_model
     box: list[Any] = [cost_model, torch.get_num_threads()]
     if cost_model == "calibrate" and specs:
         from ..ns.calibrate import calibrated_cost_model
@@ -618,12 +634,12 @@ def _plan(opt, specs, configs, policy, group) -> Plan:
         box[0] = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
     src = 0 if group is None else dist.get_global_rank(group, 0)
     device = specs[0].device if specs else torch.device("cpu")
-    cost_model, threads = _broadcast_object(box, src, group, opt._inflight, device)
+    cost_model, threads = _broadcast_object(box, src, group, ctx.inflight, device)
     return plan_buckets(
         specs,
         policy=policy,
         steps=max((c.steps for c in configs), default=5),
-        max_bucket_bytes=opt.max_bucket_bytes,
+        max_bucket_bytes=ctx.options.max_bucket_bytes,
         cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         threads=threads,
     )
@@ -647,59 +663,63 @@ def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: tor
     return pickle.loads(bytes(payload.tolist()))
 
 
-def _mesh_group(opt: MatrixOptimizer) -> dist.ProcessGroup:
+def mesh_group(ctx: DistContext) -> dist.ProcessGroup:
     """The process group of the mesh every sharded parameter lives on (checked: Shard(0), 1-D)."""
     mesh = None
-    for group in opt.param_groups:
+    for group in ctx.groups:
         for j, p in enumerate(group["params"]):
             if not is_dtensor(p):
                 continue
             mesh = p.device_mesh if mesh is None else mesh
             if not _shard0_on_1d_mesh(p):
                 raise ValueError(
-                    f"{opt._param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
-                    f"on a {p.device_mesh.ndim}-D mesh; {type(opt).__name__} supports FSDP2's "
+                    f"{ctx.param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
+                    f"on a {p.device_mesh.ndim}-D mesh; {ctx.optimizer} supports FSDP2's "
                     "Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP)"
                 )
             if p.device_mesh != mesh:
                 raise ValueError(
-                    f"{opt._param_name(group, j)} lives on another device mesh than the first "
+                    f"{ctx.param_name(group, j)} lives on another device mesh than the first "
                     "sharded parameter; shard all parameters over one mesh"
                 )
     assert mesh is not None, "no sharded parameter"
     return mesh.get_group()
 
 
-def step_group(opt: MatrixOptimizer) -> dist.ProcessGroup | None:
+def step_group(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dist.ProcessGroup | None:
     """The group the ranks agree on: the DTensors' mesh if any, else the optimizer's process group."""
-    if opt._sharded:
-        for p in opt._flat_params():
+    if sharded:
+        for p in params:
             if is_dtensor(p):
                 return p.device_mesh.get_group()
-    return opt.process_group
+    return ctx.process_group
 
 
-def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]:
-    """Agree across ranks on which parameters step; returns zero gradients for the missing ones.
+def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
+    """Every rank's keep flags combined (finite only where finite on every rank), one
+    all-reduce (held by ``inflight``, see inflight.py)."""
+    ok = torch.stack([f.to(keep[0].device) for f in keep]).float()
+    inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
+    inflight.wait()
+    return ok > 0.5
+
+
+def begin_step(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dict[Tensor, Tensor]:
+    """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
 
     A parameter steps on every rank if any rank has a gradient for it (a rank without one
     treats it as zero), so all ranks build the same plan and issue the same collectives.
-    On the first step every parameter's state is created (zeros), so state dicts are
-    rank-symmetric and a checkpoint holds every parameter even if some never had a gradient.
-    ``inflight`` keeps the all_reduce's buffer until the next step settles it.
+    ``ctx.inflight`` keeps the all_reduce's buffer until the next step settles it.
     """
-    if not opt.state_initialised:
-        opt.init_state()
-    params = opt._flat_params()
     if not params:
         return {}
-    group = step_group(opt)
+    group = step_group(ctx, params, sharded)
     device = local_shard(params[0]).device
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
-    inflight.wait()
+    ctx.inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    ctx.inflight.wait()
     zeros = {}
     for p, anywhere in zip(params, has.tolist()):
         if anywhere and p.grad is None:
@@ -707,28 +727,25 @@ def begin_step(opt: MatrixOptimizer, inflight: InFlight) -> dict[Tensor, Tensor]
     return zeros
 
 
-def localize(opt: MatrixOptimizer, items: Sequence[Any]) -> dict[int, Any]:
+def localize(items: Sequence[Any], optimizer: str) -> None:
     """Swap every DTensor field of the step's items for its local shard, in place.
 
     The elementwise maths is then plain foreach work on local tensors (DTensor dispatch per op
-    would cost more than the maths). Returns ``{id(local param): DTensor}`` so the NS step can
-    find each matrix's global shape.
+    would cost more than the maths). A matrix item keeps its whole DTensor in ``whole``, so the
+    NS step can find the matrix's global shape.
     """
-    global_of: dict[int, Any] = {}
     for item in items:
         param = getattr(item, "param", None)
         for f in fields(item):
             value = getattr(item, f.name)
-            if not is_dtensor(value):
+            if f.name == "whole" or not is_dtensor(value):
                 continue
             if f.name == "grad" and tuple(value.placements) != tuple(param.placements):
                 raise ValueError(
                     f"a gradient has placements {tuple(value.placements)} but its parameter "
-                    f"{tuple(param.placements)}; {type(opt).__name__} needs gradients sharded "
+                    f"{tuple(param.placements)}; {optimizer} needs gradients sharded "
                     "like their parameters (as FSDP2 leaves them after backward)"
                 )
-            local = value.to_local()
-            if f.name == "param":
-                global_of[id(local)] = value
-            setattr(item, f.name, local)
-    return global_of
+            if f.name == "param" and hasattr(item, "whole"):
+                item.whole = value
+            setattr(item, f.name, value.to_local())

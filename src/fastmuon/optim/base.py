@@ -1,15 +1,19 @@
-"""What MuSGD and Muon share: validation, parameter names, and the cached batching plan."""
+"""What MuSGD and Muon share: group checks, the step's driver, state dicts and copies.
+
+A subclass names its update rule (``rule``, a module of :mod:`fastmuon.rules`: what a group
+contributes, the step's scalars, its program and reference) and checks its own group values;
+the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Options`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
-import math
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -17,33 +21,45 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from torch.utils.hooks import RemovableHandle
 
-from ..distributed.exchange import LocalShards, is_dtensor
+from ..distributed.exchange import (
+    DistContext,
+    LocalShards,
+    agree_across_ranks,
+    begin_step,
+    build_distributed,
+    is_dtensor,
+    localize,
+)
 from ..distributed.exchange import local_shard as _local
 from ..distributed.inflight import InFlight
-from ..matrices import MatrixMap, maps_of
-from ..ns import device as compute
+from ..matrices import maps_of
+from ..ns import device
 from ..ns.calibrate import calibrated_cost_model
 from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
 from ..ns.newton_schulz import HOST_READS
-from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel, Plan, plan_buckets
-from ..step.elementwise import lr_scale
-from ..step.matrix import MatrixItem, batch_order
-from ..step.nonfinite import (
-    DEFAULT_NONFINITE,
-    FiniteCheck,
-    SkipGuard,
-    SkipPlan,
-    agree_across_ranks,
-    check_mode,
-    finite_flags,
-    raise_if_nonfinite,
-)
+from ..ns.planner import CostModel, Plan, plan_buckets
+from ..rules.collecting import CollectEnv
+from ..step.cache import StepCache
+from ..step.matrix import batch_order
+from ..step.nonfinite import NonFiniteGuard
 from ..step.program import Gather, StepProgram
-from .checkpoint import adapt_state_dict
+from .checkpoint import LoadTarget, adapt_state_dict
+from .options import Options
 from .param_names import agree_on_names, restore_names
 from .state import drop_state_after, mark_state
+from .validation import (
+    ArgumentTypeError,
+    check_fraction,
+    check_grad,
+    check_nonnegative,
+    check_param,
+    check_tensor_lr,
+    ns_config,
+    param_name,
+)
 
-_PLAN_CACHE_SIZE = 4
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
 _is_none = functools.partial(operator.is_, None)
@@ -51,123 +67,59 @@ _is_sparse = operator.attrgetter("is_sparse")
 _grad_of = operator.attrgetter("grad")
 
 
-def _engine_key(p: Any, config: NSConfig) -> Hashable:
+def _engine_key(whole: Any, config: NSConfig) -> Hashable:
     """What an engine depends on for one matrix: its layout, dtype, device and NS settings
-    (a sharded matrix: its description, see distributed.py)."""
-    if isinstance(p, Tensor):
-        return (p.shape, p.stride(), p.dtype, p.device, config)
-    return (p, config)
+    (a sharded matrix: its description, see fastmuon.distributed)."""
+    if isinstance(whole, Tensor):
+        return (whole.shape, whole.stride(), whole.dtype, whole.device, config)
+    return (whole, config)
 
 
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
-
-
-def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
-    """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format."""
-    buf = state.get(key)
-    if buf is None:
-        buf = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return buf
-
-
-def check_nonnegative(name: str, value: Any, where: str) -> None:
-    if isinstance(value, Tensor):
-        value = value.item() if value.numel() == 1 else math.nan
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise ValueError(f"invalid {name} {value!r} in {where}: it must be a number >= 0")
-
-
-def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: Any) -> NSConfig:
-    """:meth:`NSConfig.make` of a group's values, made once per distinct values: a step reads
-    every group's config, and making one resolves and checks its coefficients."""
-    if not (_plain(steps) and _plain(eps) and _plain(coefficients)):  # a tensor may change in place
-        return NSConfig.make(steps, coefficients, eps, dtype, method)
-    try:
-        # the types too: equal values of other types (5 and 5.0) make configs that differ
-        return _cached_ns_config(type(steps), steps, coefficients, type(eps), eps, dtype, method)
-    except TypeError as e:
-        if "unhashable" not in str(e):
-            raise
-        return NSConfig.make(steps, coefficients, eps, dtype, method)
-
-
-def _plain(value: Any) -> bool:
-    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
-    if isinstance(value, tuple):
-        return all(map(_plain, value))
-    return type(value) in (str, int, float, bool)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_ns_config(_steps_type, steps, coefficients, _eps_type, eps, dtype, method) -> NSConfig:
-    return NSConfig.make(steps, coefficients, eps, dtype, method)
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
-    torch's optimizers' checks, a ``ValueError``)."""
-
-
-def check_foreach(foreach: Any) -> bool | None:
-    """``foreach`` as torch's optimizers take it: ``None`` (pick the fast path), True or False."""
-    if foreach is not None and not isinstance(foreach, bool):
-        raise ArgumentTypeError(f"foreach must be None, True or False, got {foreach!r}")
-    return foreach
-
-
-def check_fraction(name: str, value: Any, where: str) -> None:
-    """Momentum-like coefficients live in [0, 1)."""
-    check_nonnegative(name, value, where)
-    if not value < 1:
-        raise ValueError(f"invalid {name} {value!r} in {where}: it must be in [0, 1)")
+def _option(name: str) -> property:
+    return property(
+        lambda self: getattr(self.options, name), doc=f"``options.{name}`` (fixed at construction)"
+    )
 
 
 class MatrixOptimizer(Optimizer):
     """Base for optimizers that orthogonalise matrix updates through the batched engine.
 
-    Subclasses declare how a group's parameters split into "matrix" and "elementwise" ones and
-    implement the step; this class validates groups, names parameters in errors, and builds,
-    caches and runs the plan (rebuilt when the set of matrices or their layouts changes).
+    It checks groups whole before storing them, names parameters in errors, and runs a step:
+    a prepared program (built by the rule on the first step, kept while the parameters with
+    gradients, their layouts and the equality classes of the hyperparameters stay the same)
+    or, with ``foreach=False``, the rule's per-parameter reference.
     """
+
+    #: the update rule: a module of :mod:`fastmuon.rules`
+    rule: ClassVar[Any]
+
+    foreach = _option("foreach")
+    policy = _option("policy")
+    compile = _option("compile")
+    max_bucket_bytes = _option("max_bucket_bytes")
+    cost_model = _option("cost_model")
+    nonfinite = _option("nonfinite")
+    capturable = _option("capturable")
 
     def __init__(
         self,
         params: ParamsT,
         defaults: dict[str, Any],
-        *,
-        policy: str,
-        max_bucket_bytes: int,
-        cost_model,
-        compile: bool,
+        options: Options,
         process_group: ProcessGroup | None = None,
-        nonfinite: str = DEFAULT_NONFINITE,
-        capturable: bool = False,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
-        if max_bucket_bytes <= 0:
-            raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
-        self.policy = policy
-        self.compile = bool(compile)
-        self.max_bucket_bytes = int(max_bucket_bytes)
-        if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
-            raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
-        self.cost_model: CostModel | str | None = cost_model
-        self.nonfinite = check_mode(nonfinite)
-        self.capturable = bool(capturable)
-        self._plans: OrderedDict[Hashable, Orthogonalizer] = OrderedDict()
-        self._programs: dict[Hashable, StepProgram] = {}
-        self._version = 0  # bumped whenever the groups or the state are replaced
-        self._flat: tuple[int, list[Tensor]] | None = None
-        self.last_plan: Plan | None = None
-        self.process_group = process_group  # DDP: ranks share the NS work (see distributed.py)
+        self.options = options
+        self.process_group = process_group  # DDP: ranks share the NS work (see fastmuon.distributed)
         self.state_initialised = False
-        self._global_of: dict[int, Tensor] = {}
-        self._sharded = False  # any FSDP2 DTensor parameter
+        self._cache = StepCache()
         self._inflight = InFlight()  # this step's agreement collectives (see inflight.py)
         self._orthogonalize_hooks: OrderedDict[int, Callable] = OrderedDict()
         super().__init__(params, defaults)
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """The plan of the last batched step (None before one)."""
+        return self._cache.last_plan
 
     # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -179,10 +131,7 @@ class MatrixOptimizer(Optimizer):
             # the group dict is stored (as in torch), but only once it has passed
             param_group["params"] = self._check_candidate(param_group)
         super().add_param_group(param_group)
-        self._plans.clear()
-        if hasattr(self, "_programs"):
-            self.invalidate()
-        self._sharded = self._sharded or any(is_dtensor(p) for p in param_group["params"])
+        self._cache.clear()
         restore_names(self.param_groups, held_names)
 
     def _check_candidate(self, param_group: dict[str, Any]) -> Any:
@@ -201,29 +150,13 @@ class MatrixOptimizer(Optimizer):
             candidate["param_names"] = names
         self._validate_group(candidate, f"param group {len(self.param_groups)}")
         for j, p in enumerate(tensors):
-            self._check_param(candidate, j, p)
+            check_param(self._param_name(candidate, j), type(self).__name__, p)
         return params
 
-    def _check_param(self, group: dict[str, Any], j: int, p: Tensor) -> None:
-        if p.is_complex():
-            raise ValueError(
-                f"{self._param_name(group, j)} is complex; {type(self).__name__} supports real "
-                "parameters only (view it as real with torch.view_as_real and optimise that)"
-            )
-        if not p.is_floating_point():
-            raise ValueError(
-                f"{self._param_name(group, j)} has dtype {p.dtype}; {type(self).__name__} optimises "
-                "floating-point parameters only (convert it, e.g. with .float(), or leave it out "
-                "of the optimizer)"
-            )
-
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
+        """The values every rule reads; a subclass checks its own after these."""
         lr = group["lr"]
-        if isinstance(lr, Tensor) and lr.numel() != 1:  # torch.optim's wording
-            raise ValueError(
-                f"Tensor lr must be 1-element, got shape {tuple(lr.shape)} in {where} "
-                "(pass a float or a one-element tensor)"
-            )
+        check_tensor_lr(lr, where)
         if not isinstance(group["nesterov"], bool):
             raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
         check_nonnegative("learning rate (lr)", lr, where)
@@ -234,121 +167,35 @@ class MatrixOptimizer(Optimizer):
         if use_muon is not None and not isinstance(use_muon, bool):
             raise ValueError(f"use_muon in {where} must be True, False or absent, got {use_muon!r}")
         try:
-            self._ns_config(group)
+            ns_config(group)
         except ValueError as e:
             raise ValueError(f"{e} (in {where})") from None
-
-    @staticmethod
-    def _is_matrix(group: dict[str, Any], p: Tensor) -> bool:
-        """Whether ``p`` in ``group`` is orthogonalised (else updated elementwise)."""
-        raise NotImplementedError
-
-    @staticmethod
-    def _matrix_maps(group: dict[str, Any]) -> list[MatrixMap]:
-        """How each parameter of ``group`` maps to matrices (see :mod:`fastmuon.matrices`)."""
-        return maps_of(group.get("matrices"), len(group["params"]))
 
     def _check_matrix_maps(self, group: dict[str, Any], where: str) -> None:
         """The group's matrix maps parse and fit the shapes of the parameters they apply to."""
         try:
-            maps = self._matrix_maps(group)
+            maps = maps_of(group.get("matrices"), len(group["params"]))
         except ValueError as e:
             raise ValueError(f"{e} (matrices in {where})") from None
         for j, (p, m) in enumerate(zip(group["params"], maps)):
-            if m.is_flatten or not self._is_matrix(group, p):
+            if m.is_flatten or not self.rule.is_matrix(group, p):
                 continue
             try:
                 m.check(p.shape)
             except ValueError as e:
                 raise ValueError(f"{self._param_name(group, j)} in {where}: {e}") from None
 
-    def _matrix_pieces(
-        self, m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor
-    ) -> list[tuple[Tensor, Tensor, Tensor, tuple[int, ...], Any, int]]:
-        """The matrices ``p`` is orthogonalised as: ``(param, grad, buffer, shape, split, piece)``
-        each, views of the tensors; ``shape`` as the learning-rate factor reads it, ``split`` the
-        step's way from a gradient of ``p`` to the pieces' (None: ``p`` is one matrix)."""
-        if m.is_flatten:
-            return [(p, grad, buf, tuple(p.shape), None, 0)]
-        if is_dtensor(p):
-            from ..distributed.exchange import sharded_pieces
-
-            return sharded_pieces(self, m, p, grad, buf)
-        split = m.views
-        return [
-            (*views, shape, split, k)
-            for k, (*views, shape) in enumerate(zip(split(p), split(grad), split(buf), m.shapes(p.shape)))
-        ]
-
-    def _matrix_items(
-        self,
-        m: MatrixMap,
-        p: Tensor,
-        grad: Tensor,
-        state: dict[str, Any],
-        *,
-        beta: float,
-        nesterov: bool,
-        base: Any,
-        adjust: str,
-        config: NSConfig,
-        group: int,
-        index: int,
-        decay: Any = 1.0,
-    ) -> list[MatrixItem]:
-        """The Muon updates of ``p``, one per matrix its map ``m`` makes of it (see
-        :meth:`_matrix_pieces`), over its EMA buffer ``state["momentum_buffer"]`` (made here if
-        missing): each scaled by ``base`` times the learning-rate factor of its own shape."""
-        buf = state_buffer(state, "momentum_buffer", p)
-        items = []
-        for view, grad_view, buf_view, shape, split, piece in self._matrix_pieces(m, p, grad, buf):
-            factor = lr_scale(adjust, shape)
-            items.append(
-                MatrixItem(
-                    view,
-                    grad_view,
-                    buf_view,
-                    beta,
-                    nesterov,
-                    base * factor,
-                    config,
-                    decay=decay,
-                    group=group,
-                    index=index,
-                    factor=factor,
-                    split=split,
-                    piece=piece,
-                )
-            )
-        return items
-
-    @staticmethod
-    def _ns_config(group: dict[str, Any]) -> NSConfig:
-        return ns_config_of(
-            group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
-        )
-
     def _param_name(self, group: dict[str, Any], j: int) -> str:
-        names = group.get("param_names")
-        p = group["params"][j]
-        if names is not None and j < len(names):
-            return f"parameter {names[j]!r} (shape {tuple(p.shape)})"
-        # a group not (yet) in the optimizer is the one being added
-        index = next((i for i, g in enumerate(self.param_groups) if g is group), len(self.param_groups))
-        return f"parameter {j} of param group {index} (shape {tuple(p.shape)})"
+        return param_name(self.param_groups, group, j)
 
     def _check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"{self._param_name(group, j)} has a sparse gradient; {type(self).__name__} needs "
-                "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
-            )
+        check_grad(self._param_name(group, j), type(self).__name__, grad)
 
     def _lr_value(self, lr: Any) -> Any:
         """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no
         device waits) unless ``capturable``; a tensor on an accelerator, or any tensor when
         ``capturable``, stays a tensor (reading it would make the host wait for the device)."""
-        if isinstance(lr, Tensor) and not self.capturable and compute.is_host(lr.device):
+        if isinstance(lr, Tensor) and not self.options.capturable and device.is_host(lr.device):
             return lr.item()
         return lr
 
@@ -357,59 +204,63 @@ class MatrixOptimizer(Optimizer):
     def step(self, closure=None):
         """One update of every parameter with a gradient.
 
-        The batched path runs a :class:`StepProgram`: built on the first step (and again when
-        the set of parameters with gradients, their layouts, the groups or the equality classes
-        of their hyperparameters change), it holds every list the step needs, so a step reads
-        the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and
-        NS calls. In a distributed run the set is the one the ranks agree on at every step
-        (a gradient on any rank; zeros stand in where a rank has none). The per-parameter
-        reference path (``foreach=False``) collects its items anew.
+        The batched path runs a :class:`~fastmuon.step.program.StepProgram`, built on the first
+        step and again when the set of parameters with gradients, their layouts, the groups or
+        the equality classes of their hyperparameters change; a step reads the gradients and
+        the groups' hyperparameters and runs a fixed sequence of foreach and NS calls. In a
+        distributed run the set is the one the ranks agree on at every step (a gradient on any
+        rank; zeros stand in where a rank has none). ``foreach=False`` runs the reference loop.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.foreach is False:
+        if self.options.foreach is False:
             self._reference_step()
             return loss
-        pattern, scalars = self._step_scalars()
+        cache = self._cache
+        pattern, scalars = self.rule.scalars(self.param_groups, self._lr_value)
         compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
-        distributed = self.process_group is not None or self._sharded
+        flat, sharded = cache.params(self.param_groups)
+        distributed = self.process_group is not None or sharded
+        agree = self._agree if distributed else None
         params = grads = program = stale = None
         if distributed and self.state_initialised:
             # the ranks agree on which parameters step with a collective, hit or miss; with the
             # state made, preparing creates nothing a refusal would have to take back
-            params, grads = self._step_grads()
+            params, grads = self._step_grads(flat, sharded)
         elif not distributed and not compiling:
-            grads = list(map(_grad_of, self._flat_params()))
+            grads = list(map(_grad_of, flat))
         if grads is not None and not compiling:
-            program = self._programs.get((tuple(map(_is_none, grads)), pattern))
+            program = cache.program((tuple(map(_is_none, grads)), pattern))
         if program is not None:
             live = program.live(grads)
             if not program.fits(live) or any(map(_is_sparse, live)):
                 program, stale = None, program
             else:
-                keep = self._check_nonfinite(program, live)
+                keep = program.guard.keep(live, program.name_of(self._param_name), agree)
         if program is None:
             with self._refusal_leaves_no_state():
                 if params is None:
-                    params, grads = self._step_grads()
+                    params, grads = self._step_grads(flat, sharded)
                 key = (tuple(g is None for g in grads), pattern)
                 engine = stale.matrices.engine if stale is not None and stale.matrices is not None else None
-                program = self._make_program(params, grads, key, engine)
+                program = self._make_program(params, grads, pattern, sharded, engine)
                 live = program.live(grads)
-                keep = self._check_nonfinite(program, live)
+                keep = program.guard.keep(live, program.name_of(self._param_name), agree)
             if not compiling:
-                self._remember(key, program)
-        saved = program.skip.snapshot() if keep is not None else None
-        token = HOST_READS.set(False) if self.capturable else None
+                cache.remember(key, program)
+        if program.matrices is not None and program.matrices.params:
+            cache.last_plan = program.plan
+        saved = program.guard.snapshot(keep) if keep is not None else None
+        token = HOST_READS.set(False) if self.options.capturable else None
         try:
-            program.run(live, scalars, keep, self._ns_runner(program))
+            program.run(live, scalars, keep, self._orthogonalize_hooks)
         finally:
             if token is not None:
                 HOST_READS.reset(token)
             if saved is not None:
-                program.skip.restore(saved, keep)
+                program.guard.restore(saved, keep)
         return loss
 
     @contextlib.contextmanager
@@ -425,302 +276,210 @@ class MatrixOptimizer(Optimizer):
         except BaseException:
             drop_state_after(self.state, mark)
             self.state_initialised = initialised
-            self._global_of = {}
             raise
 
-    def _step_grads(self) -> tuple[list[Tensor], list[Tensor | None]]:
+    def _step_grads(self, flat: list[Tensor], sharded: bool) -> tuple[list[Tensor], list[Tensor | None]]:
         """Every parameter and its gradient this step (zeros where only another rank has one)."""
-        zero_grads = self._begin_step()
-        params = self._flat_params()
-        grads = [p.grad for p in params]
+        zero_grads = {}
+        if self.process_group is not None or sharded:
+            self._inflight.settle()  # the last step's (finished long ago)
+            if not self.state_initialised:
+                self.init_state()  # every rank holds every parameter's state (rank-symmetric)
+            zero_grads = begin_step(self._dist_context(), flat, sharded)
+        grads = [p.grad for p in flat]
         if zero_grads:
-            grads = [zero_grads.get(p) if g is None else g for p, g in zip(params, grads)]
-        return params, grads
+            grads = [zero_grads.get(p) if g is None else g for p, g in zip(flat, grads)]
+        return flat, grads
 
-    def _collect(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, ...]:
-        """This step's work items (one list per kind of update), creating missing state."""
-        raise NotImplementedError
-
-    def _step_scalars(self) -> tuple[Hashable, Any]:
-        """This step's hyperparameters, read once per group: ``(pattern, scalars)``, where the
-        pattern (equality classes and structure) decides whether a program still fits."""
-        raise NotImplementedError
-
-    def _build_program(self, items: tuple[list, ...], pattern: Any, engine_for: Any) -> Any:
-        """The subclass's update prepared for these items: ``run(grads, scalars, keep, ns)``;
-        ``engine_for(params, configs)`` gives the matrices' orthogonalizer."""
-        raise NotImplementedError
-
-    def _apply_reference(self, *items: list) -> None:
-        """The per-parameter reference update of the items ``_collect`` gathered."""
-        raise NotImplementedError
-
-    def _flat_params(self) -> list[Tensor]:
-        flat = self._flat
-        if flat is None or flat[0] != self._version:
-            flat = self._flat = (self._version, [p for g in self.param_groups for p in g["params"]])
-        return flat[1]
-
-    def invalidate(self) -> None:
-        """Forget the prepared step programs (done by ``add_param_group`` and ``load_state_dict``;
-        call it after replacing state tensors or a group's ``params`` list by hand)."""
-        self._version += 1
-        self._programs.clear()
+    def _collect(self, grads: Sequence[Tensor | None]) -> Any:
+        """This step's work items (the rule's ``Items``), creating missing state."""
+        env = CollectEnv(
+            self.state, self._lr_value, self._check_grad, self.options.capturable, type(self).__name__
+        )
+        return self.rule.collect(self.param_groups, grads, env)
 
     def _make_program(
         self,
         params: list[Tensor],
         grads: list[Tensor | None],
-        key: Hashable,
-        engine: Orthogonalizer | None = None,
+        pattern: Any,
+        sharded: bool,
+        engine: Any = None,
     ) -> StepProgram:
         """The program for this step's ``params`` and ``grads`` (zeros where only another rank
         has one). ``engine``: the orthogonalizer of a program for the same key that no longer
         fits this step's layouts (its matrices are the same); reusing it leaves the engine cache
         untouched, which in a distributed run must change alike on every rank (building an
         engine takes a collective), while a misfit is one rank's own."""
-        items = self._local_items(*self._collect(params, grads))
-        engine_for = self._engine if engine is None else lambda _params, _configs: engine
+        items = self._collect(grads)
+        if sharded:
+            for part in items:
+                localize(part, type(self).__name__)
+        engine_for = self._engine if engine is None else (lambda _params, _configs, _wholes: engine)
         positions = [k for k, g in enumerate(grads) if g is not None]
-        local = [_local(params[k]) for k in positions]
+        owners = [(g, j) for g in self.param_groups for j in range(len(g["params"]))]
         live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
-        skip = None
-        if self.nonfinite == "skip" and positions:
-            owners = range(len(positions))
-            states = [{k: _local(v) for k, v in self.state[params[k]].items()} for k in positions]
-            skip = SkipPlan(local, states, owners)
-        owners_names = [self._owner(params[k]) for k in positions]
+        skipping = self.options.nonfinite == "skip"
+        local = [_local(params[k]) for k in positions] if skipping else ()
+        states = (
+            [{k: _local(v) for k, v in self.state[params[k]].items()} for k in positions] if skipping else ()
+        )
         return StepProgram(
-            self._build_program(items, key[1], engine_for),
+            self.rule.build(items, pattern, engine_for, self.options),
             Gather(positions),
-            FiniteCheck(live_grads),
-            skip,
-            owners_names,
-            shards=LocalShards([params[k] for k in positions]) if self._sharded else None,
+            NonFiniteGuard(self.options.nonfinite, live_grads, local, states),
+            [owners[k] for k in positions],
+            shards=LocalShards([params[k] for k in positions]) if sharded else None,
         )
 
-    def _remember(self, key: Hashable, program: StepProgram) -> None:
-        """Keep ``program`` for later steps with ``key`` (the oldest goes past a few). A program
-        replacing a misfit one takes its place in the order, so the programs a distributed run
-        keeps, and which it forgets, are the same on every rank."""
-        self._programs[key] = program
-        if len(self._programs) > _PLAN_CACHE_SIZE:
-            del self._programs[next(iter(self._programs))]
+    def _agree(self, keep: Tensor) -> Tensor:
+        """Every rank's verdict on its gradients combined: a NaN may sit in one rank's shard only."""
+        return agree_across_ranks(keep, self.process_group, self._inflight)
 
-    def _owner(self, p: Tensor) -> tuple[dict[str, Any], int]:
-        for g in self.param_groups:
-            for j, q in enumerate(g["params"]):
-                if q is p:
-                    return g, j
-        raise KeyError("parameter not in this optimizer")
-
-    def _ns_runner(self, program: StepProgram):
-        matrices = program.matrices
-        if matrices is None or not matrices.params:
-            return None
-        engine = matrices.engine
-        self.last_plan = engine.plan
-        orthogonalize = self._orthogonalize
-        positions, dtypes = matrices.keep_positions, matrices.dtypes
-
-        def run(sources, keep):
-            def call():
-                return orthogonalize(
-                    sources,
-                    matrices.params,
-                    matrices.configs,
-                    keep=keep,
-                    engine=engine,
-                    keep_positions=positions,
-                    out_dtypes=dtypes,
-                )
-
-            for hook in self._orthogonalize_hooks.values():
-                call = functools.partial(hook, call)
-            return call()
-
-        return run
+    def invalidate(self) -> None:
+        """Forget the prepared step programs (done by ``add_param_group`` and ``load_state_dict``;
+        call it after replacing state tensors or a group's ``params`` list by hand)."""
+        self._cache.forget_programs()
 
     def _reference_step(self) -> None:
         with self._refusal_leaves_no_state():
-            params, grads = self._step_grads()
-            items = self._local_items(*self._collect(params, grads))
-            if self._global_of:
+            flat, sharded = self._cache.params(self.param_groups)
+            params, grads = self._step_grads(flat, sharded)
+            items = self._collect(grads)
+            if sharded and any(
+                is_dtensor(i.param) or getattr(i, "whole", None) is not None for part in items for i in part
+            ):
                 raise ValueError(
                     f"{type(self).__name__}(foreach=False) is the per-parameter reference path and "
                     "cannot orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
                 )
-            guard = self._guard_nonfinite(params, grads)
+            guard, keep, saved = None, None, None
+            if self.options.nonfinite != "ignore":
+                live = [k for k, g in enumerate(grads) if g is not None]
+                owners = [(g, j) for g in self.param_groups for j in range(len(g["params"]))]
+                live_params = [params[k] for k in live]
+                states = [self.state[p] for p in live_params] if self.options.nonfinite == "skip" else ()
+                guard = NonFiniteGuard(self.options.nonfinite, [grads[k] for k in live], live_params, states)
+                distributed = self.process_group is not None or sharded
+                name = lambda k: self._param_name(*owners[live[k]])  # noqa: E731
+                keep = guard.keep([grads[k] for k in live], name, self._agree if distributed else None)
+                saved = guard.snapshot(keep) if keep is not None else None
         try:
-            self._apply_reference(*items)
+            self.rule.reference(items)
         finally:
-            if guard is not None:
-                guard.restore()
+            if saved is not None:
+                guard.restore(saved, keep)  # type: ignore[union-attr]
 
-    # ----- distributed steps (DDP process group, FSDP2 DTensors): see distributed.py -------
     def init_state(self) -> None:
         """Create every parameter's state (zeros) now, as its first step would.
 
         Distributed steps call it on the first step, so state dicts are rank-symmetric; call it
         on a fresh optimizer before loading a ``torch.distributed.checkpoint`` into its state dict.
         """
-        params = self._flat_params()
-        self._collect(params, list(params))
+        flat, _ = self._cache.params(self.param_groups)
+        self._collect(list(flat))
         self.state_initialised = True
 
-    def _begin_step(self) -> dict[Tensor, Tensor]:
-        """In a distributed run, agree with the other ranks on which parameters step; returns
-        zero gradients for those that step elsewhere but have none here (else ``{}``)."""
-        self._global_of = {}
-        if self.process_group is not None or self._sharded:
-            from ..distributed.exchange import begin_step
-
-            self._inflight.settle()  # the last step's (finished long ago)
-            return begin_step(self, self._inflight)
-        return {}
-
-    def _local_items(self, *item_lists):
-        """The step's items with DTensors swapped for their local shards (no-op without DTensors)."""
-        if not self._sharded:
-            return item_lists
-        from ..distributed.exchange import localize
-
-        for items in item_lists:
-            self._global_of.update(localize(self, items))
-        return item_lists
-
-    def _global_param(self, p: Tensor) -> Tensor:
-        """The DTensor a local shard in this step belongs to (``p`` itself when not sharded)."""
-        return self._global_of.get(id(p), p)
-
     # ----- the batching plan --------------------------------------------------------------
-    def _orthogonalize(
-        self,
-        sources: Sequence[Tensor],
-        params: Sequence[Tensor],
-        configs: Sequence[NSConfig],
-        keep: Tensor | None = None,
-        engine: Any = None,
-        keep_positions: tuple[int, ...] | None = None,
-        out_dtypes: Sequence[torch.dtype] | None = None,
-    ) -> list[Tensor]:
-        """Orthogonalise ``sources`` (each with its parameter's shape) into the params' dtypes.
-
-        ``keep`` (bools on the device: one per source, or with ``keep_positions`` source ``i``'s
-        at ``keep_positions[i]``) zeroes the rejected sources first; ``engine``: the plan's
-        executor when the caller holds it (else looked up by the params); ``out_dtypes``: the
-        params' dtypes when the caller holds them.
-        """
-        if engine is None:
-            engine = self._engine(params, configs)
-        dtypes = [p.dtype for p in params] if out_dtypes is None else out_dtypes
-        if keep is None:
-            return engine(sources, dtypes)
-        if isinstance(engine, Orthogonalizer):
-            return engine(sources, dtypes, keep=keep, keep_positions=keep_positions)
-        flags = keep.unbind(0)
-        if keep_positions is not None:
-            flags = [flags[k] for k in keep_positions]
-        return engine([torch.where(k, s, 0) for k, s in zip(flags, sources)], dtypes)
-
-    def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig]) -> Orthogonalizer:
+    def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig], wholes: Sequence[Any]) -> Any:
         """The cached engine for these matrices in this order (built on first sight)."""
-        policy = self.policy
-        keyed = [self._global_param(p) for p in params] if self._global_of else params
-        key = (policy, tuple(map(_engine_key, keyed, configs)))
-        engine = self._plans.get(key)
-        if engine is None:
-            engine = self._build(params, configs, policy)
-            self._plans[key] = engine
-            if len(self._plans) > _PLAN_CACHE_SIZE:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        self.last_plan = engine.plan
-        return engine
+        policy = self.options.policy
+        key = (policy, tuple(map(_engine_key, wholes, configs)))
+        return self._cache.engine(key, lambda: self._build(params, configs, wholes, policy))
 
     @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
-    def _build(self, params, configs, policy) -> Orthogonalizer:
-        if self.process_group is not None or self._global_of:
-            from ..distributed.exchange import build_distributed
-
-            return build_distributed(self, params, configs, policy)
+    def _build(self, params, configs, wholes, policy) -> Any:
+        if self.process_group is not None or any(w is not p for w, p in zip(wholes, params)):
+            return build_distributed(self._dist_context(), params, configs, wholes, policy)
         return self._build_local(params, configs, policy)
 
     def _build_local(self, params, configs, policy) -> Orthogonalizer:
         """The engine for matrices this process orthogonalises alone."""
         layouts = [TensorLayout.of(p) for p in params]
         specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
-        cost_model = self.cost_model
+        cost_model = self.options.cost_model
         if cost_model == "calibrate" and specs:
             cost_model = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
         plan = plan_buckets(
             specs,
             policy=policy,
             steps=max((c.steps for c in configs), default=5),
-            max_bucket_bytes=self.max_bucket_bytes,
+            max_bucket_bytes=self.options.max_bucket_bytes,
             cost_model=cost_model if isinstance(cost_model, CostModel) else None,
         )
         configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
         # the step applies the results at once, so they may be views into reused buffers
-        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile, result_views=True)
+        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.options.compile, result_views=True)
 
-    # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
-    def _check_nonfinite(self, program: StepProgram, grads: list[Tensor]) -> Tensor | None:
-        """Call after the state buffers exist and before anything is written: raises ("raise"),
-        or returns the keep vector (one bool per parameter with a gradient, on the device) whose
-        ``False`` entries the step puts back ("skip"); ``None``: nothing to put back.
+    def _dist_context(self) -> DistContext:
+        return DistContext(
+            self.process_group,
+            self._inflight,
+            self.options,
+            type(self).__name__,
+            self.param_groups,
+            self._param_name,
+            self._build_local,
+        )
 
-        In a distributed run every rank must decide alike (a NaN may sit in one rank's shard
-        only), so the flags are combined with one all-reduce (MIN)."""
-        if self.nonfinite == "ignore" or not grads:
-            return None
-        distributed = self.process_group is not None or self._sharded
-        name = program.name_of(self)
-        if self.nonfinite == "raise" and not distributed:
-            if not program.check.screen(grads):
-                raise_if_nonfinite(grads, name)
-            return None
-        keep = program.check(grads)
-        if distributed:
-            keep = agree_across_ranks(keep, self.process_group, self._inflight)
-        if self.nonfinite == "raise":
-            raise_if_nonfinite(list(keep.unbind(0)), name, flags_given=True)
-            return None
-        return keep
+    def plan(self) -> Plan:
+        """The batching plan of the last step.
 
-    def _guard_nonfinite(self, params: list[Tensor], grads: list[Tensor | None]) -> SkipGuard | None:
-        """The reference path's guard over this step's ``params`` and ``grads`` (zeros where only
-        another rank has one): raises ("raise"), or returns the guard whose ``restore()`` undoes
-        the step where gradients were bad ("skip"). Ranks decide alike, as the batched path does."""
-        if self.nonfinite == "ignore":
-            return None
-        owners = [(g, j) for g in self.param_groups for j in range(len(g["params"]))]  # as params
-        live = [k for k, g in enumerate(grads) if g is not None]
-        live_params = [params[k] for k in live]
-        live_grads = [grads[k] for k in live]
+        Before the first step: the plan the next step would use for the parameters that have
+        gradients now, built without stepping (no state is created). An empty plan, saying
+        why, where nothing is batched: with ``foreach=False`` (the per-parameter loop) and in a
+        distributed run before its first step (building a plan there takes every rank).
+        """
+        if self._cache.last_plan is not None:
+            return self._cache.last_plan
+        if self.options.foreach is False:
+            return self._empty_plan("foreach=False runs the per-parameter loop, nothing is batched")
+        flat, sharded = self._cache.params(self.param_groups)
+        if self.process_group is not None or sharded:
+            return self._empty_plan("no step taken yet (a distributed plan is built by the first step)")
+        mark = mark_state(self.state)
+        try:
+            matrices = self._collect([p.grad for p in flat]).matrices
+        finally:
+            drop_state_after(self.state, mark)
+        ordered = [item for part in batch_order(matrices) for item in part]
+        if not ordered:
+            return self._empty_plan("no step taken yet, and no matrix has a gradient")
+        params = [i.param for i in ordered]
+        return self._build(params, [i.config for i in ordered], params, self.options.policy).plan
 
-        def name(k: int) -> str:
-            return self._param_name(*owners[live[k]])
+    def _empty_plan(self, note: str) -> Plan:
+        steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
+        return Plan((), 0, self.options.policy, steps, self.options.max_bucket_bytes, note)
 
-        distributed = self.process_group is not None or self._sharded
-        if self.nonfinite == "raise" and not distributed:
-            raise_if_nonfinite(live_grads, name)
-            return None
-        flags = finite_flags(live_grads)
-        if distributed and flags:
-            flags = list(agree_across_ranks(flags, self.process_group, self._inflight))
-        if self.nonfinite == "raise":
-            raise_if_nonfinite(flags, name, flags_given=True)
-            return None
-        return SkipGuard(live_params, flags, [self.state[p] for p in live_params])
+    # ----- what tools may read: the executors, their kept buffers, a hook around NS ----------
+    def orthogonalizers(self) -> list[Any]:
+        """The cached Newton–Schulz executors, least recently used first. Each has ``plan`` and
+        ``workspaces()``; in a distributed run also ``stats`` (the last call's
+        :class:`~fastmuon.distributed.exchange.CommStats`) and ``profile`` (set True to time NS
+        and communication apart, at the cost of a synchronisation)."""
+        return list(self._cache.engines.values())
+
+    def workspaces(self) -> list[Tensor]:
+        """Every tensor the cached executors keep between steps (bucket buffers, NS scratch,
+        exchange buffers): memory the optimizer holds beyond its state."""
+        return [t for engine in self._cache.engines.values() for t in engine.workspaces()]
+
+    def register_orthogonalize_hook(self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]):
+        """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
+        it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
+        For timing and inspection (a hook must not change the results). Returns a handle whose
+        ``remove()`` takes the hook out again, as torch's optimizer hooks do."""
+        handle = RemovableHandle(self._orthogonalize_hooks)
+        self._orthogonalize_hooks[handle.id] = hook
+        return handle
 
     # ----- state --------------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, from this optimizer's state dicts and from those of Ultralytics'
         MuSGD, ``torch.optim`` SGD/Muon/AdamW and older fastmuon versions (translated by
-        :func:`fastmuon.optim.checkpoint.adapt_state_dict`: missing group keys from this optimizer's
-        groups, buffers carried where the maths agrees, cast to each parameter's dtype).
+        :func:`fastmuon.optim.checkpoint.adapt_state_dict`: missing group keys from this
+        optimizer's groups, buffers carried where the maths agrees, cast to each parameter's dtype).
 
         A state dict that cannot be used (another model's layout, a non-numeric hyperparameter,
         a malformed buffer) raises ``ValueError`` naming the group or parameter, and the optimizer
@@ -736,7 +495,15 @@ class MatrixOptimizer(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        adapted = adapt_state_dict(self, state_dict)
+        target = LoadTarget(
+            self.rule.family,
+            self.defaults,
+            self.param_groups,
+            self._param_name,
+            self._validate_group,
+            self.rule.state_roles,
+        )
+        adapted = adapt_state_dict(target, state_dict)
         pre_hooks, post_hooks = (
             self._optimizer_load_state_dict_pre_hooks,
             self._optimizer_load_state_dict_post_hooks,
@@ -757,84 +524,23 @@ class MatrixOptimizer(Optimizer):
         its parameter's device (never read); the plans and step programs rebuilt."""
         for p, state in self.state.items():
             step = state.get("step") if isinstance(state, dict) else None
-            device = _local(p).device if self.capturable else torch.device("cpu")
-            if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != device):
-                state["step"] = step.to(device, torch.float32)
-        self._plans.clear()
-        self.invalidate()
-
-    # ----- what tools may read: the executors, their kept buffers, a hook around NS ----------
-    def orthogonalizers(self) -> list[Any]:
-        """The cached Newton–Schulz executors, least recently used first. Each has ``plan`` and
-        ``workspaces()``; in a distributed run also ``stats`` (the last call's
-        :class:`~fastmuon.distributed.exchange.CommStats`) and ``profile`` (set True to time NS
-        and communication apart, at the cost of a synchronisation)."""
-        return list(self._plans.values())
-
-    def workspaces(self) -> list[Tensor]:
-        """Every tensor the cached executors keep between steps (bucket buffers, NS scratch,
-        exchange buffers): memory the optimizer holds beyond its state."""
-        return [t for engine in self._plans.values() for t in engine.workspaces()]
-
-    def register_orthogonalize_hook(self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]):
-        """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
-        it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
-        For timing and inspection (a hook must not change the results). Returns a handle whose
-        ``remove()`` takes the hook out again, as torch's optimizer hooks do."""
-        handle = RemovableHandle(self._orthogonalize_hooks)
-        self._orthogonalize_hooks[handle.id] = hook
-        return handle
-
-    def plan(self) -> Plan:
-        """The batching plan of the last step.
-
-        Before the first step: the plan the next step would use for the parameters that have
-        gradients now, built without stepping (no state is created). An empty plan, saying
-        why, where nothing is batched: with ``foreach=False`` (the per-parameter loop) and in a
-        distributed run before its first step (building a plan there takes every rank).
-        """
-        if self.last_plan is not None:
-            return self.last_plan
-        if getattr(self, "foreach", None) is False:
-            return self._empty_plan("foreach=False runs the per-parameter loop, nothing is batched")
-        if self.process_group is not None or self._sharded:
-            return self._empty_plan("no step taken yet (a distributed plan is built by the first step)")
-        mark = mark_state(self.state)
-        try:
-            params = self._flat_params()
-            matrices = self._collect(params, [p.grad for p in params])[0]
-        finally:
-            drop_state_after(self.state, mark)
-        ordered = [item for part in batch_order(matrices) for item in part]
-        if not ordered:
-            return self._empty_plan("no step taken yet, and no matrix has a gradient")
-        return self._build([i.param for i in ordered], [i.config for i in ordered], self.policy).plan
-
-    def _empty_plan(self, note: str) -> Plan:
-        steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
-        return Plan((), 0, self.policy, steps, self.max_bucket_bytes, note)
+            where = _local(p).device if self.options.capturable else torch.device("cpu")
+            if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != where):
+                state["step"] = step.to(where, torch.float32)
+        self._cache.clear()
 
     # ----- copies: copy.deepcopy and pickle ---------------------------------------------------
-    #: What a copy keeps besides torch's ``defaults``, ``state`` and ``param_groups``: the
-    #: optimizer-wide settings and what the state depends on. Caches (plans, bucket buffers) are
-    #: rebuilt by the copy's first step; hooks are not copied (as in ``torch.optim``).
-    _COPIED = (
-        "foreach",
-        "policy",
-        "compile",
-        "max_bucket_bytes",
-        "cost_model",
-        "nonfinite",
-        "capturable",
-        "last_plan",
-        "state_initialised",
-        "_sharded",
-    )
-
     def _copied_state(self) -> dict[str, Any]:
+        """What a copy keeps besides torch's ``defaults``, ``state`` and ``param_groups``: the
+        options and what the state depends on. Caches (programs, bucket buffers) are rebuilt by
+        the copy's first step; hooks are not copied (as in ``torch.optim``)."""
         state = super().__getstate__()
-        state.update({name: getattr(self, name) for name in self._COPIED if hasattr(self, name)})
-        state["process_group"] = self.process_group
+        state.update(
+            options=self.options,
+            process_group=self.process_group,
+            last_plan=self._cache.last_plan,
+            state_initialised=self.state_initialised,
+        )
         return state
 
     def __getstate__(self) -> dict[str, Any]:
@@ -861,25 +567,31 @@ class MatrixOptimizer(Optimizer):
         return clone
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickling, copying and torch's ``load_state_dict`` (which passes only ``state`` and
+        ``param_groups``) all come here: what ``state`` lacks is kept, else made fresh."""
+        state = dict(state)
+        legacy = {name: state.pop(name) for name in (*Options.names(), "_sharded") if name in state}
+        extras = {
+            name: state.pop(name)
+            for name in ("process_group", "last_plan", "state_initialised")
+            if name in state
+        }
+        options = state.pop("options", None) or self.__dict__.get("options")
+        if options is None:  # pickled by fastmuon 0.4, which kept each option as an attribute
+            options = Options.from_attributes(legacy)
         super().__setstate__(state)
-        self.__dict__.setdefault("foreach", True)
-        self.__dict__.setdefault("policy", "auto")
-        self.__dict__.setdefault("compile", False)
-        self.__dict__.setdefault("max_bucket_bytes", DEFAULT_MAX_BUCKET_BYTES)
-        self.__dict__.setdefault("cost_model", None)
-        self.__dict__.setdefault("_plans", OrderedDict())
-        self.__dict__.setdefault("last_plan", None)
-        self.__dict__.setdefault("process_group", None)
-        self.__dict__.setdefault("state_initialised", False)
-        self.__dict__.setdefault("_global_of", {})
-        self.__dict__.setdefault("_sharded", False)
-        self.__dict__.setdefault("nonfinite", DEFAULT_NONFINITE)
-        self.__dict__["_programs"] = {}
-        self.__dict__["_flat"] = None
-        self.__dict__.setdefault("_version", 0)
-        self.__dict__.setdefault("capturable", False)
-        self.__dict__["_inflight"] = InFlight()  # a copy holds no other optimizer's collectives
-        self.__dict__["_orthogonalize_hooks"] = OrderedDict()  # hooks are not copied (as torch's)
+        attributes = self.__dict__
+        attributes["options"] = options
+        attributes.update(extras)
+        attributes.setdefault("process_group", None)
+        attributes.setdefault("state_initialised", False)
+        if "_cache" in attributes:
+            attributes["_cache"].forget_programs()
+        else:
+            attributes["_cache"] = StepCache(attributes.pop("last_plan", None))
+        attributes.pop("last_plan", None)
+        attributes.setdefault("_inflight", InFlight())  # a copy holds no other optimizer's collectives
+        attributes.setdefault("_orthogonalize_hooks", OrderedDict())  # hooks are not copied (as torch's)
 
     def __repr__(self) -> str:
         """torch's layout (class, then each group's hyperparameters), with the per-parameter lists

@@ -51,7 +51,8 @@ Ultralytics' MuSGD loads it and steps.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -136,8 +137,15 @@ _BUFFER_NAMES = frozenset(
 )
 
 
-def target_family(optimizer: Any) -> str:
-    return MUSGD if "use_muon" in optimizer.defaults and "sgd" in optimizer.defaults else MUON
+class LoadTarget(NamedTuple):
+    """What loading needs of the optimizer it loads into (never the optimizer itself)."""
+
+    family: str  # MUSGD or MUON: the rule the buffers must fit
+    defaults: dict[str, Any]
+    groups: list[dict[str, Any]]  # its param groups, which the saved ones replace
+    param_name: Callable[[dict[str, Any], int], str]  # names a parameter in errors
+    validate: Callable[[dict[str, Any], str], None]  # raises for a group it would refuse
+    state_roles: Callable[[dict[str, Any], Tensor], dict[str, str]]  # the buffers a step keeps
 
 
 def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]], default: str) -> str:
@@ -171,10 +179,10 @@ def _eps_kind(family: str, group: dict[str, Any]) -> str | None:
     return "ns"
 
 
-def adapt_group(optimizer: Any, saved: dict[str, Any], family: str, own: dict[str, Any]) -> dict[str, Any]:
-    """The saved group as this optimizer's group ``own`` (``params`` kept as saved ids)."""
-    target = target_family(optimizer)
-    keys = optimizer.defaults.keys()
+def adapt_group(into: LoadTarget, saved: dict[str, Any], family: str, own: dict[str, Any]) -> dict[str, Any]:
+    """The saved group as the target's group ``own`` (``params`` kept as saved ids)."""
+    target = into.family
+    keys = into.defaults.keys()
     group = {k: v for k, v in saved.items() if not (k in FAMILY_KEYS.get(family, ()) and k not in keys)}
     if group.get("use_muon", False) is None:
         del group["use_muon"]  # "not set"
@@ -190,7 +198,7 @@ def adapt_group(optimizer: Any, saved: dict[str, Any], family: str, own: dict[st
     for key, value in own.items():
         if key != "params":
             group.setdefault(key, value)
-    for key, value in optimizer.defaults.items():
+    for key, value in into.defaults.items():
         group.setdefault(key, value)
     return group
 
@@ -275,30 +283,30 @@ def carry_buffers(
     return {name: v.clone() if isinstance(v, Tensor) else v for name, v in out.items()}
 
 
-def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
-    """``state_dict`` translated for ``optimizer``; ``ValueError`` naming the group or parameter
-    and the fix where it cannot be used. Reads ``state_dict`` and the optimizer, changes neither."""
-    check_state_layout(optimizer, state_dict)
+def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
+    """``state_dict`` translated for the optimizer ``into`` describes; ``ValueError`` naming the
+    group or parameter and the fix where it cannot be used. Changes nothing it reads."""
+    check_state_layout(into.groups, into.param_name, state_dict)
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-    default = target_family(optimizer)
+    default = into.family
     groups: list[dict[str, Any]] = []
     state: dict[Any, Any] = {}
     owned = set()
-    for index, (saved, own) in enumerate(zip(saved_groups, optimizer.param_groups)):
+    for index, (saved, own) in enumerate(zip(saved_groups, into.groups)):
         where = f"param group {index} of the state dict"
         ids = saved["params"]
         states = [saved_state.get(pid, {}) for pid in ids]
         for j, s in enumerate(states):
             if not isinstance(s, dict):
                 raise ValueError(
-                    f"{optimizer._param_name(own, j)}: its saved state is a {type(s).__name__}, not a dict "
+                    f"{into.param_name(own, j)}: its saved state is a {type(s).__name__}, not a dict "
                     "of buffers; pass an optimizer's state_dict() unchanged"
                 )
         family = source_family(saved, states, default)
-        group = adapt_group(optimizer, saved, family, own)
+        group = adapt_group(into, saved, family, own)
         candidate = {**group, "params": own["params"]}
         try:
-            optimizer._validate_group(candidate, where)
+            into.validate(candidate, where)
         except (TypeError, ValueError) as e:
             raise type(e)(
                 f"cannot load the state dict: {e}; correct that value in state_dict['param_groups'][{index}], "
@@ -308,8 +316,8 @@ def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
         for j, (pid, saved_buffers, p) in enumerate(zip(ids, states, own["params"])):
             owned.add(pid)
             roles = _source_roles(family, saved, saved_buffers)
-            _check_buffers(optimizer, own, j, p, saved_buffers, roles)
-            wanted = optimizer._state_roles(candidate, p)
+            _check_buffers(into.param_name(own, j), saved_buffers, roles)
+            wanted = into.state_roles(candidate, p)
             carried = carry_buffers(saved_buffers, roles, wanted, group, source_decay)
             known = roles.keys() | wanted.keys() | _BUFFER_NAMES
             extra = {
@@ -328,13 +336,14 @@ def adapt_state_dict(optimizer: Any, state_dict: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _check_buffers(optimizer, group, j, p: Tensor, buffers: dict[str, Any], roles) -> None:
-    """Every buffer this module would read must be a real floating tensor (``step``: a number)."""
+def _check_buffers(owner: str, buffers: dict[str, Any], roles) -> None:
+    """Every buffer this module would read must be a real floating tensor (``step``: a number);
+    ``owner`` names the parameter."""
     for name in roles.keys() | (_BUFFER_NAMES & buffers.keys()):
         value = buffers.get(name)
         if value is None:
             continue
-        where = f"{optimizer._param_name(group, j)}: saved state {name!r}"
+        where = f"{owner}: saved state {name!r}"
         if name == "step":
             ok = (
                 isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

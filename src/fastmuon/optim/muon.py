@@ -1,30 +1,22 @@
-"""Muon: orthogonalised EMA momentum for matrices, AdamW for everything else.
-
-The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay,
-"original", "match_rms_adamw" or "spectral_unclamped" learning-rate adjustment), extended to >2D weights (flattened
-to ``(out, everything else)``, or mapped to several matrices: see :mod:`fastmuon.matrices`)
-and to non-matrix parameters, which AdamW updates.
-"""
+"""Muon, the optimizer: its constructor (``torch.optim.Muon``'s arguments and AdamW's for the
+rest), its group checks and AdamW's defaults; the update itself is :mod:`fastmuon.rules.muon`."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ..matrices import MatrixMapSpec, maps_key
+from ..matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from ..step.adamw import AdamWItem, AdamWProgram, AdamWScalars, adamw_state, single_tensor_adamw
+from ..rules import muon as muon_rule
 from ..step.elementwise import ADJUST_LR
-from ..step.matrix import MatrixItem, MatrixProgram, MatrixScalars, single_tensor_matrix_update
 from ..step.nonfinite import DEFAULT_NONFINITE
-from ..step.program import classes
-from .base import MatrixOptimizer, check_foreach, check_fraction, check_nonnegative
-from .checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA
+from .base import MatrixOptimizer
+from .options import Options
+from .validation import check_foreach, check_fraction, check_nonnegative
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
@@ -37,7 +29,7 @@ if TYPE_CHECKING:
 class Muon(MatrixOptimizer):
     """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
 
-    Matrices are updated as ``torch.optim.Muon`` does (see the README's "Update rules"). Groups
+    Matrices are updated as ``torch.optim.Muon`` does (see docs/optimizers.md, "Update rules"). Groups
     with ``use_muon=False`` (and, when a group does not say, parameters with fewer than 2 dims)
     are updated by AdamW; a parameter with fewer than 2 dims in a ``use_muon=True`` group is an
     error.
@@ -81,7 +73,7 @@ class Muon(MatrixOptimizer):
     Ultralytics' MuSGD (see :mod:`fastmuon.optim.checkpoint`).
     """
 
-    _COPIED = (*MatrixOptimizer._COPIED, "adamw_lr")
+    rule = muon_rule
 
     def __init__(
         self,
@@ -125,20 +117,24 @@ class Muon(MatrixOptimizer):
             betas=betas,
             adamw_eps=adamw_eps,
         )
-        self.foreach = check_foreach(foreach)
+        check_foreach(foreach)
         check_nonnegative("adamw_lr", adamw_lr, "Muon")
-        self.adamw_lr = adamw_lr
-        super().__init__(
-            params,
-            defaults,
+        options = Options(
+            foreach=foreach,
             policy=policy,
+            compile=compile,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
-            compile=compile,
-            process_group=process_group,
             nonfinite=nonfinite,
             capturable=capturable,
+            adamw_lr=adamw_lr,
         )
+        super().__init__(params, defaults, options, process_group)
+
+    @property
+    def adamw_lr(self) -> float:
+        """AdamW's learning rate in ``use_muon=False`` groups that set none (fixed at construction)."""
+        return self.options.adamw_lr  # type: ignore[return-value]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict) and param_group.get("use_muon") is False:
@@ -168,133 +164,3 @@ class Muon(MatrixOptimizer):
                         "with use_muon=False (AdamW)"
                     )
         self._check_matrix_maps(group, where)
-
-    @staticmethod
-    def _is_matrix(group: dict[str, Any], p: Tensor) -> bool:
-        use_muon = group.get("use_muon")
-        return (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0
-
-    @staticmethod
-    def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
-        """What each state buffer of ``p`` holds (see :mod:`fastmuon.optim.checkpoint`), as ``_collect``
-        creates them."""
-        if Muon._is_matrix(group, p):
-            return {"momentum_buffer": EMA}
-        if group.get("use_muon") is True:
-            return {}
-        return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
-
-    def _collect(
-        self, params: list[Tensor], grads: list[Tensor | None]
-    ) -> tuple[list[MatrixItem], list[AdamWItem]]:
-        matrices: list[MatrixItem] = []
-        others: list[AdamWItem] = []
-        flat = 0
-        live = 0
-        for gi, group in enumerate(self.param_groups):
-            lr, wd = self._lr_value(group["lr"]), group["weight_decay"]
-            use_muon = group.get("use_muon")
-            config = self._ns_config(group)
-            adjust = group["adjust_lr_fn"] or "original"
-            adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
-            maps = self._matrix_maps(group)
-            for j, p in enumerate(group["params"]):
-                grad = grads[flat]
-                flat += 1
-                if grad is None:
-                    continue
-                index, live = live, live + 1
-                self._check_grad(group, j, grad)
-                state = self.state[p]
-                if self._is_matrix(group, p):
-                    matrices += self._matrix_items(
-                        maps[j],
-                        p,
-                        grad,
-                        state,
-                        beta=group["momentum"],
-                        nesterov=group["nesterov"],
-                        base=lr,
-                        adjust=adjust,
-                        config=config,
-                        group=gi,
-                        index=index,
-                        decay=1 - lr * wd,
-                    )
-                elif use_muon is not True:
-                    exp_avg, exp_avg_sq, step = adamw_state(state, p, self.capturable)
-                    others.append(
-                        AdamWItem(
-                            p,
-                            grad,
-                            exp_avg,
-                            exp_avg_sq,
-                            step,
-                            lr,
-                            tuple(group["betas"]),
-                            adamw_eps,
-                            wd,
-                            group=gi,
-                            index=index,
-                        )
-                    )
-        return matrices, others
-
-    def _step_scalars(self) -> tuple[Hashable, MuonScalars]:
-        groups = self.param_groups
-        lr = [self._lr_value(g["lr"]) for g in groups]
-        wd = [g["weight_decay"] for g in groups]
-        beta = [g["momentum"] for g in groups]
-        nesterov = [g["nesterov"] for g in groups]
-        decay = [1 - r * w for r, w in zip(lr, wd)]
-        betas = [tuple(g["betas"]) for g in groups]
-        eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]
-        structure = tuple(
-            (g.get("use_muon"), g["adjust_lr_fn"], self._ns_config(g), maps_key(g.get("matrices")))
-            for g in groups
-        )
-        pattern = (
-            classes(beta),
-            classes(nesterov),
-            classes(lr),
-            classes(betas),
-            classes(eps),
-            classes(wd),
-            structure,
-        )
-        scalars = MuonScalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
-        return pattern, scalars
-
-    def _build_program(self, items, pattern, engine_for) -> MuonProgram:
-        matrices, others = items
-        lr_class = pattern[2]
-        adamw_classes = {"lr": lr_class, "betas": pattern[3], "eps": pattern[4], "wd": pattern[5]}
-        return MuonProgram(
-            MatrixProgram(matrices, lr_class, engine_for),
-            AdamWProgram(others, adamw_classes, self.capturable),
-        )
-
-    def _apply_reference(self, matrices: list[MatrixItem], others: list[AdamWItem]) -> None:
-        single_tensor_matrix_update(matrices)
-        single_tensor_adamw(others)
-
-
-@dataclass
-class MuonScalars:
-    matrices: MatrixScalars
-    adamw: AdamWScalars
-
-
-class MuonProgram:
-    """A Muon step prepared once: the matrices' update, then AdamW on the rest."""
-
-    def __init__(self, matrices: MatrixProgram, adamw: AdamWProgram):
-        self.matrices = matrices
-        self.adamw = adamw
-
-    def fits(self, grads: Sequence[Tensor]) -> bool:
-        return self.adamw.fits(grads)
-
-    def run(self, grads: Sequence[Tensor], scalars: MuonScalars, keep: Tensor | None, ns) -> None:
-        self.matrices.run(grads, scalars.matrices, ns, keep)
-        self.adamw.run(grads, scalars.adamw)

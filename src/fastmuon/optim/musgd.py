@@ -1,51 +1,25 @@
-"""MuSGD: a Muon step and an SGD step on every matrix, SGD alone on everything else.
-
-The hybrid Ultralytics trains YOLO26 detectors with, implemented from its update rule (see the
-README's table) with batched Newton–Schulz and fused elementwise work.
-"""
+"""MuSGD, the optimizer: its constructor (Ultralytics' arguments), its group checks and the
+``muon``/``sgd`` attributes; the update itself is :mod:`fastmuon.rules.musgd`."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ..matrices import MatrixMapSpec, maps_key
+from ..matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
-from ..step.elementwise import ADJUST_LR, foreach_scalar, fusable, partition
-from ..step.matrix import (
-    MatrixItem,
-    MatrixProgram,
-    MatrixScalars,
-    single_tensor_matrix_update,
-)
+from ..rules import musgd as musgd_rule
+from ..step.elementwise import ADJUST_LR
 from ..step.nonfinite import DEFAULT_NONFINITE
-from ..step.program import Gather, Scalar, apply_scaled_, classes, scale_limit, strides_of
-from .base import ArgumentTypeError, MatrixOptimizer, check_foreach, check_nonnegative, state_buffer
-from .checkpoint import EMA, HEAVY_BALL
+from .base import MatrixOptimizer
+from .options import Options
+from .validation import ArgumentTypeError, check_foreach, check_nonnegative
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-
-@dataclass
-class SGDItem:
-    """One tensor's SGD step with coupled weight decay: ``p ← p − lr·(heavy-ball momentum)``."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor
-    beta: float
-    nesterov: bool
-    weight_decay: float
-    lr: float
-    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
-    index: int = 0  # its position among the step's parameters with gradients
-    muon_group: bool = False  # lr·sgd (a Muon-group parameter's SGD half) rather than lr
 
 
 class MuSGD(MatrixOptimizer):
@@ -54,7 +28,7 @@ class MuSGD(MatrixOptimizer):
     A matrix (>=2D parameter) in a ``use_muon=True`` group takes, each step, ``lr·muon`` times its
     orthogonalised EMA momentum and then ``lr·sgd`` times an SGD step with coupled weight decay;
     a vector in such a group takes the SGD step alone at ``lr·sgd``; every parameter of a
-    ``use_muon=False`` group takes plain SGD at ``lr`` (see the README's "Update rules"). As in
+    ``use_muon=False`` group takes plain SGD at ``lr`` (see docs/optimizers.md, "Update rules"). As in
     Ultralytics, a group that does not set ``use_muon`` takes the constructor's ``use_muon``
     (default False), so ``MuSGD(model.parameters())`` is plain SGD; :func:`fastmuon.param_groups`
     builds the usual split.
@@ -109,6 +83,8 @@ class MuSGD(MatrixOptimizer):
     and AdamW (see :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
     """
 
+    rule = musgd_rule
+
     def __init__(
         self,
         params: ParamsT,
@@ -152,18 +128,16 @@ class MuSGD(MatrixOptimizer):
             eps=eps,
             adjust_lr=adjust_lr,
         )
-        self.foreach = check_foreach(foreach)
-        super().__init__(
-            params,
-            defaults,
+        options = Options(
+            foreach=check_foreach(foreach),
             policy=policy,
+            compile=compile,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
-            compile=compile,
-            process_group=process_group,
             nonfinite=nonfinite,
             capturable=capturable,
         )
+        super().__init__(params, defaults, options, process_group)
 
     # Ultralytics keeps ``muon`` and ``sgd`` as optimizer attributes; here they are group values
     # (so one group may differ), and these properties read the default and set every group.
@@ -200,273 +174,3 @@ class MuSGD(MatrixOptimizer):
                 f"unknown adjust_lr {group['adjust_lr']!r} in {where}; choose one of {ADJUST_LR}"
             )
         self._check_matrix_maps(group, where)
-
-    @staticmethod
-    def _is_matrix(group: dict[str, Any], p: Tensor) -> bool:
-        return group["use_muon"] and p.ndim >= 2 and p.numel() > 0
-
-    @staticmethod
-    def _state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
-        """What each state buffer of ``p`` holds (see :mod:`fastmuon.optim.checkpoint`), as ``_collect``
-        creates them."""
-        if not group["use_muon"]:
-            return {"momentum_buffer": HEAVY_BALL}
-        if MuSGD._is_matrix(group, p):
-            return {"momentum_buffer": EMA, "momentum_buffer_SGD": HEAVY_BALL}
-        return {"momentum_buffer_SGD": HEAVY_BALL}
-
-    def _collect(
-        self, params: list[Tensor], grads: list[Tensor | None]
-    ) -> tuple[list[MatrixItem], list[SGDItem]]:
-        matrices: list[MatrixItem] = []
-        elementwise: list[SGDItem] = []
-        flat = 0
-        live = 0
-        for gi, group in enumerate(self.param_groups):
-            lr, beta, nesterov = self._lr_value(group["lr"]), group["momentum"], group["nesterov"]
-            muon_group = group["use_muon"]
-            config = self._ns_config(group)
-            maps = self._matrix_maps(group)
-            for j, p in enumerate(group["params"]):
-                grad = grads[flat]
-                flat += 1
-                if grad is None:
-                    continue
-                index, live = live, live + 1
-                self._check_grad(group, j, grad)
-                state = self.state[p]
-                if self._is_matrix(group, p):
-                    matrices += self._matrix_items(
-                        maps[j],
-                        p,
-                        grad,
-                        state,
-                        beta=beta,
-                        nesterov=nesterov,
-                        base=lr * group["muon"],
-                        adjust=group["adjust_lr"],
-                        config=config,
-                        group=gi,
-                        index=index,
-                    )
-                key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
-                elementwise.append(
-                    SGDItem(
-                        p,
-                        grad,
-                        state_buffer(state, key, p),
-                        beta,
-                        nesterov,
-                        group["weight_decay"],
-                        lr * (group["sgd"] if muon_group else 1.0),
-                        group=gi,
-                        index=index,
-                        muon_group=muon_group,
-                    )
-                )
-        return matrices, elementwise
-
-    def _step_scalars(self) -> tuple[Hashable, MuSGDScalars]:
-        groups = self.param_groups
-        lr = [self._lr_value(g["lr"]) for g in groups]
-        beta = [g["momentum"] for g in groups]
-        nesterov = [g["nesterov"] for g in groups]
-        wd = [g["weight_decay"] for g in groups]
-        base = [r * g["muon"] for r, g in zip(lr, groups)]
-        lr_sgd = [r * g["sgd"] for r, g in zip(lr, groups)]
-        lr_plain = [r * 1.0 for r in lr]
-        structure = tuple(
-            (g.get("use_muon"), g["adjust_lr"], self._ns_config(g), maps_key(g.get("matrices")))
-            for g in groups
-        )
-        pattern = (
-            classes(beta),
-            classes(nesterov),
-            classes(wd),
-            classes(base),
-            classes(lr_sgd + lr_plain),
-            tuple(b == 0 for b in beta),
-            structure,
-        )
-        return pattern, MuSGDScalars(
-            MatrixScalars(beta, nesterov, base), beta, nesterov, wd, lr_sgd, lr_plain
-        )
-
-    def _build_program(self, items, pattern, engine_for) -> MuSGDProgram:
-        matrices, elementwise = items
-        base_class, lr_class = pattern[3], pattern[4]
-        return MuSGDProgram(
-            MatrixProgram(matrices, base_class, engine_for),
-            SGDProgram(elementwise, lr_class, len(self.param_groups), fused_ok=not self.capturable),
-        )
-
-    def _apply_reference(self, matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
-        _single_tensor_musgd(matrices, elementwise)
-
-
-@dataclass
-class MuSGDScalars:
-    """This step's hyperparameters, one entry per param group."""
-
-    matrices: MatrixScalars
-    beta: list[float]
-    nesterov: list[bool]
-    weight_decay: list[float]
-    lr_sgd: list[Scalar]  # lr·sgd: the SGD half of a Muon-group parameter
-    lr_plain: list[Scalar]  # lr: a plain SGD parameter
-
-
-class SGDProgram:
-    """The SGD half (and plain SGD) prepared once: per (β, nesterov, wd, device, dtype), torch's
-    fused kernel per learning rate where it is exact (:func:`~fastmuon.step.elementwise.fusable`),
-    else foreach calls with one scale class per learning rate."""
-
-    def __init__(self, items: list[SGDItem], lr_class: Sequence[int], num_groups: int, fused_ok: bool):
-        def lr_key(i: SGDItem) -> int:  # classes over lr_sgd + lr_plain, as _step_scalars lists them
-            return lr_class[i.group + (0 if i.muon_group else num_groups)]
-
-        self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
-        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list]] = []
-        parts = partition(
-            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
-        )
-        for part in parts.values():
-            by_kernel = partition(
-                part, lambda i: fused_ok and bool(i.beta) and fusable(i.param, i.grad, i.buf)
-            )
-            g = part[0].group
-            for by_lr in partition(by_kernel.get(True, []), lr_key).values():
-                first = by_lr[0]
-                self.fused.append(
-                    (
-                        g,
-                        [i.param for i in by_lr],
-                        Gather([i.index for i in by_lr]),
-                        [i.buf for i in by_lr],
-                        lr_key(first),
-                        [i.grad.stride() for i in by_lr],
-                        [i.param.stride() for i in by_lr],
-                    )
-                )
-            rest = by_kernel.get(False, [])
-            if rest:
-                by_lr = partition(range(len(rest)), lambda k, rest=rest: lr_key(rest[k]))
-                self.rest.append(
-                    (
-                        g,
-                        [i.param for i in rest],
-                        Gather([i.index for i in rest]),
-                        [i.buf for i in rest],
-                        [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
-                        [lr_key(rest[idx[0]]) for idx in by_lr.values()],
-                    )
-                )
-        self.num_groups = num_groups
-        self.limit = scale_limit(items[0].param.device) if items else 0
-
-    def fits(self, grads: Sequence[Tensor]) -> bool:
-        """The fused kernel walks memory without looking at strides: gradients and parameters
-        must still have the layouts it was chosen for."""
-        for _, params, pick, _, _, grad_strides, param_strides in self.fused:
-            if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
-                return False
-        return True
-
-    def run(self, grads: Sequence[Tensor], s: MuSGDScalars) -> None:
-        lr_of = [*s.lr_sgd, *s.lr_plain]  # a class is the index of its first member's value
-        for g, params, pick, bufs, c, _, _ in self.fused:
-            torch._fused_sgd_(
-                params,
-                pick(grads),
-                bufs,
-                weight_decay=s.weight_decay[g],
-                momentum=s.beta[g],
-                lr=lr_of[c],
-                dampening=0.0,
-                nesterov=s.nesterov[g],
-                maximize=False,
-                is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
-            )
-        for g, params, pick, bufs, by_lr, lr_classes in self.rest:
-            foreach_sgd_step_(
-                params,
-                pick(grads),
-                bufs,
-                by_lr,
-                [lr_of[c] for c in lr_classes],
-                s.beta[g],
-                s.nesterov[g],
-                s.weight_decay[g],
-                self.limit,
-            )
-
-
-class MuSGDProgram:
-    """A MuSGD step prepared once: the Muon half, then the SGD half on ``p`` after it."""
-
-    def __init__(self, matrices: MatrixProgram, sgd: SGDProgram):
-        self.matrices = matrices
-        self.sgd = sgd
-
-    def fits(self, grads: Sequence[Tensor]) -> bool:
-        return self.sgd.fits(grads)
-
-    def run(self, grads: Sequence[Tensor], scalars: MuSGDScalars, keep: Tensor | None, ns) -> None:
-        self.matrices.run(grads, scalars.matrices, ns, keep)
-        self.sgd.run(grads, scalars)
-
-
-def foreach_sgd_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    bufs: list[Tensor],
-    by_lr: list[tuple[Gather, list[Tensor]]],
-    lrs: list[Scalar],
-    beta: float,
-    nesterov: bool,
-    weight_decay: float,
-    limit: int,
-) -> None:
-    """SGD with heavy-ball momentum and coupled weight decay, in place, with foreach ops: with
-    ``g' = g + wd·p``, ``B ← β·B + g'`` and ``p ← p − lr·u``, ``u = g' + β·B`` (Nesterov) or ``B``.
-    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each).
-
-    Written to allocate at most one list, the decayed gradients, which then take the Nesterov
-    update in place; without decay the Nesterov update is applied as two passes over ``p``.
-    A fresh list as large as the model costs more than a pass over it on a CPU (yolo26n, 1
-    thread: 17 ms for this step against 27 ms with two fresh lists, measured).
-    """
-    owned = bool(weight_decay)
-    if owned:  # g' as new tensors: the gradients themselves are never touched
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
-    if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
-        torch._foreach_copy_(bufs, grads)
-    else:
-        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0]))
-        torch._foreach_add_(bufs, grads)
-    class_params = [ps for _, ps in by_lr]
-
-    def apply(updates: list[Tensor], scales: list[Scalar], owned: bool) -> None:
-        apply_scaled_(class_params, [pick(updates) for pick, _ in by_lr], scales, owned=owned, limit=limit)
-
-    if not nesterov:
-        apply(bufs, lrs, False)
-    elif owned:
-        torch._foreach_add_(grads, bufs, alpha=beta)
-        apply(grads, lrs, True)
-    else:
-        apply(grads, lrs, False)
-        apply(bufs, [lr * beta for lr in lrs], False)
-
-
-def _single_tensor_musgd(matrices: list[MatrixItem], elementwise: list[SGDItem]) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path."""
-    single_tensor_matrix_update(matrices)
-    for it in elementwise:
-        g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
-        if it.beta == 0:
-            it.buf.copy_(g)
-        else:
-            it.buf.mul_(it.beta).add_(g)
-        u = g + it.beta * it.buf if it.nesterov else it.buf
-        it.param.sub_(u * it.lr)

@@ -8,6 +8,7 @@ shape error deep in a foreach call). Every saved tensor must have its parameter'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
@@ -21,13 +22,15 @@ _FIX = (
 )
 
 
-def check_state_layout(optimizer: Any, state_dict: dict[str, Any]) -> None:
-    """Raise ``ValueError`` naming the first parameter whose saved state does not fit it."""
+def check_state_layout(
+    groups: list[dict[str, Any]], param_name: Callable[[dict[str, Any], int], str], state_dict: dict[str, Any]
+) -> None:
+    """Raise ``ValueError`` naming (by ``param_name(group, j)``) the first parameter of ``groups``
+    whose saved state does not fit it."""
     saved_groups = state_dict.get("param_groups")
     saved_state = state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
         raise ValueError("not an optimizer state dict: expected 'state' and 'param_groups' entries")
-    groups = optimizer.param_groups
     if len(saved_groups) != len(groups):
         raise ValueError(
             f"the state dict has {len(saved_groups)} param groups, this optimizer {len(groups)}; {_FIX}"
@@ -54,7 +57,7 @@ def check_state_layout(optimizer: Any, state_dict: dict[str, Any]) -> None:
                     want = f"shape {tuple(p.shape)}"
                 if not fits:
                     raise ValueError(
-                        f"{optimizer._param_name(group, j)}: saved state {key!r} has shape "
+                        f"{param_name(group, j)}: saved state {key!r} has shape "
                         f"{tuple(value.shape)} but needs {want}; {_FIX}"
                     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -65,6 +66,16 @@ class AdamWScalars:
     weight_decay: Sequence[float]
 
 
+class AdamWClasses(NamedTuple):
+    """Each param group's equality class of every AdamW hyperparameter (see
+    :func:`~fastmuon.step.program.classes`): the program is partitioned by these."""
+
+    lr: tuple[int, ...]
+    betas: tuple[int, ...]
+    eps: tuple[int, ...]
+    weight_decay: tuple[int, ...]
+
+
 class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
     (``transforms.fusable``: one pass per tensor instead of a foreach call per operation),
@@ -75,8 +86,8 @@ class AdamWProgram:
     parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
     reads its step count on the host)."""
 
-    def __init__(self, items: list[AdamWItem], pattern: dict[str, Sequence[int]], capturable: bool):
-        lr_c, betas_c, eps_c, wd_c = pattern["lr"], pattern["betas"], pattern["eps"], pattern["wd"]
+    def __init__(self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool):
+        lr_c, betas_c, eps_c, wd_c = classes.lr, classes.betas, classes.eps, classes.weight_decay
         self.capturable = capturable
         by_kernel = partition(
             items, lambda i: not capturable and fusable(i.param, i.grad, i.exp_avg, i.exp_avg_sq)

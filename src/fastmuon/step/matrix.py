@@ -6,17 +6,20 @@ only in ``decay`` (Muon's decoupled weight decay; 1 for MuSGD) and in what ``sca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..distributed.exchange import is_dtensor, sharded_pieces
+from ..matrices import MatrixMap
 from ..ns.device import compute_dtype
-from ..ns.engine import NSConfig
+from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.newton_schulz import newton_schulz
-from .elementwise import ema_momentum_, ema_momentum_cast_, partition
+from .elementwise import ema_momentum_, ema_momentum_cast_, lr_scale, partition
 from .program import Gather, Scalar, apply_scaled_, scale_limit
 
 
@@ -39,6 +42,72 @@ class MatrixItem:
     # the tensor splits into its matrices' gradients, and which of them this one is
     split: Callable[[Tensor], list[Tensor]] | None = None
     piece: int = 0
+    # what the planner sees of a matrix this rank holds a shard of (a DTensor, or the
+    # description of a matrix cut out of one: see fastmuon.distributed); None: ``param`` itself
+    whole: Any = None
+
+
+def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
+    """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format."""
+    buf = state.get(key)
+    if buf is None:
+        buf = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return buf
+
+
+def matrix_items(
+    m: MatrixMap,
+    p: Tensor,
+    grad: Tensor,
+    state: dict[str, Any],
+    *,
+    beta: float,
+    nesterov: bool,
+    base: Any,
+    adjust: str,
+    config: NSConfig,
+    group: int,
+    index: int,
+    decay: Any = 1.0,
+    optimizer: str = "the optimizer",
+) -> list[MatrixItem]:
+    """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
+    ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
+    learning-rate factor of its own shape. Views of the tensors throughout; ``optimizer`` names
+    the optimizer in errors."""
+    buf = state_buffer(state, "momentum_buffer", p)
+    if m.is_flatten:
+        pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
+    elif is_dtensor(p):
+        pieces = sharded_pieces(m, p, grad, buf, optimizer)
+    else:
+        split = m.views
+        pieces = [
+            (*views, shape, split, k, None)
+            for k, (*views, shape) in enumerate(zip(split(p), split(grad), split(buf), m.shapes(p.shape)))
+        ]
+    items = []
+    for view, grad_view, buf_view, shape, split, piece, whole in pieces:
+        factor = lr_scale(adjust, shape)
+        items.append(
+            MatrixItem(
+                view,
+                grad_view,
+                buf_view,
+                beta,
+                nesterov,
+                base * factor,
+                config,
+                decay=decay,
+                group=group,
+                index=index,
+                factor=factor,
+                split=split,
+                piece=piece,
+                whole=whole,
+            )
+        )
+    return items
 
 
 def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
@@ -70,8 +139,27 @@ class MatrixScalars:
     decay: Sequence[Scalar] | None = None  # 1 − lr·wd (Muon); None: no decay
 
 
-#: ``(sources, keep) -> updates``: the plan's NS over the program's matrices, in its order.
-RunNS = Callable[[Sequence[Tensor], "Tensor | None"], list[Tensor]]
+#: ``(params, configs, wholes) -> engine``: the executor of the plan over these matrices.
+EngineFor = Callable[[list, list, list], Any]
+
+
+def orthogonalize_step(
+    engine: Any,
+    sources: Sequence[Tensor],
+    dtypes: Sequence[torch.dtype],
+    keep: Tensor | None,
+    keep_positions: tuple[int, ...],
+) -> list[Tensor]:
+    """The plan's NS over a step's sources, into ``dtypes``. ``keep`` (one bool per gradient of
+    the step, on the device; source ``i``'s at ``keep_positions[i]``) zeroes the rejected
+    sources first: inside their bucket where the engine packs them, else before it."""
+    if keep is None:
+        return engine(sources, dtypes)
+    if isinstance(engine, Orthogonalizer):
+        return engine(sources, dtypes, keep=keep, keep_positions=keep_positions)
+    flags = keep.unbind(0)
+    flags = [flags[k] for k in keep_positions]
+    return engine([torch.where(k, s, 0) for k, s in zip(flags, sources)], dtypes)
 
 
 class MatrixProgram:
@@ -89,7 +177,7 @@ class MatrixProgram:
         self,
         items: list[MatrixItem],
         base_class: Sequence[int],
-        engine_for: Callable[[list, list], Any] | None = None,
+        engine_for: EngineFor | None = None,
     ):
         parts = batch_order(items)
         ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
@@ -114,7 +202,10 @@ class MatrixProgram:
             id(i): starts[i.index] + i.piece if i.split is not None else count + i.index for i in ordered
         }
         # the plan's executor, and where it reads each source from (momentum is written there)
-        self.engine = engine_for(self.params, self.configs) if engine_for is not None and ordered else None
+        wholes = [i.param if i.whole is None else i.whole for i in ordered]
+        self.engine = (
+            engine_for(self.params, self.configs, wholes) if engine_for is not None and ordered else None
+        )
         views = getattr(self.engine, "input_views", None)
         inputs = views() if views is not None else None
         # per part: buffers, gradient picks, group, NS input views (or None), and the momentum
@@ -140,7 +231,15 @@ class MatrixProgram:
     def fits(self, grads: Sequence[Tensor]) -> bool:
         return True
 
-    def run(self, grads: Sequence[Tensor], scalars: MatrixScalars, ns: RunNS, keep: Tensor | None) -> None:
+    @property
+    def plan(self) -> Any:
+        return self.engine.plan if self.engine is not None else None
+
+    def run(
+        self, grads: Sequence[Tensor], scalars: MatrixScalars, keep: Tensor | None, hooks: Mapping[int, Any]
+    ) -> None:
+        """One step over this step's ``grads``; ``hooks`` (see
+        ``MatrixOptimizer.register_orthogonalize_hook``) wrap its Newton–Schulz call."""
         if not self.params:
             return
         if self.splits:
@@ -150,7 +249,14 @@ class MatrixProgram:
         for bufs, pick, g, out, momentum in self.parts:
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
         # 2. orthogonalise, one NS call per bucket of the cached plan
-        updates = ns(sources, keep)  # keep: one flag per gradient, picked at keep_positions
+        args = (self.engine, sources, self.dtypes, keep, self.keep_positions)
+        if hooks:
+            call = functools.partial(orthogonalize_step, *args)
+            for hook in hooks.values():
+                call = functools.partial(hook, call)
+            updates = call()
+        else:
+            updates = orthogonalize_step(*args)
         # 3-4. decay, scale and apply
         decay = scalars.decay
         if decay is not None:

@@ -1,5 +1,8 @@
 """What a step does with NaN/Inf gradients: raise, skip the affected parameters, or ignore.
 
+One mechanism serves the batched and the per-parameter path: a :class:`NonFiniteGuard` over a
+step's gradients (prepared once per step program, or per step for the reference loop).
+
 ``"skip"`` must not synchronise with the host, so nothing here asks *whether* a gradient is
 bad: every decision is a device-side mask. The step runs as usual (a matrix with a bad
 gradient has its Newton–Schulz input zeroed in its bucket, so the NaN cannot reach the other
@@ -16,7 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed.inflight import InFlight
 from ..ns import device as compute
 from ..ns.layout import memory_order
 from .program import Gather
@@ -56,29 +58,6 @@ def _max_abs(tensors: list[Tensor]) -> Tensor:
     if compute.is_host(tensors[0].device):
         return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
     return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
-
-
-def finite_flags(grads: Sequence[Tensor]) -> list[Tensor]:
-    """One 0-d bool tensor per gradient, on its device: True when every entry is finite."""
-    flags: list[Tensor | None] = [None] * len(grads)
-    for indices, ok in _finite_by_group(grads):
-        for k, i in enumerate(indices):
-            flags[i] = ok[k]
-    for i, g in enumerate(grads):
-        if flags[i] is None:
-            flags[i] = torch.ones((), dtype=torch.bool, device=g.device)
-    return flags  # type: ignore[return-value]
-
-
-def agree_across_ranks(flags: Sequence[Tensor], group: Any, inflight: InFlight) -> Tensor:
-    """All ranks' flags combined (finite only where finite on every rank), one all-reduce
-    (held by ``inflight``, see inflight.py)."""
-    import torch.distributed as dist
-
-    ok = torch.stack([f.to(flags[0].device) for f in flags]).float()
-    inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
-    inflight.wait()
-    return ok > 0.5
 
 
 def raise_if_nonfinite(
@@ -133,75 +112,6 @@ def _memory_view(t: Tensor) -> Tensor | None:
     if memory_order(t) is None:
         return None
     return t.as_strided((t.numel(),), (1,), t.storage_offset())
-
-
-class _Group:
-    """Tensors of one (device, dtype): snapshotted into one flat copy and restored with one ``where``.
-
-    The flat views are views of detached tensors: a view of a parameter that requires grad,
-    taken before the step modifies the parameter in place, would be one that autograd (and
-    ``torch.compile``, which inspects every tensor it is handed) refuses to read afterwards.
-    """
-
-    def __init__(self, views: list[Tensor], flags: list[Tensor]):
-        self.views = views
-        self.flags = flags
-        self.sizes = [v.numel() for v in views]
-        self.snapshot = torch.cat(views)
-        # An asynchronous host-to-device copy: the host does not wait for the device.
-        self.repeats = torch.tensor(self.sizes).to(self.snapshot.device, non_blocking=True)
-
-    def restore(self) -> None:
-        keep = _flags_on(self.flags, self.snapshot.device)
-        mask = torch.repeat_interleave(keep, self.repeats, output_size=self.snapshot.numel())
-        merged = torch.where(mask, torch.cat(self.views), self.snapshot, out=self.snapshot)
-        torch._foreach_copy_(self.views, list(merged.split(self.sizes)))
-
-
-def _flags_on(flags: list[Tensor], device: torch.device) -> Tensor:
-    """Stack flags (ordered so that each source device's flags are adjacent) onto ``device``.
-
-    Moving flags between devices (an AdamW step count lives on the CPU while its parameter is
-    on a GPU) is a copy the host waits for: the one synchronisation "skip" may cost.
-    """
-    parts: list[Tensor] = []
-    start = 0
-    while start < len(flags):
-        stop = start
-        while stop < len(flags) and flags[stop].device == flags[start].device:
-            stop += 1
-        parts.append(torch.stack(flags[start:stop]).to(device))
-        start = stop
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-class SkipGuard:
-    """Snapshot of every tensor a step may write, put back where the gradient was not finite.
-
-    ``params[i]`` owns ``params[i]`` itself and every tensor in ``states[i]``; ``flags[i]`` says
-    whether its gradient was finite. Built after the state buffers exist, restored after the step.
-    """
-
-    def __init__(self, params: Sequence[Tensor], flags: Sequence[Tensor], states: Sequence[dict]):
-        grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, Tensor]]] = {}
-        self._loose: list[tuple[Tensor, Tensor, Tensor]] = []  # non-dense tensors, copied one by one
-        for p, flag, state in zip(params, flags, states):
-            for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
-                view = _memory_view(t.detach())
-                if view is None:
-                    self._loose.append((t, t.clone(), flag))
-                else:
-                    grouped.setdefault((t.device, t.dtype), []).append((view, flag))
-        self._groups = []
-        for entries in grouped.values():
-            entries.sort(key=lambda e: str(e[1].device))  # adjacent by flag device (stable)
-            self._groups.append(_Group([v for v, _ in entries], [f for _, f in entries]))
-
-    def restore(self) -> None:
-        for group in self._groups:
-            group.restore()
-        for t, saved, flag in self._loose:
-            t.copy_(torch.where(flag.to(t.device), t, saved))
 
 
 # ----- prepared once per step program ---------------------------------------------------------
@@ -275,3 +185,53 @@ class SkipPlan:
             torch._foreach_copy_(views, list(merged.split(sizes)))
         for (t, owner), snap in zip(self._loose, saved[len(self._groups) :]):
             t.copy_(torch.where(keep[owner].to(t.device), t, snap))
+
+
+class NonFiniteGuard:
+    """A step's handling of NaN/Inf gradients over a fixed list of gradients.
+
+    ``mode`` "raise" refuses the step naming the first bad parameter; "skip" puts each
+    parameter with a bad gradient and all of ``states[i]`` back after the update (``params[i]``
+    owns ``grads[i]``); "ignore" does nothing. In a distributed run the ranks must decide alike
+    (a NaN may sit in one rank's shard only): :meth:`keep` then takes ``agree``, which combines
+    every rank's flags.
+    """
+
+    def __init__(
+        self, mode: str, grads: Sequence[Tensor], params: Sequence[Tensor] = (), states: Sequence[dict] = ()
+    ):
+        self.mode = mode
+        self.check = FiniteCheck(grads)
+        self.skip = SkipPlan(params, states, range(len(params))) if mode == "skip" and params else None
+
+    def keep(
+        self,
+        grads: Sequence[Tensor],
+        name: Callable[[int], str],
+        agree: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor | None:
+        """Call after the state buffers exist and before anything is written: raises ("raise"),
+        or returns the keep vector (one bool per gradient, on the device) whose ``False``
+        entries :meth:`restore` puts back ("skip"); ``None``: nothing to put back."""
+        if self.mode == "ignore" or not grads:
+            return None
+        if self.mode == "raise" and agree is None:
+            if not self.check.screen(grads):
+                raise_if_nonfinite(grads, name)
+            return None
+        keep = self.check(grads)
+        if agree is not None:
+            keep = agree(keep)
+        if self.mode == "raise":
+            raise_if_nonfinite(list(keep.unbind(0)), name, flags_given=True)
+            return None
+        return keep
+
+    def snapshot(self, keep: Tensor | None) -> list[Tensor] | None:
+        """What the update may overwrite, saved (only where something may have to go back)."""
+        return self.skip.snapshot() if keep is not None and self.skip is not None else None
+
+    def restore(self, saved: list[Tensor] | None, keep: Tensor | None) -> None:
+        """Put back every tensor of a parameter whose gradient was not finite."""
+        if saved is not None:
+            self.skip.restore(saved, keep)  # type: ignore[union-attr]

@@ -10,7 +10,7 @@ the values once per param group and runs a fixed sequence of foreach and NS call
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -112,20 +112,24 @@ class StepProgram:
     """One step, prepared: the update's program and what every step around it needs.
 
     ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
-    ``check`` tests their gradients for NaN/Inf; ``skip`` (``nonfinite="skip"``) snapshots and
-    restores what the update writes; ``owners`` name the parameters in errors; ``shards``
-    (sharded parameters: :class:`~fastmuon.distributed.exchange.LocalShards`) the local tensors the
+    ``guard`` (:class:`~fastmuon.step.nonfinite.NonFiniteGuard`) handles NaN/Inf gradients;
+    ``owners`` (``(group, j)`` each) name the parameters in errors; ``shards`` (sharded
+    parameters: :class:`~fastmuon.distributed.exchange.LocalShards`) the local tensors the
     program updates, whose gradients a step takes as local shards too.
     """
 
-    def __init__(self, update: Any, live: Gather, check: Any, skip: Any, owners: list, shards: Any = None):
+    def __init__(self, update: Any, live: Gather, guard: Any, owners: list, shards: Any = None):
         self.update = update
         self.matrices = getattr(update, "matrices", None)
         self.live_pick = live
-        self.check = check
-        self.skip = skip
+        self.guard = guard
         self.owners = owners
         self.shards = shards
+
+    @property
+    def plan(self) -> Any:
+        """The batching plan the program's Newton–Schulz runs (None: no matrix)."""
+        return self.matrices.plan if self.matrices is not None else None
 
     def live(self, grads: Sequence[Any]) -> list[Tensor]:
         """This step's gradients of the parameters the program updates (local shards if sharded)."""
@@ -139,8 +143,9 @@ class StepProgram:
         sharded parameters still the local tensors it updates)."""
         return self.update.fits(grads) and (self.shards is None or self.shards.current())
 
-    def name_of(self, optimizer: Any):
-        return lambda k: optimizer._param_name(*self.owners[k])
+    def name_of(self, param_name: Callable[[dict, int], str]) -> Callable[[int], str]:
+        """Names the ``k``-th parameter of the program, through ``param_name(group, j)``."""
+        return lambda k: param_name(*self.owners[k])
 
-    def run(self, grads: list[Tensor], scalars: Any, keep: Tensor | None, ns: Any) -> None:
-        self.update.run(grads, scalars, keep, ns)
+    def run(self, grads: list[Tensor], scalars: Any, keep: Tensor | None, hooks: Mapping[int, Any]) -> None:
+        self.update.run(grads, scalars, keep, hooks)

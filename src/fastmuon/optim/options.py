@@ -1,0 +1,59 @@
+"""The optimizer-wide settings, fixed at construction in one frozen object.
+
+Copies, pickles and the step all read this one object, so a setting cannot drift between
+them; a group's hyperparameters live in its dict, as in ``torch.optim``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel
+from ..step.nonfinite import DEFAULT_NONFINITE, check_mode
+from .validation import check_foreach
+
+
+@dataclass(frozen=True)
+class Options:
+    """What applies to every param group of one optimizer.
+
+    ``foreach``: None/True the batched step, False the per-parameter loop; ``policy``,
+    ``max_bucket_bytes`` and ``cost_model`` steer the planner; ``compile`` runs each bucket's
+    NS through ``torch.compile``; ``nonfinite`` says what a NaN/Inf gradient does;
+    ``capturable`` keeps every step free of host reads; ``adamw_lr`` (Muon) is AdamW's learning
+    rate in ``use_muon=False`` groups that set none.
+    """
+
+    foreach: bool | None = None
+    policy: str = "auto"
+    compile: bool = False
+    max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+    cost_model: CostModel | str | None = None
+    nonfinite: str = DEFAULT_NONFINITE
+    capturable: bool = False
+    adamw_lr: float | None = None
+
+    def __post_init__(self) -> None:
+        check_foreach(self.foreach)
+        if self.policy not in POLICIES:
+            raise ValueError(f"invalid policy {self.policy!r}; choose one of {POLICIES}")
+        if self.max_bucket_bytes <= 0:
+            raise ValueError(f"max_bucket_bytes must be positive, got {self.max_bucket_bytes}")
+        cost_model = self.cost_model
+        if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
+            raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
+        check_mode(self.nonfinite)
+        object.__setattr__(self, "compile", bool(self.compile))
+        object.__setattr__(self, "max_bucket_bytes", int(self.max_bucket_bytes))
+        object.__setattr__(self, "capturable", bool(self.capturable))
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_attributes(cls, attributes: dict[str, Any]) -> Options:
+        """The options of an optimizer pickled by fastmuon 0.4, which kept each as an attribute
+        (absent ones take their defaults)."""
+        return cls(**{name: attributes[name] for name in cls.names() if name in attributes})

@@ -1,0 +1,114 @@
+"""Checks of constructor arguments, group values, parameters and gradients, each naming what
+is wrong and the fix."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+from torch import Tensor
+
+from ..ns.engine import NSConfig
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
+    torch's optimizers' checks, a ``ValueError``)."""
+
+
+def check_nonnegative(name: str, value: Any, where: str) -> None:
+    if isinstance(value, Tensor):
+        value = value.item() if value.numel() == 1 else math.nan
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"invalid {name} {value!r} in {where}: it must be a number >= 0")
+
+
+def check_fraction(name: str, value: Any, where: str) -> None:
+    """Momentum-like coefficients live in [0, 1)."""
+    check_nonnegative(name, value, where)
+    if not value < 1:
+        raise ValueError(f"invalid {name} {value!r} in {where}: it must be in [0, 1)")
+
+
+def check_foreach(foreach: Any) -> bool | None:
+    """``foreach`` as torch's optimizers take it: ``None`` (pick the fast path), True or False."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ArgumentTypeError(f"foreach must be None, True or False, got {foreach!r}")
+    return foreach
+
+
+def check_tensor_lr(lr: Any, where: str) -> None:
+    """A tensor learning rate holds one number (torch.optim's wording)."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(
+            f"Tensor lr must be 1-element, got shape {tuple(lr.shape)} in {where} "
+            "(pass a float or a one-element tensor)"
+        )
+
+
+def ns_config(group: dict[str, Any]) -> NSConfig:
+    """The Newton–Schulz settings of a group."""
+    return ns_config_of(
+        group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
+    )
+
+
+def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: Any) -> NSConfig:
+    """:meth:`NSConfig.make` of a group's values, made once per distinct values: a step reads
+    every group's config, and making one resolves and checks its coefficients."""
+    if not (_plain(steps) and _plain(eps) and _plain(coefficients)):  # a tensor may change in place
+        return NSConfig.make(steps, coefficients, eps, dtype, method)
+    try:
+        # the types too: equal values of other types (5 and 5.0) make configs that differ
+        return _cached_ns_config(type(steps), steps, coefficients, type(eps), eps, dtype, method)
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return NSConfig.make(steps, coefficients, eps, dtype, method)
+
+
+def _plain(value: Any) -> bool:
+    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return type(value) in (str, int, float, bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ns_config(_steps_type, steps, coefficients, _eps_type, eps, dtype, method) -> NSConfig:
+    return NSConfig.make(steps, coefficients, eps, dtype, method)
+
+
+def param_name(groups: list[dict[str, Any]], group: dict[str, Any], j: int) -> str:
+    """How errors name parameter ``j`` of ``group``: by its name where the group has names,
+    else by its position (``group`` not among ``groups`` is the one being added)."""
+    names = group.get("param_names")
+    p = group["params"][j]
+    if names is not None and j < len(names):
+        return f"parameter {names[j]!r} (shape {tuple(p.shape)})"
+    index = next((i for i, g in enumerate(groups) if g is group), len(groups))
+    return f"parameter {j} of param group {index} (shape {tuple(p.shape)})"
+
+
+def check_param(name: str, optimizer: str, p: Tensor) -> None:
+    """A parameter the optimizer can update: real and floating-point."""
+    if p.is_complex():
+        raise ValueError(
+            f"{name} is complex; {optimizer} supports real "
+            "parameters only (view it as real with torch.view_as_real and optimise that)"
+        )
+    if not p.is_floating_point():
+        raise ValueError(
+            f"{name} has dtype {p.dtype}; {optimizer} optimises "
+            "floating-point parameters only (convert it, e.g. with .float(), or leave it out "
+            "of the optimizer)"
+        )
+
+
+def check_grad(name: str, optimizer: str, grad: Tensor) -> None:
+    if grad.is_sparse:
+        raise RuntimeError(
+            f"{name} has a sparse gradient; {optimizer} needs "
+            "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
+        )

@@ -1,0 +1,43 @@
+"""What every rule's ``collect`` reads: the parameters with a gradient this step, group by group.
+
+The optimizer hands a rule a :class:`CollectEnv` — its state, how a group's ``lr`` is read, how a
+gradient is checked — so a rule never reaches into the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+
+class CollectEnv(NamedTuple):
+    """What a rule's ``collect`` needs of the optimizer it serves."""
+
+    state: Any  # the optimizer's ``state``: per-parameter dicts, created on first use
+    lr_value: Callable[[Any], Any]  # a group's ``lr`` as the step uses it (host number or tensor)
+    check_grad: Callable[[dict[str, Any], int, Tensor], None]  # raises naming the parameter
+    capturable: bool  # state lives where a captured step can update it
+    optimizer: str  # the optimizer's class name, for errors
+
+
+def live_params(
+    groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv
+) -> Iterator[tuple[int, dict[str, Any], list[tuple[int, Tensor, Tensor, int]]]]:
+    """Per group: ``(group index, group, [(j, param, grad, index), ...])`` for the parameters with
+    a gradient (checked), in order; ``grads`` runs over every group's parameters, and ``index``
+    counts the parameters with gradients across groups (a step program's positions)."""
+    flat = 0
+    live = 0
+    for gi, group in enumerate(groups):
+        members = []
+        for j, p in enumerate(group["params"]):
+            grad = grads[flat]
+            flat += 1
+            if grad is None:
+                continue
+            env.check_grad(group, j, grad)
+            members.append((j, p, grad, live))
+            live += 1
+        yield gi, group, members

@@ -1,0 +1,174 @@
+"""The Muon rule: orthogonalised EMA momentum for matrices, AdamW for everything else.
+
+The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay
+``p ← (1 − lr·wd)·p``, its learning-rate adjustments), extended to >2D weights and mapped
+matrices (see :mod:`fastmuon.matrices`), with AdamW for the parameters Muon does not take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from ..matrices import maps_key, maps_of
+from ..optim.checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
+from ..optim.validation import ns_config
+from ..step.adamw import (
+    AdamWClasses,
+    AdamWItem,
+    AdamWProgram,
+    AdamWScalars,
+    adamw_state,
+    single_tensor_adamw,
+)
+from ..step.matrix import (
+    EngineFor,
+    MatrixItem,
+    MatrixProgram,
+    MatrixScalars,
+    matrix_items,
+    single_tensor_matrix_update,
+)
+from ..step.program import classes
+from .collecting import CollectEnv, live_params
+
+family = MUON
+
+
+class Items(NamedTuple):
+    matrices: list[MatrixItem]
+    adamw: list[AdamWItem]
+
+
+class Pattern(NamedTuple):
+    """The equality classes of a step's hyperparameters across groups, and the groups'
+    structure: a prepared program fits every step with an equal pattern."""
+
+    beta: tuple[int, ...]
+    nesterov: tuple[int, ...]
+    lr: tuple[int, ...]
+    betas: tuple[int, ...]
+    eps: tuple[int, ...]  # AdamW's: a use_muon=False group's eps, else its adamw_eps
+    weight_decay: tuple[int, ...]
+    structure: tuple[Any, ...]  # per group: use_muon, adjust_lr_fn, NS settings, matrix maps
+
+
+class Scalars(NamedTuple):
+    matrices: MatrixScalars
+    adamw: AdamWScalars
+
+
+def is_matrix(group: dict[str, Any], p: Tensor) -> bool:
+    use_muon = group.get("use_muon")
+    return (use_muon if use_muon is not None else p.ndim >= 2) and p.numel() > 0
+
+
+def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+    """What each state buffer of ``p`` holds, as :func:`collect` creates them."""
+    if is_matrix(group, p):
+        return {"momentum_buffer": EMA}
+    if group.get("use_muon") is True:
+        return {}
+    return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
+
+
+def adamw_eps(group: Mapping[str, Any]) -> Any:
+    """AdamW's eps in a group: its ``eps`` where the group is AdamW's alone, else ``adamw_eps``
+    (``eps`` is then Newton–Schulz's)."""
+    return group["eps"] if group.get("use_muon") is False else group["adamw_eps"]
+
+
+def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:
+    matrices: list[MatrixItem] = []
+    others: list[AdamWItem] = []
+    for gi, group, members in live_params(groups, grads, env):
+        lr, wd = env.lr_value(group["lr"]), group["weight_decay"]
+        use_muon = group.get("use_muon")
+        config = ns_config(group)
+        adjust = group["adjust_lr_fn"] or "original"
+        eps = adamw_eps(group)
+        maps = maps_of(group.get("matrices"), len(group["params"]))
+        for j, p, grad, index in members:
+            state = env.state[p]
+            if is_matrix(group, p):
+                matrices += matrix_items(
+                    maps[j],
+                    p,
+                    grad,
+                    state,
+                    beta=group["momentum"],
+                    nesterov=group["nesterov"],
+                    base=lr,
+                    adjust=adjust,
+                    config=config,
+                    group=gi,
+                    index=index,
+                    decay=1 - lr * wd,
+                    optimizer=env.optimizer,
+                )
+            elif use_muon is not True:
+                exp_avg, exp_avg_sq, step = adamw_state(state, p, env.capturable)
+                others.append(
+                    AdamWItem(
+                        p,
+                        grad,
+                        exp_avg,
+                        exp_avg_sq,
+                        step,
+                        lr,
+                        tuple(group["betas"]),
+                        eps,
+                        wd,
+                        group=gi,
+                        index=index,
+                    )
+                )
+    return Items(matrices, others)
+
+
+def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Scalars]:
+    lr = [lr_value(g["lr"]) for g in groups]
+    wd = [g["weight_decay"] for g in groups]
+    beta = [g["momentum"] for g in groups]
+    nesterov = [g["nesterov"] for g in groups]
+    decay = [1 - r * w for r, w in zip(lr, wd)]
+    betas = [tuple(g["betas"]) for g in groups]
+    eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]  # as adamw_eps
+    structure = tuple(
+        (g.get("use_muon"), g["adjust_lr_fn"], ns_config(g), maps_key(g.get("matrices"))) for g in groups
+    )
+    pattern = Pattern(
+        classes(beta), classes(nesterov), classes(lr), classes(betas), classes(eps), classes(wd), structure
+    )
+    return pattern, Scalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
+
+
+class Program:
+    """A Muon step prepared once: the matrices' update, then AdamW on the rest."""
+
+    def __init__(self, matrices: MatrixProgram, adamw: AdamWProgram):
+        self.matrices = matrices
+        self.adamw = adamw
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return self.adamw.fits(grads)
+
+    def run(self, grads: Sequence[Tensor], s: Scalars, keep: Tensor | None, hooks: Mapping) -> None:
+        self.matrices.run(grads, s.matrices, keep, hooks)
+        self.adamw.run(grads, s.adamw)
+
+
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> Program:
+    adamw_classes = AdamWClasses(pattern.lr, pattern.betas, pattern.eps, pattern.weight_decay)
+    return Program(
+        MatrixProgram(items.matrices, pattern.lr, engine_for),
+        AdamWProgram(items.adamw, adamw_classes, options.capturable),
+    )
+
+
+def reference(items: Items) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    single_tensor_matrix_update(items.matrices)
+    single_tensor_adamw(items.adamw)

@@ -1,0 +1,162 @@
+"""The MuSGD rule: a Muon step and then an SGD step on every matrix, SGD alone on the rest.
+
+Ultralytics' update (see docs/optimizers.md): a matrix in a ``use_muon`` group takes
+``lr·muon`` times its orthogonalised EMA momentum, then ``lr·sgd`` times an SGD step with
+coupled weight decay; a vector there takes the SGD step alone at ``lr·sgd``; every parameter of
+a ``use_muon=False`` group takes plain SGD at ``lr``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from ..matrices import maps_key, maps_of
+from ..optim.checkpoint import EMA, HEAVY_BALL, MUSGD
+from ..optim.validation import ns_config
+from ..step.matrix import (
+    EngineFor,
+    MatrixItem,
+    MatrixProgram,
+    MatrixScalars,
+    matrix_items,
+    single_tensor_matrix_update,
+    state_buffer,
+)
+from ..step.program import classes
+from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
+from .collecting import CollectEnv, live_params
+
+family = MUSGD
+
+
+class Items(NamedTuple):
+    matrices: list[MatrixItem]
+    elementwise: list[SGDItem]
+
+
+class Pattern(NamedTuple):
+    """The equality classes of a step's hyperparameters across groups, and the groups'
+    structure: a prepared program fits every step with an equal pattern."""
+
+    beta: tuple[int, ...]
+    nesterov: tuple[int, ...]
+    weight_decay: tuple[int, ...]
+    muon_lr: tuple[int, ...]  # of lr·muon, the Muon half's scale before its per-matrix factor
+    sgd_lr: tuple[int, ...]  # over Scalars.sgd.lr: every group's lr·sgd, then every group's lr
+    zero_beta: tuple[bool, ...]
+    structure: tuple[Any, ...]  # per group: use_muon, adjust_lr, NS settings, matrix maps
+
+
+class Scalars(NamedTuple):
+    matrices: MatrixScalars
+    sgd: SGDScalars
+
+
+def is_matrix(group: dict[str, Any], p: Tensor) -> bool:
+    return group["use_muon"] and p.ndim >= 2 and p.numel() > 0
+
+
+def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+    """What each state buffer of ``p`` holds, as :func:`collect` creates them."""
+    if not group["use_muon"]:
+        return {"momentum_buffer": HEAVY_BALL}
+    if is_matrix(group, p):
+        return {"momentum_buffer": EMA, "momentum_buffer_SGD": HEAVY_BALL}
+    return {"momentum_buffer_SGD": HEAVY_BALL}
+
+
+def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:
+    matrices: list[MatrixItem] = []
+    elementwise: list[SGDItem] = []
+    num_groups = len(groups)
+    for gi, group, members in live_params(groups, grads, env):
+        lr, beta, nesterov = env.lr_value(group["lr"]), group["momentum"], group["nesterov"]
+        muon_group = group["use_muon"]
+        config = ns_config(group)
+        maps = maps_of(group.get("matrices"), len(group["params"]))
+        key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
+        for j, p, grad, index in members:
+            state = env.state[p]
+            if is_matrix(group, p):
+                matrices += matrix_items(
+                    maps[j],
+                    p,
+                    grad,
+                    state,
+                    beta=beta,
+                    nesterov=nesterov,
+                    base=lr * group["muon"],
+                    adjust=group["adjust_lr"],
+                    config=config,
+                    group=gi,
+                    index=index,
+                    optimizer=env.optimizer,
+                )
+            elementwise.append(
+                SGDItem(
+                    p,
+                    grad,
+                    state_buffer(state, key, p),
+                    beta,
+                    nesterov,
+                    group["weight_decay"],
+                    lr * (group["sgd"] if muon_group else 1.0),
+                    group=gi,
+                    index=index,
+                    lr_slot=gi if muon_group else num_groups + gi,
+                )
+            )
+    return Items(matrices, elementwise)
+
+
+def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Scalars]:
+    lr = [lr_value(g["lr"]) for g in groups]
+    beta = [g["momentum"] for g in groups]
+    nesterov = [g["nesterov"] for g in groups]
+    wd = [g["weight_decay"] for g in groups]
+    base = [r * g["muon"] for r, g in zip(lr, groups)]
+    sgd_lr = [r * g["sgd"] for r, g in zip(lr, groups)] + [r * 1.0 for r in lr]
+    structure = tuple(
+        (g.get("use_muon"), g["adjust_lr"], ns_config(g), maps_key(g.get("matrices"))) for g in groups
+    )
+    pattern = Pattern(
+        classes(beta),
+        classes(nesterov),
+        classes(wd),
+        classes(base),
+        classes(sgd_lr),
+        tuple(b == 0 for b in beta),
+        structure,
+    )
+    return pattern, Scalars(MatrixScalars(beta, nesterov, base), SGDScalars(beta, nesterov, wd, sgd_lr))
+
+
+class Program:
+    """A MuSGD step prepared once: the Muon half, then the SGD half on ``p`` after it."""
+
+    def __init__(self, matrices: MatrixProgram, sgd: SGDProgram):
+        self.matrices = matrices
+        self.sgd = sgd
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return self.sgd.fits(grads)
+
+    def run(self, grads: Sequence[Tensor], s: Scalars, keep: Tensor | None, hooks: Mapping) -> None:
+        self.matrices.run(grads, s.matrices, keep, hooks)
+        self.sgd.run(grads, s.sgd)
+
+
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> Program:
+    return Program(
+        MatrixProgram(items.matrices, pattern.muon_lr, engine_for),
+        SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable),
+    )
+
+
+def reference(items: Items) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    single_tensor_matrix_update(items.matrices)
+    single_tensor_sgd(items.elementwise)

@@ -1,0 +1,182 @@
+"""The SGD half of MuSGD (and plain SGD): heavy-ball momentum with coupled weight decay.
+
+``g' = g + wd·p``, ``B ← β·B + g'``, ``p ← p − lr·u`` with ``u = g' + β·B`` (Nesterov) or ``B``:
+torch's fused SGD kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else
+foreach calls with one scale class per learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .elementwise import foreach_scalar, fusable, partition
+from .program import Gather, Scalar, apply_scaled_, scale_limit, strides_of
+
+
+@dataclass
+class SGDItem:
+    """One tensor's SGD step with coupled weight decay: ``p ← p − lr·(heavy-ball momentum)``."""
+
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    beta: float
+    nesterov: bool
+    weight_decay: float
+    lr: float
+    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
+    index: int = 0  # its position among the step's parameters with gradients
+    lr_slot: int = 0  # which of the step's SGD learning rates it takes (see SGDScalars.lr)
+
+
+@dataclass
+class SGDScalars:
+    """This step's SGD hyperparameters, one entry per param group; ``lr`` lists the learning
+    rates an :class:`SGDItem` picks from by its ``lr_slot``."""
+
+    beta: list[float]
+    nesterov: list[bool]
+    weight_decay: list[float]
+    lr: list[Scalar]
+
+
+class SGDProgram:
+    """The SGD step prepared once: per (β, nesterov, wd, device, dtype), torch's fused kernel
+    per learning rate where it is exact, else foreach calls with one scale class per learning
+    rate. ``lr_class``: the classes of the step's learning rates (one per ``lr_slot``)."""
+
+    def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool):
+        def lr_key(i: SGDItem) -> int:
+            return lr_class[i.lr_slot]
+
+        self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
+        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list]] = []
+        parts = partition(
+            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
+        )
+        for part in parts.values():
+            by_kernel = partition(
+                part, lambda i: fused_ok and bool(i.beta) and fusable(i.param, i.grad, i.buf)
+            )
+            g = part[0].group
+            for by_lr in partition(by_kernel.get(True, []), lr_key).values():
+                first = by_lr[0]
+                self.fused.append(
+                    (
+                        g,
+                        [i.param for i in by_lr],
+                        Gather([i.index for i in by_lr]),
+                        [i.buf for i in by_lr],
+                        lr_key(first),
+                        [i.grad.stride() for i in by_lr],
+                        [i.param.stride() for i in by_lr],
+                    )
+                )
+            rest = by_kernel.get(False, [])
+            if rest:
+                by_lr = partition(range(len(rest)), lambda k, rest=rest: lr_key(rest[k]))
+                self.rest.append(
+                    (
+                        g,
+                        [i.param for i in rest],
+                        Gather([i.index for i in rest]),
+                        [i.buf for i in rest],
+                        [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
+                        [lr_key(rest[idx[0]]) for idx in by_lr.values()],
+                    )
+                )
+        self.limit = scale_limit(items[0].param.device) if items else 0
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        """The fused kernel walks memory without looking at strides: gradients and parameters
+        must still have the layouts it was chosen for."""
+        for _, params, pick, _, _, grad_strides, param_strides in self.fused:
+            if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
+                return False
+        return True
+
+    def run(self, grads: Sequence[Tensor], s: SGDScalars) -> None:
+        lr_of = s.lr  # a class is the index of its first member's value
+        for g, params, pick, bufs, c, _, _ in self.fused:
+            torch._fused_sgd_(
+                params,
+                pick(grads),
+                bufs,
+                weight_decay=s.weight_decay[g],
+                momentum=s.beta[g],
+                lr=lr_of[c],
+                dampening=0.0,
+                nesterov=s.nesterov[g],
+                maximize=False,
+                is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
+            )
+        for g, params, pick, bufs, by_lr, lr_classes in self.rest:
+            foreach_sgd_step_(
+                params,
+                pick(grads),
+                bufs,
+                by_lr,
+                [lr_of[c] for c in lr_classes],
+                s.beta[g],
+                s.nesterov[g],
+                s.weight_decay[g],
+                self.limit,
+            )
+
+
+def foreach_sgd_step_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    by_lr: list[tuple[Gather, list[Tensor]]],
+    lrs: list[Scalar],
+    beta: float,
+    nesterov: bool,
+    weight_decay: float,
+    limit: int,
+) -> None:
+    """SGD with heavy-ball momentum and coupled weight decay, in place, with foreach ops: with
+    ``g' = g + wd·p``, ``B ← β·B + g'`` and ``p ← p − lr·u``, ``u = g' + β·B`` (Nesterov) or ``B``.
+    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each).
+
+    Written to allocate at most one list, the decayed gradients, which then take the Nesterov
+    update in place; without decay the Nesterov update is applied as two passes over ``p``.
+    A fresh list as large as the model costs more than a pass over it on a CPU.
+    """
+    owned = bool(weight_decay)
+    if owned:  # g' as new tensors: the gradients themselves are never touched
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
+        torch._foreach_copy_(bufs, grads)
+    else:
+        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0]))
+        torch._foreach_add_(bufs, grads)
+    class_params = [ps for _, ps in by_lr]
+
+    def apply(updates: list[Tensor], scales: list[Scalar], owned: bool) -> None:
+        apply_scaled_(class_params, [pick(updates) for pick, _ in by_lr], scales, owned=owned, limit=limit)
+
+    if not nesterov:
+        apply(bufs, lrs, False)
+    elif owned:
+        torch._foreach_add_(grads, bufs, alpha=beta)
+        apply(grads, lrs, True)
+    else:
+        apply(grads, lrs, False)
+        apply(bufs, [lr * beta for lr in lrs], False)
+
+
+def single_tensor_sgd(items: list[SGDItem]) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    for it in items:
+        g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
+        if it.beta == 0:
+            it.buf.copy_(g)
+        else:
+            it.buf.mul_(it.beta).add_(g)
+        u = g + it.beta * it.buf if it.nesterov else it.buf
+        it.param.sub_(u * it.lr)
