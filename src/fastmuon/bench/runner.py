@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..ns.device import synchronize
 from .contenders import (
@@ -34,7 +33,7 @@ from .contenders import (
 from .counter import KernelCounter
 from .hosttime import host_ms, python_calls
 from .lineup import CONTENDER_LABELS, CONTENDERS
-from .manifest import Manifest
+from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
 
@@ -107,17 +106,6 @@ class Result:
 
 #: (event, contender name, done, total): what the progress display is told
 Progress = Callable[[str, str, int, int], None]
-
-
-def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.Parameter]:
-    """Parameters with the manifest's shapes and fixed synthetic gradients (never changed after)."""
-    gen = torch.Generator().manual_seed(seed)
-    params = []
-    for spec in manifest.params:
-        p = nn.Parameter((0.02 * torch.randn(spec.shape, generator=gen)).to(device))
-        p.grad = torch.randn(spec.shape, generator=gen).to(device)
-        params.append(p)
-    return params
 
 
 def selected(label: str, chosen: tuple[str, ...] | None) -> bool:
