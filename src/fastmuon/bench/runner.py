@@ -27,8 +27,8 @@ from .contenders import (
     Contender,
     Unavailable,
     Workbench,
-    _dtype_name,
     dtype_label,
+    dtype_name,
 )
 from .counter import KernelCounter
 from .hosttime import host_ms, python_calls
@@ -204,7 +204,7 @@ def run_benchmark(
             if estimate > settings.max_step_s:
                 r.skipped = (
                     f"one step would take ~{estimate:.0f} s ({c.ns_useful_flops / 1e9:.0f} GFLOP of NS at "
-                    f"{rate / 1e9:.1f} GFLOP/s in {_dtype_name(c.compute_dtype)}); "
+                    f"{rate / 1e9:.1f} GFLOP/s in {dtype_name(c.compute_dtype)}); "
                     "raise --max-step-seconds to run it"
                 )
                 continue
@@ -267,7 +267,7 @@ def run_benchmark(
         )
 
     facts: dict[str, Any] = {
-        "matmul_gflops": {_dtype_name(d): round(v / 1e9, 2) for d, v in rates.items()},
+        "matmul_gflops": {dtype_name(d): round(v / 1e9, 2) for d, v in rates.items()},
         "params_finite": all(bool(torch.isfinite(p).all()) for p in params),
     }
     if grads_before is not None:
