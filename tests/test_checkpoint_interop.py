@@ -415,7 +415,7 @@ def test_post_hook_may_store_anything_and_runs_after_the_clean_up(cls):
         seen.append(
             [s["step"].dtype for s in optimizer.state.values() if isinstance(s, dict) and "step" in s]
         )
-        seen.append(len(optimizer._plans))
+        seen.append(len(optimizer.orthogonalizers()))
         optimizer.state["loaded_by_hook"] = True  # not a parameter's dict
 
     opt.register_load_state_dict_post_hook(post_hook)

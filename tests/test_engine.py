@@ -120,7 +120,7 @@ def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reu
     steps (buffers reused, views cached), the optimizer takes the reference's steps."""
     monkeypatch.setattr(engine, "REUSE_MAX_ROWS", reuse_max_rows)
     opt, _ = _musgd_steps_match_the_reference(policy, nesterov=True)
-    (eng,) = opt._plans.values()
+    (eng,) = opt.orthogonalizers()
     kept = [out is not None for out in eng._outputs]
     expected = [reuse_max_rows is None or b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
     assert kept == expected
@@ -159,7 +159,7 @@ def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov,
     bucket buffer (tall matrices transposed, channels_last in its own order, padding around it).
     The steps are the reference's, the padding stays zero, and no slot aliases the state."""
     opt, ours = _musgd_steps_match_the_reference(policy, nesterov)
-    (eng,) = opt._plans.values()
+    (eng,) = opt.orthogonalizers()
     views = eng.input_views()
     assert views is not None and len(views) == len(ours)
     assert policy != "min_launches" or eng._gathers[0] is not None
@@ -199,7 +199,7 @@ def test_momentum_written_into_ns_inputs_of_another_dtype_is_the_packed_step(
             ours = clone_params(params)
             opt = MuSGD(ours, lr=0.02, momentum=0.9, nesterov=nesterov, use_muon=True, ns_dtype=ns_dtype)
             run_optimizer(opt, ours, grads)
-            (eng,) = opt._plans.values()
+            (eng,) = opt.orthogonalizers()
             if views:
                 inputs = eng.input_views()
                 assert {t.dtype for t in inputs} == {ns_dtype}

@@ -156,14 +156,13 @@ def test_skip_zeroes_the_bad_matrix_inside_its_bucket():
     for p, g in zip(params, grads):
         p.grad = g
     seen = []
-    original = opt._orthogonalize
 
-    def spy(sources, ps, configs, **kwargs):
-        out = original(sources, ps, configs, **kwargs)
+    def spy(run):
+        out = run()
         seen.append([o.clone() for o in out])
         return out
 
-    opt._orthogonalize = spy
+    opt.register_orthogonalize_hook(spy)
     opt.step()
     (outs,) = seen
     assert torch.count_nonzero(outs[0]) == 0
@@ -425,7 +424,7 @@ def _memory_setup(cap):
 def test_bucket_buffers_are_what_the_plan_accounts_for(cap):
     params, opt = _memory_setup(cap)
     plan = opt.plan()
-    (engine,) = opt._plans.values()
+    (engine,) = opt.orthogonalizers()
     buffers = engine._buffers
     assert len(buffers) == len(plan.buckets)
     for buf, bucket in zip(buffers, plan.buckets):
@@ -453,7 +452,7 @@ def test_memory_is_bounded_by_bucket_cap_and_state(cap):
     (MuSGD's two momenta: Nesterov sources, SGD temporaries)."""
     params, opt = _memory_setup(cap)
     peak = _step_peak(params, opt)
-    (engine,) = opt._plans.values()
+    (engine,) = opt.orthogonalizers()
     buckets = opt.plan().buckets
     largest, total = max(b.nbytes() for b in buckets), sum(b.nbytes() for b in buckets)
     scratch = sum(t.nbytes for t in engine._scratch.tensors())
@@ -465,7 +464,7 @@ def test_memory_is_bounded_by_bucket_cap_and_state(cap):
     # A smaller cap gives a smaller scratch arena, never a larger one.
     if cap == 40_000:
         big_params, big_opt = _memory_setup(2**29)
-        (big_engine,) = big_opt._plans.values()
+        (big_engine,) = big_opt.orthogonalizers()
         assert scratch < sum(t.nbytes for t in big_engine._scratch.tensors())
 
 

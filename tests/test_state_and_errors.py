@@ -71,7 +71,7 @@ def test_bucket_buffers_persist_and_padding_stays_zero():
     opt = MuSGD(params, **KW, use_muon=True, policy="min_launches")
     grads = make_grads(params, steps=3)
     run_optimizer(opt, params, grads[:1])
-    (engine,) = opt._plans.values()
+    (engine,) = opt.orthogonalizers()
     buf = engine._buffers[0]
     run_optimizer(opt, params, grads[1:])
     assert engine._buffers[0] is buf
