@@ -136,7 +136,7 @@ def check_ddp(group) -> None:
                         )
         check_reference(f"DDP {opt_cls.__name__}", [p.detach() for p in dist_params], ref_params)
         # every rank ran a share of the NS FLOPs, and the shares add up to the whole plan
-        engine = next(iter(opt.orthogonalizers()))
+        engine = opt.orthogonalizers()[0]
         owned = torch.tensor([engine.stats.owned_flops], dtype=torch.float64)
         shares = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(shares, owned, group=group)
@@ -443,7 +443,7 @@ def check_matrix_maps(group) -> None:
     full = [p.full_tensor() for p in fsdp_net.parameters()]
     check_close("FSDP2 Muon with matrix maps", full, want)
     check_reference("FSDP2 Muon with matrix maps", full, ref)
-    engine = next(iter(fsdp_opt.orthogonalizers()))
+    engine = fsdp_opt.orthogonalizers()[0]
     assert engine.exchanged.plan.num_matrices == SPREAD[world], engine.exchanged.plan.describe()
     if dist.get_rank() == 0:
         log(

@@ -20,8 +20,8 @@ from fastmuon.bench.contenders import (
     torch_muon_fp32_contender,
     ultralytics_fp32_contender,
 )
+from fastmuon.bench.manifest import materialize
 from fastmuon.bench.mapped import GPT2Conv1D, gpt2_conv1d_groups, moe_decoder, moe_groups
-from fastmuon.bench.runner import materialize
 from fastmuon.bench.workloads import Generated, manifest_of
 from fastmuon.cli import main
 from fastmuon.matrices import parse

@@ -35,7 +35,7 @@ def bf16_cpu(monkeypatch):
 )
 def test_cpu_class_is_read_from_the_flags(monkeypatch, flags, expected):
     monkeypatch.delenv("FASTMUON_CPU_CLASS", raising=False)
-    monkeypatch.setattr(compute, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(compute, "cpu_flags", lambda: flags)
     compute._hardware_cpu_class.cache_clear()
     try:
         assert compute.cpu_class() == expected
@@ -58,7 +58,7 @@ def test_a_onednn_isa_cap_lowers_the_class_and_where_bf16_runs(monkeypatch, cap,
     so the CPU plans, and runs bf16 requests, as one without them."""
     monkeypatch.delenv("FASTMUON_CPU_CLASS", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-    monkeypatch.setattr(compute, "_cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(compute, "cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
     compute._hardware_cpu_class.cache_clear()
     compute._hardware_native.cache_clear()
     try:

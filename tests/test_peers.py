@@ -91,8 +91,7 @@ MATRIX_HYPER, OTHER_HYPER = TINY_MUON["param_groups"]
 
 def _workbench():
     from fastmuon.bench.contenders import Workbench
-    from fastmuon.bench.manifest import manifest_from_dict
-    from fastmuon.bench.runner import materialize
+    from fastmuon.bench.manifest import manifest_from_dict, materialize
 
     manifest = manifest_from_dict(TINY_MUON)
     params = materialize(manifest, torch.device("cpu"), seed=0)
@@ -185,7 +184,7 @@ def test_pytorch_optimizer_row_steps_as_pytorch_optimizer_does():
 
 
 def _fresh_grads(wb):
-    from fastmuon.bench.runner import materialize
+    from fastmuon.bench.manifest import materialize
 
     return [p.grad for p in materialize(wb.manifest, torch.device("cpu"), seed=0)]
 

@@ -115,7 +115,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="ranks (N > 1: the distributed benchmark of fastmuon MuSGD, gloo on CPU, NCCL on CUDA): "
+        help="ranks (N > 1: the multi-rank benchmark of fastmuon MuSGD, gloo on CPU, NCCL on CUDA): "
         "NS time per rank, bytes exchanged, NS speedup per rank against every rank doing every matrix",
     )
     p.add_argument(
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fastmuon bench: error: {problem}", file=sys.stderr)
         return 2
     if args.nproc > 1:
-        return _run_distributed(args)
+        return _run_multirank(args)
     started = time.perf_counter()
     # other processes competing for the CPUs move CPU timings: the report shows how busy it was
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -283,13 +283,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_distributed(args: argparse.Namespace) -> int:
-    """``--nproc N``: spawn N ranks and report fastmuon's shared NS work (see fastmuon.bench.distributed)."""
-    from .distributed import format_table, run_distributed_bench
+def _run_multirank(args: argparse.Namespace) -> int:
+    """``--nproc N``: spawn N ranks and report fastmuon's shared NS work (see fastmuon.bench.multirank)."""
+    from .multirank import format_table, run_multirank_bench
 
     ns_dtype = NS_DTYPES.get(args.ns_dtype, torch.bfloat16 if args.device == "cuda" else torch.float32)
     try:
-        figures = run_distributed_bench(
+        figures = run_multirank_bench(
             args.model, args.nproc, args.device, ns_dtype, args.steps or 5, args.dist_mode
         )
     except ValueError as e:

@@ -218,14 +218,15 @@ def _accepted(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[s
     return {k: v for k, v in kwargs.items() if k in names}, [k for k in kwargs if k not in names]
 
 
-def _dtype_name(dtype: torch.dtype | None) -> str:
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """``bfloat16`` for ``torch.bfloat16``; ``-`` for None."""
     return "-" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def dtype_label(c: Contender) -> str:
     """``bfloat16``, or ``bfloat16→float32`` when the matmuls run in another precision."""
-    label = _dtype_name(c.ns_dtype)
-    return label if c.compute_dtype == c.ns_dtype else f"{label}→{_dtype_name(c.compute_dtype)}"
+    label = dtype_name(c.ns_dtype)
+    return label if c.compute_dtype == c.ns_dtype else f"{label}→{dtype_name(c.compute_dtype)}"
 
 
 # ----- the contenders --------------------------------------------------------------------------
@@ -260,20 +261,14 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     if mapped != len(wb.manifest.matrices()):
         note += f"; the manifest's matrix maps: {len(wb.manifest.matrices())} tensors, {mapped} matrices"
 
-    def workspaces() -> list[Tensor]:
-        # whatever tensors the cached plan executors keep between steps (bucket buffers, indices)
-        kept: list[Tensor] = []
-        for engine in getattr(opt, "_plans", {}).values():
-            kept += engine.workspaces() if hasattr(engine, "workspaces") else list(_tensors(vars(engine)))
-        return kept
-
     name = f"{label} {'MuSGD' if wb.optimizer == 'musgd' else 'Muon'}"
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
     computed = useful if getattr(opt, "foreach", None) is False else None
     plan = opt.plan if computed is None else (lambda: None)  # the loop batches nothing
     contender = Contender(name, [opt], wb.ns_dtype, note, plan=plan, ns_useful_flops=useful)
-    contender.ns_flops, contender.workspaces = computed, workspaces
+    # the tensors the cached NS executors keep between steps (bucket buffers, indices)
+    contender.ns_flops, contender.workspaces = computed, opt.workspaces
     contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
     return contender
 
@@ -301,7 +296,7 @@ def _needs_fp32_row(wb: Workbench) -> None:
 
 def _swapped_suffix(dtype: torch.dtype) -> str:
     """How a peer's row is named when its NS was swapped away from its own bf16."""
-    return "" if dtype == torch.bfloat16 else f" (NS in {_dtype_name(dtype)})"
+    return "" if dtype == torch.bfloat16 else f" (NS in {dtype_name(dtype)})"
 
 
 def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contender:

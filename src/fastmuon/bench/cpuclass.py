@@ -12,7 +12,7 @@ import platform
 
 import torch
 
-from ..ns.device import _cpu_flags, compute_dtype, onednn_isa_cap
+from ..ns.device import compute_dtype, cpu_flags, onednn_isa_cap
 from ..ns.device import cpu_class as planner_class
 
 _X86 = ("x86_64", "amd64", "i386", "i686")
@@ -46,7 +46,7 @@ def cpu_facts() -> dict[str, str]:
     """The class label, torch's kernel capability level, and the dtype bf16 NS really runs in."""
     runs_in = compute_dtype(torch.bfloat16, "cpu")
     return {
-        "cpu_class": cpu_class(platform.machine(), _cpu_flags()),
+        "cpu_class": cpu_class(platform.machine(), cpu_flags()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "planner_class": planner_class(),  # whose cost constants the planner uses
         "bf16_ns_runs_in": str(runs_in).removeprefix("torch."),

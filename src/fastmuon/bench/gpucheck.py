@@ -197,14 +197,14 @@ def write_quick_manifests(work: Path) -> None:
     and GPT-2's layout with two 128-wide blocks and a 512-token vocabulary."""
     from ..groups import param_groups
     from .manifest import manifest_from_module
-    from .workloads import _GPT2, _MATRIX_GROUP, _OTHER_GROUP, bundled_manifest
+    from .workloads import GPT2, MATRIX_GROUP, OTHER_GROUP, bundled_manifest
 
     yolo = bundled_manifest("yolo26n").to_dict()
     yolo.update(model="yolo26n-quick", params=yolo["params"][:60])
     (work / QUICK_YOLO).write_text(json.dumps(yolo))
     with torch.device("meta"):
-        model = _GPT2(vocab=512, context=64, d=128, layers=2)
-    groups = [{**g, **(_MATRIX_GROUP if g["use_muon"] else _OTHER_GROUP)} for g in param_groups(model)]
+        model = GPT2(vocab=512, context=64, d=128, layers=2)
+    groups = [{**g, **(MATRIX_GROUP if g["use_muon"] else OTHER_GROUP)} for g in param_groups(model)]
     source = "GPT-2 layout, 2 blocks of width 128"
     manifest_from_module(model, groups, name="gpt2-quick", source=source).save(work / QUICK_GPT2)
 

@@ -140,7 +140,7 @@ def _run_cli() -> None:  # pragma: no cover - a measuring tool, run by hand
     import torch
 
     from .contenders import Workbench, fastmuon_contender
-    from .runner import materialize
+    from .manifest import materialize
     from .workloads import resolve_workload
 
     parser = argparse.ArgumentParser(description="Host time of fastmuon's step on a bench workload.")

@@ -1,4 +1,4 @@
-"""Workload manifests: a model's parameter shapes and param groups, without its weights.
+"""Workload manifests: a model's parameter shapes and groups without its weights; synthetic tensors from them.
 
 A manifest is JSON::
 
@@ -267,3 +267,14 @@ def _plain_maps(spec: Any) -> Any:
     if isinstance(spec, Mapping):
         return {k: list(v) if isinstance(v, tuple) else v for k, v in spec.items()}
     return spec
+
+
+def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.Parameter]:
+    """Parameters with the manifest's shapes and fixed synthetic gradients (never changed after)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for spec in manifest.params:
+        p = nn.Parameter((0.02 * torch.randn(spec.shape, generator=gen)).to(device))
+        p.grad = torch.randn(spec.shape, generator=gen).to(device)
+        params.append(p)
+    return params

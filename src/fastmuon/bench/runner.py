@@ -21,20 +21,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..ns.device import synchronize
 from .contenders import (
     Contender,
     Unavailable,
     Workbench,
-    _dtype_name,
     dtype_label,
+    dtype_name,
 )
 from .counter import KernelCounter
 from .hosttime import host_ms, python_calls
 from .lineup import CONTENDER_LABELS, CONTENDERS
-from .manifest import Manifest
+from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
 
@@ -107,17 +106,6 @@ class Result:
 
 #: (event, contender name, done, total): what the progress display is told
 Progress = Callable[[str, str, int, int], None]
-
-
-def materialize(manifest: Manifest, device: torch.device, seed: int) -> list[nn.Parameter]:
-    """Parameters with the manifest's shapes and fixed synthetic gradients (never changed after)."""
-    gen = torch.Generator().manual_seed(seed)
-    params = []
-    for spec in manifest.params:
-        p = nn.Parameter((0.02 * torch.randn(spec.shape, generator=gen)).to(device))
-        p.grad = torch.randn(spec.shape, generator=gen).to(device)
-        params.append(p)
-    return params
 
 
 def selected(label: str, chosen: tuple[str, ...] | None) -> bool:
@@ -216,7 +204,7 @@ def run_benchmark(
             if estimate > settings.max_step_s:
                 r.skipped = (
                     f"one step would take ~{estimate:.0f} s ({c.ns_useful_flops / 1e9:.0f} GFLOP of NS at "
-                    f"{rate / 1e9:.1f} GFLOP/s in {_dtype_name(c.compute_dtype)}); "
+                    f"{rate / 1e9:.1f} GFLOP/s in {dtype_name(c.compute_dtype)}); "
                     "raise --max-step-seconds to run it"
                 )
                 continue
@@ -279,7 +267,7 @@ def run_benchmark(
         )
 
     facts: dict[str, Any] = {
-        "matmul_gflops": {_dtype_name(d): round(v / 1e9, 2) for d, v in rates.items()},
+        "matmul_gflops": {dtype_name(d): round(v / 1e9, 2) for d, v in rates.items()},
         "params_finite": all(bool(torch.isfinite(p).all()) for p in params),
     }
     if grads_before is not None:

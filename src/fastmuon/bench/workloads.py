@@ -25,8 +25,8 @@ YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 
 # Hyperparameters for the generated workloads: the Muon group at the usual Muon settings, the
 # rest at an AdamW-like learning rate (MuSGD steps them with SGD momentum at the same values).
-_MATRIX_GROUP = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.01}
-_OTHER_GROUP = {"lr": 3e-4, "momentum": 0.95, "nesterov": True, "weight_decay": 0.0}
+MATRIX_GROUP = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.01}
+OTHER_GROUP = {"lr": 3e-4, "momentum": 0.95, "nesterov": True, "weight_decay": 0.0}
 
 
 # ----- GPT-2 small and a Llama-style decoder --------------------------------------------------
@@ -41,7 +41,7 @@ class _GPT2Block(nn.Module):
         self.mlp_proj = nn.Linear(4 * d, d)
 
 
-class _GPT2(nn.Module):
+class GPT2(nn.Module):
     """GPT-2's parameters (Radford et al. 2019; the 124M "small" config by default), tied head."""
 
     def __init__(self, vocab=50257, context=1024, d=768, layers=12):
@@ -127,7 +127,7 @@ _WRITTEN_OUT = "groups and matrix maps written out (fastmuon.bench.mapped)"
 
 #: name -> how the workload is built
 GENERATED: dict[str, Generated] = {
-    "gpt2": Generated(_GPT2, "GPT-2 small (124M): vocab 50257, context 1024, d 768, 12 layers, tied head"),
+    "gpt2": Generated(GPT2, "GPT-2 small (124M): vocab 50257, context 1024, d 768, 12 layers, tied head"),
     "gpt2-split": Generated(
         GPT2Conv1D,
         "GPT-2 small (124M) as its reference code stores it: Conv1D weights (in, out), each mapped "
@@ -165,7 +165,7 @@ def manifest_of(workload: Generated, name: str) -> Manifest:
     Muon hyperparameters for the matrices and an AdamW-like learning rate for the rest."""
     with torch.device("meta"):
         model = workload.build()
-    groups = [{**g, **(_MATRIX_GROUP if g["use_muon"] else _OTHER_GROUP)} for g in workload.grouping(model)]
+    groups = [{**g, **(MATRIX_GROUP if g["use_muon"] else OTHER_GROUP)} for g in workload.grouping(model)]
     source = f"{workload.source}; {workload.grouping_note}"
     return manifest_from_module(model, groups, name=name, source=source)
 

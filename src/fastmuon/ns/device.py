@@ -128,7 +128,7 @@ def _detected_cpu_class() -> str:
 
 @functools.cache
 def _hardware_cpu_class() -> str:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if flags is None:
         return "avx512_bf16" if _native_is_fast(torch.bfloat16, torch.get_num_threads()) else "no_bf16"
     for name in ("amx_bf16", "avx512_bf16"):
@@ -155,14 +155,16 @@ def _hardware_native(dtype: torch.dtype, threads: int) -> bool:
     """Does the CPU have matmul instructions for ``dtype``? Read from the CPU flags on Linux
     (deterministic, unlike a timing on a shared machine); elsewhere, time a small product."""
     del threads  # part of the cache key: a timing can depend on the thread count
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if flags is not None:
         wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
         return any(f in flags for f in wanted[dtype])
     return _seconds(dtype) <= _seconds(torch.float32)
 
 
-def _cpu_flags() -> set[str] | None:
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (Linux: ``flags`` on x86, ``Features`` on
+    Arm), or None where they cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

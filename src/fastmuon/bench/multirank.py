@@ -1,4 +1,4 @@
-"""``fastmuon bench --nproc N``: how much Newton–Schulz work each rank does when ranks share it.
+"""The multi-rank benchmark (``fastmuon bench --nproc N``): each rank's share of the NS work.
 
 Spawns ``nproc`` processes (gloo on CPU, nccl on CUDA), each holding a model's parameters
 (from a bundled manifest: yolo26n..x) either replicated (``ddp``: every rank orthogonalises
@@ -17,6 +17,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -45,7 +46,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_distributed_bench(
+def run_multirank_bench(
     model: str = "yolo26n",
     nproc: int = 2,
     device: str = "cpu",
@@ -135,7 +136,7 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
         unshared, unshared_ns = _unshared_optimizer(manifest, device, ns_dtype)
         figures: dict[str, list[float]] = {k: [] for k in ("ns", "comm", "step", "sent", "received")}
         for t in range(config["warmup"] + config["steps"]):
-            for engine in opt._plans.values():
+            for engine in opt.orthogonalizers():
                 engine.profile = True
             dist.barrier()
             synchronize(device)
@@ -148,13 +149,13 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
             if t < config["warmup"]:
                 unshared_ns.clear()
                 continue
-            stats = next(iter(opt._plans.values())).stats
+            stats = opt.orthogonalizers()[0].stats
             figures["step"].append(step_seconds)
             figures["ns"].append(stats.ns_seconds)
             figures["comm"].append(stats.comm_seconds)
             figures["sent"].append(stats.bytes_sent)
             figures["received"].append(stats.bytes_received)
-        stats = next(iter(opt._plans.values())).stats
+        stats = opt.orthogonalizers()[0].stats
         result = dict(
             rank=rank,
             ns_seconds=statistics.median(figures["ns"]),
@@ -195,17 +196,16 @@ def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
     for p, g in zip(params, grads):
         p.grad = g
     times: list[float] = []
-    inner = opt._orthogonalize
 
-    def timed(*args, **kwargs):
+    def timed(run: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
         synchronize(device)
         t0 = time.perf_counter()
-        out = inner(*args, **kwargs)
+        out = run()
         synchronize(device)
         times.append(time.perf_counter() - t0)
         return out
 
-    opt._orthogonalize = timed  # the step looks the method up on the instance
+    opt.register_orthogonalize_hook(timed)
     return opt, times
 
 
