@@ -121,7 +121,7 @@ def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reu
     monkeypatch.setattr(engine, "REUSE_MAX_ROWS", reuse_max_rows)
     opt, _ = _musgd_steps_match_the_reference(policy, nesterov=True)
     (eng,) = opt._plans.values()
-    kept = [out is not None for out in eng._outputs]
+    kept = [rec.output is not None for rec in eng.records]
     expected = [reuse_max_rows is None or b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
     assert kept == expected
 
@@ -162,13 +162,13 @@ def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov,
     (eng,) = opt._plans.values()
     views = eng.input_views()
     assert views is not None and len(views) == len(ours)
-    assert policy != "min_launches" or eng._gathers[0] is not None
-    assert all(staging is None for staging in eng._staging)  # the packing copy never ran
+    assert policy != "min_launches" or eng.records[0].gather is not None
+    assert all(rec.staging is None for rec in eng.records)  # the packing copy never ran
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     for v in views:
         assert not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in state)
     for b, bucket in enumerate(eng.plan.buckets):
-        padding = eng._buffers[b].clone()
+        padding = eng.records[b].buffer.clone()
         for m in bucket.members:
             engine._slot_view(padding, m.slot, eng.layouts[m.index], m.transposed).zero_()
         assert torch.count_nonzero(padding) == 0
@@ -203,7 +203,8 @@ def test_momentum_written_into_ns_inputs_of_another_dtype_is_the_packed_step(
             if views:
                 inputs = eng.input_views()
                 assert {t.dtype for t in inputs} == {ns_dtype}
-                assert not any(eng._buffers[b] is None for b in range(len(eng.plan.buckets)))
+                assert not any(rec.buffer is None for rec in eng.records)
+                assert len(eng.records) == len(eng.plan.buckets)
             runs.append([p.detach().clone() for p in ours])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 

@@ -23,8 +23,7 @@ from ..distributed.inflight import InFlight
 from ..matrices import MatrixMap, maps_of
 from ..ns import device as compute
 from ..ns.calibrate import calibrated_cost_model
-from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
-from ..ns.newton_schulz import HOST_READS
+from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, spec_of
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel, Plan, plan_buckets
 from ..step.elementwise import lr_scale
 from ..step.matrix import MatrixItem, batch_order
@@ -402,12 +401,9 @@ class MatrixOptimizer(Optimizer):
             if not compiling:
                 self._remember(key, program)
         saved = program.skip.snapshot() if keep is not None else None
-        token = HOST_READS.set(False) if self.capturable else None
         try:
             program.run(live, scalars, keep, self._ns_runner(program))
         finally:
-            if token is not None:
-                HOST_READS.reset(token)
             if saved is not None:
                 program.skip.restore(saved, keep)
         return loss
@@ -650,7 +646,7 @@ class MatrixOptimizer(Optimizer):
     def _build_local(self, params, configs, policy) -> Orthogonalizer:
         """The engine for matrices this process orthogonalises alone."""
         layouts = [TensorLayout.of(p) for p in params]
-        specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+        specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
         cost_model = self.cost_model
         if cost_model == "calibrate" and specs:
             cost_model = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
@@ -663,7 +659,14 @@ class MatrixOptimizer(Optimizer):
         )
         configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
         # the step applies the results at once, so they may be views into reused buffers
-        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.compile, result_views=True)
+        return Orthogonalizer(
+            plan,
+            layouts,
+            configs_by_key,
+            compile=self.compile,
+            result_views=True,
+            host_reads=not self.capturable,
+        )
 
     # ----- non-finite gradients (see nonfinite.py) -----------------------------------------
     def _check_nonfinite(self, program: StepProgram, grads: list[Tensor]) -> Tensor | None:
