@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from conftest import MIXED_SHAPES, rel_err
@@ -236,3 +238,31 @@ def test_muon_asked_for_bf16_on_a_cpu_computing_fp32_takes_the_eigh_route():
     assert methods == ["eigh", "standard"]
     for o, r in zip(ours, loop):
         assert rel_err(o.detach(), r.detach()) <= 1e-5, o.shape
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
+def test_host_reads_are_decided_when_the_engine_is_built(method, monkeypatch):
+    """``host_reads=False`` (a capturable step) reaches every bucket's kernel from the engine's
+    constructor: no norm is read on the host, and fp32 standard NS gives the same bits (the safe
+    normalisation equals the plain one in range); the Gram-space routes normalise through
+    another formula then, equal to rounding."""
+    ns = importlib.import_module("fastmuon.ns.newton_schulz")
+    calls = []
+    real = ns._plain_norm_is_exact
+    monkeypatch.setattr(ns, "_plain_norm_is_exact", lambda n: calls.append(1) or real(n))
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for s in MIXED_SHAPES]
+    config = engine.NSConfig.make(5, "jordan", 1e-7, torch.float32, method)
+    layouts = [engine.TensorLayout.of(t) for t in tensors]
+    specs = [engine.spec_of(t, config, lay) for t, lay in zip(tensors, layouts)]
+    plan = engine.plan_buckets(specs, policy="min_launches")
+    configs = {b.key: config for b in plan.buckets}
+    outs = {}
+    for host_reads in (True, False):
+        calls.clear()
+        eng = engine.Orthogonalizer(plan, layouts, configs, host_reads=host_reads)
+        assert [rec.host_reads for rec in eng.records] == [host_reads] * len(plan.buckets)
+        outs[host_reads] = eng(tensors, [torch.float32] * len(tensors))
+        assert bool(calls) == host_reads
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b) if method == "standard" else rel_err(b, a) <= 2e-4
