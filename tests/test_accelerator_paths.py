@@ -67,7 +67,7 @@ def _assert_accelerator_engine(opt):
     """The step really took the accelerator's paths: nothing written into kept NS buffers."""
     for engine in opt.orthogonalizers():
         assert engine.input_views() is None
-        assert all(out is None for out in engine._outputs)
+        assert all(rec.output is None for rec in engine.records)
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])

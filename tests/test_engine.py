@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 from conftest import MIXED_SHAPES, rel_err
@@ -121,7 +123,7 @@ def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reu
     monkeypatch.setattr(engine, "REUSE_MAX_ROWS", reuse_max_rows)
     opt, _ = _musgd_steps_match_the_reference(policy, nesterov=True)
     (eng,) = opt.orthogonalizers()
-    kept = [out is not None for out in eng._outputs]
+    kept = [rec.output is not None for rec in eng.records]
     expected = [reuse_max_rows is None or b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
     assert kept == expected
 
@@ -162,13 +164,13 @@ def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov,
     (eng,) = opt.orthogonalizers()
     views = eng.input_views()
     assert views is not None and len(views) == len(ours)
-    assert policy != "min_launches" or eng._gathers[0] is not None
-    assert all(staging is None for staging in eng._staging)  # the packing copy never ran
+    assert policy != "min_launches" or eng.records[0].gather is not None
+    assert all(rec.staging is None for rec in eng.records)  # the packing copy never ran
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     for v in views:
         assert not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in state)
     for b, bucket in enumerate(eng.plan.buckets):
-        padding = eng._buffers[b].clone()
+        padding = eng.records[b].buffer.clone()
         for m in bucket.members:
             engine._slot_view(padding, m.slot, eng.layouts[m.index], m.transposed).zero_()
         assert torch.count_nonzero(padding) == 0
@@ -203,7 +205,8 @@ def test_momentum_written_into_ns_inputs_of_another_dtype_is_the_packed_step(
             if views:
                 inputs = eng.input_views()
                 assert {t.dtype for t in inputs} == {ns_dtype}
-                assert not any(eng._buffers[b] is None for b in range(len(eng.plan.buckets)))
+                assert not any(rec.buffer is None for rec in eng.records)
+                assert len(eng.records) == len(eng.plan.buckets)
             runs.append([p.detach().clone() for p in ours])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -235,3 +238,31 @@ def test_muon_asked_for_bf16_on_a_cpu_computing_fp32_takes_the_eigh_route():
     assert methods == ["eigh", "standard"]
     for o, r in zip(ours, loop):
         assert rel_err(o.detach(), r.detach()) <= 1e-5, o.shape
+
+
+@pytest.mark.parametrize("method", ["standard", "gram", "eigh"])
+def test_host_reads_are_decided_when_the_engine_is_built(method, monkeypatch):
+    """``host_reads=False`` (a capturable step) reaches every bucket's kernel from the engine's
+    constructor: no norm is read on the host, and fp32 standard NS gives the same bits (the safe
+    normalisation equals the plain one in range); the Gram-space routes normalise through
+    another formula then, equal to rounding."""
+    ns = importlib.import_module("fastmuon.ns.newton_schulz")
+    calls = []
+    real = ns._plain_norm_is_exact
+    monkeypatch.setattr(ns, "_plain_norm_is_exact", lambda n: calls.append(1) or real(n))
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for s in MIXED_SHAPES]
+    config = engine.NSConfig.make(5, "jordan", 1e-7, torch.float32, method)
+    layouts = [engine.TensorLayout.of(t) for t in tensors]
+    specs = [engine.spec_of(t, config, lay) for t, lay in zip(tensors, layouts)]
+    plan = engine.plan_buckets(specs, policy="min_launches")
+    configs = {b.key: config for b in plan.buckets}
+    outs = {}
+    for host_reads in (True, False):
+        calls.clear()
+        eng = engine.Orthogonalizer(plan, layouts, configs, host_reads=host_reads)
+        assert [rec.host_reads for rec in eng.records] == [host_reads] * len(plan.buckets)
+        outs[host_reads] = eng(tensors, [torch.float32] * len(tensors))
+        assert bool(calls) == host_reads
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b) if method == "standard" else rel_err(b, a) <= 2e-4

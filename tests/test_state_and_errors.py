@@ -72,9 +72,9 @@ def test_bucket_buffers_persist_and_padding_stays_zero():
     grads = make_grads(params, steps=3)
     run_optimizer(opt, params, grads[:1])
     (engine,) = opt.orthogonalizers()
-    buf = engine._buffers[0]
+    buf = engine.records[0].buffer
     run_optimizer(opt, params, grads[1:])
-    assert engine._buffers[0] is buf
+    assert engine.records[0].buffer is buf
     assert buf.shape == (2, 16, 40)
     (small,) = [m.slot for m in engine.plan.buckets[0].members if m.rows == 8]
     assert torch.count_nonzero(buf[small, 8:, :]) == 0 and torch.count_nonzero(buf[small, :, 30:]) == 0

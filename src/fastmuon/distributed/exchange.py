@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..matrices import Box, MatrixMap, box_shape
-from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
+from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, spec_of
 from ..ns.planner import CostModel, Member, Plan, plan_buckets
 from .inflight import InFlight
 
@@ -179,6 +179,7 @@ class ReplicatedOrthogonalizer:
         configs: dict[Hashable, NSConfig],
         group: dist.ProcessGroup | None,
         compile: bool = False,
+        host_reads: bool = True,
     ):
         self.plan, self.layouts, self.group = plan, list(layouts), group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -189,7 +190,9 @@ class ReplicatedOrthogonalizer:
             unit_plan, members = sub_plan(plan, [u])
             self._unit_members.append(members)
             owned = u.owner == self.rank
-            engine = Orthogonalizer(unit_plan, [self.layouts[i] for i in members], configs, compile=compile)
+            engine = Orthogonalizer(
+                unit_plan, [self.layouts[i] for i in members], configs, compile=compile, host_reads=host_reads
+            )
             self._engines.append(engine if owned else None)
         self._src = [u.owner if group is None else dist.get_global_rank(group, u.owner) for u in self.units]
         self._numel = [
@@ -293,6 +296,7 @@ class ShardedOrthogonalizer:
         configs: dict[Hashable, NSConfig],
         group: dist.ProcessGroup,
         compile: bool = False,
+        host_reads: bool = True,
     ):
         self.plan, self.shapes, self.group = plan, [m.shape for m in matrices], group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -304,7 +308,7 @@ class ShardedOrthogonalizer:
         for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
             local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
             self._engines[dtype] = Orthogonalizer(
-                local_plan, [layouts[i] for i in index], configs, compile=compile
+                local_plan, [layouts[i] for i in index], configs, compile=compile, host_reads=host_reads
             )
         self._rows = [list(m.rows) for m in matrices]  # rows of each matrix each rank holds
         self._cols = [math.prod(s[1:]) for s in self.shapes]
@@ -595,7 +599,7 @@ def build_distributed(
         if spread:  # the same list on every rank: computed from global shapes alone
             # the planner sees each matrix whole; its device and dtype are the local shard's
             specs = [
-                matrix_spec(
+                spec_of(
                     torch.empty(0, dtype=params[i].dtype, device=params[i].device),
                     configs[i],
                     _contiguous_layout(matrices[i].shape),
@@ -605,7 +609,12 @@ def build_distributed(
             plan = _plan(ctx, specs, [configs[i] for i in spread], policy, group)
             configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
             exchanged = ShardedOrthogonalizer(
-                plan, [matrices[i] for i in spread], configs_by_key, group, compile=ctx.options.compile
+                plan,
+                [matrices[i] for i in spread],
+                configs_by_key,
+                group,
+                compile=ctx.options.compile,
+                host_reads=not ctx.options.capturable,
             )
             if len(spread) == len(params):
                 return exchanged
@@ -614,11 +623,16 @@ def build_distributed(
         )
         return SplitShardedOrthogonalizer(exchanged, spread, local, mine, len(params))
     layouts = [TensorLayout.of(p) for p in params]
-    specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+    specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = _plan(ctx, specs, configs, policy, ctx.process_group)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
     return ReplicatedOrthogonalizer(
-        plan, layouts, configs_by_key, ctx.process_group, compile=ctx.options.compile
+        plan,
+        layouts,
+        configs_by_key,
+        ctx.process_group,
+        compile=ctx.options.compile,
+        host_reads=not ctx.options.capturable,
     )
 
 

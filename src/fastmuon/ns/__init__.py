@@ -1,1 +1,1 @@
-"""ns"""
+"""Newton–Schulz orthogonalisation: the kernels, the batching planner, the engine that runs a plan, device facts."""

@@ -1,5 +1,6 @@
-"""Which dtype Newton–Schulz's matmuls actually run in on a device.
+"""Device facts: whether a tensor lives on the host, and which dtype NS matmuls really run in.
 
+The engine asks these once, when it is built, and passes the answers to the kernels.
 ``ns_dtype`` asks for a precision, chosen for speed: bf16 matmuls are the fast path on GPUs
 and on CPUs with AVX512-BF16/AMX. On CPUs without them, PyTorch falls back to emulated bf16
 kernels one to two orders of magnitude slower than fp32, so the request would buy neither speed

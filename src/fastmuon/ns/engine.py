@@ -14,7 +14,7 @@ import itertools
 import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from ..step.program import Gather
 from . import device as compute
 from .device import compute_dtype, wider_dtype
 from .layout import memory_order
-from .newton_schulz import METHODS, CoefficientSpec, resolve_coefficients
+from .newton_schulz import METHODS, Coefficients, CoefficientSpec, resolve_coefficients
 from .planner import (
     DEFAULT_MAX_BUCKET_BYTES,
     Bucket,
@@ -166,6 +166,7 @@ class ScratchArena:
 #: their NS output and temporaries between steps; None: every bucket. Kept buffers save the
 #: page faults of fresh ones at every bucket size, for workspace memory (about 3x for GPT-2's
 #: 768-wide matrices); a number here trades that speed back for memory on the larger matrices.
+#: Read when an engine is built.
 REUSE_MAX_ROWS: int | None = None
 
 #: Buckets holding more than this many runs are packed with one index copy instead of a copy
@@ -174,14 +175,59 @@ GATHER_MIN_RUNS = 3
 GATHER_MAX_ELEMENTS = 8 * 2**20
 
 
+@dataclass(slots=True, eq=False)
+class BucketRecord:
+    """One bucket of a plan and everything the engine knows and keeps for it.
+
+    The fields up to ``gather`` are fixed when the engine is built, the kernel facts among them
+    (where the bucket lives, whether its kernel is compiled, whether it may read on the host).
+    The tensors after them are made on first use and then kept, each for the reason given.
+    """
+
+    bucket: Bucket
+    config: NSConfig
+    schedule: list[Coefficients]  # the config's coefficients, as the kernels take them
+    kernel: Callable[..., Tensor]  # one of newton_schulz.METHODS, or its compiled form
+    compiled: bool  # the kernel runs through torch.compile
+    host: bool  # the bucket lives on the host's CPU (device.is_host)
+    host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
+    reuse: bool  # NS output and temporaries kept between steps (see ScratchArena)
+    members: Gather  # picks the bucket's members out of a per-call list, in slot order
+    indices: tuple[int, ...]  # the members' positions among the engine's tensors, in slot order
+    layouts: tuple[TensorLayout, ...]  # the members' layouts, in slot order
+    offsets: tuple[int, ...]  # where each member starts when all are stored back to back
+    runs: tuple[_Run, ...]
+    gather: Tensor | None  # for one-copy packing: each member element's place in the buffer
+    # Made on first sight of the sources' device, zeros once so the padding stays zero: an
+    # engine built but never run (another rank's units) allocates nothing.
+    buffer: Tensor | None = None
+    # Views of the buffer, made on the first eager call and kept (a view costs Python time per
+    # call); never while a compiler traces the call, whose views must not outlive the trace.
+    slot_regions: list[Tensor] | None = None  # each run's region, as (k, *shape)
+    places: tuple[Tensor, list[Tensor], Tensor] | None = None  # staging, members there, flat buffer
+    inputs: list[Tensor] | None = None  # the members' input views, once handed out
+    # Made by the first pack that copies: a step that writes its inputs in place never needs it.
+    staging: Tensor | None = None
+    # Made by the first eager run on a CPU (see ScratchArena), then written by every step.
+    output: Tensor | None = None
+    scratch: Callable[[str, tuple[int, ...]], Tensor] | None = None
+    output_views: list[Tensor] | None = None  # the results as views of the kept output
+    # Casting unpack into kept buffers: made for the first eager call in an output dtype.
+    cast: tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None = None
+    cast_buffers: list[Tensor] = field(default_factory=list)
+    # The members' flags in a keep vector, per (device, positions) of the vectors seen.
+    keep_index: dict[tuple, Tensor] = field(default_factory=dict)
+
+
 class Orthogonalizer:
     """Executes a :class:`Plan` for tensors of fixed layouts; reusable step after step.
 
-    Per bucket: :meth:`pack` the sources into the persistent ``(B, R, C)`` buffer,
-    :meth:`run_bucket` (one batched NS), :meth:`unpack` into results with each source's shape
-    and strides. With ``result_views`` (for a caller that consumes the results at once, as the
+    Per bucket (one :class:`BucketRecord` each): pack the sources into the persistent
+    ``(B, R, C)`` buffer, one batched NS, unpack into results with each source's shape and
+    strides. With ``result_views`` (for a caller that consumes the results at once, as the
     optimizers do) a CPU run's results are instead views into its output buffers, valid until
-    the next call: no unpacking copy.
+    the next call: no unpacking copy. ``host_reads=False`` (a capturable step) keeps the NS
+    kernels from reading any value on the host, so a CPU runs the code an accelerator runs.
     """
 
     def __init__(
@@ -191,61 +237,41 @@ class Orthogonalizer:
         configs: dict[Hashable, NSConfig],
         compile: bool = False,
         result_views: bool = False,
+        host_reads: bool = True,
     ):
         self.plan = plan
         self.compile = compile
         self.result_views = result_views
+        self.host_reads = host_reads
         self.layouts = list(layouts)
         self.configs = configs
-        self._bucket_configs = [configs[bucket.key] for bucket in plan.buckets]
-        self._runs = [self._split_runs(b) for b in plan.buckets]
-        # each bucket's members picked out of a per-call list (sources, dtypes), in slot order
-        self._members = [Gather([m.index for m in b.members]) for b in plan.buckets]
-        self._gathers = [self._gather_index(b, runs) for b, runs in zip(plan.buckets, self._runs)]
-        self._buffers: list[Tensor | None] = [None] * len(plan.buckets)
-        self._staging: list[Tensor | None] = [None] * len(plan.buckets)
-        # per gather bucket: its members' places in the staging buffer, in their planned layouts
-        self._staging_views: list[tuple[Tensor, list[Tensor], Tensor] | None] = [None] * len(plan.buckets)
-        self._outputs: list[Tensor | None] = [None] * len(plan.buckets)
-        self._result_views: list[list[Tensor] | None] = [None] * len(plan.buckets)
-        self._member_indices: dict[tuple, Tensor] = {}
-        self._slot_regions: list[tuple[Tensor, list[Tensor]] | None] = [None] * len(plan.buckets)
-        # unpacking a cast into kept buffers (result views): the copies and the views made once
-        self._unpack_ops: list[tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None] = [
-            None
-        ] * len(plan.buckets)
-        self._unpack_buffers: list[list[Tensor]] = [[] for _ in plan.buckets]
+        self.records = [self._record(bucket, configs[bucket.key]) for bucket in plan.buckets]
         self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
 
-    def _split_runs(self, bucket: Bucket) -> list[_Run]:
-        runs: list[_Run] = []
-        for m in bucket.members:
-            layout = self.layouts[m.index]
-            last = runs[-1] if runs else None
-            if last and last.layout == layout and last.transposed == m.transposed:
-                runs[-1] = _Run(last.start, m.slot + 1, layout, m.transposed, (*last.tensors, m.index))
-            else:
-                runs.append(_Run(m.slot, m.slot + 1, layout, m.transposed, (m.index,)))
-        return runs
-
-    def _gather_index(self, bucket: Bucket, runs: list[_Run]) -> Tensor | None:
-        """For buckets of many runs: where each element of the members, concatenated in their
-        memory order, lives in the flat ``(B, R, C)`` buffer (built once, on the CPU)."""
-        total = sum(_numel(self.layouts[m.index].shape) for m in bucket.members)
-        if len(runs) < GATHER_MIN_RUNS or total > GATHER_MAX_ELEMENTS:
-            return None
-        _, R, C = bucket.shape
-        parts = []
-        for m in bucket.members:
-            layout = self.layouts[m.index]
-            cols = layout.matrix[1]
-            logical = torch.arange(_numel(layout.shape)).view(layout.shape).permute(layout.perm).reshape(-1)
-            row, col = logical // cols, logical % cols
-            if m.transposed:
-                row, col = col, row
-            parts.append(m.slot * R * C + row * C + col)
-        return torch.cat(parts)
+    def _record(self, bucket: Bucket, config: NSConfig) -> BucketRecord:
+        """Everything about ``bucket`` that is known before any data is seen."""
+        layouts = tuple(self.layouts[m.index] for m in bucket.members)
+        runs = _split_runs(bucket, layouts)
+        host = compute.is_host(bucket.device)
+        compiled = self.compile and bucket.method != "eigh"  # eigh: one LAPACK call, nothing to fuse
+        return BucketRecord(
+            bucket=bucket,
+            config=config,
+            schedule=list(config.coefficients),
+            kernel=compiled_kernel(bucket.method) if compiled else METHODS[bucket.method],
+            compiled=compiled,
+            host=host,
+            # a compiled kernel is traced, and a trace cannot branch on a value read on the host
+            host_reads=self.host_reads and host and not compiled,
+            reuse=host and not compiled and (REUSE_MAX_ROWS is None or bucket.shape[1] <= REUSE_MAX_ROWS),
+            members=Gather([m.index for m in bucket.members]),
+            indices=tuple(m.index for m in bucket.members),
+            layouts=layouts,
+            offsets=tuple(itertools.accumulate((_numel(lay.shape) for lay in layouts[:-1]), initial=0)),
+            runs=runs,
+            gather=_gather_index(bucket, layouts, runs),
+        )
 
     def __call__(
         self,
@@ -260,74 +286,63 @@ class Orthogonalizer:
         inside their bucket; with ``keep_positions`` source ``i``'s flag is ``keep[keep_positions[i]]``
         (a step's flags for all its parameters, picked per bucket with one index each).
         """
+        compiling = _compiling()
         results: list[Tensor | None] = [None] * len(sources)
         if keep is not None and not isinstance(keep, Tensor):
             keep = torch.stack(list(keep))
-        for b in range(len(self.plan.buckets)):
-            batch = self.pack(b, sources)
+        for rec in self.records:
+            batch = self._pack(rec, sources, compiling)
             if keep is not None:
-                index = self._member_index(b, keep.device, keep_positions)
+                index = self._keep_index(rec, keep.device, keep_positions)
                 zero_rejected_(batch, keep.index_select(0, index))
-            self.unpack(b, self.run_bucket(b, batch), out_dtypes, results)
+            self._unpack(rec, self._run(rec, batch, compiling), out_dtypes, results, compiling)
         return results  # type: ignore[return-value]
 
-    def _member_index(self, b: int, device: torch.device, positions: tuple[int, ...] | None) -> Tensor:
-        """Where bucket ``b``'s members' flags sit in a keep vector, in slot order (made once per
-        device and positions)."""
-        key = (b, device, positions)
-        index = self._member_indices.get(key)
+    @staticmethod
+    def _keep_index(rec: BucketRecord, device: torch.device, positions: tuple[int, ...] | None) -> Tensor:
+        """Where the bucket's members' flags sit in a keep vector, in slot order."""
+        key = (device, positions)
+        index = rec.keep_index.get(key)
         if index is None:
-            members = self.plan.buckets[b].members
-            at = [m.index if positions is None else positions[m.index] for m in members]
-            index = self._member_indices[key] = torch.tensor(at, device=device)
+            at = list(rec.indices) if positions is None else [positions[i] for i in rec.indices]
+            index = rec.keep_index[key] = torch.tensor(at, device=device)
         return index
 
-    def run_bucket(self, b: int, batch: Tensor) -> Tensor:
-        """One batched Newton–Schulz call on bucket ``b``'s packed batch.
+    def _run(self, rec: BucketRecord, batch: Tensor, compiling: bool) -> Tensor:
+        """One batched Newton–Schulz call on the bucket's packed batch.
 
-        On a CPU the result lands in the bucket's persistent output buffer (valid until the next
-        call) and the kernel's temporaries in the shared scratch arena: no fresh memory per step.
+        Where the bucket reuses memory the result lands in its kept output buffer (valid until
+        the next call) and the kernel's temporaries in the shared scratch arena.
         """
-        bucket = self.plan.buckets[b]
-        config = self._bucket_configs[b]
-        coefficients = list(config.coefficients)
-        if self.compile and bucket.method != "eigh":  # eigh: one LAPACK call, nothing to fuse
-            return compiled_kernel(bucket.method)(batch, coefficients, config.eps)
-        if not self._reuses_memory(batch):
-            return METHODS[bucket.method](batch, coefficients, config.eps)
-        out = self._outputs[b]
+        eps = rec.config.eps
+        if rec.compiled:
+            return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=False)
+        host_reads = rec.host_reads and not compiling
+        if compiling or not rec.reuse:
+            return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=host_reads)
+        out = rec.output
         if out is None:
-            out = self._outputs[b] = torch.empty_like(batch)
-        if self._scratch is None:
-            self._scratch = ScratchArena(batch.device)
-        scratch = self._scratch.for_dtype(batch.dtype)
-        return METHODS[bucket.method](batch, coefficients, config.eps, scratch, out)
-
-    @staticmethod
-    def _reuses_memory(batch: Tensor) -> bool:
-        """Keep NS results and temporaries between steps: on CPUs (see :class:`ScratchArena`),
-        up to :data:`REUSE_MAX_ROWS`, and not while ``torch.compile`` traces the step (see
-        :func:`_compiling`)."""
-        return (
-            compute.is_host(batch.device)
-            and (REUSE_MAX_ROWS is None or batch.size(-2) <= REUSE_MAX_ROWS)
-            and not _compiling()
-        )
+            out = rec.output = torch.empty_like(batch)
+        scratch = rec.scratch
+        if scratch is None:
+            if self._scratch is None:
+                self._scratch = ScratchArena(batch.device)
+            scratch = rec.scratch = self._scratch.for_dtype(batch.dtype)
+        return rec.kernel(batch, rec.schedule, eps, scratch, out, host=rec.host, host_reads=host_reads)
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
-        kept = [*self._buffers, *self._staging, *self._outputs, *self._gathers]
-        kept += [t for ts in self._unpack_buffers for t in ts]
+        records = self.records
+        kept = [r.buffer for r in records] + [r.staging for r in records]
+        kept += [r.output for r in records] + [r.gather for r in records]
+        kept += [t for r in records for t in r.cast_buffers]
         kept += self._scratch.tensors() if self._scratch is not None else []
         return [t for t in kept if t is not None]
 
     def buffer(self, b: int, device: torch.device) -> Tensor:
         """Bucket ``b``'s persistent input buffer: zeros once, so padding stays zero."""
-        buf = self._buffers[b]
-        if buf is None:
-            bucket = self.plan.buckets[b]
-            buf = self._buffers[b] = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
-        return buf
+        rec = self.records[b]
+        return rec.buffer if rec.buffer is not None else _make_buffer(rec, device)
 
     def input_views(self) -> list[Tensor] | None:
         """Where NS reads each tensor from: a view of its slot in its bucket's buffer, in the
@@ -343,192 +358,228 @@ class Orthogonalizer:
         if _compiling():
             return None
         if self._input_views is None:
-            views: list[Tensor] = [None] * len(self.layouts)  # type: ignore[list-item]
-            for b, bucket in enumerate(self.plan.buckets):
-                if not compute.is_host(bucket.device):
-                    views = []
-                    break
-                buf = self.buffer(b, bucket.device)
-                for m in bucket.members:
-                    views[m.index] = _slot_view(buf, m.slot, self.layouts[m.index], m.transposed)
+            views: list[Tensor] = []
+            if all(rec.host for rec in self.records):
+                views = [None] * len(self.layouts)  # type: ignore[list-item]
+                for b, rec in enumerate(self.records):
+                    buf = self.buffer(b, rec.bucket.device)
+                    rec.inputs = [
+                        _slot_view(buf, m.slot, layout, m.transposed)
+                        for m, layout in zip(rec.bucket.members, rec.layouts)
+                    ]
+                    for i, view in zip(rec.indices, rec.inputs):
+                        views[i] = view
             self._input_views = views
         return self._input_views or None
 
-    def _packed_already(self, b: int, sources: Sequence[Tensor]) -> bool:
-        """Whether bucket ``b``'s sources are its :meth:`input_views` (written in place by the caller)."""
-        views = self._input_views
-        pick = self._members[b]
-        return bool(views) and all(map(operator.is_, pick(sources), pick(views)))
+    @staticmethod
+    def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tensor:
+        """Copy the bucket's sources (cast to the NS dtype) into its persistent buffer.
 
-    def pack(self, b: int, sources: Sequence[Tensor]) -> Tensor:
-        """Copy bucket ``b``'s sources (cast to the NS dtype) into its persistent buffer.
-
-        A bucket of few runs takes one ``stack`` per run straight into the run's slots (a view
-        made once), whatever the sources' strides; one of many runs takes one foreach copy into
-        its members' places in a staging buffer (views made once) and one index copy.
+        Nothing to copy where the sources are the bucket's :meth:`input_views` (written in place
+        by the caller). A bucket of few runs takes one ``stack`` per run straight into the run's
+        slots, whatever the sources' strides; one of many runs takes one foreach copy into its
+        members' places in a staging buffer and one index copy.
         """
-        bucket = self.plan.buckets[b]
-        if self._packed_already(b, sources):
-            return self._buffers[b]  # type: ignore[return-value]
-        buf = self.buffer(b, sources[bucket.members[0].index].device)
-        index = self._gathers[b]
-        compiling = _compiling()
+        inputs = rec.inputs
+        if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
+            return rec.buffer  # type: ignore[return-value]
+        buf = rec.buffer
+        if buf is None:
+            buf = _make_buffer(rec, sources[rec.indices[0]].device)
+        index = rec.gather
         if index is None:
-            regions = [run.slots(buf) for run in self._runs[b]] if compiling else self._run_slots(b, buf)
-            for run, slots in zip(self._runs[b], regions):
+            regions = rec.slot_regions
+            if compiling:
+                regions = [run.slots(buf) for run in rec.runs]
+            elif regions is None:
+                regions = rec.slot_regions = [run.slots(buf) for run in rec.runs]
+            for run, slots in zip(rec.runs, regions):
                 torch.stack([sources[i] for i in run.tensors], out=slots)
             return buf
-        if index.device != buf.device:
-            index = self._gathers[b] = index.to(buf.device)
         if not compiling:
             # one copy (with the cast) of every source into its place in the staging buffer:
             # the same values as concatenating their flat views, without a view per source per
             # call (the sources are new tensors each step) and, on a CPU, faster than that cat
-            staging, places, target = self._staging_places(b, buf)
-            torch._foreach_copy_(places, self._members[b](sources))
+            staging, places, target = rec.places or _make_places(rec, buf)
+            torch._foreach_copy_(places, rec.members(sources))
             target.index_copy_(0, index, staging)
             return buf
-        flat = [_memory_flat(sources[m.index], self.layouts[m.index]) for m in bucket.members]
-        staging = self._staging_for(b, buf)
+        flat = [_memory_flat(sources[i], layout) for i, layout in zip(rec.indices, rec.layouts)]
+        staging = rec.staging if rec.staging is not None else _make_staging(rec, buf)
         torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
         buf.view(-1).index_copy_(0, index, staging)
         return buf
 
-    def _staging_for(self, b: int, buf: Tensor) -> Tensor:
-        """Gather bucket ``b``'s flat staging buffer: its members back to back in memory order."""
-        staging = self._staging[b]
-        if staging is None:
-            numel = self._gathers[b].numel()  # type: ignore[union-attr]
-            staging = self._staging[b] = torch.empty(numel, dtype=buf.dtype, device=buf.device)
-        return staging
+    def _unpack(
+        self,
+        rec: BucketRecord,
+        out: Tensor,
+        out_dtypes: Sequence[torch.dtype],
+        results: list,
+        compiling: bool,
+    ) -> None:
+        """Write the bucket's results into ``results`` (tensors with each source's strides).
 
-    def _staging_places(self, b: int, buf: Tensor) -> tuple[Tensor, list[Tensor], Tensor]:
-        """The staging buffer of gather bucket ``b``, each member's place there as a view in its
-        planned layout (dense, so its elements lie in memory order, as a flat view's would), and
-        the bucket buffer viewed flat: made once per buffer."""
-        made = self._staging_views[b]
-        if made is None or made[2]._base is not buf:
-            staging = self._staging_for(b, buf)
-            places, offset = [], 0
-            for layout in self._members[b](self.layouts):
-                places.append(torch.as_strided(staging, layout.shape, layout.stride, offset))
-                offset += _numel(layout.shape)
-            made = self._staging_views[b] = (staging, places, buf.view(-1))
-        return made
-
-    def _run_slots(self, b: int, buf: Tensor) -> list[Tensor]:
-        """Each run's region of bucket ``b``'s buffer as ``(k, *shape)`` (views made once)."""
-        views = self._slot_regions[b]
-        if views is None or views[0] is not buf:
-            views = self._slot_regions[b] = (buf, [run.slots(buf) for run in self._runs[b]])
-        return views[1]
-
-    def unpack(self, b: int, out: Tensor, out_dtypes: Sequence[torch.dtype], results: list) -> None:
-        """Write bucket ``b``'s results into ``results`` (views with each source's strides)."""
-        bucket, index = self.plan.buckets[b], self._gathers[b]
-        dtypes = self._members[b](out_dtypes)
+        Where the caller consumes them at once (``result_views``) they are views: of the NS
+        output itself on a CPU where no cast is needed, of kept cast buffers where one is.
+        Otherwise they are copies made afresh, by one index copy or one strided copy per run.
+        """
+        dtypes = rec.members(out_dtypes)
         dtype = dtypes[0]
         if dtypes.count(dtype) != len(dtypes):
             raise ValueError("tensors packed together must share one output dtype")
-        if self.result_views and out.dtype == dtype and compute.is_host(out.device):
-            # the step consumes the results at once: hand out views of the output, no unpacking
-            # copy (views of a persistent buffer are made once: a view costs Python time per matrix)
-            views = self._result_views[b] if out is self._outputs[b] else None
+        if self.result_views and out.dtype == dtype and rec.host:
+            # no unpacking copy; views of the kept output are made once (a view costs Python
+            # time per matrix), a fresh output's per call
+            views = rec.output_views if out is rec.output else None
             if views is None:
-                views = [_slot_view(out, m.slot, self.layouts[m.index], m.transposed) for m in bucket.members]
-                if out is self._outputs[b]:
-                    self._result_views[b] = views
-            for m, view in zip(bucket.members, views):
-                results[m.index] = view
-            return
-        if self.result_views and out.dtype != dtype and not _compiling():
-            # cast into kept buffers whose result views are made once; the output's own views
-            # are made once per output tensor (once in all where the output is kept)
-            prepared = self._unpack_ops[b]
-            if prepared is None or prepared[0] != dtype:
-                prepared = self._unpack_ops[b] = (
-                    dtype,
-                    *self._prepare_unpack(b, out.dtype, dtype, out.device),
-                )
-            _, fill, views = prepared
+                views = [
+                    _slot_view(out, m.slot, layout, m.transposed)
+                    for m, layout in zip(rec.bucket.members, rec.layouts)
+                ]
+                if out is rec.output:
+                    rec.output_views = views
+        elif self.result_views and out.dtype != dtype and not compiling:
+            # the cast goes into kept buffers whose views are made once
+            cast = rec.cast
+            if cast is None or cast[0] != dtype:
+                cast = rec.cast = (dtype, *_prepare_cast(rec, out.dtype, dtype, out.device))
+            _, fill, views = cast
             fill(out)
-            for m, view in zip(bucket.members, views):
-                results[m.index] = view
-            return
-        if index is not None:
-            flat = out.reshape(-1).index_select(0, index)
+        elif rec.gather is not None:
+            flat = out.reshape(-1).index_select(0, rec.gather)
             flat = flat if flat.dtype == dtype else flat.to(dtype)
-            offset = 0
-            for m in bucket.members:
-                layout = self.layouts[m.index]
-                results[m.index] = torch.as_strided(flat, layout.shape, layout.stride, offset)
-                offset += _numel(layout.shape)
+            views = _strided_views(flat, rec)
+        else:
+            for run in rec.runs:
+                _unpack_run(run, out, dtype, results)
             return
-        for run in self._runs[b]:
-            self._unpack_run(run, out, dtype, results)
+        for i, view in zip(rec.indices, views):
+            results[i] = view
 
-    def _prepare_unpack(
-        self, b: int, from_dtype: torch.dtype, dtype: torch.dtype, device: torch.device
-    ) -> tuple[Callable[[Tensor], None], list[Tensor]]:
-        """The copy that casts bucket ``b``'s NS output into kept buffers of ``dtype``, and the
-        results' views there (member order): the operations of the unkept path, so the same
-        values, with every view made once."""
-        bucket, index = self.plan.buckets[b], self._gathers[b]
-        kept = self._unpack_buffers[b]
-        views: dict[int, Tensor] = {}
-        if index is not None:
-            if index.device != device:
-                index = self._gathers[b] = index.to(device)
-            picked = torch.empty(index.numel(), dtype=from_dtype, device=device)
-            cast = torch.empty(index.numel(), dtype=dtype, device=device)
-            kept += [picked, cast]
-            flat_of = _ViewsOf(lambda out: out.reshape(-1))
 
-            def fill(out: Tensor) -> None:
-                torch.index_select(flat_of(out), 0, index, out=picked)
-                cast.copy_(picked)
+def _split_runs(bucket: Bucket, layouts: Sequence[TensorLayout]) -> tuple[_Run, ...]:
+    """The bucket's members (with their ``layouts``, slot order) as runs of one layout and orientation."""
+    runs: list[_Run] = []
+    for m, layout in zip(bucket.members, layouts):
+        last = runs[-1] if runs else None
+        if last and last.layout == layout and last.transposed == m.transposed:
+            runs[-1] = _Run(last.start, m.slot + 1, layout, m.transposed, (*last.tensors, m.index))
+        else:
+            runs.append(_Run(m.slot, m.slot + 1, layout, m.transposed, (m.index,)))
+    return tuple(runs)
 
-            offset = 0
-            for m in bucket.members:
-                layout = self.layouts[m.index]
-                views[m.index] = torch.as_strided(cast, layout.shape, layout.stride, offset)
-                offset += _numel(layout.shape)
-            return fill, [views[m.index] for m in bucket.members]
-        runs = self._runs[b]
-        targets = []
-        for run in runs:
-            layout, count = run.layout, run.stop - run.start
-            numel = _numel(layout.shape)
-            flat = torch.empty(count * numel, dtype=dtype, device=device)
-            kept.append(flat)
-            targets.append(layout.logical_view(flat, count))
-            for j, i in enumerate(run.tensors):
-                views[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
-        slots_of = _ViewsOf(lambda out: [run.slots(out) for run in runs])
 
-        def fill_runs(out: Tensor) -> None:
-            for target, region in zip(targets, slots_of(out)):
-                target.copy_(region)
+def _gather_index(bucket: Bucket, layouts: Sequence[TensorLayout], runs: Sequence[_Run]) -> Tensor | None:
+    """For buckets of many runs: where each element of the members, concatenated in their
+    memory order, lives in the flat ``(B, R, C)`` buffer (built once, on the CPU)."""
+    total = sum(_numel(layout.shape) for layout in layouts)
+    if len(runs) < GATHER_MIN_RUNS or total > GATHER_MAX_ELEMENTS:
+        return None
+    _, R, C = bucket.shape
+    parts = []
+    for m, layout in zip(bucket.members, layouts):
+        cols = layout.matrix[1]
+        logical = torch.arange(_numel(layout.shape)).view(layout.shape).permute(layout.perm).reshape(-1)
+        row, col = logical // cols, logical % cols
+        if m.transposed:
+            row, col = col, row
+        parts.append(m.slot * R * C + row * C + col)
+    return torch.cat(parts)
 
-        return fill_runs, [views[m.index] for m in bucket.members]
 
-    def _unpack_run(self, run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> None:
+def _make_buffer(rec: BucketRecord, device: torch.device) -> Tensor:
+    """The bucket's input buffer on ``device`` (zeros: the padding is never written again),
+    with its gather index moved there too."""
+    bucket = rec.bucket
+    rec.buffer = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
+    if rec.gather is not None and rec.gather.device != device:
+        rec.gather = rec.gather.to(device)
+    return rec.buffer
+
+
+def _make_staging(rec: BucketRecord, buf: Tensor) -> Tensor:
+    """A gather bucket's flat staging buffer: its members back to back in memory order."""
+    rec.staging = torch.empty(rec.gather.numel(), dtype=buf.dtype, device=buf.device)  # type: ignore[union-attr]
+    return rec.staging
+
+
+def _make_places(rec: BucketRecord, buf: Tensor) -> tuple[Tensor, list[Tensor], Tensor]:
+    """A gather bucket's staging buffer, each member's place there as a view in its planned
+    layout (dense, so its elements lie in memory order, as a flat view's would), and the bucket
+    buffer viewed flat."""
+    staging = rec.staging if rec.staging is not None else _make_staging(rec, buf)
+    rec.places = (staging, _strided_views(staging, rec), buf.view(-1))
+    return rec.places
+
+
+def _strided_views(flat: Tensor, rec: BucketRecord) -> list[Tensor]:
+    """The bucket's members stored back to back in ``flat`` (slot order, each in its memory
+    order), each as a view with its layout's strides."""
+    return [
+        torch.as_strided(flat, layout.shape, layout.stride, offset)
+        for layout, offset in zip(rec.layouts, rec.offsets)
+    ]
+
+
+def _prepare_cast(
+    rec: BucketRecord, from_dtype: torch.dtype, dtype: torch.dtype, device: torch.device
+) -> tuple[Callable[[Tensor], None], list[Tensor]]:
+    """The copy that casts the bucket's NS output into kept buffers of ``dtype``, and the
+    results' views there (slot order): the operations of the fresh path, so the same values,
+    with every view made once."""
+    index = rec.gather
+    if index is not None:
+        picked = torch.empty(index.numel(), dtype=from_dtype, device=device)
+        cast = torch.empty(index.numel(), dtype=dtype, device=device)
+        rec.cast_buffers += [picked, cast]
+        flat_of = _ViewsOf(lambda out: out.reshape(-1))
+
+        def fill(out: Tensor) -> None:
+            torch.index_select(flat_of(out), 0, index, out=picked)
+            cast.copy_(picked)
+
+        return fill, _strided_views(cast, rec)
+    runs = rec.runs
+    targets = []
+    views: dict[int, Tensor] = {}
+    for run in runs:
         layout, count = run.layout, run.stop - run.start
         numel = _numel(layout.shape)
-        region = out[run.start : run.stop]
-        if (
-            region.dtype == dtype
-            and not run.transposed
-            and layout.matrix == tuple(out.shape[1:])
-            and layout.perm == tuple(range(len(layout.shape)))
-        ):  # unpadded, upright, contiguous: the results are views of the NS output itself
-            for j, i in enumerate(run.tensors):
-                results[i] = region[j].view(layout.shape)
-            return
-        flat = torch.empty(count * numel, dtype=dtype, device=out.device)
-        layout.logical_view(flat, count).copy_(run.slots(out))
+        flat = torch.empty(count * numel, dtype=dtype, device=device)
+        rec.cast_buffers.append(flat)
+        targets.append(layout.logical_view(flat, count))
         for j, i in enumerate(run.tensors):
-            results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+            views[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
+    slots_of = _ViewsOf(lambda out: [run.slots(out) for run in runs])
+
+    def fill_runs(out: Tensor) -> None:
+        for target, region in zip(targets, slots_of(out)):
+            target.copy_(region)
+
+    return fill_runs, [views[i] for i in rec.indices]
+
+
+def _unpack_run(run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> None:
+    """A run's results made afresh (views of the NS output where it is unpadded, upright and
+    contiguous in the run's dtype)."""
+    layout, count = run.layout, run.stop - run.start
+    numel = _numel(layout.shape)
+    region = out[run.start : run.stop]
+    if (
+        region.dtype == dtype
+        and not run.transposed
+        and layout.matrix == tuple(out.shape[1:])
+        and layout.perm == tuple(range(len(layout.shape)))
+    ):  # unpadded, upright, contiguous: the results are views of the NS output itself
+        for j, i in enumerate(run.tensors):
+            results[i] = region[j].view(layout.shape)
+        return
+    flat = torch.empty(count * numel, dtype=dtype, device=out.device)
+    layout.logical_view(flat, count).copy_(run.slots(out))
+    for j, i in enumerate(run.tensors):
+        results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
 
 
 class _ViewsOf:
@@ -547,12 +598,14 @@ class _ViewsOf:
 
 
 def _compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the caller (e.g. a user's ``torch.compile(opt.step)``).
+    """Whether ``torch.compile`` is tracing the caller (e.g. a user's ``torch.compile(opt.step)``),
+    asked once per call at the engine's entries.
 
     Then the compiler plans memory itself, and the engine hands it no kept buffers to write into:
     views of one kept buffer written in place are aliased, mutated graph inputs, which the
     compiler handles poorly (copies, recompiles) and, once it has made their sizes dynamic (a
-    changed plan), not at all.
+    changed plan), not at all. Nor do its kernels read values on the host: a trace cannot branch
+    on them.
     """
     return torch.compiler.is_compiling()
 
@@ -595,8 +648,8 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def matrix_spec(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
-    """The planner's view of a >=2D tensor: flattened to (out, everything else), in the dtype
+def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
+    """The planner's spec of a >=2D tensor: flattened to (out, everything else), in the dtype
     NS will really run in there; tensors of different dtypes or NS settings never share.
     With ``method="auto"`` a native low-precision request may run in fp32 where the planner finds
     that faster (``compute.wider_dtype``)."""
@@ -673,7 +726,7 @@ def orthogonalize(
     config = NSConfig.make(steps, coefficients, eps, dtype, method)
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     layouts = [TensorLayout.of(tensors[i]) for i in live]
-    specs = [matrix_spec(tensors[i], config, lay) for i, lay in zip(live, layouts)]
+    specs = [spec_of(tensors[i], config, lay) for i, lay in zip(live, layouts)]
     plan = plan_buckets(
         specs, policy=policy, steps=steps, max_bucket_bytes=max_bucket_bytes, cost_model=cost_model
     )

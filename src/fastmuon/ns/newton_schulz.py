@@ -1,4 +1,4 @@
-"""The Newton–Schulz kernel: orthogonalise one matrix or a batch of them.
+"""The Newton–Schulz kernels: orthogonalise one matrix or a batch of them.
 
 Each iteration maps X -> a·X + (b·A + c·A²)·X with A = X·Xᵀ, which pushes every
 singular value of X towards 1 while keeping its singular vectors. Two fused
@@ -9,7 +9,6 @@ The quintic form and the "jordan" coefficients come from Keller Jordan's Muon wr
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Sequence
 from typing import Union
 
@@ -106,6 +105,8 @@ def newton_schulz(
     dtype: torch.dtype = torch.bfloat16,
     method: str = "standard",
     matrices: MatrixMapSpec = None,
+    *,
+    host_reads: bool = True,
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
 
@@ -120,14 +121,22 @@ def newton_schulz(
     not change the norm, which is what lets the batched engine pad matrices into shared buckets.
     ``method="gram"`` runs the same iteration in Gram space (see :func:`_iterate_gram`), and
     ``"eigh"`` evaluates it through an eigendecomposition of the Gram matrix (:func:`_iterate_eigh`).
+    ``host_reads=False`` reads no value on the host, as a step that may be captured into a CUDA
+    graph must: a CPU then normalises as an accelerator does (the same values, see :func:`_normalize`).
     """
     if matrices is not None:
         m = parse(matrices)
         m.check(X.shape)
         results = [
-            newton_schulz(piece.reshape(piece.shape[0], -1), steps, coefficients, eps, dtype, method).view(
-                piece.shape
-            )
+            newton_schulz(
+                piece.reshape(piece.shape[0], -1),
+                steps,
+                coefficients,
+                eps,
+                dtype,
+                method,
+                host_reads=host_reads,
+            ).view(piece.shape)
             for piece in m.views(X)
         ]
         return m.assemble(X.shape, results, dtype, X.device)
@@ -150,7 +159,10 @@ def newton_schulz(
     tall = Y.size(-2) > Y.size(-1)
     if tall:
         Y = Y.mT
-    Y = METHODS[method](Y.to(dtype), schedule, eps)
+    host = compute.is_host(X.device)
+    # a user's torch.compile may trace this call, and a trace cannot branch on a host read
+    host_reads = host_reads and host and not torch.compiler.is_compiling()
+    Y = METHODS[method](Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
     if tall:
         Y = Y.mT
     return Y.squeeze(0) if single else Y
@@ -161,15 +173,20 @@ def newton_schulz(
 #: alive at once never share memory (the engine keeps them between steps: engine.ScratchArena).
 Scratch = Callable[[str, tuple[int, ...]], Union[Tensor, None]]
 
+# Every kernel below takes, besides the batch, the facts its caller decided once: ``host``,
+# whether the batch lives on the host's CPU (device.is_host), and ``host_reads``, whether the
+# kernel may read values on the host there (not while a compiler traces it, nor in a step that
+# must read nothing on the host). ``host_reads`` implies ``host``.
+
 
 def _fresh(tag: str, shape: tuple[int, ...]) -> None:
     return None
 
 
-def _normalize(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+def _normalize(X: Tensor, eps: float, out: Tensor | None = None, *, host: bool, host_reads: bool) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
-    Where a host check is free (a CPU, not under ``torch.compile``) each matrix whose norm is in
+    Where a host check is free (``host_reads``: a CPU, eager, reads allowed) each matrix whose norm is in
     the range where its squares can neither overflow nor underflow gets the plain two-pass
     ``X / (‖X‖ + eps)``; the others (and every matrix on accelerators, where the step must not
     synchronise) :func:`_normalize_safe`, which gives the same value bit for bit in that range.
@@ -181,19 +198,19 @@ def _normalize(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """
     if out is None and not X.is_contiguous():
         out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-    if _host_check_is_free(X):
+    if _host_check_is_free(X, host_reads):
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
         exact = _plain_norm_is_exact(norm)
         if all(exact):
             return torch.div(X, _plus_eps(norm, eps), out=out)
         if any(exact):  # rare (a skipped matrix's zeros, extreme scales): both routes, then pick
-            safe = _normalize_safe(X, eps)
+            safe = _normalize_safe(X, eps, host=host)
             plain = torch.div(X, _plus_eps(norm, eps), out=out)
             return torch.where(_slot_mask(exact, X.device), plain, safe, out=plain)
-    return _normalize_safe(X, eps, out)
+    return _normalize_safe(X, eps, out, host=host)
 
 
-def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: bool) -> Tensor:
     """``X / (‖X‖ + eps)`` computed so that huge or tiny matrices neither overflow nor underflow.
 
     Computed as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest
@@ -202,7 +219,7 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     A matrix far below ``eps`` is damped towards zero, as the formula says; with ``eps=0`` NS
     is scale invariant and a zero matrix still gives zero (not 0/0).
     """
-    scale = _power_of_two_below(_max_abs(X))
+    scale = _power_of_two_below(_largest_entry(X, host))
     X = torch.div(X, scale, out=out)  # a new tensor: the division below may work in place
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     return X.div_(norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny))
@@ -213,21 +230,12 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
 _PLAIN_NORM_RANGE = (2.0**-40, 2.0**60)
 
 
-#: Off while a step must read nothing on the host (``capturable=True``): the CPU then runs the
-#: code an accelerator runs.
-HOST_READS = contextvars.ContextVar("fastmuon_ns_host_reads", default=True)
-
-
-def _host_check_is_free(X: Tensor) -> bool:
-    """bf16 shares fp32's exponent range (its norms accumulate in fp32), so the same check holds;
-    fp16's narrow range would overflow ``X·Xᵀ`` long before the norm left the range."""
-    if torch.compiler.is_compiling():  # first: the compiler cannot trace a ContextVar
-        return False
-    return (
-        HOST_READS.get()
-        and compute.is_host(X.device)
-        and X.dtype in (torch.float32, torch.float64, torch.bfloat16)
-    )
+def _host_check_is_free(X: Tensor, host_reads: bool) -> bool:
+    """Whether the plain normalisation's range check applies: where the kernel may read on the
+    host, and in a dtype it covers. bf16 shares fp32's exponent range (its norms accumulate in
+    fp32), so the same check holds; fp16's narrow range would overflow ``X·Xᵀ`` long before the
+    norm left the range."""
+    return host_reads and X.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _plain_norm_is_exact(norm: Tensor) -> list[bool]:
@@ -246,11 +254,11 @@ def _plus_eps(norm: Tensor, eps: float) -> Tensor:
     return norm + eps if eps else norm.clamp_min(torch.finfo(norm.dtype).tiny)
 
 
-def _max_abs(X: Tensor) -> Tensor:
-    """Largest |entry| of each matrix (NaN if any is NaN). On a CPU the inf-norm kernel is
-    10-20x slower than a max and a min (measured; ``aminmax`` is slower still), so it is computed
-    from those there."""
-    if compute.is_host(X.device):
+def _largest_entry(X: Tensor, host: bool) -> Tensor:
+    """Largest |entry| of each matrix of a batch, ``(B, 1, 1)`` (NaN if any is NaN). On a CPU
+    (``host``) the inf-norm kernel is 10-20x slower than a max and a min (measured; ``aminmax``
+    is slower still), so it is computed from those there."""
+    if host:
         return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
     return torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
 
@@ -268,12 +276,19 @@ def _power_of_two_below(x: Tensor) -> Tensor:
 
 
 def _iterate(
-    X: Tensor, schedule: list[Coefficients], eps: float, scratch: Scratch = _fresh, out: Tensor | None = None
+    X: Tensor,
+    schedule: list[Coefficients],
+    eps: float,
+    scratch: Scratch = _fresh,
+    out: Tensor | None = None,
+    *,
+    host: bool,
+    host_reads: bool,
 ) -> Tensor:
     """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
     written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch."""
     R = X.size(-2)
-    X = _normalize(X, eps, out=scratch("X", X.shape))
+    X = _normalize(X, eps, out=scratch("X", X.shape), host=host, host_reads=host_reads)
     spare = scratch("Y", X.shape)
     for k, (a, b, c) in enumerate(schedule):
         A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
@@ -284,7 +299,14 @@ def _iterate(
 
 
 def _iterate_gram(
-    X: Tensor, schedule: list[Coefficients], eps: float, scratch: Scratch = _fresh, out: Tensor | None = None
+    X: Tensor,
+    schedule: list[Coefficients],
+    eps: float,
+    scratch: Scratch = _fresh,
+    out: Tensor | None = None,
+    *,
+    host: bool,
+    host_reads: bool,
 ) -> Tensor:
     """The same iteration carried out on the small ``R×R`` side, for wide ``R×C`` batches.
 
@@ -302,7 +324,7 @@ def _iterate_gram(
     every :func:`gram_restart_interval` steps from ``X_k = Q_k·X_0`` and a fresh ``A_k = X_k·X_kᵀ``
     (the remedy the Gram-space NS literature uses), which keeps it in standard bf16 NS's band.
     """
-    X, A, inv_norm = _normalized_gram(X, eps, scratch)
+    X, A, inv_norm = _normalized_gram(X, eps, scratch, host=host, host_reads=host_reads)
     restart = gram_restart_interval(X.dtype)
     Q = spare = None
     for k, (a, b, c) in enumerate(schedule):
@@ -340,7 +362,9 @@ def gram_segments(steps: int, dtype: torch.dtype | None) -> int:
     return -(-steps // restart) if restart else 1
 
 
-def _normalized_gram(X: Tensor, eps: float, scratch: Scratch) -> tuple[Tensor, Tensor, Tensor | None]:
+def _normalized_gram(
+    X: Tensor, eps: float, scratch: Scratch, *, host: bool, host_reads: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten.
 
     ``‖X‖²`` is the trace of ``X·Xᵀ``, so the normalisation costs two ``R×R`` passes instead of
@@ -353,7 +377,7 @@ def _normalized_gram(X: Tensor, eps: float, scratch: Scratch) -> tuple[Tensor, T
     never depends on its bucket mates (a skipped matrix's zeros do not change the others).
     """
     gram_shape = (X.size(0), X.size(1), X.size(1))
-    if _host_check_is_free(X):
+    if _host_check_is_free(X, host_reads):
         A = torch.bmm(X, X.mT, out=scratch("A", gram_shape))
         norm = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min_(0).sqrt_().view(-1, 1, 1)
         exact = _plain_norm_is_exact(norm)
@@ -362,17 +386,24 @@ def _normalized_gram(X: Tensor, eps: float, scratch: Scratch) -> tuple[Tensor, T
             return X, A.mul_(inv_norm.square()), inv_norm
         if any(exact):  # rare (a skipped matrix's zeros, extreme scales): both routes, then pick
             plain = _slot_mask(exact, X.device)
-            X0 = _normalize_safe(X, eps, out=scratch("X", X.shape))
+            X0 = _normalize_safe(X, eps, out=scratch("X", X.shape), host=host)
             X0 = torch.where(plain, X, X0, out=X0)
             A0 = torch.bmm(X0, X0.mT)
             A = torch.where(plain, A.mul_(inv_norm.square()), A0, out=A)
             return X0, A, torch.where(plain, inv_norm, 1.0)
-    X0 = _normalize_safe(X, eps, out=scratch("X", X.shape))
+    X0 = _normalize_safe(X, eps, out=scratch("X", X.shape), host=host)
     return X0, torch.bmm(X0, X0.mT, out=scratch("A", gram_shape)), None
 
 
 def _iterate_eigh(
-    X: Tensor, schedule: list[Coefficients], eps: float, scratch: Scratch = _fresh, out: Tensor | None = None
+    X: Tensor,
+    schedule: list[Coefficients],
+    eps: float,
+    scratch: Scratch = _fresh,
+    out: Tensor | None = None,
+    *,
+    host: bool,
+    host_reads: bool,
 ) -> Tensor:
     """The same polynomial, applied through one eigendecomposition of the Gram matrix.
 
@@ -400,11 +431,11 @@ def _iterate_eigh(
     """
     low = X.dtype not in (torch.float32, torch.float64)
     Xf = X.float() if low else X
-    Xw, A, inv_norm = _normalized_gram(Xf, eps, _fresh if low else scratch)
+    Xw, A, inv_norm = _normalized_gram(Xf, eps, _fresh if low else scratch, host=host, host_reads=host_reads)
     try:
         lam, V = torch.linalg.eigh(A)
     except torch.linalg.LinAlgError:
-        return _iterate_gram(X, schedule, eps, scratch, out)
+        return _iterate_gram(X, schedule, eps, scratch, out, host=host, host_reads=host_reads)
     lam = lam.clamp_min_(0)  # A₀ is positive semi-definite; rounding leaves tiny negatives
     h = None
     for a, b, c in schedule:

@@ -388,7 +388,7 @@ def plan_buckets(
     buckets: list[Bucket] = []
     for (dtype, device, key, allowed, requested, fallback), by_shape in partitions.items():
         model = cost_model or default_cost_model(device)
-        groups = [_Group(r, c, members, c / r) for (r, c), members in by_shape.items()]
+        groups = [_DraftBucket(r, c, members, c / r) for (r, c), members in by_shape.items()]
 
         def chooser_for(run_dtype, run_requested, allowed=allowed, model=model):
             return functools.partial(
@@ -435,7 +435,9 @@ def _seconds(g, steps, dtype, model: CostModel, chooser, threads: int, cap: int)
 
 
 @dataclass
-class _Group:
+class _DraftBucket:
+    """Matrices padded to one ``rows × cols`` (a bucket before the memory cap splits it in chunks)."""
+
     rows: int
     cols: int
     members: list[int]
@@ -444,8 +446,8 @@ class _Group:
     def chunks(self, itemsize: int, cap: int) -> int:
         return math.ceil(len(self.members) / _per_chunk(self.rows, self.cols, itemsize, cap))
 
-    def union(self, other: _Group) -> _Group:
-        return _Group(
+    def union(self, other: _DraftBucket) -> _DraftBucket:
+        return _DraftBucket(
             max(self.rows, other.rows),
             max(self.cols, other.cols),
             self.members + other.members,
@@ -457,7 +459,7 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
     return max(1, cap // (rows * cols * itemsize))
 
 
-def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int) -> list[_Group]:
+def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int) -> list[_DraftBucket]:
     """Greedy agglomeration: apply the best merge until none helps (costs in matmul FLOPs)."""
     itemsize = _itemsize(dtype)
     per_flop = model.flop_seconds(dtype)
@@ -466,16 +468,16 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads
     def method_of(rows: int, cols: int, narrowest: float) -> str:
         return chooser(rows=rows, cols=cols, narrowest=narrowest)
 
-    def method(g: _Group) -> str:
+    def method(g: _DraftBucket) -> str:
         return method_of(g.rows, g.cols, g.narrowest)
 
-    def flops(g: _Group) -> float:
+    def flops(g: _DraftBucket) -> float:
         return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads)
 
-    def launches(g: _Group) -> int:
+    def launches(g: _DraftBucket) -> int:
         return g.chunks(itemsize, cap) * kernels_per_bucket(steps, method(g))
 
-    def score(a: _Group, b: _Group) -> tuple[float, float] | None:
+    def score(a: _DraftBucket, b: _DraftBucket) -> tuple[float, float] | None:
         """Lower is better; ``None`` means this merge does not help."""
         m = a.union(b)
         extra_flops = flops(m) - flops(a) - flops(b)  # FLOP-equivalents: eigh at its cost

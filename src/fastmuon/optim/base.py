@@ -35,8 +35,7 @@ from ..distributed.inflight import InFlight
 from ..matrices import maps_of
 from ..ns import device
 from ..ns.calibrate import calibrated_cost_model
-from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, matrix_spec
-from ..ns.newton_schulz import HOST_READS
+from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, spec_of
 from ..ns.planner import CostModel, Plan, plan_buckets
 from ..rules.collecting import CollectEnv
 from ..step.cache import StepCache
@@ -253,12 +252,9 @@ class MatrixOptimizer(Optimizer):
         if program.matrices is not None and program.matrices.params:
             cache.last_plan = program.plan
         saved = program.guard.snapshot(keep) if keep is not None else None
-        token = HOST_READS.set(False) if self.options.capturable else None
         try:
             program.run(live, scalars, keep, self._orthogonalize_hooks)
         finally:
-            if token is not None:
-                HOST_READS.reset(token)
             if saved is not None:
                 program.guard.restore(saved, keep)
         return loss
@@ -396,7 +392,7 @@ class MatrixOptimizer(Optimizer):
     def _build_local(self, params, configs, policy) -> Orthogonalizer:
         """The engine for matrices this process orthogonalises alone."""
         layouts = [TensorLayout.of(p) for p in params]
-        specs = [matrix_spec(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+        specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
         cost_model = self.options.cost_model
         if cost_model == "calibrate" and specs:
             cost_model = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
@@ -409,7 +405,14 @@ class MatrixOptimizer(Optimizer):
         )
         configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
         # the step applies the results at once, so they may be views into reused buffers
-        return Orthogonalizer(plan, layouts, configs_by_key, compile=self.options.compile, result_views=True)
+        return Orthogonalizer(
+            plan,
+            layouts,
+            configs_by_key,
+            compile=self.options.compile,
+            result_views=True,
+            host_reads=not self.options.capturable,
+        )
 
     def _dist_context(self) -> DistContext:
         return DistContext(
