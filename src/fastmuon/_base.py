@@ -115,6 +115,15 @@ def check_foreach(foreach: Any) -> bool | None:
     return foreach
 
 
+def check_tensor_lr(lr: Any, where: str) -> None:
+    """A tensor ``lr`` holds one value (torch.optim's wording)."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(
+            f"Tensor lr must be 1-element, got shape {tuple(lr.shape)} in {where} "
+            "(pass a float or a one-element tensor)"
+        )
+
+
 def check_fraction(name: str, value: Any, where: str) -> None:
     """Momentum-like coefficients live in [0, 1)."""
     check_nonnegative(name, value, where)
@@ -143,6 +152,8 @@ class MatrixOptimizer(Optimizer):
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
     ):
+        # the constructor's own arguments first, before ``params`` is read (as torch's optimizers do)
+        check_tensor_lr(defaults["lr"], "the constructor's lr")
         if policy not in POLICIES:
             raise ValueError(f"invalid policy {policy!r}; choose one of {POLICIES}")
         if max_bucket_bytes <= 0:
@@ -217,11 +228,7 @@ class MatrixOptimizer(Optimizer):
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
         lr = group["lr"]
-        if isinstance(lr, Tensor) and lr.numel() != 1:  # torch.optim's wording
-            raise ValueError(
-                f"Tensor lr must be 1-element, got shape {tuple(lr.shape)} in {where} "
-                "(pass a float or a one-element tensor)"
-            )
+        check_tensor_lr(lr, where)
         if not isinstance(group["nesterov"], bool):
             raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
         check_nonnegative("learning rate (lr)", lr, where)
