@@ -3,6 +3,8 @@ optimizers with keys or buffers missing, and matrix maps given or edited by hand
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -16,3 +18,49 @@ def test_constructor_checks_its_arguments_before_reading_params(cls):
     # the call torch's generic optimizer tests (test_errors) make for every optimizer
     with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
         cls(None, lr=torch.tensor([0.001, 0.001]))
+
+
+def _musgd_after_one_step() -> tuple[fastmuon.MuSGD, torch.nn.Parameter, torch.nn.Parameter]:
+    torch.manual_seed(0)
+    w, b = torch.nn.Parameter(torch.randn(20, 30)), torch.nn.Parameter(torch.randn(30))
+    opt = fastmuon.MuSGD(
+        [dict(params=[w], use_muon=True), dict(params=[b], use_muon=False)], lr=0.05, momentum=0.9
+    )
+    w.grad, b.grad = torch.randn(20, 30), torch.randn(30)
+    opt.step()
+    return opt, w, b
+
+
+def test_saved_groups_without_momentum_keep_their_buffers_at_the_filled_momentum():
+    opt, w, b = _musgd_after_one_step()
+    saved = copy.deepcopy(opt.state_dict())
+    for g in saved["param_groups"]:
+        g.pop("momentum")
+    expected = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in (w, b)}
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["momentum"] == 0.9
+    assert sorted(opt.state[w]) == ["momentum_buffer", "momentum_buffer_SGD"]
+    for p in (w, b):
+        assert opt.state[p].keys() == expected[p].keys()
+        for name, buf in expected[p].items():
+            torch.testing.assert_close(opt.state[p][name], buf, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("source", ["sgd", "muon"])
+def test_torch_state_dicts_without_momentum_keep_their_buffers(source):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(20, 30))
+    if source == "sgd":
+        peer = torch.optim.SGD([w], lr=0.05, momentum=0.9)
+        target = fastmuon.MuSGD([dict(params=[w], use_muon=False)], lr=0.05, momentum=0.9)
+    else:
+        peer = torch.optim.Muon([w], lr=0.05, momentum=0.9)
+        target = fastmuon.Muon([w], lr=0.05, momentum=0.9)
+    w.grad = torch.randn(20, 30)
+    peer.step()
+    saved = copy.deepcopy(peer.state_dict())
+    saved["param_groups"][0].pop("momentum")
+    target.load_state_dict(saved)
+    torch.testing.assert_close(
+        target.state[w]["momentum_buffer"], peer.state[w]["momentum_buffer"], rtol=0, atol=0
+    )
