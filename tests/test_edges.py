@@ -64,3 +64,37 @@ def test_torch_state_dicts_without_momentum_keep_their_buffers(source):
     torch.testing.assert_close(
         target.state[w]["momentum_buffer"], peer.state[w]["momentum_buffer"], rtol=0, atol=0
     )
+
+
+def _sgd_group(**overrides) -> dict:
+    """A param group as torch.optim.SGD saves it."""
+    group = dict(lr=0.05, momentum=0.9, dampening=0, weight_decay=0.0, nesterov=False, maximize=False)
+    return {**group, "foreach": None, "differentiable": False, "fused": None, "params": [0], **overrides}
+
+
+@pytest.mark.parametrize("use_muon", [True, False])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_none_buffers_load_as_no_buffer_and_restart(use_muon, momentum):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(20, 30))
+    twin = torch.nn.Parameter(w.detach().clone())
+    opt = fastmuon.MuSGD([dict(params=[w], use_muon=use_muon)], lr=0.05, momentum=momentum)
+    fresh = fastmuon.MuSGD([dict(params=[twin], use_muon=use_muon)], lr=0.05, momentum=momentum)
+    saved = {"state": {0: {"momentum_buffer": None}}, "param_groups": [_sgd_group(momentum=momentum)]}
+    opt.load_state_dict(saved)
+    assert all(v is not None for v in opt.state[w].values())
+    grad = torch.randn(20, 30)
+    w.grad, twin.grad = grad.clone(), grad.clone()
+    opt.step()
+    fresh.step()
+    torch.testing.assert_close(w, twin, rtol=0, atol=0)
+
+
+def test_none_buffers_from_a_muon_state_dict_load_into_muon():
+    w = torch.nn.Parameter(torch.randn(20, 30))
+    peer = torch.optim.Muon([w], lr=0.05)
+    saved = copy.deepcopy(peer.state_dict())
+    saved["state"] = {0: {"momentum_buffer": None}}
+    opt = fastmuon.Muon([w], lr=0.05)
+    opt.load_state_dict(saved)
+    assert "momentum_buffer" not in opt.state[w]

@@ -235,7 +235,10 @@ def carry_buffers(
     source_decay: Any,
 ) -> dict[str, Any]:
     """The target's buffers (name -> tensor) that the source's determine exactly."""
-    by_role = {role: (source[name], beta) for name, (role, beta) in roles.items() if name in source}
+    # a None entry (torch's SGD at momentum 0 wrote one) holds no buffer: it restarts
+    by_role = {
+        role: (source[name], beta) for name, (role, beta) in roles.items() if source.get(name) is not None
+    }
     beta = group.get("momentum")
     out: dict[str, Any] = {}
     for name, role in wanted.items():
