@@ -98,3 +98,21 @@ def test_none_buffers_from_a_muon_state_dict_load_into_muon():
     opt = fastmuon.Muon([w], lr=0.05)
     opt.load_state_dict(saved)
     assert "momentum_buffer" not in opt.state[w]
+
+
+@pytest.mark.parametrize(
+    "good, bad",
+    [
+        ({"heads": 2}, {"heads": 2.0}),
+        ({"batch_dims": 1}, {"batch_dims": True}),
+        ({"split": [4, 4]}, {"split": [4.0, 4.0]}),
+        ({"transposed": True}, {"transposed": 1}),
+        ({"split": [4, 4], "dim": 1}, {"split": [4, 4], "dim": 1.0}),
+    ],
+)
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_map_is_refused_whatever_equal_map_was_parsed_before(cls, good, bad):
+    shape = (2, 8, 8) if "batch_dims" in good else (8, 8)
+    cls([{"params": [torch.nn.Parameter(torch.randn(shape))], "matrices": good, "use_muon": True}])
+    with pytest.raises(ValueError, match="of a matrix map must be"):
+        cls([{"params": [torch.nn.Parameter(torch.randn(shape))], "matrices": bad, "use_muon": True}])
