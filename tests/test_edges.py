@@ -116,3 +116,47 @@ def test_a_map_is_refused_whatever_equal_map_was_parsed_before(cls, good, bad):
     cls([{"params": [torch.nn.Parameter(torch.randn(shape))], "matrices": good, "use_muon": True}])
     with pytest.raises(ValueError, match="of a matrix map must be"):
         cls([{"params": [torch.nn.Parameter(torch.randn(shape))], "matrices": bad, "use_muon": True}])
+
+
+def _build(cls, p: torch.nn.Parameter, foreach: bool | None) -> torch.optim.Optimizer:
+    group = {"params": [p], "use_muon": True}
+    if cls is fastmuon.MuSGD:
+        return cls([group], lr=0.05, momentum=0.9, foreach=foreach)
+    return cls([group], lr=0.05, foreach=foreach)
+
+
+@pytest.mark.parametrize(
+    "shape, edited",
+    [
+        ((6, 10), "experts"),
+        ((4, 5, 6), {"batch_dims": 2}),
+        ((8, 3, 3, 3), "transposed"),
+        ((6, 10), {"heads": 4}),
+    ],
+)
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_map_set_on_a_group_after_construction_is_checked_by_the_next_step(cls, foreach, shape, edited):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(shape))
+    twin = torch.nn.Parameter(p.detach().clone())
+    opt, reference = _build(cls, p, foreach), _build(cls, twin, foreach)
+    grads = [torch.randn(shape) for _ in range(3)]
+    p.grad, twin.grad = grads[0].clone(), grads[0].clone()
+    opt.step()
+    reference.step()
+    before = copy.deepcopy(opt.state_dict())
+    weights = p.detach().clone()
+    opt.param_groups[0]["matrices"] = edited
+    p.grad = grads[1].clone()
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 \(shape .*matrix map"):
+        opt.step()
+    assert torch.equal(p, weights)
+    assert str(opt.state_dict()["state"]) == str(before["state"])
+    # put back, it steps on as an optimizer that never saw the edit
+    opt.param_groups[0]["matrices"] = "flatten"
+    for grad in grads[1:]:
+        p.grad, twin.grad = grad.clone(), grad.clone()
+        opt.step()
+        reference.step()
+    torch.testing.assert_close(p, twin, rtol=0, atol=0)

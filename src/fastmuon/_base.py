@@ -253,8 +253,10 @@ class MatrixOptimizer(Optimizer):
         """How each parameter of ``group`` maps to matrices (see :mod:`fastmuon.matrices`)."""
         return maps_of(group.get("matrices"), len(group["params"]))
 
-    def _check_matrix_maps(self, group: dict[str, Any], where: str) -> None:
-        """The group's matrix maps parse and fit the shapes of the parameters they apply to."""
+    def _check_matrix_maps(self, group: dict[str, Any], where: str) -> list[MatrixMap]:
+        """The group's matrix maps, once they parse and fit the shapes of the parameters they
+        apply to. Checked when a group is added, and again where a step's work is collected
+        (a program is built): a map may have been set on the group since."""
         try:
             maps = self._matrix_maps(group)
         except ValueError as e:
@@ -266,6 +268,7 @@ class MatrixOptimizer(Optimizer):
                 m.check(p.shape)
             except ValueError as e:
                 raise ValueError(f"{self._param_name(group, j)} in {where}: {e}") from None
+        return maps
 
     def _matrix_pieces(
         self, m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor

@@ -197,7 +197,7 @@ class Muon(MatrixOptimizer):
             config = self._ns_config(group)
             adjust = group["adjust_lr_fn"] or "original"
             adamw_eps = group["eps"] if use_muon is False else group["adamw_eps"]
-            maps = self._matrix_maps(group)
+            maps = self._check_matrix_maps(group, f"param group {gi}")
             for j, p in enumerate(group["params"]):
                 grad = grads[flat]
                 flat += 1

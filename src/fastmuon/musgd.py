@@ -226,7 +226,7 @@ class MuSGD(MatrixOptimizer):
             lr, beta, nesterov = self._lr_value(group["lr"]), group["momentum"], group["nesterov"]
             muon_group = group["use_muon"]
             config = self._ns_config(group)
-            maps = self._matrix_maps(group)
+            maps = self._check_matrix_maps(group, f"param group {gi}")
             for j, p in enumerate(group["params"]):
                 grad = grads[flat]
                 flat += 1
