@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import STDOUT, DefaultsHelpFormatter, json_help
+from ..cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
 from ..compute import set_cpu_low_precision
 from ..planner import POLICIES
 from ..tables import terminal_width, wrapped
@@ -203,6 +203,8 @@ def usage_error(args: argparse.Namespace) -> str | None:
             return f"--contenders: {name!r} is none of --optimizer {args.optimizer}'s: {', '.join(labels)}"
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib: pip install 'fastmuon[bench]'"
+    if args.plot and plot_format_problem(args.plot):
+        return f"--plot {args.plot}: {plot_format_problem(args.plot)}"
     return None
 
 

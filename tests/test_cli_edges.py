@@ -1,0 +1,35 @@
+"""The command line's corners: output formats, odd input files, what the reports print."""
+
+from __future__ import annotations
+
+import pytest
+
+import fastmuon.bench.cli
+import fastmuon.train.cli
+from fastmuon.cli import main
+
+
+def refuse_work(*args, **kwargs):
+    raise AssertionError("the command did the work before refusing its arguments")
+
+
+@pytest.mark.parametrize("name", ["out.txt", "out"])
+def test_bench_plot_to_a_format_matplotlib_cannot_write_is_refused_first(tmp_path, capsys, monkeypatch, name):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(fastmuon.bench.cli, "run_benchmark", refuse_work)
+    assert main(["bench", "--model", "yolo26n", "--quiet", "--plot", str(tmp_path / name)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and captured.err.startswith("fastmuon bench: error: --plot ")
+    assert ".png" in captured.err and "matplotlib" in captured.err
+
+
+def test_train_plot_to_a_format_matplotlib_cannot_write_is_refused_first(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("rich")
+    monkeypatch.setattr(fastmuon.train.cli, "train_run", refuse_work)
+    assert main(["train", "--plot", str(tmp_path / "curves.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fastmuon train: error: --plot ")
+    assert "'.txt' is not a format matplotlib writes" in err
+
