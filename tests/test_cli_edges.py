@@ -33,3 +33,11 @@ def test_train_plot_to_a_format_matplotlib_cannot_write_is_refused_first(tmp_pat
     assert err.count("\n") == 1 and err.startswith("fastmuon train: error: --plot ")
     assert "'.txt' is not a format matplotlib writes" in err
 
+
+def test_bench_model_file_that_is_not_text_is_a_clean_error(tmp_path, capsys, monkeypatch):
+    picture = tmp_path / "x.png"
+    picture.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")
+    monkeypatch.setattr(fastmuon.bench.cli, "run_benchmark", refuse_work)
+    assert main(["bench", "--model", str(picture), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "x.png" in err and "not a UTF-8 text file" in err
