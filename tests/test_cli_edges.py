@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
+
 import pytest
 
 import fastmuon.bench.cli
@@ -41,3 +46,29 @@ def test_bench_model_file_that_is_not_text_is_a_clean_error(tmp_path, capsys, mo
     assert main(["bench", "--model", str(picture), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "x.png" in err and "not a UTF-8 text file" in err
+
+
+def test_yolo_without_an_importable_torchvision_says_so_in_one_line(tmp_path):
+    """Run where torchvision is not there (its import and its package record blocked in a child
+    interpreter, whatever is installed here): the error names torchvision and the fix, with no
+    traceback."""
+    if importlib.util.find_spec("ultralytics") is None:
+        pytest.skip("ultralytics is not installed (pip install --no-deps ultralytics)")
+    child = (
+        "import importlib.metadata as m, sys\n"
+        "sys.modules['torchvision'] = None\n"
+        "real = m.version\n"
+        "def version(name):\n"
+        "    if name == 'torchvision':\n"
+        "        raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.version = version\n"
+        "from fastmuon.cli import main; sys.exit(main(['yolo', 'version']))"
+    )
+    env = {**os.environ, "YOLO_CONFIG_DIR": str(tmp_path), "YOLO_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fastmuon yolo: error: Ultralytics needs torchvision")
+    assert "install the torchvision paired with your torch" in lines[0]
