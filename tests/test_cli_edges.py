@@ -72,3 +72,24 @@ def test_yolo_without_an_importable_torchvision_says_so_in_one_line(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("fastmuon yolo: error: Ultralytics needs torchvision")
     assert "install the torchvision paired with your torch" in lines[0]
+
+
+def _distributed_figures(speedup: float) -> dict:
+    rank = dict(flop_share=0.5, ns_seconds=0.01, comm_seconds=0.002, step_seconds=0.02)
+    rank.update(bytes_sent=1.5e6, bytes_received=1.5e6)
+    return dict(
+        model="yolo26n", mode="ddp", nproc=2, device="cpu", backend="gloo", ns_dtype="float32",
+        threads_per_rank=1, steps=5, single_process_ns_seconds=0.029, ns_speedup=speedup,
+        ideal_ns_speedup=2.0, bytes_per_step=3e6, ranks=[{"rank": k, **rank} for k in range(2)],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("speedup", [1.8, 2.9])
+def test_distributed_report_fits_80_columns_and_explains_a_speedup_above_its_bound(speedup):
+    from fastmuon.bench.distributed import format_table
+
+    text = format_table(_distributed_figures(speedup), width=80)
+    assert max(map(len, text.splitlines())) <= 80, text
+    flat = " ".join(text.split())
+    assert f"NS speedup per rank: {speedup:.2f}x (FLOP-balance bound 2.00x)" in flat
+    assert ("above the bound" in flat) == (speedup > 2.0)
