@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import fastmuon.bench.cli
 import fastmuon.train.cli
@@ -93,3 +95,36 @@ def test_distributed_report_fits_80_columns_and_explains_a_speedup_above_its_bou
     flat = " ".join(text.split())
     assert f"NS speedup per rank: {speedup:.2f}x (FLOP-balance bound 2.00x)" in flat
     assert ("above the bound" in flat) == (speedup > 2.0)
+
+
+def _tiny_manifest(tmp_path) -> str:
+    from fastmuon.bench import manifest_from_module
+
+    path = tmp_path / "tiny.json"
+    manifest_from_module(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "extra, skips",
+    [
+        (["--steps", "1"], False),  # the steps asked for are run
+        (["--steps", "1", "--max-step-seconds", "0"], False),  # 0: no limit
+        (["--steps", "1", "--max-step-seconds", "5"], True),  # a limit given applies
+        (["--budget", "0.05", "--max-step-seconds", "0"], False),
+        (["--budget", "0.05"], True),  # the default limit, when --steps is unset
+    ],
+)
+def test_max_step_seconds_skips_only_where_asked(tmp_path, monkeypatch, extra, skips):
+    import fastmuon.bench.runner
+
+    # every step is then estimated at far more than any limit
+    monkeypatch.setattr(fastmuon.bench.runner, "matmul_rate", lambda device, dtype: 1.0)
+    out = tmp_path / "out.json"
+    argv = ["bench", "--model", _tiny_manifest(tmp_path), "--ns-dtype", "float32", "--rounds", "1"]
+    assert (
+        main([*argv, "--warmup", "1", "--contenders", "fastmuon", "--quiet", "--json", str(out), *extra]) == 0
+    )
+    (fast,) = [r for r in json.loads(out.read_text())["results"] if r["name"].startswith("fastmuon")]
+    assert bool(fast["skipped"]) == skips, fast["skipped"]
+    assert (fast["median_ms"] is None) == skips
