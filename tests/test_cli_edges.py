@@ -128,3 +128,21 @@ def test_max_step_seconds_skips_only_where_asked(tmp_path, monkeypatch, extra, s
     (fast,) = [r for r in json.loads(out.read_text())["results"] if r["name"].startswith("fastmuon")]
     assert bool(fast["skipped"]) == skips, fast["skipped"]
     assert (fast["median_ms"] is None) == skips
+
+
+def test_bench_progress_shows_no_count_it_does_not_have():
+    pytest.importorskip("rich")
+    import io
+
+    from rich.console import Console
+
+    from fastmuon.bench.report import progress_display
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=100)
+    with progress_display(enabled=True, console=console) as update:
+        update("warmup", "fastmuon MuSGD", 0, 1)
+        update("step", "fastmuon MuSGD", 3, 12)
+    shown = screen.getvalue()  # the first frame (the warm-up, before any count) and the last
+    assert "warm-up" in shown and "3/12" in shown
+    assert "None" not in shown

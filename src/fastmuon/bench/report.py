@@ -262,8 +262,9 @@ def _print_plain(document, title, header, body, sp_header, sp_body) -> None:
 
 
 @contextmanager
-def progress_display(enabled: bool = True) -> Iterator[Progress]:
-    """A live progress bar (rich, on a terminal) fed by the runner's progress events."""
+def progress_display(enabled: bool = True, console: Any = None) -> Iterator[Progress]:
+    """A live progress bar (rich, on a terminal: standard error, or ``console``) fed by the
+    runner's progress events; a count shows once the runner has given one."""
     try:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -275,13 +276,13 @@ def progress_display(enabled: bool = True) -> Iterator[Progress]:
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[count]}"),
         TimeElapsedColumn(),
         transient=True,
-        console=Console(stderr=True),  # stdout stays clean for the report
+        console=console or Console(stderr=True),  # stdout stays clean for the report
     ) as bar:
-        warm = bar.add_task("warm-up", total=None)
-        timed = bar.add_task("timed steps", total=None, visible=False)
+        warm = bar.add_task("warm-up", total=None, count="")
+        timed = bar.add_task("timed steps", total=None, visible=False, count="")
 
         def update(event: str, name: str, done: int, total: int) -> None:
             if event in ("warmup", "ready"):
@@ -289,7 +290,12 @@ def progress_display(enabled: bool = True) -> Iterator[Progress]:
             else:
                 bar.update(warm, visible=False)
                 bar.update(
-                    timed, visible=True, completed=done, total=total, description=f"timing {name}".strip()
+                    timed,
+                    visible=True,
+                    completed=done,
+                    total=total,
+                    count=f"{done}/{total}",
+                    description=f"timing {name}".strip(),
                 )
 
         yield update
