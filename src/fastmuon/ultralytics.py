@@ -4,14 +4,14 @@ One line before training::
 
     import fastmuon.ultralytics
     fastmuon.ultralytics.install()
-    YOLO("yolo26n.yaml").train(data="coco8.yaml", optimizer="MuSGD")  # or optimizer="auto"
+    YOLO("yolo26n.yaml").train(data="coco8.yaml", optimizer="MuSGD")
 
 or, from a shell, ``fastmuon yolo train model=yolo26n.yaml data=coco8.yaml optimizer=MuSGD``.
 
 How it reaches the optimizer: Ultralytics' ``BaseTrainer.build_optimizer`` makes the same
 param groups and hyperparameters whatever the class, then calls the name ``MuSGD`` in
 ``ultralytics.engine.trainer`` (for ``optimizer="MuSGD"``, and for ``"auto"`` when it picks
-MuSGD). :func:`install` rebinds that one name to :func:`musgd_for_ultralytics`, which takes
+MuSGD: in 8.4.190 for more than 10,000 iterations). :func:`install` rebinds that one name to :func:`musgd_for_ultralytics`, which takes
 Ultralytics' arguments and returns a ``fastmuon.MuSGD``.
 
 How it reaches DDP workers: multi-GPU Ultralytics pickles the trainer's class, arguments, model
