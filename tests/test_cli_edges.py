@@ -146,3 +146,22 @@ def test_bench_progress_shows_no_count_it_does_not_have():
     shown = screen.getvalue()  # the first frame (the warm-up, before any count) and the last
     assert "warm-up" in shown and "3/12" in shown
     assert "None" not in shown
+
+
+def test_bench_modules_run_with_python_m_without_runpy_warnings():
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "fastmuon.bench.hosttime", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "found in sys.modules" not in done.stderr and done.stdout.startswith("usage:")
+
+
+def test_the_bench_package_still_exports_its_public_names():
+    import fastmuon.bench as bench
+
+    for name in bench.__all__:
+        assert getattr(bench, name) is not None
+    from fastmuon.bench import Settings, manifest_from_module  # noqa: F401
