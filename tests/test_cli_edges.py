@@ -165,3 +165,19 @@ def test_the_bench_package_still_exports_its_public_names():
     for name in bench.__all__:
         assert getattr(bench, name) is not None
     from fastmuon.bench import Settings, manifest_from_module  # noqa: F401
+
+
+def test_accuracy_table_shows_every_name_whole_with_its_columns_apart(capsys):
+    from fastmuon.accuracy import VARIANTS, print_table
+
+    results = [
+        dict(input=name, variant=v.name, sv_min=0.682, sv_max=1.042, rel_err_vs_fp64=2.68e-06)
+        for name in ("random", "ill-conditioned (1 .. 1e-6)")
+        for v in VARIANTS
+    ]
+    print_table(results, 64, 576)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert lines[1].split("  ")[-1].strip() == "err vs fp64"  # not run into the column before it
+    for v in VARIANTS:
+        assert any(f" {v.name} " in line for line in lines[2:]), v.name
