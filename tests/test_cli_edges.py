@@ -181,3 +181,39 @@ def test_accuracy_table_shows_every_name_whole_with_its_columns_apart(capsys):
     assert lines[1].split("  ")[-1].strip() == "err vs fp64"  # not run into the column before it
     for v in VARIANTS:
         assert any(f" {v.name} " in line for line in lines[2:]), v.name
+
+
+def test_bench_plot_reads_across_orders_of_magnitude_and_says_each_bars_precision():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fastmuon.bench.report import plot_figure
+
+    rows = [("fastmuon MuSGD", 150.2, "bfloat16→float32"), ("Ultralytics MuSGD", 8339.0, "bfloat16")]
+    rows += [("torch.optim.SGD foreach", 6.6, "-")]
+    results = [
+        dict(name=n, median_ms=t, min_ms=0.95 * t, max_ms=1.1 * t, ns_dtype=d, kernels_per_step=500)
+        for n, t, d in rows
+    ]
+    document = dict(
+        results=results,
+        machine=dict(cpu="a CPU", torch="2.13.0", num_threads=2),
+        workload=dict(model="yolo26n"),
+        settings=dict(optimizer="musgd", device="cpu", ns_dtype="bfloat16"),
+    )
+    fig = plot_figure(document)
+    try:
+        ax_t, ax_k = fig.axes
+        assert ax_t.get_xscale() == "log" and ax_k.get_xscale() == "log"
+        names = [t.get_text() for t in ax_t.get_yticklabels()]
+        assert names[0] == "fastmuon MuSGD\nNS bfloat16→float32" and names[2] == "torch.optim.SGD foreach"
+        assert "requested" in fig._suptitle.get_text()
+        labels = [t for t in ax_t.texts if t.get_text()]
+        assert len(labels) == 3
+        for label, r in zip(labels, results):  # past the whisker, inside the axis
+            assert label.xy[0] >= r["max_ms"] and label.xy[0] * 2 < ax_t.get_xlim()[1]
+    finally:
+        plt.close(fig)
