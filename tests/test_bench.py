@@ -280,7 +280,7 @@ def test_bench_skips_contenders_estimated_too_slow_and_fits_steps_to_the_budget(
     manifest.write_text(json.dumps(_manifest_dict()))
     out = tmp_path / "out.json"
     args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--rounds", "2", "--budget", "0.01"]
-    assert main([*args, "--max-step-seconds", "0", "--json", str(out), "--quiet"]) == 0
+    assert main([*args, "--max-step-seconds", "1e-9", "--json", str(out), "--quiet"]) == 0
     results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
     for name in ("fastmuon MuSGD", "per-parameter MuSGD"):
         assert "raise --max-step-seconds" in results[name]["skipped"] and results[name]["steps_timed"] == 0

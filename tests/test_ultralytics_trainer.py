@@ -16,11 +16,8 @@ import torch
 from ultralytics_support import (
     RecordOptimizerAndStop,
     import_unavailable_reason,
-    install_torchvision_stand_in,
     make_detection_dataset,
     offline_environment,
-    remove_torchvision_stand_in,
-    torchvision_works,
     train_arguments,
 )
 
@@ -37,12 +34,9 @@ class Interrupted(Exception):
 def yolo(tmp_path_factory):
     """An offline Ultralytics (settings, runs and DDP files under a temporary directory) and a dataset."""
     root = tmp_path_factory.mktemp("ultralytics")
-    stand_in = None if torchvision_works() else root / "torchvision-stand-in"
     with pytest.MonkeyPatch.context() as mp:
         for name, value in offline_environment(root).items():
             mp.setenv(name, value)
-        if stand_in is not None:
-            install_torchvision_stand_in(stand_in)
         try:
             reason = import_unavailable_reason()
             if reason is not None:
@@ -57,12 +51,9 @@ def yolo(tmp_path_factory):
                 "root": root,
                 "data": make_detection_dataset(root / "data"),
                 "env": offline_environment(root),
-                "torchvision_stand_in": stand_in,
             }
         finally:
             integration.uninstall()
-            if stand_in is not None:
-                remove_torchvision_stand_in(stand_in)
 
 
 @contextmanager
@@ -104,7 +95,9 @@ def test_trainer_builds_fastmuon_musgd_with_ultralytics_groups_and_hyperparamete
     with fastmuon_installed():
         ours = trainer.build_optimizer(model, name="MuSGD", **hyper)
         auto = trainer.build_optimizer(model, name="auto", iterations=1e6, **hyper)
+        short = trainer.build_optimizer(model, name="auto", iterations=1e4, **hyper)
     assert type(ours) is fastmuon.MuSGD and type(auto) is fastmuon.MuSGD
+    assert type(short).__name__ == "AdamW"  # "auto" picks MuSGD for long runs only (see the README)
     assert type(theirs).__module__.startswith("ultralytics")
     assert ours.nonfinite == "ignore"
     assert len(ours.param_groups) == len(theirs.param_groups) == len(auto.param_groups)
@@ -320,17 +313,11 @@ def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
     assert command[-1] == worker_file
     try:
         env = {**yolo["env"], "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-        # the worker file as Ultralytics' launcher runs it (as __main__, in a fresh interpreter),
-        # with the torchvision this process has
-        run_worker = (
-            "import pathlib, runpy, sys, ultralytics_support as u\n"
-            "if sys.argv[2]: u.install_torchvision_stand_in(pathlib.Path(sys.argv[2]))\n"
-            "runpy.run_path(sys.argv[1], run_name='__main__')"
-        )
+        # the worker file as Ultralytics' launcher runs it: as __main__, in a fresh interpreter
+        # (which unpickles the recording callback from this folder's ultralytics_support)
         env["PYTHONPATH"] = str(Path(__file__).parent)
-        stand_in = yolo["torchvision_stand_in"]
         done = subprocess.run(
-            [sys.executable, "-c", run_worker, worker_file, str(stand_in or "")],
+            [sys.executable, worker_file],
             env=env,
             capture_output=True,
             text=True,

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import importlib.machinery
-import sys
-import types
+import importlib.util
 from pathlib import Path
 
 import numpy as np
+from integration_support import TESTED_WITH_TORCHVISION, torchvision_problem
 
 IMAGE_SIZE = 64
 
@@ -26,66 +25,20 @@ def offline_environment(root: Path) -> dict[str, str]:
 
 
 def import_unavailable_reason() -> str | None:
-    """Why Ultralytics' trainer cannot run here, or None when it can."""
+    """Why Ultralytics' trainer cannot run here, or None when it can. Ultralytics reads
+    torchvision's version when it is imported and runs torchvision's NMS in validation: it is
+    asked first, in a fresh interpreter (see :func:`integration_support.torchvision_problem`)."""
+    if importlib.util.find_spec("ultralytics") is None:
+        return "ultralytics is not installed; pip install -e '.[ultralytics]'"
+    problem = torchvision_problem()
+    if problem is not None:
+        return f"it needs an importable torchvision: {problem}; {TESTED_WITH_TORCHVISION}"
     for module in ("ultralytics", "cv2", "yaml", "polars"):
         try:
             importlib.import_module(module)
         except Exception as e:  # any failure to load means the trainer cannot run
             return f"{module} does not import ({type(e).__name__}: {e}); pip install -e '.[ultralytics]'"
     return None
-
-
-#: the torchvision release paired with the installed torch 2.13 (what Ultralytics expects to see)
-STAND_IN_TORCHVISION_VERSION = "0.28.0"
-
-
-def torchvision_works() -> bool:
-    try:
-        import torchvision
-
-        torchvision.ops.nms  # noqa: B018
-        return True
-    except Exception:  # absent, or present but its native ops do not load beside this torch
-        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-            del sys.modules[name]
-        return False
-
-
-def install_torchvision_stand_in(directory: Path) -> None:
-    """Stand in for a torchvision that cannot load here, for this process only.
-
-    Ultralytics reads torchvision's installed version when it is imported, its validator imports
-    torchvision, and its NMS then calls ``torchvision.ops.nms``. PyPI's x86-64 torchvision wheels
-    are linked against the CUDA build of torch, so beside the CPU build their import fails (the
-    setup script removes such a torchvision, since it also breaks transformers and lightning).
-    The stand-in is a version record in ``directory`` (put on ``sys.path``) and a module whose
-    ``ops.nms`` is Ultralytics' own pure-torch NMS: NMS is all a detector's training and
-    validation reach, and it plays no part in the optimizer steps under test.
-    """
-    record = directory / f"torchvision-{STAND_IN_TORCHVISION_VERSION}.dist-info"
-    record.mkdir(parents=True, exist_ok=True)
-    (record / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: torchvision\nVersion: {STAND_IN_TORCHVISION_VERSION}\n"
-    )
-    if str(directory) not in sys.path:
-        sys.path.append(str(directory))
-
-    def nms(boxes, scores, iou_threshold):
-        from ultralytics.utils.nms import TorchNMS
-
-        return TorchNMS.nms(boxes, scores, iou_threshold)
-
-    stand_in = types.ModuleType("torchvision")
-    stand_in.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
-    stand_in.__version__ = STAND_IN_TORCHVISION_VERSION
-    stand_in.ops = types.SimpleNamespace(nms=nms)
-    sys.modules["torchvision"] = stand_in
-
-
-def remove_torchvision_stand_in(directory: Path) -> None:
-    sys.modules.pop("torchvision", None)
-    if str(directory) in sys.path:
-        sys.path.remove(str(directory))
 
 
 def make_detection_dataset(root: Path, images: int = 6, seed: int = 0) -> Path:

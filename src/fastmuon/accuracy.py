@@ -122,10 +122,13 @@ def run(args: argparse.Namespace) -> int:
 def print_table(results: list[dict], rows: int, cols: int) -> None:
     """One line per input and variant, within 80 columns."""
     print(f"NS accuracy on {rows}×{cols} inputs; singular values over significant directions")
-    print(f"{'input':27s} {'variant':23s} {'σ min':>7s} {'σ max':>7s} {'err vs fp64':>11s}")
+    # columns as wide as their longest entry (names whole), apart
+    iw = max([len("input"), *(len(r["input"]) for r in results)])
+    vw = max([len("variant"), *(len(r["variant"]) for r in results)])
+    print(f"{'input':{iw}s} {'variant':{vw}s} {'σ min':>6s} {'σ max':>6s}  {'err vs fp64':>11s}")
     for r in results:
         print(
-            f"{r['input']:27.27s} {r['variant']:23.23s} {r['sv_min']:7.3f} {r['sv_max']:7.3f} "
+            f"{r['input']:{iw}s} {r['variant']:{vw}s} {r['sv_min']:6.3f} {r['sv_max']:6.3f}  "
             f"{r['rel_err_vs_fp64']:11.2e}"
         )
     return 0

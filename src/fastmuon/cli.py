@@ -75,6 +75,26 @@ def check_output_file(flag: str, path: str) -> None:
         raise UsageError(f"{flag} {path}: directory {directory} is not writable")
 
 
+def plot_format_problem(path: str) -> str | None:
+    """Why matplotlib cannot save a figure as ``path`` (None: it can, or matplotlib is missing,
+    which the caller reports): the file's suffix names the format, as ``savefig`` reads it."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return None
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lower().removeprefix(".")
+    if suffix in formats:
+        return None
+    known = ", ".join(f".{f}" for f in sorted(formats))
+    what = (
+        f"'.{suffix}' is not a format matplotlib writes"
+        if suffix
+        else "the name has no suffix to tell matplotlib the format"
+    )
+    return f"{what}; give a name ending in one of {known} (e.g. plot.png)"
+
+
 def require_packages(*names: str) -> None:
     """Fail now, not after the run, if an optional package a requested output needs is missing."""
     for name in names:

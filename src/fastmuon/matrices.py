@@ -191,7 +191,7 @@ def parse(spec: MatrixMapSpec) -> MatrixMap:
             raise ValueError(f"matrix map {spec!r} has unknown key(s) {unknown}; the keys are {KEYS}")
         items = tuple((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in sorted(spec.items()))
         try:
-            return _parse_items(items)
+            return _parse_items(_typed(items), items)
         except TypeError:  # an unhashable value (a tensor, a dict): report it as a bad value
             return _parse_items_uncached(items)
     raise ValueError(
@@ -201,8 +201,16 @@ def parse(spec: MatrixMapSpec) -> MatrixMap:
 
 
 @functools.lru_cache(maxsize=256)
-def _parse_items(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
+def _parse_items(_key: Any, items: tuple[tuple[str, Any], ...]) -> MatrixMap:
     return _parse_items_uncached(items)
+
+
+def _typed(value: Any) -> Any:
+    """``value`` with the type of every part beside it: values that compare equal (2 and 2.0,
+    True and 1) are not the same spec, and one must not be taken from the cache for the other."""
+    if isinstance(value, tuple):
+        return tuple(map(_typed, value))
+    return (type(value), value)
 
 
 def _parse_items_uncached(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
@@ -220,7 +228,7 @@ def _parse_items_uncached(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
     if heads is not None and (not _is_int(heads) or heads < 1):
         raise ValueError(f"heads of a matrix map must be an int >= 1, got {heads!r}")
     dim = spec.get("dim", 0)
-    if dim not in (0, 1) or isinstance(dim, bool):
+    if not _is_int(dim) or dim not in (0, 1):
         raise ValueError(f"dim of a matrix map must be 0 (output dim) or 1 (input dim), got {dim!r}")
     if "dim" in spec and split is None and heads is None:
         raise ValueError("'dim' of a matrix map says which dim 'split' or 'heads' cuts; give one of them")

@@ -4,14 +4,14 @@ One line before training::
 
     import fastmuon.ultralytics
     fastmuon.ultralytics.install()
-    YOLO("yolo26n.yaml").train(data="coco8.yaml", optimizer="MuSGD")  # or optimizer="auto"
+    YOLO("yolo26n.yaml").train(data="coco8.yaml", optimizer="MuSGD")
 
 or, from a shell, ``fastmuon yolo train model=yolo26n.yaml data=coco8.yaml optimizer=MuSGD``.
 
 How it reaches the optimizer: Ultralytics' ``BaseTrainer.build_optimizer`` makes the same
 param groups and hyperparameters whatever the class, then calls the name ``MuSGD`` in
 ``ultralytics.engine.trainer`` (for ``optimizer="MuSGD"``, and for ``"auto"`` when it picks
-MuSGD). :func:`install` rebinds that one name to :func:`musgd_for_ultralytics`, which takes
+MuSGD: in 8.4.190 for more than 10,000 iterations). :func:`install` rebinds that one name to :func:`musgd_for_ultralytics`, which takes
 Ultralytics' arguments and returns a ``fastmuon.MuSGD``.
 
 How it reaches DDP workers: multi-GPU Ultralytics pickles the trainer's class, arguments, model
@@ -29,6 +29,7 @@ the optimizer is built with ``nonfinite="ignore"`` unless :func:`install` is tol
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from collections.abc import Iterable
@@ -115,15 +116,40 @@ def installed() -> bool:
     return bool(_replaced)
 
 
+def _import_problem(e: BaseException) -> str:
+    """What stops ``import ultralytics`` here, named (torchvision is the usual piece), and the fix."""
+    if not _findable("ultralytics"):
+        return 'fastmuon.ultralytics needs the ultralytics package; install it with pip install "fastmuon[ultralytics]"'
+    text = f"{type(e).__name__}: {e}"
+    if getattr(e, "name", None) == "torchvision" or "torchvision" in text:
+        state = (
+            f"does not import beside torch {torch.__version__}"
+            if _findable("torchvision")
+            else "is not installed"
+        )
+        return (
+            f"Ultralytics needs torchvision, which {state} ({text}); install the torchvision paired "
+            "with your torch, from the index torch came from (PyPI's x86-64 torchvision is built "
+            "against its CUDA torch and does not import beside a CPU build)"
+        )
+    return f'Ultralytics does not import here ({text}); install it with pip install "fastmuon[ultralytics]"'
+
+
+def _findable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a module entry without a spec
+        return False
+
+
 def _ultralytics_modules() -> tuple[Any, Any]:
     try:
         import ultralytics.engine.trainer as trainer_module
         import ultralytics.utils.dist as dist_module
-    except ImportError as e:
-        raise ImportError(
-            f"fastmuon.ultralytics needs the ultralytics package ({e}); "
-            'install it with pip install "fastmuon[ultralytics]"'
-        ) from e
+    except (
+        Exception
+    ) as e:  # it imports torchvision, OpenCV, ...: any may fail to load, not only with ImportError
+        raise ImportError(_import_problem(e)) from e
     if not hasattr(trainer_module, "MuSGD") or not hasattr(dist_module, "generate_ddp_file"):
         import ultralytics
 
@@ -211,7 +237,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Install the integration, then hand the arguments to Ultralytics' ``yolo`` entry point."""
-    install()
+    try:
+        install()
+    except ImportError as e:
+        print(f"fastmuon yolo: error: {e}", file=sys.stderr)
+        return 1  # a missing package, as the other subcommands exit for one
     from ultralytics.cfg import entrypoint
 
     # Ultralytics reads its arguments from sys.argv (the list object it saw at import): present

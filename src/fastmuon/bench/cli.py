@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import STDOUT, DefaultsHelpFormatter, json_help
+from ..cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
 from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
 from ..tables import terminal_width, wrapped
@@ -25,6 +25,9 @@ from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark, selected
 from .workloads import WORKLOADS, resolve_workload
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+#: --max-step-seconds when neither it nor --steps is given
+DEFAULT_MAX_STEP_SECONDS = 15.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -82,8 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-step-seconds",
         type=float,
-        default=15.0,
-        help="skip a contender whose step is estimated (NS FLOPs / measured matmul rate) to take longer",
+        default=None,
+        help="skip a contender whose step is estimated (NS FLOPs / measured matmul rate) to take longer; "
+        f"0: no limit; unset: {DEFAULT_MAX_STEP_SECONDS:g} s, or no limit when --steps is given (the "
+        "steps asked for are run)",
     )
     p.add_argument(
         "--threads",
@@ -144,12 +149,20 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         rounds=args.rounds,
         warmup=args.warmup,
         budget_s=args.budget,
-        max_step_s=args.max_step_seconds,
+        max_step_s=max_step_seconds(args.max_step_seconds, args.steps),
         seed=args.seed,
         step_mode=args.step_mode,
         contenders=_chosen(args.contenders),
     )
     return settings, why
+
+
+def max_step_seconds(given: float | None, steps: int | None) -> float | None:
+    """The estimated step time above which a contender is skipped (None: none is): the option
+    as given (0: no limit), else the default unless ``--steps`` asks for a number of steps."""
+    if given is not None:
+        return given or None
+    return None if steps is not None else DEFAULT_MAX_STEP_SECONDS
 
 
 def choose_threads(requested: int | None, load: float | None) -> tuple[int, str]:
@@ -185,7 +198,7 @@ def usage_error(args: argparse.Namespace) -> str | None:
             return f"--{name} must be at least {low}, got {value}"
     if not args.budget > 0:
         return f"--budget must be a positive number of seconds, got {args.budget}"
-    if not args.max_step_seconds >= 0:
+    if args.max_step_seconds is not None and not args.max_step_seconds >= 0:
         return f"--max-step-seconds must be 0 or more, got {args.max_step_seconds}"
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda, but this torch sees no CUDA device (run on a GPU machine, or --device cpu)"
@@ -203,6 +216,8 @@ def usage_error(args: argparse.Namespace) -> str | None:
             return f"--contenders: {name!r} is none of --optimizer {args.optimizer}'s: {', '.join(labels)}"
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return "--plot needs matplotlib: pip install 'fastmuon[bench]'"
+    if args.plot and plot_format_problem(args.plot):
+        return f"--plot {args.plot}: {plot_format_problem(args.plot)}"
     return None
 
 

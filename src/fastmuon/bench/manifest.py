@@ -95,9 +95,14 @@ def load_manifest(path: str | Path) -> Manifest:
     """Read and validate a manifest file; every problem names the file and the entry."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ManifestError(
+            f"manifest {str(path)!r} is not a UTF-8 text file (byte {e.start}: {e.reason}); give a "
+            "manifest .json, e.g. one written by fastmuon.bench.manifest_from_module(model).save('m.json')"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

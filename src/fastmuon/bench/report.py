@@ -262,8 +262,9 @@ def _print_plain(document, title, header, body, sp_header, sp_body) -> None:
 
 
 @contextmanager
-def progress_display(enabled: bool = True) -> Iterator[Progress]:
-    """A live progress bar (rich, on a terminal) fed by the runner's progress events."""
+def progress_display(enabled: bool = True, console: Any = None) -> Iterator[Progress]:
+    """A live progress bar (rich, on a terminal: standard error, or ``console``) fed by the
+    runner's progress events; a count shows once the runner has given one."""
     try:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -275,13 +276,13 @@ def progress_display(enabled: bool = True) -> Iterator[Progress]:
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[count]}"),
         TimeElapsedColumn(),
         transient=True,
-        console=Console(stderr=True),  # stdout stays clean for the report
+        console=console or Console(stderr=True),  # stdout stays clean for the report
     ) as bar:
-        warm = bar.add_task("warm-up", total=None)
-        timed = bar.add_task("timed steps", total=None, visible=False)
+        warm = bar.add_task("warm-up", total=None, count="")
+        timed = bar.add_task("timed steps", total=None, visible=False, count="")
 
         def update(event: str, name: str, done: int, total: int) -> None:
             if event in ("warmup", "ready"):
@@ -289,7 +290,12 @@ def progress_display(enabled: bool = True) -> Iterator[Progress]:
             else:
                 bar.update(warm, visible=False)
                 bar.update(
-                    timed, visible=True, completed=done, total=total, description=f"timing {name}".strip()
+                    timed,
+                    visible=True,
+                    completed=done,
+                    total=total,
+                    count=f"{done}/{total}",
+                    description=f"timing {name}".strip(),
                 )
 
         yield update
@@ -305,31 +311,50 @@ def write_plot(path: str | Path, document: dict[str, Any]) -> bool:
     except ImportError:
         print("--plot needs matplotlib: pip install 'fastmuon[bench]'", file=sys.stderr)
         return False
+    fig = plot_figure(document)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def plot_figure(document: dict[str, Any]) -> Any:
+    """The figure of :func:`write_plot`. Both axes are logarithmic (the contenders' times and
+    kernel counts span orders of magnitude: on a linear axis a slow peer's bar flattens the rest);
+    each time label stands past its bar's whisker; each bar's name says the precision its NS ran
+    in, which may not be the one requested (a CPU without bf16 units computes bf16 NS in fp32)."""
+    import matplotlib.pyplot as plt
+
     ran = [r for r in document["results"] if r["median_ms"]]
-    names = [r["name"] for r in ran]
-    fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(11, 0.6 * len(ran) + 2.2))
+    names = [r["name"] if r.get("ns_dtype", "-") == "-" else f"{r['name']}\nNS {r['ns_dtype']}" for r in ran]
+    fig, (ax_t, ax_k) = plt.subplots(1, 2, figsize=(11, 0.7 * len(ran) + 2.2))
     med = [r["median_ms"] for r in ran]
     err = [[m - r["min_ms"] for m, r in zip(med, ran)], [r["max_ms"] - m for m, r in zip(med, ran)]]
-    bars = ax_t.barh(names, med, xerr=err, color="tab:blue")
-    ax_t.bar_label(bars, labels=[f"{m:.1f}" for m in med], padding=3, fontsize=8)
-    ax_t.set_xlabel("ms per step (median, min–max)")
+    ax_t.barh(names, med, xerr=err, color="tab:blue")
+    ax_t.set_xscale("log")
+    for y, r in enumerate(ran):  # past the whisker, not over it
+        ax_t.annotate(
+            f"{r['median_ms']:.1f}", (r["max_ms"], y), xytext=(4, 0), textcoords="offset points",
+            va="center", fontsize=8,
+        )  # fmt: skip
+    ax_t.set_xlim(min(r["min_ms"] for r in ran) / 2, max(r["max_ms"] for r in ran) * 4)
+    ax_t.set_xlabel("ms per step (median, min–max, log scale)")
     kernels = [r["kernels_per_step"] or 0 for r in ran]
     ax_k.bar_label(ax_k.barh(names, kernels, color="tab:orange"), padding=3, fontsize=8)
     ax_k.set_xscale("log")
+    if any(kernels):
+        ax_k.set_xlim(right=max(kernels) * 4)
     ax_k.set_xlabel("kernels per step (ATen ops, log scale)")
-    ax_k.set_yticklabels([])
+    ax_k.set_yticks(range(len(ran)), [""] * len(ran))
     for ax in (ax_t, ax_k):
         ax.invert_yaxis()
     m, w, s = document["machine"], document["workload"], document["settings"]
     fig.suptitle(
         f"{w['model']} {s['optimizer']} on {s['device']} ({m['cpu'] if s['device'] == 'cpu' else m.get('gpu')}), "
-        f"NS {s['ns_dtype']}, torch {m['torch']}, {m['num_threads']} threads",
+        f"NS {s['ns_dtype']} requested, torch {m['torch']}, {m['num_threads']} threads",
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def _floor_lines(r: dict[str, Any]) -> list[str]:

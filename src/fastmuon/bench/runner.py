@@ -59,7 +59,9 @@ class Settings:
     warmup: int = 2
     budget_s: float = 3.0  # timed seconds per contender, all rounds together
     max_steps: int = 20
-    max_step_s: float = 15.0  # skip a contender whose one step is estimated to take longer
+    max_step_s: float | None = (
+        15.0  # skip a contender whose one step is estimated to take longer (None: no limit)
+    )
     seed: int = 0
     step_mode: str = "eager"  # or "compiled": see STEP_MODES
     contenders: tuple[str, ...] | None = None  # label prefixes to run (None: the whole lineup)
@@ -201,11 +203,11 @@ def run_benchmark(
         if c.compute_dtype is not None and c.ns_useful_flops:
             rate = rates[c.compute_dtype]
             estimate = c.ns_useful_flops / rate
-            if estimate > settings.max_step_s:
+            if settings.max_step_s is not None and estimate > settings.max_step_s:
                 r.skipped = (
                     f"one step would take ~{estimate:.0f} s ({c.ns_useful_flops / 1e9:.0f} GFLOP of NS at "
                     f"{rate / 1e9:.1f} GFLOP/s in {dtype_name(c.compute_dtype)}); "
-                    "raise --max-step-seconds to run it"
+                    "raise --max-step-seconds (0: no limit) or give --steps to run it"
                 )
                 continue
         progress("warmup", c.name, 0, 1)

@@ -32,7 +32,7 @@ from ..distributed.exchange import (
 )
 from ..distributed.exchange import local_shard as _local
 from ..distributed.inflight import InFlight
-from ..matrices import maps_of
+from ..matrices import MatrixMap, maps_of
 from ..ns import device
 from ..ns.calibrate import calibrated_cost_model
 from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, spec_of
@@ -107,6 +107,8 @@ class MatrixOptimizer(Optimizer):
         options: Options,
         process_group: ProcessGroup | None = None,
     ):
+        # the constructor's own arguments first, before ``params`` is read (as torch's optimizers do)
+        check_tensor_lr(defaults["lr"], "the constructor's lr")
         self.options = options
         self.process_group = process_group  # DDP: ranks share the NS work (see fastmuon.distributed)
         self.state_initialised = False
@@ -170,8 +172,10 @@ class MatrixOptimizer(Optimizer):
         except ValueError as e:
             raise ValueError(f"{e} (in {where})") from None
 
-    def _check_matrix_maps(self, group: dict[str, Any], where: str) -> None:
-        """The group's matrix maps parse and fit the shapes of the parameters they apply to."""
+    def _check_matrix_maps(self, group: dict[str, Any], where: str) -> list[MatrixMap]:
+        """The group's matrix maps, once they parse and fit the shapes of the parameters they
+        apply to. Checked when a group is added, and again where a step's work is collected
+        (a program is built): a map may have been set on the group since."""
         try:
             maps = maps_of(group.get("matrices"), len(group["params"]))
         except ValueError as e:
@@ -183,6 +187,7 @@ class MatrixOptimizer(Optimizer):
                 m.check(p.shape)
             except ValueError as e:
                 raise ValueError(f"{self._param_name(group, j)} in {where}: {e}") from None
+        return maps
 
     def _param_name(self, group: dict[str, Any], j: int) -> str:
         return param_name(self.param_groups, group, j)
@@ -290,7 +295,12 @@ class MatrixOptimizer(Optimizer):
     def _collect(self, grads: Sequence[Tensor | None]) -> Any:
         """This step's work items (the rule's ``Items``), creating missing state."""
         env = CollectEnv(
-            self.state, self._lr_value, self._check_grad, self.options.capturable, type(self).__name__
+            self.state,
+            self._lr_value,
+            self._check_grad,
+            lambda group, index: self._check_matrix_maps(group, f"param group {index}"),
+            self.options.capturable,
+            type(self).__name__,
         )
         return self.rule.collect(self.param_groups, grads, env)
 

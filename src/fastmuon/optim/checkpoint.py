@@ -8,7 +8,8 @@ it into one this optimizer steps from, or refuses it before anything changes.
 
 **Groups.** The saved values win (they carry the run's schedule), as torch's loader does.
 A key the saved group lacks is taken from the optimizer's own group at the same index, then
-from its defaults: the way torch fills keys an optimizer gained in a later version. A saved
+from its defaults: the way torch fills keys an optimizer gained in a later version (a filled
+``momentum`` is also the ``β`` the saved buffers are judged by, below). A saved
 key that belongs to the source optimizer's algorithm but not to this one (SGD's
 ``dampening``, AdamW's ``amsgrad``, Muon's ``adjust_lr_fn`` in MuSGD, ...) is dropped, and so
 is one whose meaning differs here: ``weight_decay`` between coupled (SGD, MuSGD, Adam) and
@@ -242,7 +243,10 @@ def carry_buffers(
     source_decay: Any,
 ) -> dict[str, Any]:
     """The target's buffers (name -> tensor) that the source's determine exactly."""
-    by_role = {role: (source[name], beta) for name, (role, beta) in roles.items() if name in source}
+    # a None entry (torch's SGD at momentum 0 wrote one) holds no buffer: it restarts
+    by_role = {
+        role: (source[name], beta) for name, (role, beta) in roles.items() if source.get(name) is not None
+    }
     beta = group.get("momentum")
     out: dict[str, Any] = {}
     for name, role in wanted.items():
@@ -313,9 +317,11 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
                 "or load a state dict saved for this model"
             ) from None
         source_decay = saved.get("weight_decay", 0)
+        # a saved group without momentum steps at the one filled in: its buffers are judged by it
+        judged = saved if "momentum" in saved else {**saved, "momentum": group.get("momentum")}
         for j, (pid, saved_buffers, p) in enumerate(zip(ids, states, own["params"])):
             owned.add(pid)
-            roles = _source_roles(family, saved, saved_buffers)
+            roles = _source_roles(family, judged, saved_buffers)
             _check_buffers(into.param_name(own, j), saved_buffers, roles)
             wanted = into.state_roles(candidate, p)
             carried = carry_buffers(saved_buffers, roles, wanted, group, source_decay)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class Muon(MatrixOptimizer):
     """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
 
-    Matrices are updated as ``torch.optim.Muon`` does (see docs/optimizers.md, "Update rules"). Groups
+    Matrices are updated as ``torch.optim.Muon`` does (see "Update rules" in docs/optimizers.md). Groups
     with ``use_muon=False`` (and, when a group does not say, parameters with fewer than 2 dims)
     are updated by AdamW; a parameter with fewer than 2 dims in a ``use_muon=True`` group is an
     error.

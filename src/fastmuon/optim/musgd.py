@@ -28,7 +28,7 @@ class MuSGD(MatrixOptimizer):
     A matrix (>=2D parameter) in a ``use_muon=True`` group takes, each step, ``lr·muon`` times its
     orthogonalised EMA momentum and then ``lr·sgd`` times an SGD step with coupled weight decay;
     a vector in such a group takes the SGD step alone at ``lr·sgd``; every parameter of a
-    ``use_muon=False`` group takes plain SGD at ``lr`` (see docs/optimizers.md, "Update rules"). As in
+    ``use_muon=False`` group takes plain SGD at ``lr`` (see "Update rules" in docs/optimizers.md). As in
     Ultralytics, a group that does not set ``use_muon`` takes the constructor's ``use_muon``
     (default False), so ``MuSGD(model.parameters())`` is plain SGD; :func:`fastmuon.param_groups`
     builds the usual split.
@@ -73,7 +73,7 @@ class MuSGD(MatrixOptimizer):
             parameter for the step (weights and state untouched, no host sync) or is "ignore"d.
         capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
             fused CPU kernel, no host-side NS range check), so that with ``nonfinite`` "skip" or
-            "ignore" a step can be captured in a CUDA graph (see the README's host-time section).
+            "ignore" a step can be captured in a CUDA graph (see "Host time" in docs/performance.md).
 
     The batched step runs a program built on the first step and reused while the parameters
     with gradients, their layouts and the equality classes of the groups' hyperparameters stay

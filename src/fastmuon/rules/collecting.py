@@ -11,6 +11,8 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from ..matrices import MatrixMap
+
 
 class CollectEnv(NamedTuple):
     """What a rule's ``collect`` needs of the optimizer it serves."""
@@ -18,6 +20,9 @@ class CollectEnv(NamedTuple):
     state: Any  # the optimizer's ``state``: per-parameter dicts, created on first use
     lr_value: Callable[[Any], Any]  # a group's ``lr`` as the step uses it (host number or tensor)
     check_grad: Callable[[dict[str, Any], int, Tensor], None]  # raises naming the parameter
+    # a group's matrix maps (the group, its index), checked against its parameters' shapes: a
+    # map may have been set on the group since it was added
+    maps: Callable[[dict[str, Any], int], list[MatrixMap]]
     capturable: bool  # state lives where a captured step can update it
     optimizer: str  # the optimizer's class name, for errors
 

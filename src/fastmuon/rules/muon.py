@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import maps_key, maps_of
+from ..matrices import maps_key
 from ..optim.checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 from ..optim.validation import ns_config
 from ..step.adamw import (
@@ -89,7 +89,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         config = ns_config(group)
         adjust = group["adjust_lr_fn"] or "original"
         eps = adamw_eps(group)
-        maps = maps_of(group.get("matrices"), len(group["params"]))
+        maps = env.maps(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):

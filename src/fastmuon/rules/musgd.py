@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import maps_key, maps_of
+from ..matrices import maps_key
 from ..optim.checkpoint import EMA, HEAVY_BALL, MUSGD
 from ..optim.validation import ns_config
 from ..step.matrix import (
@@ -76,7 +76,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         lr, beta, nesterov = env.lr_value(group["lr"]), group["momentum"], group["nesterov"]
         muon_group = group["use_muon"]
         config = ns_config(group)
-        maps = maps_of(group.get("matrices"), len(group["params"]))
+        maps = env.maps(group, gi)
         key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
         for j, p, grad, index in members:
             state = env.state[p]

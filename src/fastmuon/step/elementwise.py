@@ -81,7 +81,7 @@ def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
 
 
 def lr_scale(mode: str, shape: Sequence[int]) -> float:
-    """The per-matrix factor on the orthogonalised update (``s`` in the README's table)."""
+    """The per-matrix factor on the orthogonalised update (``s`` in "Update rules" in docs/optimizers.md)."""
     rows, cols = shape[0], math.prod(shape[1:])
     if mode == "ultralytics":  # on the raw tensor's last two dims: 1 for square conv kernels
         return math.sqrt(max(1.0, shape[-2] / shape[-1]))

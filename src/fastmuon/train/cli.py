@@ -9,7 +9,15 @@ import sys
 
 import torch
 
-from ..cli import STDOUT, UsageError, check_output_file, json_help, require_packages, write_json_output
+from ..cli import (
+    STDOUT,
+    UsageError,
+    check_output_file,
+    json_help,
+    plot_format_problem,
+    require_packages,
+    write_json_output,
+)
 from .contenders import WARMUP_FRACTION, parse_optimizers
 from .loop import RunResult, train_run
 from .tasks import TASKS, make_task
@@ -90,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         check_output_file("--plot", args.plot)
         require_packages("matplotlib")
+        problem = plot_format_problem(args.plot)
+        if problem:
+            raise UsageError(f"--plot {args.plot}: {problem}")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -1,8 +1,8 @@
 """The four optimizers compared, each with its stated, lightly tuned hyperparameters.
 
 Learning rates were picked per task from a small sweep at the default budget, seed 0 (about
-four values per contender and task, roughly x2 apart; the best validation loss won; see the
-README's training section). Everything else is the usual default for that optimizer: Nesterov
+four values per contender and task, roughly x2 apart; the best validation loss won; see
+docs/training.md). Everything else is the usual default for that optimizer: Nesterov
 momentum 0.9 and weight decay 5e-4 for the SGD family, betas (0.9, 0.95) for AdamW, momentum
 0.95 for Muon. All contenders share the learning-rate schedule in :func:`lr_multiplier`, the
 seed and the step budget.
