@@ -28,7 +28,7 @@ from reference_impl import (
 from torch import nn
 
 import fastmuon
-from fastmuon.distributed.exchange import local_shard
+from fastmuon.distributed.dtensor import local_shard
 from fastmuon.ns.device import cpu_low_precision
 
 F32 = torch.float32
@@ -454,13 +454,14 @@ def check_matrix_maps(group) -> None:
 # ----- prepared step programs reused across steps ----------------------------------------------
 def count_builds(opt) -> list[int]:
     """Counts the step programs ``opt`` builds (one entry per build)."""
-    builds, build = [], opt._make_program
+    driver = opt._driver
+    builds, build = [], driver._make_program
 
     def counted(*args, **kwargs):
         builds.append(1)
         return build(*args, **kwargs)
 
-    opt._make_program = counted  # the step looks the method up on the instance
+    driver._make_program = counted  # the step looks the method up on the instance
     return builds
 
 
@@ -505,14 +506,14 @@ def check_cached_against_fresh(name: str, make, grads_at) -> None:
                 continue
             if rank == last:
                 local_shard(picked.grad).view(-1)[0] = float("nan")
-            programs, before = list(opt._cache.programs), [x.clone() for x in local_tensors(opt, params)]
+            programs, before = list(opt._driver.cache.programs), [x.clone() for x in local_tensors(opt, params)]
             try:
                 opt.step()
             except FloatingPointError:
                 pass
             else:
                 raise AssertionError(f"{name}: a NaN on rank {last} was not refused on rank {rank}")
-            assert list(opt._cache.programs) == programs, f"{name}: a refused step changed the programs"
+            assert list(opt._driver.cache.programs) == programs, f"{name}: a refused step changed the programs"
             after = local_tensors(opt, params)
             assert all(torch.equal(a, b) for a, b in zip(after, before)), f"{name}: a refused step wrote"
         pairs = zip(local_tensors(kept, kept_net.parameters()), local_tensors(fresh, fresh_net.parameters()))
@@ -643,13 +644,13 @@ def check_one_ranks_misfit(group) -> None:
             if opt is fresh:
                 opt.invalidate()
             opt.step()
-        engines.append(next(iter(kept._cache.programs.values())).matrices.engine)
+        engines.append(next(iter(kept._driver.cache.programs.values())).matrices.engine)
         pairs = zip(local_tensors(kept, kept_params), local_tensors(fresh, fresh_params))
         assert all(torch.equal(a, b) for a, b in pairs), f"step {t} differs from fresh on rank {rank}"
     # the refit program takes the foreach path for that weight, which fits either layout after
     assert len(builds) == (2 if rank == last else 1), f"{len(builds)} programs built on rank {rank}"
     assert all(e is engines[0] for e in engines), "a refit program changed its engine"
-    assert len(kept._cache.programs) == 1
+    assert len(kept._driver.cache.programs) == 1
     if rank == 0:
         log("a gradient layout on one rank only: that rank refits its program alone, bitwise")
 

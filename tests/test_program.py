@@ -104,7 +104,7 @@ def test_a_tensor_lr_is_used_as_a_tensor():
         _set_grads(by_tensor, grads)
         floats.step()
         tensors.step()
-    assert len(tensors._cache.programs) == 1
+    assert len(tensors._driver.cache.programs) == 1
     for a, b in zip(by_float, by_tensor):
         assert rel_err(b.detach(), a.detach()) <= 1e-6
 
@@ -115,15 +115,15 @@ def test_gaining_and_losing_gradients_rebuilds_the_program():
     grads = make_grads(params, steps=3)
     _set_grads(params, grads[0])
     opt.step()
-    (first,) = opt._cache.programs.values()
+    (first,) = opt._driver.cache.programs.values()
     params[1].grad = None
     opt.step()
-    assert len(opt._cache.programs) == 2 and first not in [
-        opt._cache.programs[k] for k in list(opt._cache.programs)[1:]
+    assert len(opt._driver.cache.programs) == 2 and first not in [
+        opt._driver.cache.programs[k] for k in list(opt._driver.cache.programs)[1:]
     ]
     _set_grads(params, grads[2])
     opt.step()
-    assert len(opt._cache.programs) == 2  # the first program serves again
+    assert len(opt._driver.cache.programs) == 2  # the first program serves again
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
@@ -138,7 +138,7 @@ def test_a_kept_program_holds_no_gradient(cls):
     for p in params:
         p.grad = None
     gc.collect()
-    assert len(opt._cache.programs) == 1 and not any(g() is not None for g in grads)
+    assert len(opt._driver.cache.programs) == 1 and not any(g() is not None for g in grads)
 
 
 def test_load_state_dict_and_add_param_group_invalidate_the_program():

@@ -131,8 +131,8 @@ def is_conv1d(module: object) -> bool:
 def multihead_attention(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     """``nn.MultiheadAttention`` with equal q/k/v dims packs their projections in
     ``in_proj_weight`` ``(3E, E)``, rows in the order query, key, value."""
-    if isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim:
-        weight = module.in_proj_weight
+    if isinstance(module, nn.MultiheadAttention):
+        weight = module.in_proj_weight  # None where the dims differ (q, k and v weights apart)
         if weight is not None:
             e = module.embed_dim
             yield weight, MatrixMap(split=(e, e, e))

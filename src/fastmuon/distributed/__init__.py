@@ -1,1 +1,15 @@
-"""distributed"""
+"""Newton–Schulz across ranks: DDP-replicated parameters share the work, FSDP2-sharded ones are
+assembled at an owner and sent back; the optimizer hands the layer a context, never itself.
+
+- :mod:`.context`: the :class:`DistContext`, agreeing on a step, building its executor;
+- :mod:`.replicated`: the FLOP-balanced shares and their broadcasts (DDP);
+- :mod:`.sharded`: gather-to-owner and scatter-back of ``Shard(0)`` matrices (FSDP2);
+- :mod:`.dtensor`: DTensor facts and local shards;
+- :mod:`.inflight`: keeping every collective's tensors alive until it is done.
+"""
+
+from .dtensor import is_dtensor, local_shard
+from .replicated import CommStats, WorkUnit, assign_work, sub_plan
+from .sharded import shard_rows
+
+__all__ = ["CommStats", "WorkUnit", "assign_work", "is_dtensor", "local_shard", "shard_rows", "sub_plan"]

@@ -20,10 +20,9 @@ import torch
 from torch import Tensor
 
 from ..matrices import MatrixMapSpec, maps_of
-from ..step.nonfinite import zero_rejected_
-from ..step.program import Gather
 from . import device as compute
 from .device import compute_dtype, wider_dtype
+from .gather import Gather
 from .layout import memory_order
 from .newton_schulz import METHODS, Coefficients, CoefficientSpec, resolve_coefficients
 from .planner import (
@@ -736,3 +735,14 @@ def orthogonalize(
     for i, out in zip(live, outputs):
         results[i] = out
     return results
+
+
+def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:
+    """Zero the slots of a ``(B, R, C)`` bucket whose matrix is not kept (in place, one call).
+
+    ``keep``: one bool per slot (a vector, or 0-d tensors). A zero matrix orthogonalises to
+    zero, so a NaN never enters the batched Newton–Schulz.
+    """
+    keep = keep if isinstance(keep, Tensor) else torch.stack(list(keep))
+    rejected = ~keep.view(-1, 1, 1)
+    batch.masked_fill_(rejected, 0)

@@ -7,12 +7,9 @@ the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Optio
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import operator
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -21,31 +18,15 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from torch.utils.hooks import RemovableHandle
 
-from ..distributed.exchange import (
-    DistContext,
-    LocalShards,
-    agree_across_ranks,
-    begin_step,
-    build_distributed,
-    is_dtensor,
-    localize,
-)
-from ..distributed.exchange import local_shard as _local
-from ..distributed.inflight import InFlight
+from ..distributed.dtensor import local_shard as _local
 from ..matrices import MatrixMap, maps_of
 from ..ns import device
-from ..ns.calibrate import calibrated_cost_model
-from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout, spec_of
-from ..ns.planner import CostModel, Plan, plan_buckets
-from ..rules.collecting import CollectEnv
-from ..step.cache import StepCache
-from ..step.matrix import batch_order
-from ..step.nonfinite import NonFiniteGuard
-from ..step.program import Gather, StepProgram
+from ..ns.planner import Plan
+from ..step.collecting import ns_config
+from ..step.driver import StepDriver, StepEnv
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
 from .param_names import agree_on_names, restore_names
-from .state import drop_state_after, mark_state
 from .validation import (
     ArgumentTypeError,
     check_fraction,
@@ -53,25 +34,11 @@ from .validation import (
     check_nonnegative,
     check_param,
     check_tensor_lr,
-    ns_config,
     param_name,
 )
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-# per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
-_is_none = functools.partial(operator.is_, None)
-_is_sparse = operator.attrgetter("is_sparse")
-_grad_of = operator.attrgetter("grad")
-
-
-def _engine_key(whole: Any, config: NSConfig) -> Hashable:
-    """What an engine depends on for one matrix: its layout, dtype, device and NS settings
-    (a sharded matrix: its description, see fastmuon.distributed)."""
-    if isinstance(whole, Tensor):
-        return (whole.shape, whole.stride(), whole.dtype, whole.device, config)
-    return (whole, config)
 
 
 def _option(name: str) -> property:
@@ -111,16 +78,13 @@ class MatrixOptimizer(Optimizer):
         check_tensor_lr(defaults["lr"], "the constructor's lr")
         self.options = options
         self.process_group = process_group  # DDP: ranks share the NS work (see fastmuon.distributed)
-        self.state_initialised = False
-        self._cache = StepCache()
-        self._inflight = InFlight()  # this step's agreement collectives (see inflight.py)
-        self._orthogonalize_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._driver = StepDriver()
         super().__init__(params, defaults)
 
     @property
     def last_plan(self) -> Plan | None:
         """The plan of the last batched step (None before one)."""
-        return self._cache.last_plan
+        return self._driver.cache.last_plan
 
     # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -132,7 +96,7 @@ class MatrixOptimizer(Optimizer):
             # the group dict is stored (as in torch), but only once it has passed
             param_group["params"] = self._check_candidate(param_group)
         super().add_param_group(param_group)
-        self._cache.clear()
+        self._driver.cache.clear()
         restore_names(self.param_groups, held_names)
 
     def _check_candidate(self, param_group: dict[str, Any]) -> Any:
@@ -206,175 +170,40 @@ class MatrixOptimizer(Optimizer):
     # ----- the step ---------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One update of every parameter with a gradient.
-
-        The batched path runs a :class:`~fastmuon.step.program.StepProgram`, built on the first
-        step and again when the set of parameters with gradients, their layouts, the groups or
-        the equality classes of their hyperparameters change; a step reads the gradients and
-        the groups' hyperparameters and runs a fixed sequence of foreach and NS calls. In a
-        distributed run the set is the one the ranks agree on at every step (a gradient on any
-        rank; zeros stand in where a rank has none). ``foreach=False`` runs the reference loop.
-        """
+        """One update of every parameter with a gradient: the batched program the driver
+        prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
+        rule's per-parameter reference loop."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self.options.foreach is False:
-            self._reference_step()
-            return loss
-        cache = self._cache
-        pattern, scalars = self.rule.scalars(self.param_groups, self._lr_value)
-        compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
-        flat, sharded = cache.params(self.param_groups)
-        distributed = self.process_group is not None or sharded
-        agree = self._agree if distributed else None
-        params = grads = program = stale = None
-        if distributed and self.state_initialised:
-            # the ranks agree on which parameters step with a collective, hit or miss; with the
-            # state made, preparing creates nothing a refusal would have to take back
-            params, grads = self._step_grads(flat, sharded)
-        elif not distributed and not compiling:
-            grads = list(map(_grad_of, flat))
-        if grads is not None and not compiling:
-            program = cache.program((tuple(map(_is_none, grads)), pattern))
-        if program is not None:
-            live = program.live(grads)
-            if not program.fits(live) or any(map(_is_sparse, live)):
-                program, stale = None, program
-            else:
-                keep = program.guard.keep(live, program.name_of(self._param_name), agree)
-        if program is None:
-            with self._refusal_leaves_no_state():
-                if params is None:
-                    params, grads = self._step_grads(flat, sharded)
-                key = (tuple(g is None for g in grads), pattern)
-                engine = stale.matrices.engine if stale is not None and stale.matrices is not None else None
-                program = self._make_program(params, grads, pattern, sharded, engine)
-                live = program.live(grads)
-                keep = program.guard.keep(live, program.name_of(self._param_name), agree)
-            if not compiling:
-                cache.remember(key, program)
-        if program.matrices is not None and program.matrices.params:
-            cache.last_plan = program.plan
-        saved = program.guard.snapshot(keep) if keep is not None else None
-        try:
-            program.run(live, scalars, keep, self._orthogonalize_hooks)
-        finally:
-            if saved is not None:
-                program.guard.restore(saved, keep)
+            self._driver.reference_step(self._step_env())
+        else:
+            self._driver.step(self._step_env())
         return loss
 
-    @contextlib.contextmanager
-    def _refusal_leaves_no_state(self) -> Iterator[None]:
-        """A step refused while preparing (a bad or non-finite gradient) leaves the optimizer as
-        it was: no zero buffers for parameters it never stepped. No program over them remains
-        either: a program is remembered only once its step is accepted (so, in a distributed
-        run, every rank remembers the same programs: a refusal on one rank changes none)."""
-        mark = mark_state(self.state)
-        initialised = self.state_initialised
-        try:
-            yield
-        except BaseException:
-            drop_state_after(self.state, mark)
-            self.state_initialised = initialised
-            raise
-
-    def _step_grads(self, flat: list[Tensor], sharded: bool) -> tuple[list[Tensor], list[Tensor | None]]:
-        """Every parameter and its gradient this step (zeros where only another rank has one)."""
-        zero_grads = {}
-        if self.process_group is not None or sharded:
-            self._inflight.settle()  # the last step's (finished long ago)
-            if not self.state_initialised:
-                self.init_state()  # every rank holds every parameter's state (rank-symmetric)
-            zero_grads = begin_step(self._dist_context(), flat, sharded)
-        grads = [p.grad for p in flat]
-        if zero_grads:
-            grads = [zero_grads.get(p) if g is None else g for p, g in zip(flat, grads)]
-        return flat, grads
-
-    def _collect(self, grads: Sequence[Tensor | None]) -> Any:
-        """This step's work items (the rule's ``Items``), creating missing state."""
-        env = CollectEnv(
+    def _step_env(self) -> StepEnv:
+        return StepEnv(
+            self.param_groups,
             self.state,
+            self.rule,
+            self.options,
+            self.process_group,
+            type(self).__name__,
+            self._param_name,
             self._lr_value,
             self._check_grad,
-            lambda group, index: self._check_matrix_maps(group, f"param group {index}"),
-            self.options.capturable,
-            type(self).__name__,
-        )
-        return self.rule.collect(self.param_groups, grads, env)
-
-    def _make_program(
-        self,
-        params: list[Tensor],
-        grads: list[Tensor | None],
-        pattern: Any,
-        sharded: bool,
-        engine: Any = None,
-    ) -> StepProgram:
-        """The program for this step's ``params`` and ``grads`` (zeros where only another rank
-        has one). ``engine``: the orthogonalizer of a program for the same key that no longer
-        fits this step's layouts (its matrices are the same); reusing it leaves the engine cache
-        untouched, which in a distributed run must change alike on every rank (building an
-        engine takes a collective), while a misfit is one rank's own."""
-        items = self._collect(grads)
-        if sharded:
-            for part in items:
-                localize(part, type(self).__name__)
-        engine_for = self._engine if engine is None else (lambda _params, _configs, _wholes: engine)
-        positions = [k for k, g in enumerate(grads) if g is not None]
-        owners = [(g, j) for g in self.param_groups for j in range(len(g["params"]))]
-        live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
-        skipping = self.options.nonfinite == "skip"
-        local = [_local(params[k]) for k in positions] if skipping else ()
-        states = (
-            [{k: _local(v) for k, v in self.state[params[k]].items()} for k in positions] if skipping else ()
-        )
-        return StepProgram(
-            self.rule.build(items, pattern, engine_for, self.options),
-            Gather(positions),
-            NonFiniteGuard(self.options.nonfinite, live_grads, local, states),
-            [owners[k] for k in positions],
-            shards=LocalShards([params[k] for k in positions]) if sharded else None,
+            self._maps_of,
         )
 
-    def _agree(self, keep: Tensor) -> Tensor:
-        """Every rank's verdict on its gradients combined: a NaN may sit in one rank's shard only."""
-        return agree_across_ranks(keep, self.process_group, self._inflight)
+    def _maps_of(self, group: dict[str, Any], index: int) -> list[MatrixMap]:
+        return self._check_matrix_maps(group, f"param group {index}")
 
     def invalidate(self) -> None:
         """Forget the prepared step programs (done by ``add_param_group`` and ``load_state_dict``;
         call it after replacing state tensors or a group's ``params`` list by hand)."""
-        self._cache.forget_programs()
-
-    def _reference_step(self) -> None:
-        with self._refusal_leaves_no_state():
-            flat, sharded = self._cache.params(self.param_groups)
-            params, grads = self._step_grads(flat, sharded)
-            items = self._collect(grads)
-            if sharded and any(
-                is_dtensor(i.param) or getattr(i, "whole", None) is not None for part in items for i in part
-            ):
-                raise ValueError(
-                    f"{type(self).__name__}(foreach=False) is the per-parameter reference path and "
-                    "cannot orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
-                )
-            guard, keep, saved = None, None, None
-            if self.options.nonfinite != "ignore":
-                live = [k for k, g in enumerate(grads) if g is not None]
-                owners = [(g, j) for g in self.param_groups for j in range(len(g["params"]))]
-                live_params = [params[k] for k in live]
-                states = [self.state[p] for p in live_params] if self.options.nonfinite == "skip" else ()
-                guard = NonFiniteGuard(self.options.nonfinite, [grads[k] for k in live], live_params, states)
-                distributed = self.process_group is not None or sharded
-                name = lambda k: self._param_name(*owners[live[k]])  # noqa: E731
-                keep = guard.keep([grads[k] for k in live], name, self._agree if distributed else None)
-                saved = guard.snapshot(keep) if keep is not None else None
-        try:
-            self.rule.reference(items)
-        finally:
-            if saved is not None:
-                guard.restore(saved, keep)  # type: ignore[union-attr]
+        self._driver.cache.forget_programs()
 
     def init_state(self) -> None:
         """Create every parameter's state (zeros) now, as its first step would.
@@ -382,58 +211,12 @@ class MatrixOptimizer(Optimizer):
         Distributed steps call it on the first step, so state dicts are rank-symmetric; call it
         on a fresh optimizer before loading a ``torch.distributed.checkpoint`` into its state dict.
         """
-        flat, _ = self._cache.params(self.param_groups)
-        self._collect(list(flat))
-        self.state_initialised = True
+        self._driver.init_state(self._step_env())
 
-    # ----- the batching plan --------------------------------------------------------------
-    def _engine(self, params: Sequence[Tensor], configs: Sequence[NSConfig], wholes: Sequence[Any]) -> Any:
-        """The cached engine for these matrices in this order (built on first sight)."""
-        policy = self.options.policy
-        key = (policy, tuple(map(_engine_key, wholes, configs)))
-        return self._cache.engine(key, lambda: self._build(params, configs, wholes, policy))
-
-    @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
-    def _build(self, params, configs, wholes, policy) -> Any:
-        if self.process_group is not None or any(w is not p for w, p in zip(wholes, params)):
-            return build_distributed(self._dist_context(), params, configs, wholes, policy)
-        return self._build_local(params, configs, policy)
-
-    def _build_local(self, params, configs, policy) -> Orthogonalizer:
-        """The engine for matrices this process orthogonalises alone."""
-        layouts = [TensorLayout.of(p) for p in params]
-        specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
-        cost_model = self.options.cost_model
-        if cost_model == "calibrate" and specs:
-            cost_model = calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
-        plan = plan_buckets(
-            specs,
-            policy=policy,
-            steps=max((c.steps for c in configs), default=5),
-            max_bucket_bytes=self.options.max_bucket_bytes,
-            cost_model=cost_model if isinstance(cost_model, CostModel) else None,
-        )
-        configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
-        # the step applies the results at once, so they may be views into reused buffers
-        return Orthogonalizer(
-            plan,
-            layouts,
-            configs_by_key,
-            compile=self.options.compile,
-            result_views=True,
-            host_reads=not self.options.capturable,
-        )
-
-    def _dist_context(self) -> DistContext:
-        return DistContext(
-            self.process_group,
-            self._inflight,
-            self.options,
-            type(self).__name__,
-            self.param_groups,
-            self._param_name,
-            self._build_local,
-        )
+    @property
+    def state_initialised(self) -> bool:
+        """Whether every parameter's state exists (made by :meth:`init_state`)."""
+        return self._driver.initialised
 
     def plan(self) -> Plan:
         """The batching plan of the last step.
@@ -443,25 +226,15 @@ class MatrixOptimizer(Optimizer):
         why, where nothing is batched: with ``foreach=False`` (the per-parameter loop) and in a
         distributed run before its first step (building a plan there takes every rank).
         """
-        if self._cache.last_plan is not None:
-            return self._cache.last_plan
+        plan = self._driver.plan(self._step_env())
+        if plan is not None:
+            return plan
         if self.options.foreach is False:
-            return self._empty_plan("foreach=False runs the per-parameter loop, nothing is batched")
-        flat, sharded = self._cache.params(self.param_groups)
-        if self.process_group is not None or sharded:
-            return self._empty_plan("no step taken yet (a distributed plan is built by the first step)")
-        mark = mark_state(self.state)
-        try:
-            matrices = self._collect([p.grad for p in flat]).matrices
-        finally:
-            drop_state_after(self.state, mark)
-        ordered = [item for part in batch_order(matrices) for item in part]
-        if not ordered:
-            return self._empty_plan("no step taken yet, and no matrix has a gradient")
-        params = [i.param for i in ordered]
-        return self._build(params, [i.config for i in ordered], params, self.options.policy).plan
-
-    def _empty_plan(self, note: str) -> Plan:
+            note = "foreach=False runs the per-parameter loop, nothing is batched"
+        elif self.process_group is not None or self._driver.cache.params(self.param_groups)[1]:
+            note = "no step taken yet (a distributed plan is built by the first step)"
+        else:
+            note = "no step taken yet, and no matrix has a gradient"
         steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
         return Plan((), 0, self.options.policy, steps, self.options.max_bucket_bytes, note)
 
@@ -469,22 +242,22 @@ class MatrixOptimizer(Optimizer):
     def orthogonalizers(self) -> list[Any]:
         """The cached Newton–Schulz executors, least recently used first. Each has ``plan`` and
         ``workspaces()``; in a distributed run also ``stats`` (the last call's
-        :class:`~fastmuon.distributed.exchange.CommStats`) and ``profile`` (set True to time NS
+        :class:`~fastmuon.distributed.replicated.CommStats`) and ``profile`` (set True to time NS
         and communication apart, at the cost of a synchronisation)."""
-        return list(self._cache.engines.values())
+        return list(self._driver.cache.engines.values())
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor the cached executors keep between steps (bucket buffers, NS scratch,
         exchange buffers): memory the optimizer holds beyond its state."""
-        return [t for engine in self._cache.engines.values() for t in engine.workspaces()]
+        return [t for engine in self._driver.cache.engines.values() for t in engine.workspaces()]
 
     def register_orthogonalize_hook(self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]):
         """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
         it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
         For timing and inspection (a hook must not change the results). Returns a handle whose
         ``remove()`` takes the hook out again, as torch's optimizer hooks do."""
-        handle = RemovableHandle(self._orthogonalize_hooks)
-        self._orthogonalize_hooks[handle.id] = hook
+        handle = RemovableHandle(self._driver.hooks)
+        self._driver.hooks[handle.id] = hook
         return handle
 
     # ----- state --------------------------------------------------------------------------
@@ -540,7 +313,7 @@ class MatrixOptimizer(Optimizer):
             where = _local(p).device if self.options.capturable else torch.device("cpu")
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != where):
                 state["step"] = step.to(where, torch.float32)
-        self._cache.clear()
+        self._driver.cache.clear()
 
     # ----- copies: copy.deepcopy and pickle ---------------------------------------------------
     def _copied_state(self) -> dict[str, Any]:
@@ -551,8 +324,8 @@ class MatrixOptimizer(Optimizer):
         state.update(
             options=self.options,
             process_group=self.process_group,
-            last_plan=self._cache.last_plan,
-            state_initialised=self.state_initialised,
+            last_plan=self._driver.cache.last_plan,
+            state_initialised=self._driver.initialised,
         )
         return state
 
@@ -595,16 +368,18 @@ class MatrixOptimizer(Optimizer):
         super().__setstate__(state)
         attributes = self.__dict__
         attributes["options"] = options
-        attributes.update(extras)
+        if "process_group" in extras:
+            attributes["process_group"] = extras["process_group"]
         attributes.setdefault("process_group", None)
-        attributes.setdefault("state_initialised", False)
-        if "_cache" in attributes:
-            attributes["_cache"].forget_programs()
+        driver = attributes.get("_driver")
+        if driver is None:  # a copy holds no other optimizer's collectives, caches or hooks
+            attributes["_driver"] = StepDriver(
+                extras.get("last_plan"), extras.get("state_initialised", False)
+            )
         else:
-            attributes["_cache"] = StepCache(attributes.pop("last_plan", None))
-        attributes.pop("last_plan", None)
-        attributes.setdefault("_inflight", InFlight())  # a copy holds no other optimizer's collectives
-        attributes.setdefault("_orthogonalize_hooks", OrderedDict())  # hooks are not copied (as torch's)
+            driver.cache.forget_programs()
+            if "state_initialised" in extras:
+                driver.initialised = extras["state_initialised"]
 
     def __repr__(self) -> str:
         """torch's layout (class, then each group's hyperparameters), with the per-parameter lists

@@ -58,17 +58,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..rules.roles import ADAM, ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, HEAVY_BALL, MUON, MUSGD, SGD
 from .state import check_state_layout
 
-EMA = "ema"
-HEAVY_BALL = "heavy_ball"
-ADAM_AVG = "adam_avg"
-ADAM_AVG_SQ = "adam_avg_sq"
-ADAM_STEP = "adam_step"
 _ADAM_ROLES = (ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP)
 
 # The group keys each known optimizer family's step reads.
-SGD, ADAM, MUON, MUSGD = "sgd", "adam", "muon", "musgd"
 FAMILY_KEYS = {
     SGD: frozenset(
         {

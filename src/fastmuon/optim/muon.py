@@ -60,7 +60,7 @@ class Muon(MatrixOptimizer):
         foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter loop.
         compile, max_bucket_bytes, cost_model: as in :class:`~fastmuon.MuSGD`.
         process_group: DDP: ranks split the Newton–Schulz work; FSDP2 DTensor parameters are
-            detected without it (see :mod:`fastmuon.distributed.exchange`).
+            detected without it (see :mod:`fastmuon.distributed`).
         nonfinite: what a NaN/Inf gradient does ("raise" by default, "skip" or "ignore"), as in
             :class:`~fastmuon.MuSGD`.
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections

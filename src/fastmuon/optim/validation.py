@@ -3,13 +3,10 @@ is wrong and the fix."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 from torch import Tensor
-
-from ..ns.engine import NSConfig
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -45,39 +42,6 @@ def check_tensor_lr(lr: Any, where: str) -> None:
             f"Tensor lr must be 1-element, got shape {tuple(lr.shape)} in {where} "
             "(pass a float or a one-element tensor)"
         )
-
-
-def ns_config(group: dict[str, Any]) -> NSConfig:
-    """The Newton–Schulz settings of a group."""
-    return ns_config_of(
-        group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
-    )
-
-
-def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: Any) -> NSConfig:
-    """:meth:`NSConfig.make` of a group's values, made once per distinct values: a step reads
-    every group's config, and making one resolves and checks its coefficients."""
-    if not (_plain(steps) and _plain(eps) and _plain(coefficients)):  # a tensor may change in place
-        return NSConfig.make(steps, coefficients, eps, dtype, method)
-    try:
-        # the types too: equal values of other types (5 and 5.0) make configs that differ
-        return _cached_ns_config(type(steps), steps, coefficients, type(eps), eps, dtype, method)
-    except TypeError as e:
-        if "unhashable" not in str(e):
-            raise
-        return NSConfig.make(steps, coefficients, eps, dtype, method)
-
-
-def _plain(value: Any) -> bool:
-    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
-    if isinstance(value, tuple):
-        return all(map(_plain, value))
-    return type(value) in (str, int, float, bool)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_ns_config(_steps_type, steps, coefficients, _eps_type, eps, dtype, method) -> NSConfig:
-    return NSConfig.make(steps, coefficients, eps, dtype, method)
 
 
 def param_name(groups: list[dict[str, Any]], group: dict[str, Any], j: int) -> str:

@@ -13,8 +13,6 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from ..matrices import maps_key
-from ..optim.checkpoint import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
-from ..optim.validation import ns_config
 from ..step.adamw import (
     AdamWClasses,
     AdamWItem,
@@ -23,6 +21,7 @@ from ..step.adamw import (
     adamw_state,
     single_tensor_adamw,
 )
+from ..step.collecting import CollectEnv, live_params, ns_config
 from ..step.matrix import (
     EngineFor,
     MatrixItem,
@@ -32,7 +31,7 @@ from ..step.matrix import (
     single_tensor_matrix_update,
 )
 from ..step.program import classes
-from .collecting import CollectEnv, live_params
+from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
 

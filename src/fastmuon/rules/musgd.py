@@ -14,8 +14,7 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from ..matrices import maps_key
-from ..optim.checkpoint import EMA, HEAVY_BALL, MUSGD
-from ..optim.validation import ns_config
+from ..step.collecting import CollectEnv, live_params, ns_config
 from ..step.matrix import (
     EngineFor,
     MatrixItem,
@@ -27,7 +26,7 @@ from ..step.matrix import (
 )
 from ..step.program import classes
 from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
-from .collecting import CollectEnv, live_params
+from .roles import EMA, HEAVY_BALL, MUSGD
 
 family = MUSGD
 

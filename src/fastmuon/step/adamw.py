@@ -15,8 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable, partition
-from .program import Gather, Scalar, strides_of
+from .program import Scalar, strides_of
 
 
 @dataclass

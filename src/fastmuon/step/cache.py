@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..distributed.exchange import is_dtensor
+from ..distributed.dtensor import is_dtensor
 from ..ns.planner import Plan
 
 #: How many programs (and executors) are kept: a run alternates between a few step shapes at most

@@ -14,13 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed.exchange import is_dtensor, sharded_pieces
+from ..distributed.dtensor import is_dtensor
+from ..distributed.sharded import sharded_pieces
 from ..matrices import MatrixMap
 from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
+from ..ns.gather import Gather
 from ..ns.newton_schulz import newton_schulz
 from .elementwise import ema_momentum_, ema_momentum_cast_, lr_scale, partition
-from .program import Gather, Scalar, apply_scaled_, scale_limit
+from .program import Scalar, apply_scaled_, scale_limit
 
 
 @dataclass

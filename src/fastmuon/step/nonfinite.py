@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from ..ns import device as compute
+from ..ns.gather import Gather
 from ..ns.layout import memory_order
-from .program import Gather
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
@@ -94,17 +94,6 @@ def raise_if_nonfinite(
             "Find the cause (learning rate, loss scale, data), use torch.amp.GradScaler for fp16 "
             "training, or pass nonfinite='skip' to leave such parameters untouched for the step"
         )
-
-
-def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:
-    """Zero the slots of a ``(B, R, C)`` bucket whose matrix is not kept (in place, one call).
-
-    ``keep``: one bool per slot (a vector, or 0-d tensors). A zero matrix orthogonalises to
-    zero, so a NaN never enters the batched Newton–Schulz.
-    """
-    keep = keep if isinstance(keep, Tensor) else torch.stack(list(keep))
-    rejected = ~keep.view(-1, 1, 1)
-    batch.masked_fill_(rejected, 0)
 
 
 def _memory_view(t: Tensor) -> Tensor | None:

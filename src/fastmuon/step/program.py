@@ -11,13 +11,13 @@ the values once per param group and runs a fixed sequence of foreach and NS call
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from operator import itemgetter
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..ns import device as compute
+from ..ns.gather import Gather
 
 #: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
 Scalar = Any
@@ -34,29 +34,6 @@ def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
     """Each tensor's strides (read every step by the fused paths' layout checks: ``map`` over the
     method runs no Python frame per tensor)."""
     return list(map(Tensor.stride, tensors))
-
-
-class Gather:
-    """Picks fixed positions out of a per-step list (e.g. the gradients of one foreach call)."""
-
-    __slots__ = ("indices", "_pick")
-
-    def __init__(self, indices: Sequence[int]):
-        self.indices = list(indices)
-        if len(self.indices) == 1:
-            (only,) = self.indices
-            self._pick = lambda seq: [seq[only]]
-        elif self.indices:
-            getter = itemgetter(*self.indices)
-            self._pick = lambda seq: list(getter(seq))
-        else:
-            self._pick = lambda seq: []
-
-    def __call__(self, seq: Sequence[Any]) -> list[Any]:
-        return self._pick(seq)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 def scale_limit(device: torch.device) -> int:
@@ -114,7 +91,7 @@ class StepProgram:
     ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
     ``guard`` (:class:`~fastmuon.step.nonfinite.NonFiniteGuard`) handles NaN/Inf gradients;
     ``owners`` (``(group, j)`` each) name the parameters in errors; ``shards`` (sharded
-    parameters: :class:`~fastmuon.distributed.exchange.LocalShards`) the local tensors the
+    parameters: :class:`~fastmuon.distributed.dtensor.LocalShards`) the local tensors the
     program updates, whose gradients a step takes as local shards too.
     """
 

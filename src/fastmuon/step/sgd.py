@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable, partition
-from .program import Gather, Scalar, apply_scaled_, scale_limit, strides_of
+from .program import Scalar, apply_scaled_, scale_limit, strides_of
 
 
 @dataclass

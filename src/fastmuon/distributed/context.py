@@ -1,0 +1,207 @@
+"""What an optimizer hands the distributed layer (a :class:`DistContext`, never itself), and
+what the layer does with it: agree on which parameters step, combine the ranks' verdicts on
+non-finite gradients, and build the step's NS executor (replicated or sharded).
+
+Everything is ``torch.distributed``; the only assumption is that all ranks step the same set of
+parameters, which :func:`begin_step` enforces with one small all_reduce per step. Every
+collective goes through an :class:`~fastmuon.distributed.inflight.InFlight`, and exchange buffers
+persist between steps: nothing a collective touched is freed by the process group's own threads.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..ns.build import plan_for, resolve_cost_model
+from ..ns.engine import NSConfig, TensorLayout, spec_of
+from ..ns.planner import Plan
+from .dtensor import is_dtensor, local_shard
+from .inflight import InFlight
+from .replicated import ReplicatedOrthogonalizer
+from .sharded import (
+    ShardedMatrix,
+    ShardedOrthogonalizer,
+    SplitShardedOrthogonalizer,
+    contiguous_layout,
+    shard0_on_1d_mesh,
+)
+
+
+# ----- the optimizer side: building, agreeing, localising ------------------------------------
+@dataclass(frozen=True)
+class DistContext:
+    """What an optimizer hands the distributed layer (never itself): the ranks, the keeper of
+    in-flight collectives, its settings, and how to name a parameter or build a local engine."""
+
+    process_group: Any  # DDP: the ranks that share the NS work; None under FSDP2 (the mesh's)
+    inflight: InFlight  # holds every collective's tensors until the next step settles them
+    options: Any  # the optimizer's Options: cost model, compile, bucket cap
+    optimizer: str  # the optimizer's class name, for errors
+    groups: list[dict[str, Any]]  # its param groups, to name parameters in errors
+    param_name: Callable[[dict[str, Any], int], str]
+    build_local: Callable[[Sequence[Tensor], Sequence[NSConfig], str], Any]  # an engine of this rank's own
+
+
+def build_distributed(
+    ctx: DistContext,
+    params: Sequence[Tensor],
+    configs: Sequence[NSConfig],
+    wholes: Sequence[Any],
+    policy: str,
+):
+    """The orthogonalizer for a step's matrices: sharded if they are DTensors (or matrices cut
+    out of DTensors: ``wholes`` holds what each matrix is whole), else replicated."""
+    sharded = [is_dtensor(g) or isinstance(g, ShardedMatrix) for g in wholes]
+    if any(sharded) and not all(sharded):
+        raise ValueError(
+            "some matrix parameters are FSDP2 DTensors and some are plain tensors; "
+            f"{ctx.optimizer} needs all of them sharded (apply fully_shard to the root module too)"
+        )
+    if all(sharded) and params:
+        group = mesh_group(ctx)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        matrices = [
+            g if isinstance(g, ShardedMatrix) else ShardedMatrix.of(g, p, world)
+            for g, p in zip(wholes, params)
+        ]
+        spread = [i for i, m in enumerate(matrices) if m.spread]
+        mine = [i for i, m in enumerate(matrices) if not m.spread and m.rows[rank]]
+        exchanged = None
+        if spread:  # the same list on every rank: computed from global shapes alone
+            # the planner sees each matrix whole; its device and dtype are the local shard's
+            specs = [
+                spec_of(
+                    torch.empty(0, dtype=params[i].dtype, device=params[i].device),
+                    configs[i],
+                    contiguous_layout(matrices[i].shape),
+                )
+                for i in spread
+            ]
+            plan = _plan(ctx, specs, [configs[i] for i in spread], policy, group)
+            configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
+            exchanged = ShardedOrthogonalizer(
+                plan,
+                [matrices[i] for i in spread],
+                configs_by_key,
+                group,
+                compile=ctx.options.compile,
+                host_reads=not ctx.options.capturable,
+            )
+            if len(spread) == len(params):
+                return exchanged
+        local = (
+            ctx.build_local([params[i] for i in mine], [configs[i] for i in mine], policy) if mine else None
+        )
+        return SplitShardedOrthogonalizer(exchanged, spread, local, mine, len(params))
+    layouts = [TensorLayout.of(p) for p in params]
+    specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
+    plan = _plan(ctx, specs, configs, policy, ctx.process_group)
+    configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+    return ReplicatedOrthogonalizer(
+        plan,
+        layouts,
+        configs_by_key,
+        ctx.process_group,
+        compile=ctx.options.compile,
+        host_reads=not ctx.options.capturable,
+    )
+
+
+def _plan(ctx: DistContext, specs, configs, policy, group) -> Plan:
+    """The plan every rank builds alike: what varies by rank and steers the planner (a
+    calibrated cost model, the thread count that prices eigendecompositions) is rank 0's,
+    sent to all."""
+    box: list[Any] = [resolve_cost_model(ctx.options.cost_model, specs), torch.get_num_threads()]
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    device = specs[0].device if specs else torch.device("cpu")
+    cost_model, threads = _broadcast_object(box, src, group, ctx.inflight, device)
+    return plan_for(specs, configs, policy, cost_model, ctx.options.max_bucket_bytes, threads)
+
+
+def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: torch.device) -> Any:
+    """``obj`` as rank ``src`` (a global rank) has it, on every rank: ``broadcast_object_list``'s
+    pickle and two broadcasts, with the buffers held by ``inflight`` (see inflight.py)."""
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    data = pickle.dumps(obj) if dist.get_rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    inflight.issue(dist.broadcast, size, src=src, group=group)
+    inflight.wait()
+    payload = (
+        torch.tensor(list(data), dtype=torch.uint8) if data else torch.empty(int(size), dtype=torch.uint8)
+    )
+    payload = payload.to(device)
+    inflight.issue(dist.broadcast, payload, src=src, group=group)
+    inflight.wait()
+    return pickle.loads(bytes(payload.tolist()))
+
+
+def mesh_group(ctx: DistContext) -> dist.ProcessGroup:
+    """The process group of the mesh every sharded parameter lives on (checked: Shard(0), 1-D)."""
+    mesh = None
+    for group in ctx.groups:
+        for j, p in enumerate(group["params"]):
+            if not is_dtensor(p):
+                continue
+            mesh = p.device_mesh if mesh is None else mesh
+            if not shard0_on_1d_mesh(p):
+                raise ValueError(
+                    f"{ctx.param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
+                    f"on a {p.device_mesh.ndim}-D mesh; {ctx.optimizer} supports FSDP2's "
+                    "Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP)"
+                )
+            if p.device_mesh != mesh:
+                raise ValueError(
+                    f"{ctx.param_name(group, j)} lives on another device mesh than the first "
+                    "sharded parameter; shard all parameters over one mesh"
+                )
+    assert mesh is not None, "no sharded parameter"
+    return mesh.get_group()
+
+
+def step_group(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dist.ProcessGroup | None:
+    """The group the ranks agree on: the DTensors' mesh if any, else the optimizer's process group."""
+    if sharded:
+        for p in params:
+            if is_dtensor(p):
+                return p.device_mesh.get_group()
+    return ctx.process_group
+
+
+def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
+    """Every rank's keep flags combined (finite only where finite on every rank), one
+    all-reduce (held by ``inflight``, see inflight.py)."""
+    ok = torch.stack([f.to(keep[0].device) for f in keep]).float()
+    inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
+    inflight.wait()
+    return ok > 0.5
+
+
+def begin_step(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dict[Tensor, Tensor]:
+    """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
+
+    A parameter steps on every rank if any rank has a gradient for it (a rank without one
+    treats it as zero), so all ranks build the same plan and issue the same collectives.
+    ``ctx.inflight`` keeps the all_reduce's buffer until the next step settles it.
+    """
+    if not params:
+        return {}
+    group = step_group(ctx, params, sharded)
+    device = local_shard(params[0]).device
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    ctx.inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    ctx.inflight.wait()
+    zeros = {}
+    for p, anywhere in zip(params, has.tolist()):
+        if anywhere and p.grad is None:
+            zeros[p] = torch.zeros_like(p)
+    return zeros

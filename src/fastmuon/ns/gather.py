@@ -1,0 +1,31 @@
+"""Picking fixed positions out of a per-step list: how a prepared step finds its tensors among
+a step's gradients without a Python loop per tensor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+
+class Gather:
+    """Picks fixed positions out of a per-step list (e.g. the gradients of one foreach call)."""
+
+    __slots__ = ("indices", "_pick")
+
+    def __init__(self, indices: Sequence[int]):
+        self.indices = list(indices)
+        if len(self.indices) == 1:
+            (only,) = self.indices
+            self._pick = lambda seq: [seq[only]]
+        elif self.indices:
+            getter = itemgetter(*self.indices)
+            self._pick = lambda seq: list(getter(seq))
+        else:
+            self._pick = lambda seq: []
+
+    def __call__(self, seq: Sequence[Any]) -> list[Any]:
+        return self._pick(seq)
+
+    def __len__(self) -> int:
+        return len(self.indices)

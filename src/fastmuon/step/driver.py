@@ -1,0 +1,292 @@
+"""Running a step: find or prepare its program, check its gradients, run it; or run the rule's
+per-parameter reference. Everything the driver needs of the optimizer comes in a :class:`StepEnv`.
+
+A program is prepared on the first step and again when the set of parameters with gradients,
+their layouts, the groups or the equality classes of their hyperparameters change; a later step
+reads the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and NS
+calls. In a distributed run the set is the one the ranks agree on at every step (a gradient on
+any rank; zeros stand in where a rank has none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..distributed.context import DistContext, agree_across_ranks, begin_step, build_distributed
+from ..distributed.dtensor import LocalShards, is_dtensor, localize
+from ..distributed.dtensor import local_shard as _local
+from ..distributed.inflight import InFlight
+from ..ns.build import build_orthogonalizer
+from ..ns.engine import NSConfig
+from ..ns.gather import Gather
+from ..ns.planner import Plan
+from .cache import StepCache
+from .collecting import CollectEnv
+from .matrix import batch_order
+from .nonfinite import NonFiniteGuard
+from .program import StepProgram
+from .state_marks import drop_state_after, mark_state
+
+# per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
+_is_none = functools.partial(operator.is_, None)
+_is_sparse = operator.attrgetter("is_sparse")
+_grad_of = operator.attrgetter("grad")
+
+
+class StepEnv(NamedTuple):
+    """What the driver reads of the optimizer for one call (never the optimizer itself)."""
+
+    groups: list[dict[str, Any]]
+    state: Any  # per-parameter state dicts (a defaultdict: made on first use)
+    rule: Any  # a module of fastmuon.rules
+    options: Any  # the optimizer's Options
+    process_group: Any  # DDP's, or None
+    optimizer: str  # its class name, for errors
+    param_name: Callable[[dict[str, Any], int], str]
+    lr_value: Callable[[Any], Any]
+    check_grad: Callable[[dict[str, Any], int, Tensor], None]
+    check_maps: Callable[[dict[str, Any], int], list]  # (group, index) -> its checked matrix maps
+
+
+def _engine_key(whole: Any, config: NSConfig) -> Hashable:
+    """What an engine depends on for one matrix: its layout, dtype, device and NS settings
+    (a sharded matrix: its description, see fastmuon.distributed)."""
+    if isinstance(whole, Tensor):
+        return (whole.shape, whole.stride(), whole.dtype, whole.device, config)
+    return (whole, config)
+
+
+class StepDriver:
+    """One optimizer's steps: its cache of programs and executors, the keeper of its in-flight
+    collectives, the hooks around its NS, and whether every parameter's state exists yet."""
+
+    def __init__(self, last_plan: Plan | None = None, initialised: bool = False):
+        self.cache = StepCache(last_plan)
+        self.inflight = InFlight()  # this step's agreement collectives (see inflight.py)
+        self.hooks: OrderedDict[int, Callable] = OrderedDict()
+        self.initialised = initialised  # distributed steps make every parameter's state first
+
+    def step(self, env: StepEnv) -> None:
+        """One batched update of every parameter with a gradient."""
+        cache = self.cache
+        pattern, scalars = env.rule.scalars(env.groups, env.lr_value)
+        compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
+        flat, sharded = cache.params(env.groups)
+        distributed = env.process_group is not None or sharded
+        agree = functools.partial(self._agree, env.process_group) if distributed else None
+        params = grads = program = stale = None
+        if distributed and self.initialised:
+            # the ranks agree on which parameters step with a collective, hit or miss; with the
+            # state made, preparing creates nothing a refusal would have to take back
+            params, grads = self._step_grads(env, flat, sharded)
+        elif not distributed and not compiling:
+            grads = list(map(_grad_of, flat))
+        if grads is not None and not compiling:
+            program = cache.program((tuple(map(_is_none, grads)), pattern))
+        if program is not None:
+            live = program.live(grads)
+            if not program.fits(live) or any(map(_is_sparse, live)):
+                program, stale = None, program
+            else:
+                keep = program.guard.keep(live, program.name_of(env.param_name), agree)
+        if program is None:
+            with self._refusal_leaves_no_state(env):
+                if params is None:
+                    params, grads = self._step_grads(env, flat, sharded)
+                key = (tuple(g is None for g in grads), pattern)
+                engine = stale.matrices.engine if stale is not None and stale.matrices is not None else None
+                program = self._make_program(env, params, grads, pattern, sharded, engine)
+                live = program.live(grads)
+                keep = program.guard.keep(live, program.name_of(env.param_name), agree)
+            if not compiling:
+                cache.remember(key, program)
+        if program.matrices is not None and program.matrices.params:
+            cache.last_plan = program.plan
+        saved = program.guard.snapshot(keep) if keep is not None else None
+        try:
+            program.run(live, scalars, keep, self.hooks)
+        finally:
+            if saved is not None:
+                program.guard.restore(saved, keep)
+
+    def reference_step(self, env: StepEnv) -> None:
+        """The same update through the rule's per-parameter reference (``foreach=False``)."""
+        guard = keep = saved = None
+        with self._refusal_leaves_no_state(env):
+            flat, sharded = self.cache.params(env.groups)
+            params, grads = self._step_grads(env, flat, sharded)
+            items = self._collect(env, grads)
+            if sharded and any(
+                is_dtensor(i.param) or getattr(i, "whole", None) is not None for part in items for i in part
+            ):
+                raise ValueError(
+                    f"{env.optimizer}(foreach=False) is the per-parameter reference path and "
+                    "cannot orthogonalise FSDP2-sharded (DTensor) parameters; use foreach=True"
+                )
+            mode = env.options.nonfinite
+            if mode != "ignore":
+                live = [k for k, g in enumerate(grads) if g is not None]
+                owners = [(g, j) for g in env.groups for j in range(len(g["params"]))]
+                live_params, live_grads = [params[k] for k in live], [grads[k] for k in live]
+                states = [env.state[p] for p in live_params] if mode == "skip" else ()
+                guard = NonFiniteGuard(mode, live_grads, live_params, states)
+                distributed = env.process_group is not None or sharded
+                agree = functools.partial(self._agree, env.process_group) if distributed else None
+                keep = guard.keep(live_grads, lambda k: env.param_name(*owners[live[k]]), agree)
+                saved = guard.snapshot(keep) if keep is not None else None
+        try:
+            env.rule.reference(items)
+        finally:
+            if saved is not None:
+                guard.restore(saved, keep)  # type: ignore[union-attr]
+
+    def init_state(self, env: StepEnv) -> None:
+        """Every parameter's state (zeros), as its first step would make it."""
+        flat, _ = self.cache.params(env.groups)
+        self._collect(env, list(flat))
+        self.initialised = True
+
+    @contextlib.contextmanager
+    def _refusal_leaves_no_state(self, env: StepEnv) -> Iterator[None]:
+        """A step refused while preparing (a bad or non-finite gradient) leaves the optimizer as
+        it was: no zero buffers for parameters it never stepped. No program over them remains
+        either: a program is remembered only once its step is accepted (so, in a distributed
+        run, every rank remembers the same programs: a refusal on one rank changes none)."""
+        mark = mark_state(env.state)
+        initialised = self.initialised
+        try:
+            yield
+        except BaseException:
+            drop_state_after(env.state, mark)
+            self.initialised = initialised
+            raise
+
+    def _step_grads(
+        self, env: StepEnv, flat: list[Tensor], sharded: bool
+    ) -> tuple[list[Tensor], list[Tensor | None]]:
+        """Every parameter and its gradient this step (zeros where only another rank has one)."""
+        zero_grads = {}
+        if env.process_group is not None or sharded:
+            self.inflight.settle()  # the last step's (finished long ago)
+            if not self.initialised:
+                self.init_state(env)  # every rank holds every parameter's state (rank-symmetric)
+            zero_grads = begin_step(self._dist_context(env), flat, sharded)
+        grads = [p.grad for p in flat]
+        if zero_grads:
+            grads = [zero_grads.get(p) if g is None else g for p, g in zip(flat, grads)]
+        return flat, grads
+
+    def _collect(self, env: StepEnv, grads: Sequence[Tensor | None]) -> Any:
+        """This step's work items (the rule's ``Items``), creating missing state."""
+        collecting = CollectEnv(
+            env.state, env.lr_value, env.check_grad, env.check_maps, env.options.capturable, env.optimizer
+        )
+        return env.rule.collect(env.groups, grads, collecting)
+
+    def _make_program(
+        self,
+        env: StepEnv,
+        params: list[Tensor],
+        grads: list[Tensor | None],
+        pattern: Any,
+        sharded: bool,
+        engine: Any = None,
+    ) -> StepProgram:
+        """The program for this step's ``params`` and ``grads`` (zeros where only another rank
+        has one). ``engine``: the orthogonalizer of a program for the same key that no longer
+        fits this step's layouts (its matrices are the same); reusing it leaves the engine cache
+        untouched, which in a distributed run must change alike on every rank (building an
+        engine takes a collective), while a misfit is one rank's own."""
+        items = self._collect(env, grads)
+        if sharded:
+            for part in items:
+                localize(part, env.optimizer)
+        if engine is None:
+            engine_for = functools.partial(self._engine, env)
+        else:
+            engine_for = lambda _params, _configs, _wholes: engine  # noqa: E731
+        positions = [k for k, g in enumerate(grads) if g is not None]
+        owners = [(g, j) for g in env.groups for j in range(len(g["params"]))]
+        live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
+        skipping = env.options.nonfinite == "skip"
+        local = [_local(params[k]) for k in positions] if skipping else ()
+        states = (
+            [{k: _local(v) for k, v in env.state[params[k]].items()} for k in positions] if skipping else ()
+        )
+        return StepProgram(
+            env.rule.build(items, pattern, engine_for, env.options),
+            Gather(positions),
+            NonFiniteGuard(env.options.nonfinite, live_grads, local, states),
+            [owners[k] for k in positions],
+            shards=LocalShards([params[k] for k in positions]) if sharded else None,
+        )
+
+    def _agree(self, process_group: Any, keep: Tensor) -> Tensor:
+        """Every rank's verdict on its gradients combined: a NaN may sit in one rank's shard only."""
+        return agree_across_ranks(keep, process_group, self.inflight)
+
+    # ----- the executors ------------------------------------------------------------------
+    def _engine(
+        self, env: StepEnv, params: Sequence[Tensor], configs: Sequence[NSConfig], wholes: Sequence[Any]
+    ):
+        """The cached engine for these matrices in this order (built on first sight)."""
+        policy = env.options.policy
+        key = (policy, tuple(map(_engine_key, wholes, configs)))
+        return self.cache.engine(key, lambda: self._build(env, params, configs, wholes, policy))
+
+    @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
+    def _build(self, env: StepEnv, params, configs, wholes, policy) -> Any:
+        if env.process_group is not None or any(w is not p for w, p in zip(wholes, params)):
+            return build_distributed(self._dist_context(env), params, configs, wholes, policy)
+        return self._build_local(env.options, params, configs, policy)
+
+    @staticmethod
+    def _build_local(options: Any, params, configs, policy) -> Any:
+        return build_orthogonalizer(
+            params,
+            configs,
+            policy,
+            cost_model=options.cost_model,
+            max_bucket_bytes=options.max_bucket_bytes,
+            compile=options.compile,
+            host_reads=not options.capturable,
+        )
+
+    def _dist_context(self, env: StepEnv) -> DistContext:
+        return DistContext(
+            env.process_group,
+            self.inflight,
+            env.options,
+            env.optimizer,
+            env.groups,
+            env.param_name,
+            functools.partial(self._build_local, env.options),
+        )
+
+    def plan(self, env: StepEnv) -> Plan | None:
+        """The plan of the last step or, before one, the plan the next step would use for the
+        parameters that have gradients now, built without stepping (no state is created).
+        None where nothing is batched yet (see ``MatrixOptimizer.plan``)."""
+        if self.cache.last_plan is not None or env.options.foreach is False:
+            return self.cache.last_plan
+        flat, sharded = self.cache.params(env.groups)
+        if env.process_group is not None or sharded:
+            return None
+        mark = mark_state(env.state)
+        try:
+            matrices = self._collect(env, [p.grad for p in flat]).matrices
+        finally:
+            drop_state_after(env.state, mark)
+        ordered = [item for part in batch_order(matrices) for item in part]
+        if not ordered:
+            return None
+        params = [i.param for i in ordered]
+        return self._build(env, params, [i.config for i in ordered], params, env.options.policy).plan
