@@ -506,14 +506,19 @@ def check_cached_against_fresh(name: str, make, grads_at) -> None:
                 continue
             if rank == last:
                 local_shard(picked.grad).view(-1)[0] = float("nan")
-            programs, before = list(opt._driver.cache.programs), [x.clone() for x in local_tensors(opt, params)]
+            programs, before = (
+                list(opt._driver.cache.programs),
+                [x.clone() for x in local_tensors(opt, params)],
+            )
             try:
                 opt.step()
             except FloatingPointError:
                 pass
             else:
                 raise AssertionError(f"{name}: a NaN on rank {last} was not refused on rank {rank}")
-            assert list(opt._driver.cache.programs) == programs, f"{name}: a refused step changed the programs"
+            assert list(opt._driver.cache.programs) == programs, (
+                f"{name}: a refused step changed the programs"
+            )
             after = local_tensors(opt, params)
             assert all(torch.equal(a, b) for a, b in zip(after, before)), f"{name}: a refused step wrote"
         pairs = zip(local_tensors(kept, kept_net.parameters()), local_tensors(fresh, fresh_net.parameters()))

@@ -104,3 +104,17 @@ def test_no_core_module_reads_another_objects_private_attributes():
             offences.append(f"{path.relative_to(PACKAGE).as_posix()}:{line}: {name}")
     assert not offences, "private names read across objects:\n" + "\n".join(offences)
     assert used == set(TORCH_PRIVATE), f"exceptions no longer needed: {set(TORCH_PRIVATE) - used}"
+
+
+#: The longest a class of the core may be: past it, a class holds more than one idea.
+MAX_CLASS_LINES = 400
+
+
+def test_no_core_class_is_longer_than_a_few_hundred_lines():
+    long = []
+    for path in core_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                lines = node.end_lineno - node.lineno + 1
+                long.append(f"{path.relative_to(PACKAGE).as_posix()}: {node.name} ({lines} lines)")
+    assert not long, "classes over the limit:\n" + "\n".join(long)

@@ -186,7 +186,8 @@ def test_foreach_scalar_multiplies_bit_for_bit_like_a_python_number(dtype):
     x = torch.randn(1000, dtype=torch.float64).to(dtype)
     by_number, by_tensor = [x.clone()], [x.clone()]
     torch._foreach_mul_(by_number, 0.937)
-    torch._foreach_mul_(by_tensor, foreach_scalar(0.937, x))
+    torch._foreach_mul_(by_tensor, foreach_scalar(0.937, x, host=True))
+    assert isinstance(foreach_scalar(0.937, x, host=True), torch.Tensor)
     assert torch.equal(by_number[0], by_tensor[0])
 
 

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..ns import device as compute
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable, partition
 from .program import Scalar, strides_of
@@ -115,7 +116,7 @@ class AdamWProgram:
         rest = by_kernel.get(False, [])
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            lists(part)
+            (*lists(part), compute.is_host(part[0].param.device))
             for part in partition(
                 rest,
                 lambda i: (
@@ -155,16 +156,16 @@ class AdamWProgram:
                 amsgrad=False,
                 maximize=False,
             )
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps in self.rest:
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, host in self.rest:
             lr = s.lr[g]
             args = (params, pick(grads), exp_avgs, exp_avg_sqs, steps)
             if self.capturable or isinstance(lr, Tensor):
                 _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g])
             else:
-                _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g])
+                _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g], host)
 
 
-def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd) -> None:
+def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:
     """The foreach AdamW step with the step counts read on the host (they live on the CPU)."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
@@ -172,7 +173,7 @@ def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd) -> 
     if wd:
         torch._foreach_mul_(params, [1 - lr * wd for lr in lrs])
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, foreach_scalar(beta2, exp_avg_sqs[0]))
+    torch._foreach_mul_(exp_avg_sqs, foreach_scalar(beta2, exp_avg_sqs[0], host))
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, [math.sqrt(1 - beta2**c) for c in counts])

@@ -72,12 +72,12 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
     )
 
 
-def foreach_scalar(value: float, like: Tensor) -> float | Tensor:
-    """``value`` for a foreach multiply: on a CPU a 0-d tensor, since there each tensor's ``mul_``
-    by a Python number first wraps the number in a new tensor (five extra ops per tensor).
-    It takes ``like``'s dtype, as
-    that wrapping does, so the products are bit for bit the same (any other dtype rounds differently)."""
-    return torch.tensor(value, dtype=like.dtype) if compute.is_host(like.device) else value
+def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
+    """``value`` for a foreach multiply of tensors like ``like``: on the host's CPU (``host``) a
+    0-d tensor, since there each tensor's ``mul_`` by a Python number first wraps the number in a
+    new tensor (five extra ops per tensor). It takes ``like``'s dtype, as that wrapping does, so
+    the products are bit for bit the same (any other dtype rounds differently)."""
+    return torch.tensor(value, dtype=like.dtype) if host else value
 
 
 def lr_scale(mode: str, shape: Sequence[int]) -> float:

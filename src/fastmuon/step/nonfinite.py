@@ -49,13 +49,16 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
     for i, g in enumerate(grads):
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
             groups.setdefault((g.device, g.dtype), []).append(i)
-    return [(indices, _max_abs([grads[i] for i in indices]).isfinite()) for indices in groups.values()]
+    return [
+        (indices, _max_abs([grads[i] for i in indices], compute.is_host(device)).isfinite())
+        for (device, _), indices in groups.items()
+    ]
 
 
-def _max_abs(tensors: list[Tensor]) -> Tensor:
-    """Each tensor's largest |entry|, stacked. On a CPU the fused inf-norm runs one slow kernel
-    per tensor, slower than abs + max there."""
-    if compute.is_host(tensors[0].device):
+def _max_abs(tensors: list[Tensor], host: bool) -> Tensor:
+    """Each tensor's largest |entry|, stacked. On the host's CPU (``host``) the fused inf-norm
+    runs one slow kernel per tensor, slower than abs + max there."""
+    if host:
         return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
     return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
 
@@ -115,7 +118,11 @@ class FiniteCheck:
         for i, g in enumerate(grads):
             if g.numel() > 0:
                 groups.setdefault((g.device, g.dtype), []).append(i)
-        self._groups = [(Gather(idx), torch.tensor(idx, device=self.device)) for idx in groups.values()]
+        # (pick, positions, whether on the host's CPU): decided here, once per program
+        self._groups = [
+            (Gather(idx), torch.tensor(idx, device=self.device), compute.is_host(device))
+            for (device, _), idx in groups.items()
+        ]
         by_device: dict[torch.device, list[int]] = {}
         for (device, _), idx in groups.items():
             by_device.setdefault(device, []).extend(idx)
@@ -123,10 +130,11 @@ class FiniteCheck:
 
     def __call__(self, grads: Sequence[Tensor]) -> Tensor:
         if len(self._groups) == 1 and len(self._groups[0][0]) == self.size:  # all in one, in order
-            return _max_abs(self._groups[0][0](grads)).isfinite()
+            pick, _, host = self._groups[0]
+            return _max_abs(pick(grads), host).isfinite()
         keep = torch.ones(self.size, dtype=torch.bool, device=self.device)
-        for pick, positions in self._groups:
-            ok = _max_abs(pick(grads)).isfinite()
+        for pick, positions, host in self._groups:
+            ok = _max_abs(pick(grads), host).isfinite()
             keep.index_copy_(0, positions, ok.to(self.device))
         return keep
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..ns import device as compute
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
@@ -91,6 +92,7 @@ class SGDProgram:
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
+        self.host = compute.is_host(items[0].param.device) if items else True
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
@@ -126,6 +128,7 @@ class SGDProgram:
                 s.nesterov[g],
                 s.weight_decay[g],
                 self.limit,
+                self.host,
             )
 
 
@@ -139,10 +142,12 @@ def foreach_sgd_step_(
     nesterov: bool,
     weight_decay: float,
     limit: int,
+    host: bool,
 ) -> None:
     """SGD with heavy-ball momentum and coupled weight decay, in place, with foreach ops: with
     ``g' = g + wd·p``, ``B ← β·B + g'`` and ``p ← p − lr·u``, ``u = g' + β·B`` (Nesterov) or ``B``.
-    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each).
+    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each); ``host``:
+    the tensors live on the host's CPU.
 
     Written to allocate at most one list, the decayed gradients, which then take the Nesterov
     update in place; without decay the Nesterov update is applied as two passes over ``p``.
@@ -154,7 +159,7 @@ def foreach_sgd_step_(
     if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
         torch._foreach_copy_(bufs, grads)
     else:
-        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0]))
+        torch._foreach_mul_(bufs, foreach_scalar(beta, bufs[0], host))
         torch._foreach_add_(bufs, grads)
     class_params = [ps for _, ps in by_lr]
 
