@@ -372,14 +372,14 @@ def output_layers(model: nn.Module) -> list[nn.Module]:
 def search_root(model: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
     """The module the head search looks in, and its submodules by name, wrappers removed.
 
-    A module that holds no parameter of its own and only one child with parameters (a
-    ``torch.compile`` or DDP wrapper, a LightningModule holding ``self.net``) is searched as
-    that child."""
+    A module that holds no parameter of its own and only one child with parameters, a child
+    with submodules of its own (a ``torch.compile`` or DDP wrapper, a LightningModule holding
+    ``self.net``), is searched as that child."""
     root = model
     while not any(True for _ in root.parameters(recurse=False)):
         with_params = [c for c in root.children() if any(True for _ in c.parameters())]
-        if len(with_params) != 1:
-            break
+        if len(with_params) != 1 or not any(True for _ in with_params[0].children()):
+            break  # several children, or one leaf layer (the head of a one-layer Sequential)
         root = with_params[0]
     return root, [(name, m) for name, m in logical_names(root) if name]
 
