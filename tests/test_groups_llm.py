@@ -235,7 +235,10 @@ def test_unknown_expert_stacks_are_batched_by_their_class_name():
     groups = param_groups(model, head=None)
     assert muon_maps(groups) == {"moe.w_in": "experts", "proj.weight": "flatten"}
     # a 2-D tensor of an experts module that no rule reads as matrices is not orthogonalised
-    assert [(g["use_muon"], g["param_names"]) for g in groups[1:]] == [(False, ["moe.scale"]), (False, ["proj.bias"])]
+    assert [(g["use_muon"], g["param_names"]) for g in groups[1:]] == [
+        (False, ["moe.scale"]),
+        (False, ["proj.bias"]),
+    ]
 
 
 # ----- fused projections ------------------------------------------------------------------------
