@@ -214,6 +214,17 @@ def test_head_found_through_data_parallel_wrappers(tmp_path):
         dist.destroy_process_group()
 
 
+def test_head_found_through_activation_checkpointing_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = mlp(head="lm_head")
+    model.body = checkpoint_wrapper(model.body)
+    model.lm_head = checkpoint_wrapper(model.lm_head)  # the head itself wrapped, as FSDP1 does
+    got = quiet(model)
+    assert got["other"] == ["lm_head._checkpoint_wrapped_module.weight"]
+    assert len(got["muon"]) == 2
+
+
 class HoldsNet(nn.Module):
     """A module holding its network as ``self.net`` (as LightningModules do): no parameter of
     its own, a loss module without parameters beside it."""
