@@ -72,7 +72,8 @@ def test_layers_inside_repeated_blocks_are_not_heads():
     model.layers = nn.ModuleList(Block() for _ in range(2))
     model.proj = nn.Linear(8, 3)
     assert output_layers(model) == []
-    muon, other, _ = param_groups(model)
+    with pytest.warns(UserWarning, match=r"found no output layer .* head='<module name>'"):
+        muon, other, _ = param_groups(model)
     assert len(muon["params"]) == 5 and other["param_names"] == ["table.weight"]
 
 

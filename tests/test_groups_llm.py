@@ -232,11 +232,13 @@ def test_unknown_expert_stacks_are_batched_by_their_class_name():
     model = nn.Module()
     model.moe = ToyExperts()
     model.proj = nn.Linear(5, 5)
-    assert muon_maps(param_groups(model, head=None)) == {
-        "moe.w_in": "experts",
-        "moe.scale": "flatten",
-        "proj.weight": "flatten",
-    }
+    groups = param_groups(model, head=None)
+    assert muon_maps(groups) == {"moe.w_in": "experts", "proj.weight": "flatten"}
+    # a 2-D tensor of an experts module that no rule reads as matrices is not orthogonalised
+    assert [(g["use_muon"], g["param_names"]) for g in groups[1:]] == [
+        (False, ["moe.scale"]),
+        (False, ["proj.bias"]),
+    ]
 
 
 # ----- fused projections ------------------------------------------------------------------------
@@ -349,7 +351,7 @@ def test_multihead_attention_in_proj_is_query_key_value():
 
 def test_transformer_encoder_layer_and_plain_models_keep_their_groups():
     layer = nn.TransformerEncoderLayer(H, 2, 32)
-    assert muon_maps(param_groups(layer)) == {
+    assert muon_maps(param_groups(layer, head=None)) == {  # a lone layer has no output layer
         "self_attn.in_proj_weight": {"split": [H, H, H]},
         "self_attn.out_proj.weight": "flatten",
         "linear1.weight": "flatten",

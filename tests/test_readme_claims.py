@@ -37,7 +37,7 @@ def test_readme_llm_example_does_not_promise_a_bucket_count():
     section = text[text.index("## LLM layers") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (comment,) = [line for line in code.splitlines() if "describe()" in line]
-    assert "plan: 40 matrices" in comment
+    assert "plan: 38 matrices" in comment
     assert not re.search(r"\d+ buckets", comment), comment
 
 

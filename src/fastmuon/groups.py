@@ -1,19 +1,22 @@
 """Split a model's parameters into the Muon group and the rest.
 
 Each trainable parameter gets a *kind* (Muon matrix, other, or no-decay) and each kind becomes
-one param group. The Muon group also says how each of its tensors maps to matrices (see
-:mod:`fastmuon.matrices`): detected for known layers (:mod:`fastmuon.layer_maps`), set by the caller.
+one param group. What is a matrix is decided by the module that owns a parameter (a linear or
+conv layer's weight, a recognised fused or expert layer), never by its number of dims. The
+Muon group also says how each of its tensors maps to matrices (see :mod:`fastmuon.matrices`):
+detected for known layers (:mod:`fastmuon.layer_maps`), set by the caller.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from fnmatch import fnmatchcase
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from torch import Tensor, nn
 
-from .layer_maps import detected_maps
+from .layer_maps import detected_maps, matrix_weights, router_weights
 from .matrices import FLATTEN, MatrixMapSpec, parse
 
 #: Attribute names of a model's output layer (Transformers' ``lm_head``, ``classifier``,
@@ -21,6 +24,19 @@ from .matrices import FLATTEN, MatrixMapSpec, parse
 HEAD_NAMES = frozenset(
     {"lm_head", "head", "classifier", "fc", "output", "output_layer", "score", "qa_outputs"}
 )
+
+#: Names of an output layer that count only directly on the model (attention layers inside it
+#: use ``out_proj`` for a hidden projection).
+TOP_LEVEL_HEAD_NAMES = frozenset({"out_proj", "output_proj", "proj_out"})
+
+#: Child names under which wrappers hold the model: ``torch.compile``'s ``OptimizedModule``,
+#: FSDP1 and activation checkpointing. (DDP, ``DataParallel`` and DeepSpeed hold it as
+#: ``module``, dropped where it is the wrapper's only child; see :func:`logical_names`.)
+WRAPPER_CHILDREN = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+#: ``param_groups`` warns when more than this share of the body's >=2-D parameters (by numel;
+#: the body is all but embedding tables and the output layer) stays outside Muon.
+OUTSIDE_SHARE_WARNING = 0.5
 
 #: What ``head=`` and ``exclude=`` accept: modules, parameters, names or glob patterns of
 #: modules or parameters (``"lm_head"``, ``"blocks.*.gate"``), a predicate ``(name, param) ->
@@ -33,34 +49,80 @@ OTHER = (("use_muon", False),)
 NO_DECAY = (("use_muon", False), ("weight_decay", 0.0))
 KINDS = (MUON, OTHER, NO_DECAY)
 
+# Why a parameter went where it went (reported by the warnings and errors below).
+WHY = {
+    "matrix": "a linear, conv or recognised fused/expert layer's weight",
+    "include": "named by include=",
+    "vector": "a norm's, a bias or another vector-shaped tensor",
+    "embedding": "an embedding table",
+    "head": "the output layer",
+    "exclude": "named by exclude=",
+    "router": "a Mixture-of-Experts router (routers='other')",
+    "unrecognised": "not a recognised layer's weight (tokens, positional or bias tables, custom layers)",
+}
+
 
 def param_groups(
     model: nn.Module,
     *,
     head: Selector | str = "auto",
     exclude: Selector = None,
+    include: Selector = None,
+    routers: Literal["other", "muon"] = "other",
     decay_vectors: bool = False,
     matrices: Mapping[Any, MatrixMapSpec] | None = None,
     **overrides: Any,
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`~fastmuon.Muon` or :class:`~fastmuon.MuSGD`.
 
-    - ``use_muon=True``: matrices (>=2D weights: linear, conv), orthogonalised;
-    - ``use_muon=False``: embedding tables, the output layer ("head") and whatever ``exclude``
-      names: matrices whose rows are per-token or per-class vectors, which orthogonalisation
-      would mix. Muon updates them with AdamW (at its ``adamw_lr`` unless the group sets ``lr``),
-      MuSGD with SGD;
-    - ``use_muon=False, weight_decay=0``: norms, biases and other <2D parameters, not decayed
-      (as in Ultralytics' trainer and the usual Muon/AdamW recipes); ``decay_vectors=True``
-      puts them in the group above instead.
+    What is a matrix is decided by the module a parameter belongs to, not by its number of dims:
+
+    - ``use_muon=True``: the weights of linear and conv layers (``nn.Linear`` and its
+      subclasses, ``nn.Bilinear``, ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``,
+      Transformers' ``Conv1D``), ``nn.MultiheadAttention``'s input projections and the
+      recognised fused and expert layers (:mod:`fastmuon.layer_maps`), orthogonalised;
+    - ``use_muon=False``: embedding tables (``nn.Embedding``, ``nn.EmbeddingBag``), the output
+      layer ("head"), Mixture-of-Experts routers (see ``routers``), whatever ``exclude`` names,
+      and every other parameter of 2 or more dims that no rule recognises as a layer's weight:
+      tokens and positional tables registered as bare ``nn.Parameter`` (a ViT's class token and
+      position embedding), relative-position bias tables, a custom layer's own tensors. Muon
+      updates them with AdamW (at its ``adamw_lr`` unless the group sets ``lr``), MuSGD with SGD;
+    - ``use_muon=False, weight_decay=0``: norms, biases and other vector-shaped parameters,
+      not decayed (as in Ultralytics' trainer and the usual Muon/AdamW recipes): those of fewer
+      than 2 dims, and unrecognised tensors with at most one dim above 1 (a layer scale
+      ``(C, 1, 1)``, a class token ``(1, 1, D)``) or named ``bias``/``*_bias``;
+      ``decay_vectors=True`` puts them in the group above instead.
+
+    A custom layer that computes with its own >=2-D ``nn.Parameter`` (``F.linear(x, self.w)``)
+    is therefore *not* orthogonalised unless ``include=`` names it (``include="*.w"``):
+    ``include`` (a :data:`Selector`) puts >=2-D parameters into Muon whatever the rules say.
+    It may not name a parameter that ``exclude=`` or an explicit ``head=`` also names.
+
+    ``routers``: a router (the ``(experts, hidden)`` weight of a Mixture-of-Experts block that
+    scores experts per token, e.g. Mixtral's ``mlp.gate.weight``; see
+    :func:`fastmuon.layer_maps.router_weights`) goes to the non-Muon part by default
+    (``"other"``): each of its rows scores one expert, like a classifier's rows score a class,
+    and orthogonalising it would couple them. ``routers="muon"`` orthogonalises routers too.
 
     ``head="auto"`` finds the output layer: the shallowest modules named like one
     (:data:`HEAD_NAMES`: ``lm_head``, ``head``, ``classifier``, ``fc``, ...) outside repeated
-    blocks (no numeric part in their path), plus any ``nn.Linear`` outside repeated blocks
-    shaped like an embedding table (an untied LM head); a head tied to an embedding shares its
-    tensor and so follows it.
-    If none is found and ``model`` is an ``nn.Sequential``, its last ``nn.Linear`` is the head.
-    Say which it is with ``head=`` (a :data:`Selector`), or ``head=None`` for none.
+    blocks (no numeric part in their path), ``out_proj`` and the like
+    (:data:`TOP_LEVEL_HEAD_NAMES`) directly on the model, plus any ``nn.Linear`` outside
+    repeated blocks shaped like an embedding table (an untied LM head); a head tied to an
+    embedding shares its tensor and so follows it. If none is found and the model is an
+    ``nn.Sequential``, its last ``nn.Linear`` is the head. Wrappers are seen through: the
+    prefixes of ``torch.compile`` (``_orig_mod.``), DDP/DataParallel (``module.``), FSDP1 and
+    activation checkpointing are ignored, and a model that holds nothing but one submodule with
+    parameters (a LightningModule's ``self.net``) is searched as that submodule. When no head is
+    found, a warning says so: name it with ``head=`` (a :data:`Selector`), or ``head=None`` for
+    none (which also silences the warning).
+
+    No silent fall-back: when nothing at all would go to Muon, ``param_groups`` raises an error
+    saying where every parameter went and why; when more than half
+    (:data:`OUTSIDE_SHARE_WARNING`) of the body's >=2-D parameters by numel (all but embedding
+    tables and the output layer) stays outside Muon for a reason other than the caller's own
+    ``exclude=``, it warns, naming them; ``include=`` puts them into Muon, ``exclude=`` confirms
+    they stay out (and silences the warning).
 
     The Muon group says how each tensor maps to the matrices it orthogonalises (its
     ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.matrices`), recognised
@@ -83,27 +145,140 @@ def param_groups(
     {"heads": 4}}`` (k with the key/value head count). A selector that names none of Muon's
     parameters, or a map that does not fit its tensor, is an error naming both.
 
-    ``overrides`` (e.g. ``ns_dtype=torch.float32``) are set on every group, except that the
-    no-decay group keeps ``weight_decay=0``; hyperparameters per kind belong on the optimizer
-    (e.g. ``Muon(..., adamw_lr=3e-4)``) or on the returned groups. Shared parameters appear
-    once, frozen ones not at all, empty groups are left out. Each group carries torch's
-    ``param_names`` (used in error messages; the optimizers accept unnamed groups next to them).
+    Selectors given as names match the model's parameter and module names with or without the
+    wrappers' prefixes (``head="fc"`` also on ``torch.compile(model)``). ``overrides`` (e.g.
+    ``ns_dtype=torch.float32``) are set on every group, except that the no-decay group keeps
+    ``weight_decay=0``; hyperparameters per kind belong on the optimizer (e.g. ``Muon(...,
+    adamw_lr=3e-4)``) or on the returned groups. Shared parameters appear once, frozen ones not
+    at all, empty groups are left out. Each group carries torch's ``param_names`` (used in error
+    messages; the optimizers accept unnamed groups next to them).
     """
     if "use_muon" in overrides:
-        raise ValueError("param_groups sets use_muon itself; choose what leaves Muon with head= or exclude=")
+        raise ValueError(
+            "param_groups sets use_muon itself; choose what leaves Muon with head= or exclude=, "
+            "what joins it with include="
+        )
+    if routers not in ("other", "muon"):
+        raise ValueError(f"routers= is 'other' (the non-Muon part, the default) or 'muon'; got {routers!r}")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    heads = output_layers(model) if isinstance(head, str) and head == "auto" else head
-    kept_out = embedding_weights(model) | selected(model, heads, "head") | selected(model, exclude, "exclude")
+    auto_head = isinstance(head, str) and head == "auto"
+    heads = output_layers(model) if auto_head else head
+    reasons = {}  # id -> why it is kept out of Muon, first reason wins
+    for why, ids in (
+        ("exclude", selected(model, exclude, "exclude")),
+        ("head", selected(model, heads, "head")),
+        ("embedding", embedding_weights(model)),
+        ("router", router_weights(model) if routers == "other" else set()),
+    ):
+        for i in ids:
+            reasons.setdefault(i, why)
+    included = selected(model, include, "include")
+    check_include(trainable, included, reasons, explicit_head=not auto_head and head is not None)
+    matrix_ids = matrix_weights(model) | (router_weights(model) if routers == "muon" else set())
     groups: dict[tuple, dict[str, list]] = {kind: {"params": [], "param_names": []} for kind in KINDS}
+    why_of: dict[int, str] = {}
     for name, p in trainable:
-        kind = kind_of(p, id(p) in kept_out, decay_vectors)
+        kind, why = kind_of(name, p, included, reasons, matrix_ids, decay_vectors)
         groups[kind]["params"].append(p)
         groups[kind]["param_names"].append(name)
+        why_of[id(p)] = why
+    check_split(trainable, why_of, warn_no_head=auto_head and not heads)
     muon = groups[MUON]
     specs = matrix_specs(model, muon["params"], muon["param_names"], matrices)
     if specs is not None:
         muon["matrices"] = specs
     return [{**g, **overrides, **dict(kind)} for kind, g in groups.items() if g["params"]]
+
+
+def kind_of(
+    name: str,
+    p: Tensor,
+    included: set[int],
+    reasons: Mapping[int, str],
+    matrix_ids: set[int],
+    decay_vectors: bool,
+) -> tuple[tuple, str]:
+    """The group a parameter goes to, and why (a key of :data:`WHY`)."""
+    vector = OTHER if decay_vectors else NO_DECAY
+    if p.ndim < 2:
+        return vector, "vector"
+    if id(p) in included:
+        return MUON, "include"
+    if id(p) in reasons:
+        return OTHER, reasons[id(p)]
+    if id(p) in matrix_ids:
+        return MUON, "matrix"
+    last = name.rpartition(".")[2]
+    if sum(s > 1 for s in p.shape) <= 1 or last == "bias" or last.endswith("_bias"):
+        return vector, "vector"
+    return OTHER, "unrecognised"
+
+
+def check_include(
+    trainable: list[tuple[str, Tensor]], included: set[int], reasons: Mapping[int, str], explicit_head: bool
+) -> None:
+    """``include=`` may name only >=2-D parameters the caller did not also keep out."""
+    for name, p in trainable:
+        if id(p) not in included:
+            continue
+        if p.ndim < 2:
+            raise ValueError(
+                f"include= names {name!r} of shape {tuple(p.shape)}: Muon orthogonalises matrices, "
+                "not vectors; select only parameters of 2 or more dims"
+            )
+        why = reasons.get(id(p))
+        if why == "exclude" or (why == "head" and explicit_head):
+            raise ValueError(f"{name!r} is named by both include= and {why}=; name it in only one of them")
+
+
+def check_split(trainable: list[tuple[str, Tensor]], why_of: Mapping[int, str], warn_no_head: bool) -> None:
+    """Refuse a split with nothing for Muon; warn where a large share of the body stays out."""
+    by_why: dict[str, list[tuple[str, Tensor]]] = {}
+    for name, p in trainable:
+        by_why.setdefault(why_of[id(p)], []).append((name, p))
+    in_muon = by_why.get("matrix", []) + by_why.get("include", [])
+    if not in_muon:
+        where = "; ".join(f"{WHY[w]}: {tally(by_why[w])}" for w in WHY if w in by_why) or "none is trainable"
+        raise ValueError(
+            f"param_groups put no parameter into Muon, so Muon would orthogonalise nothing. Of the "
+            f"model's {len(trainable)} trainable tensors: {where}. Name the matrices to orthogonalise "
+            "with include= (names, globs, modules or parameters, e.g. include='blocks.*.w'), or use "
+            "a plain optimizer (torch.optim.AdamW, SGD) for this model"
+        )
+    if warn_no_head:
+        warnings.warn(
+            "param_groups found no output layer (no module named lm_head, head, classifier, fc, "
+            "output, ... outside repeated blocks), so every linear layer, the last one included, "
+            "goes to Muon; name the output layer with head='<module name>' to keep it out, or pass "
+            "head=None if the model has none",
+            UserWarning,
+            stacklevel=3,
+        )
+    body = [(n, p) for n, p in trainable if p.ndim >= 2 and why_of[id(p)] not in ("embedding", "head")]
+    out_whys = ("router", "unrecognised")
+    outside = [(n, p) for n, p in body if why_of[id(p)] in out_whys]
+    body_numel = sum(p.numel() for _, p in body if why_of[id(p)] != "exclude")
+    outside_numel = sum(p.numel() for _, p in outside)
+    if body_numel and outside_numel > OUTSIDE_SHARE_WARNING * body_numel:
+        parts = "; ".join(f"{WHY[w]}: {tally(by_why[w])}" for w in out_whys if w in by_why)
+        warnings.warn(
+            f"param_groups leaves {outside_numel:,} of the {body_numel:,} parameters of the model's "
+            f"body ({outside_numel / body_numel:.0%}; all >=2-D tensors but embeddings and the output "
+            f"layer) outside Muon, and Muon orthogonalises only {tally(in_muon)}. Outside: {parts}. "
+            "If these are matrices, name them with include= (e.g. include='*.w'); if they are meant "
+            "to stay with the other optimizer, say so with exclude= (or routers='muon' for routers)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def tally(named: list[tuple[str, Tensor]], shown: int = 3) -> str:
+    """``"2 tensors (1,234 parameters), e.g. 'a' (3, 4), 'b' (5, 6)"``."""
+    numel = sum(p.numel() for _, p in named)
+    examples = ", ".join(f"{n!r} {tuple(p.shape)}" for n, p in named[:shown])
+    more = ", ..." if len(named) > shown else ""
+    noun = "tensor" if len(named) == 1 else "tensors"
+    return f"{len(named)} {noun} ({numel:,} parameters), e.g. {examples}{more}"
 
 
 def matrix_specs(
@@ -164,37 +339,88 @@ def describe(selector: Any) -> str:
     return repr(selector)
 
 
-def kind_of(p: Tensor, kept_out: bool, decay_vectors: bool) -> tuple:
-    if p.ndim < 2:
-        return OTHER if decay_vectors else NO_DECAY
-    return OTHER if kept_out else MUON
-
-
 def embedding_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
 
 
 def output_layers(model: nn.Module) -> list[nn.Module]:
     """The modules ``param_groups(head="auto")`` treats as the output layer (see there)."""
-    outside_blocks = [
-        (name, m) for name, m in model.named_modules() if not any(part.isdigit() for part in name.split("."))
-    ]
+    root, tree = search_root(model)
+    outside_blocks = [(name, m) for name, m in tree if not any(part.isdigit() for part in name.split("."))]
     named = [
         (name, m)
         for name, m in outside_blocks
-        if name.rpartition(".")[2] in HEAD_NAMES and any(p.ndim >= 2 for p in m.parameters())
+        if (
+            name.rpartition(".")[2] in HEAD_NAMES
+            or ("." not in name and name in TOP_LEVEL_HEAD_NAMES and isinstance(m, nn.Linear))
+        )
+        and any(p.ndim >= 2 for p in m.parameters())
     ]
     depth = min((name.count(".") for name, _ in named), default=None)
     found = [m for name, m in named if name.count(".") == depth]
-    tables = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Embedding)}
+    tables = {tuple(m.weight.shape) for m in root.modules() if isinstance(m, nn.Embedding)}
     found += [
         m
         for _, m in outside_blocks
         if isinstance(m, nn.Linear) and tuple(m.weight.shape) in tables and all(m is not f for f in found)
     ]
-    if not found and isinstance(model, nn.Sequential):
-        found = [m for m in model.modules() if isinstance(m, nn.Linear)][-1:]
+    if not found and isinstance(root, nn.Sequential):
+        found = [m for m in root.modules() if isinstance(m, nn.Linear)][-1:]
     return found
+
+
+def search_root(model: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
+    """The module the head search looks in, and its submodules by name, wrappers removed.
+
+    A module that holds no parameter of its own and only one child with parameters, a child
+    with submodules of its own (a ``torch.compile`` or DDP wrapper, a LightningModule holding
+    ``self.net``), is searched as that child."""
+    root = model
+    while not any(True for _ in root.parameters(recurse=False)):
+        with_params = [c for c in root.children() if any(True for _ in c.parameters())]
+        if len(with_params) != 1 or not any(True for _ in with_params[0].children()):
+            break  # several children, or one leaf layer (the head of a one-layer Sequential)
+        root = with_params[0]
+    return root, [(name, m) for name, m in logical_names(root) if name]
+
+
+def logical_names(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``named_modules`` without the path parts that wrappers add (:data:`WRAPPER_CHILDREN`, and
+    ``module`` where it is its parent's only child with parameters); each module once."""
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, name: str) -> Iterator[tuple[str, nn.Module]]:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        yield name, module
+        children = list(module.named_children())
+        for child_name, child in children:
+            yield from walk(
+                child, name if is_wrapper_edge(module, child_name, children) else join(name, child_name)
+            )
+
+    yield from walk(model, prefix)
+
+
+def is_wrapper_edge(parent: nn.Module, child_name: str, children: list[tuple[str, nn.Module]]) -> bool:
+    if child_name in WRAPPER_CHILDREN:
+        return True
+    if child_name != "module" or any(True for _ in parent.parameters(recurse=False)):
+        return False
+    return sum(any(True for _ in c.parameters()) for _, c in children) == 1
+
+
+def join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def logical_param_names(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """``(name, param)`` for every parameter under its name without wrappers' path parts."""
+    out = []
+    for name, module in logical_names(model):
+        out += [(join(name, n), p) for n, p in module.named_parameters(recurse=False)]
+    return out
 
 
 def selected(model: nn.Module, selector: Selector, what: str) -> set[int]:
@@ -223,7 +449,8 @@ def _select_one(model: nn.Module, named_params: list[tuple[str, Tensor]], item: 
         return {id(item)}
     if isinstance(item, str):
         ids = {id(p) for n, p in named_params if fnmatchcase(n, item)}
-        for name, m in model.named_modules():
+        ids |= {id(p) for n, p in logical_param_names(model) if fnmatchcase(n, item)}
+        for name, m in [*model.named_modules(), *logical_names(model)]:
             if name and fnmatchcase(name, item):
                 ids |= {id(p) for p in m.parameters()}
         if not ids:

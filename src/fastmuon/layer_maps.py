@@ -1,4 +1,5 @@
-"""The matrix maps of known layer types, read off the module that owns each parameter.
+"""Which parameters are matrices, and the matrix maps of known layer types, read off the module
+that owns each parameter.
 
 ``param_groups`` uses these so that a Mixture-of-Experts stack is orthogonalised expert by
 expert and a fused projection part by part without the caller describing either. Each rule
@@ -13,6 +14,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from .matrices import MatrixMap
 
@@ -146,3 +148,81 @@ RULES: tuple[Rule, ...] = (
     conv1d_attention,
     multihead_attention,
 )
+
+
+# ----- which parameters are matrices ------------------------------------------------------------
+
+#: Module types whose ``weight`` is a matrix (conv weights flattened to ``(out, in·k…)``):
+#: linear (its subclasses too, e.g. attention's ``out_proj``), bilinear, and every
+#: convolution and transposed convolution.
+MATRIX_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+
+#: Class-name endings of a Mixture-of-Experts router (Transformers' ``...TopKRouter``,
+#: ``Llama4Router``, ``DbrxRouter``, ...).
+ROUTER_CLASS_ENDINGS = ("Router",)
+
+
+def matrix_weights(model: nn.Module) -> set[int]:
+    """The ids of the parameters that are a layer's matrix, recognised by module type or map.
+
+    - the ``weight`` of :data:`MATRIX_LAYERS` and of Transformers' ``Conv1D``; where the weight
+      is parametrised (``torch.nn.utils.parametrize``, weight or spectral norm), the tensors it
+      is computed from that have the weight's shape;
+    - ``nn.MultiheadAttention``'s input projections (``in_proj_weight``, or ``q/k/v_proj_weight``);
+    - every parameter a rule of :func:`detected_maps` speaks for (expert stacks, DBRX's blocks).
+
+    Anything else, however many dims it has (a class token, a positional table, a layer scale, a
+    relative-position bias table, a custom layer's bare ``nn.Parameter``), is not recognised."""
+    ids: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, MATRIX_LAYERS) or is_conv1d(module):
+            ids |= {id(p) for p in layer_weight(module)}
+        elif isinstance(module, nn.MultiheadAttention):
+            for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                p = getattr(module, name, None)
+                if isinstance(p, nn.Parameter):
+                    ids.add(id(p))
+    ids |= set(detected_maps(model))
+    return ids
+
+
+def layer_weight(module: nn.Module) -> list[Tensor]:
+    """The parameter(s) holding a matrix layer's ``weight``."""
+    if parametrize.is_parametrized(module, "weight"):
+        shape = module.weight.shape
+        return [p for p in module.parametrizations["weight"].parameters() if p.shape == shape]
+    found = [
+        p
+        for name in ("weight_orig", "weight_v")
+        if isinstance(p := getattr(module, name, None), nn.Parameter)
+    ]
+    weight = module._parameters.get("weight")
+    if weight is not None and not isinstance(weight, nn.parameter.UninitializedParameter):
+        found.append(weight)
+    return found
+
+
+def router_weights(model: nn.Module) -> set[int]:
+    """The ids of the >=2-D parameters of Mixture-of-Experts routers.
+
+    A router is a module whose class name ends in "Router", or a child named ``gate``,
+    ``router`` (or ending in ``_gate``/``_router``, such as Qwen-MoE's ``shared_expert_gate``)
+    of a module that also holds experts (a child named ``experts`` or recognised as a stack of
+    experts). Dense MLPs' ``gate_proj`` is no router."""
+    routers: list[nn.Module] = []
+    for module in model.modules():
+        if type(module).__name__.endswith(ROUTER_CLASS_ENDINGS):
+            routers.append(module)
+        children = dict(module.named_children())
+        if not any(name == "experts" or is_experts(child) for name, child in children.items()):
+            continue
+        routers += [
+            child
+            for name, child in children.items()
+            if name in ("gate", "router") or name.endswith(("_gate", "_router"))
+        ]
+    return {id(p) for r in routers for p in r.parameters() if p.ndim >= 2}
+
+
+def is_experts(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Experts") or experts_flags(module) is not None
