@@ -44,10 +44,10 @@ OUTSIDE_SHARE_WARNING = 0.5
 Selector = Union[nn.Module, Tensor, str, Callable[[str, Tensor], bool], Iterable[Any], None]
 
 # The group each kind of parameter lands in, in the order the groups are returned.
-MUON = (("use_muon", True),)
-OTHER = (("use_muon", False),)
-NO_DECAY = (("use_muon", False), ("weight_decay", 0.0))
-KINDS = (MUON, OTHER, NO_DECAY)
+MUON_KIND = (("use_muon", True),)
+OTHER_KIND = (("use_muon", False),)
+NO_DECAY_KIND = (("use_muon", False), ("weight_decay", 0.0))
+KINDS = (MUON_KIND, OTHER_KIND, NO_DECAY_KIND)
 
 # Why a parameter went where it went (reported by the warnings and errors below).
 WHY = {
@@ -183,8 +183,8 @@ def param_groups(
         groups[kind]["param_names"].append(name)
         why_of[id(p)] = why
     check_split(trainable, why_of, warn_no_head=auto_head and not heads)
-    muon = groups[MUON]
-    specs = matrix_specs(model, muon["params"], muon["param_names"], matrices)
+    muon = groups[MUON_KIND]
+    specs = muon_matrix_maps(model, muon["params"], muon["param_names"], matrices)
     if specs is not None:
         muon["matrices"] = specs
     return [{**g, **overrides, **dict(kind)} for kind, g in groups.items() if g["params"]]
@@ -199,19 +199,19 @@ def kind_of(
     decay_vectors: bool,
 ) -> tuple[tuple, str]:
     """The group a parameter goes to, and why (a key of :data:`WHY`)."""
-    vector = OTHER if decay_vectors else NO_DECAY
+    vector = OTHER_KIND if decay_vectors else NO_DECAY_KIND
     if p.ndim < 2:
         return vector, "vector"
     if id(p) in included:
-        return MUON, "include"
+        return MUON_KIND, "include"
     if id(p) in reasons:
-        return OTHER, reasons[id(p)]
+        return OTHER_KIND, reasons[id(p)]
     if id(p) in matrix_ids:
-        return MUON, "matrix"
+        return MUON_KIND, "matrix"
     last = name.rpartition(".")[2]
     if sum(s > 1 for s in p.shape) <= 1 or last == "bias" or last.endswith("_bias"):
         return vector, "vector"
-    return OTHER, "unrecognised"
+    return OTHER_KIND, "unrecognised"
 
 
 def check_include(
@@ -281,7 +281,7 @@ def tally(named: list[tuple[str, Tensor]], shown: int = 3) -> str:
     return f"{len(named)} {noun} ({numel:,} parameters), e.g. {examples}{more}"
 
 
-def matrix_specs(
+def muon_matrix_maps(
     model: nn.Module, params: list[Tensor], names: list[str], matrices: Mapping[Any, MatrixMapSpec] | None
 ) -> list[MatrixMapSpec] | None:
     """One spec per Muon parameter (detected, then the caller's), or None if all are "flatten"."""
