@@ -43,3 +43,17 @@ def test_eigh_keeps_the_baseline_band_on_square_ish_inputs(rows, cols):
     asked for (planner.choose_method): there its error must stay far below bf16 NS's."""
     measured = {(r["input"], r["variant"]): r for r in run_accuracy(rows=rows, cols=cols)}
     test_eigh_keeps_the_baseline_band(measured)
+
+
+def test_aol_in_four_steps_tightens_the_five_step_band_on_random_and_low_rank_input(table):
+    for kind in ("random", "low-rank (4) + 1e-4 noise"):
+        base, aol = table[(kind, "standard fp32 (baseline)")], table[(kind, "aol (4 steps) fp32")]
+        assert aol["steps"] == 4 < base["steps"]
+        assert aol["sv_min"] > base["sv_min"] + 0.2 and aol["sv_max"] < 1.06
+
+
+def test_new_presets_agree_with_their_fp64_evaluation(table):
+    for kind in {k[0] for k in table}:
+        for name in ("aol (4 steps) fp32", "cans fp32", "deepseekv4 (10) fp32", "polar_express_paper fp32"):
+            assert table[(kind, name)]["rel_err_vs_fp64"] < 1e-2
+        assert table[(kind, "aol (4 steps) fp32")]["rel_err_vs_fp64"] < 1e-4

@@ -1,9 +1,10 @@
 """``fastmuon accuracy``: how well each NS variant orthogonalises, measured, not assumed.
 
 For each input kind (random, low-rank plus noise, ill-conditioned) and each variant (standard,
-Gram-space or eigendecomposition formulation, dtype, coefficient preset) it reports the band of output singular
-values over the input's significant directions, next to standard 5-step "jordan" NS in fp32,
-and the error against standard NS computed in fp64 with the same coefficients.
+Gram-space or eigendecomposition formulation, dtype, coefficient preset, AOL preconditioning) it
+reports the band of output singular values over the input's significant directions, next to
+standard 5-step "jordan" NS in fp32, and the error against standard NS computed in fp64 with the
+same coefficients (and the same preconditioning, which the "aol" preset selects).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ VARIANTS = (
     Variant("polar_express fp32", coefficients="polar_express"),
     Variant("polar_express gram fp32", method="gram", coefficients="polar_express"),
     Variant("you (6 steps) fp32", coefficients="you", steps=6),
+    # AOL-preconditioned (Turbo-Muon): one step fewer than Jordan's; then the other named sets,
+    # each at the length it was published for
+    Variant("aol (4 steps) fp32", coefficients="aol", steps=4),
+    Variant("aol (4 steps) bf16", dtype=torch.bfloat16, coefficients="aol", steps=4),
+    Variant("cans fp32", coefficients="cans"),
+    Variant("deepseekv4 (10) fp32", coefficients="deepseekv4", steps=10),
+    Variant("polar_express_paper fp32", coefficients="polar_express_paper", steps=8),
 )
 
 

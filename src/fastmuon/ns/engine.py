@@ -24,7 +24,15 @@ from . import device as compute
 from .device import compute_dtype, wider_dtype
 from .gather import Gather
 from .layout import memory_order
-from .newton_schulz import METHODS, Coefficients, CoefficientSpec, resolve_coefficients
+from .newton_schulz import (
+    METHODS,
+    Coefficients,
+    CoefficientSpec,
+    check_method_preconditioning,
+    ns_kernel,
+    resolve_coefficients,
+    resolve_preconditioning,
+)
 from .planner import (
     DEFAULT_MAX_BUCKET_BYTES,
     Bucket,
@@ -37,25 +45,42 @@ from .planner import (
 
 @dataclass(frozen=True)
 class NSConfig:
-    """The Newton–Schulz settings a bucket runs with; matrices with different ones never share."""
+    """The Newton–Schulz settings a bucket runs with; matrices with different ones never share.
+
+    ``preconditioning`` is how each matrix is brought to spectral norm <= 1 before iterating
+    (``newton_schulz.PRECONDITIONINGS``). It lives here, beside the schedule, because a schedule
+    is fitted to the preconditioning it starts from: :meth:`make` takes it from the coefficient
+    preset's name (``"aol"``) unless given, so the optimizers' ``ns_coefficients`` selects it for
+    every bucket of the plan without an option of its own.
+    """
 
     steps: int
     coefficients: tuple[tuple[float, float, float], ...]
     eps: float
     dtype: torch.dtype
     method: str = "auto"
+    preconditioning: str = "frobenius"
 
     @classmethod
     def make(
-        cls, steps: int, coefficients: CoefficientSpec, eps: float, dtype: torch.dtype, method: str = "auto"
-    ):
+        cls,
+        steps: int,
+        coefficients: CoefficientSpec,
+        eps: float,
+        dtype: torch.dtype,
+        method: str = "auto",
+        preconditioning: str | None = None,
+    ) -> NSConfig:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"ns_dtype must be a floating torch.dtype, got {dtype!r}")
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
         if method not in ("auto", *METHODS):
             raise ValueError(f"unknown ns_method {method!r}; choose 'auto' or one of {sorted(METHODS)}")
-        return cls(steps, tuple(resolve_coefficients(coefficients, steps)), float(eps), dtype, method)
+        preconditioning = resolve_preconditioning(coefficients, preconditioning)
+        check_method_preconditioning(method, preconditioning)
+        schedule = tuple(resolve_coefficients(coefficients, steps))
+        return cls(steps, schedule, float(eps), dtype, method, preconditioning)
 
 
 @dataclass(frozen=True)
@@ -186,7 +211,7 @@ class BucketRecord:
     bucket: Bucket
     config: NSConfig
     schedule: list[Coefficients]  # the config's coefficients, as the kernels take them
-    kernel: Callable[..., Tensor]  # one of newton_schulz.METHODS, or its compiled form
+    kernel: Callable[..., Tensor]  # newton_schulz.ns_kernel(method, preconditioning), or its compiled form
     compiled: bool  # the kernel runs through torch.compile
     host: bool  # the bucket lives on the host's CPU (device.is_host)
     host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
@@ -254,11 +279,12 @@ class Orthogonalizer:
         runs = _split_runs(bucket, layouts)
         host = compute.is_host(bucket.device)
         compiled = self.compile and bucket.method != "eigh"  # eigh: one LAPACK call, nothing to fuse
+        pre = config.preconditioning
         return BucketRecord(
             bucket=bucket,
             config=config,
             schedule=list(config.coefficients),
-            kernel=compiled_kernel(bucket.method) if compiled else METHODS[bucket.method],
+            kernel=compiled_kernel(bucket.method, pre) if compiled else ns_kernel(bucket.method, pre),
             compiled=compiled,
             host=host,
             # a compiled kernel is traced, and a trace cannot branch on a value read on the host
@@ -610,10 +636,10 @@ def _compiling() -> bool:
 
 
 @functools.cache
-def compiled_kernel(method: str):
+def compiled_kernel(method: str, preconditioning: str = "frobenius"):
     """The NS loop through ``torch.compile`` (whole graph, static shapes: one compile per bucket
     shape, then the elementwise scaling fuses into the matmul epilogues where the backend can)."""
-    return torch.compile(METHODS[method], fullgraph=True, dynamic=False)
+    return torch.compile(ns_kernel(method, preconditioning), fullgraph=True, dynamic=False)
 
 
 def _memory_flat(t: Tensor, layout: TensorLayout) -> Tensor:
@@ -666,6 +692,7 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
         config.method,
         requested,
         fallback,
+        config.preconditioning,
     )
 
 
@@ -680,6 +707,8 @@ def orthogonalize(
     cost_model: CostModel | None = None,
     method: str = "auto",
     matrices: MatrixMapSpec | list = None,
+    *,
+    preconditioning: str | None = None,
 ) -> list[Tensor]:
     """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
 
@@ -690,7 +719,9 @@ def orthogonalize(
     ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
     cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
     less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
-    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). For repeated calls on the same shapes, an optimizer caches the plan and
+    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). ``preconditioning``: as in :func:`fastmuon.newton_schulz`
+    (``coefficients="aol"`` selects AOL's rescaling, which "auto" runs with the standard method).
+    For repeated calls on the same shapes, an optimizer caches the plan and
     buffers; this function plans afresh each call.
     """
     tensors = list(tensors)
@@ -716,13 +747,14 @@ def orthogonalize(
             max_bucket_bytes,
             cost_model,
             method,
+            preconditioning=preconditioning,
         )
         starts = [0, *itertools.accumulate(map(len, pieces))]
         return [
             flat[a] if m.is_flatten else m.assemble(t.shape, flat[a:b], dtype, t.device)
             for t, m, a, b in zip(tensors, maps, starts, starts[1:])
         ]
-    config = NSConfig.make(steps, coefficients, eps, dtype, method)
+    config = NSConfig.make(steps, coefficients, eps, dtype, method, preconditioning)
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     layouts = [TensorLayout.of(tensors[i]) for i in live]
     specs = [spec_of(tensors[i], config, lay) for i, lay in zip(live, layouts)]

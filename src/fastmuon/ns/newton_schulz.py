@@ -60,7 +60,83 @@ PRESETS: dict[str, tuple[Coefficients, ...]] = {
             (2172, -1833, 682),
         ]
     ),
+    # Turbo-Muon (Boissin, Massena, Mamalet & Serrurier 2025, arXiv:2512.04632): four steps fitted
+    # (by a genetic search) to start from the AOL-rescaled matrix, one fewer than Frobenius-normalised
+    # NS needs. The numbers are those of the authors' thib-s/flash-newton-schulz after its fix of
+    # the rescaling (newton_schulz_triton_aol) and of microsoft/dion (newton_schulz_triton_fast).
+    # NVIDIA's emerging-optimizers ships an earlier fit (4.0098, -7.0585, 2.4635), ... under the
+    # same name and runs it after Frobenius normalisation; pass those tuples to reproduce that.
+    # This name also selects AOL preconditioning (PRESET_PRECONDITIONING below).
+    "aol": (
+        (4.6051, -9.6552, 5.6769),
+        (4.7505, -6.0861, 2.1790),
+        (2.7763, -2.3190, 0.5523),
+        (2.4231, -2.2861, 0.8193),
+    ),
+    # CANS (Grishina, Smirnov & Rakhuba 2025, arXiv:2506.10935): Chebyshev-type (Remez) polynomials
+    # with an adaptive interval; the five steps NVIDIA's emerging-optimizers ships as "cans"
+    # (orthogonalized_optimizers/muon_utils.py), whose last step repeats there too.
+    "cans": (
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ),
+    # DeepSeek-V4's hybrid schedule (DeepSeek-V4 technical report; as emerging-optimizers'
+    # "deepseekv4"): eight of Jordan's steps bring every singular value into ~[0.7, 1.2] fast,
+    # then two steps of (2, -1.5, 0.5), whose map has slope 0 at 1, pull them to 1. Ten steps.
+    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
 }
+
+
+#: Polar Express as the paper's Implementation 1 runs it: besides the coefficients' 1.01 safety
+#: factor ("polar_express" above, as emerging-optimizers ships it) the input is divided by
+#: 1.01·‖X‖ instead of ‖X‖, against rounding pushing the top singular value past 1. That
+#: division is folded into the first polynomial: p(x/1.01) = (a/1.01)·x + (b/1.01³)·x³ +
+#: (c/1.01⁵)·x⁵ (the same map; eps then counts 1.01× more, which is immaterial).
+def _input_divided(step: Coefficients, factor: float) -> Coefficients:
+    """The step's polynomial applied to ``x / factor``, as coefficients in ``x``."""
+    a, b, c = step
+    return (a / factor, b / factor**3, c / factor**5)
+
+
+PRESETS["polar_express_paper"] = (
+    _input_divided(PRESETS["polar_express"][0], 1.01),
+    *PRESETS["polar_express"][1:],
+)
+
+#: How NS brings a matrix's spectral norm to at most 1 before iterating (see :func:`newton_schulz`):
+#: ``"frobenius"`` divides by the Frobenius norm; ``"aol"`` rescales each row (of the wide
+#: orientation) by the inverse square root of its absolute row sum of ``X·Xᵀ``, as AOL does.
+PRECONDITIONINGS = ("frobenius", "aol")
+
+#: Presets that select a preconditioning by their name (the schedule was fitted to start from it).
+PRESET_PRECONDITIONING: dict[str, str] = {"aol": "aol"}
+
+
+def resolve_preconditioning(coefficients: CoefficientSpec, preconditioning: str | None) -> str:
+    """The preconditioning a call runs: ``preconditioning`` if given, else the one the
+    coefficient preset names (``"aol"`` for ``"aol"``), else ``"frobenius"``."""
+    if preconditioning is None:
+        name = coefficients if isinstance(coefficients, str) else None
+        return PRESET_PRECONDITIONING.get(name, "frobenius") if name else "frobenius"
+    if preconditioning not in PRECONDITIONINGS:
+        raise ValueError(
+            f"unknown ns_preconditioning {preconditioning!r}; choose one of {list(PRECONDITIONINGS)} "
+            "(or None: the one the coefficient preset implies)"
+        )
+    return preconditioning
+
+
+def check_method_preconditioning(method: str, preconditioning: str) -> None:
+    """AOL preconditioning runs in the standard NS loop only: a clear error for the others."""
+    if preconditioning == "aol" and method not in ("auto", "standard"):
+        raise ValueError(
+            f"ns_method={method!r} cannot run AOL preconditioning (ns_coefficients='aol' or "
+            "preconditioning='aol'), which rescales X's rows in the standard NS loop; use "
+            "ns_method='standard' or 'auto', or Frobenius normalisation with other coefficients"
+        )
 
 
 def resolve_coefficients(spec: CoefficientSpec, steps: int) -> list[Coefficients]:
@@ -106,6 +182,7 @@ def newton_schulz(
     method: str = "standard",
     matrices: MatrixMapSpec = None,
     *,
+    preconditioning: str | None = None,
     host_reads: bool = True,
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
@@ -121,6 +198,9 @@ def newton_schulz(
     not change the norm, which is what lets the batched engine pad matrices into shared buckets.
     ``method="gram"`` runs the same iteration in Gram space (see :func:`_iterate_gram`), and
     ``"eigh"`` evaluates it through an eigendecomposition of the Gram matrix (:func:`_iterate_eigh`).
+    ``preconditioning="aol"`` (what ``coefficients="aol"`` selects; ``None``: what the preset
+    implies, else ``"frobenius"``) replaces the Frobenius normalisation by AOL's row rescaling
+    (see :func:`_iterate_aol`), with the standard method only.
     ``host_reads=False`` reads no value on the host, as a step that may be captured into a CUDA
     graph must: a CPU then normalises as an accelerator does (the same values, see :func:`_normalize`).
     """
@@ -135,6 +215,7 @@ def newton_schulz(
                 eps,
                 dtype,
                 method,
+                preconditioning=preconditioning,
                 host_reads=host_reads,
             ).view(piece.shape)
             for piece in m.views(X)
@@ -152,6 +233,8 @@ def newton_schulz(
     if method not in METHODS:
         raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {sorted(METHODS)}")
     schedule = resolve_coefficients(coefficients, steps)
+    preconditioning = resolve_preconditioning(coefficients, preconditioning)
+    check_method_preconditioning(method, preconditioning)
     if X.numel() == 0:  # nothing to orthogonalise (and no norm to take): the empty result
         return torch.zeros(X.shape, dtype=dtype, device=X.device)
     single = X.ndim == 2
@@ -162,7 +245,7 @@ def newton_schulz(
     host = compute.is_host(X.device)
     # a user's torch.compile may trace this call, and a trace cannot branch on a host read
     host_reads = host_reads and host and not torch.compiler.is_compiling()
-    Y = METHODS[method](Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
+    Y = ns_kernel(method, preconditioning)(Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
     if tall:
         Y = Y.mT
     return Y.squeeze(0) if single else Y
@@ -296,6 +379,68 @@ def _iterate(
         target = out if k + 1 == len(schedule) else spare
         X, spare = torch.baddbmm(X, B, X, beta=a, out=target), X
     return X
+
+
+def _iterate_aol(
+    X: Tensor,
+    schedule: list[Coefficients],
+    eps: float,
+    scratch: Scratch = _fresh,
+    out: Tensor | None = None,
+    *,
+    host: bool,
+    host_reads: bool,
+) -> Tensor:
+    """The NS loop of :func:`_iterate` started from AOL's rescaling instead of ``X/‖X‖``.
+
+    With ``A = X·Xᵀ`` (the wide side) each row ``i`` of ``X`` is divided by ``√(Σ_j |A_ij|)``:
+    ``X₀ = D·X`` with ``D = diag(Σ_j |A_ij|)^(-1/2)``, whose spectral norm is at most 1 (Prach &
+    Lampert 2022, "Almost-Orthogonal Layers", Theorem 1, applied to ``Xᵀ``) and usually much
+    closer to it than after Frobenius normalisation, so the small singular values start larger
+    and one iteration fewer reaches the same band. The first iteration reuses
+    ``A₀ = D·A·D = X₀·X₀ᵀ``, so the rescaling costs only ``R×R`` and ``R×C`` elementwise work.
+    This is the published rule: rows of the wide orientation, row sums clamped below at ``eps``
+    (flash-newton-schulz's and dion's AOL kernels, optax's ``preconditioning="aol"``); it
+    changes the singular vectors slightly (``D·X`` is not a multiple of ``X``), which Turbo-Muon
+    (arXiv:2512.04632) measured not to hurt training. Use it with its coefficients ("aol").
+
+    Per matrix of the batch: a zero (padded) row has row sum 0, is clamped and stays zero, and
+    padded columns add nothing to any row sum, so padding changes no real entry. Each matrix is
+    first divided by the power of two just below its largest |entry| (exact, as in
+    :func:`_normalize_safe`, and the clamp scaled to match), so ``X·Xᵀ`` neither overflows nor
+    underflows: in range the result equals the plain rule's bit for bit. Nothing is read on the
+    host. The statistics run in fp32 at least. ``X`` is never modified.
+    """
+    R = X.size(-2)
+    X, A = _aol_rescaled(X, eps, scratch, host)
+    spare = scratch("Y", X.shape)
+    for k, (a, b, c) in enumerate(schedule):
+        if k:
+            A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))
+        target = out if k + 1 == len(schedule) else spare
+        X, spare = torch.baddbmm(X, B, X, beta=a, out=target), X
+    return X
+
+
+def _aol_rescaled(X: Tensor, eps: float, scratch: Scratch, host: bool) -> tuple[Tensor, Tensor]:
+    """``(D·X, D·A·D)`` for a wide batch: AOL's rescaling (see :func:`_iterate_aol`)."""
+    B, R, _ = X.shape
+    scale = _power_of_two_below(_largest_entry(X, host))  # (B, 1, 1), exact powers of two
+    out = scratch("X", X.shape)
+    if out is None and not X.is_contiguous():  # later iterates are written into this buffer
+        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+    Xs = torch.div(X, scale, out=out)
+    A = torch.bmm(Xs, Xs.mT, out=scratch("A", (B, R, R)))
+    wide = torch.promote_types(X.dtype, torch.float32)
+    rows = A.abs().sum(dim=-1, keepdim=True, dtype=wide)  # (B, R, 1); padding adds zeros
+    # the clamp at eps of the unscaled row sums, in the scaled units: eps / scale²
+    tiny = torch.finfo(wide).tiny
+    floor = (eps / scale.to(wide)).div_(scale.to(wide)).clamp_min_(tiny) if eps else tiny
+    s = torch.maximum(rows, floor).rsqrt_() if eps else rows.clamp_min_(tiny).rsqrt_()
+    Xs.mul_(s)
+    A.mul_(s).mul_(s.mT)
+    return Xs, A
 
 
 def _iterate_gram(
@@ -454,3 +599,11 @@ def _iterate_eigh(
 
 
 METHODS = {"standard": _iterate, "gram": _iterate_gram, "eigh": _iterate_eigh}
+
+
+def ns_kernel(method: str, preconditioning: str = "frobenius") -> Callable[..., Tensor]:
+    """The NS kernel of ``method`` with ``preconditioning`` (AOL: the standard loop only)."""
+    if preconditioning == "aol":
+        check_method_preconditioning(method, preconditioning)
+        return _iterate_aol
+    return METHODS[method]

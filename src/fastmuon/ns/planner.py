@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import cpu_class
-from .newton_schulz import gram_segments
+from .newton_schulz import check_method_preconditioning, gram_segments
 
 POLICIES = ("auto", "exact", "min_launches")
 DEFAULT_MAX_BUCKET_BYTES = 512 * 2**20
@@ -36,7 +36,9 @@ class MatrixSpec:
     in) is higher: a bf16 request computed in fp32 tolerates the eigendecomposition route.
     ``fallback`` is a wider dtype the matrix may run in instead of ``dtype`` (fp32 for a bf16
     request on a CPU with bf16 matmul units): the planner takes it per shape where the cost model
-    finds it faster, and the matrix then counts as ``dtype`` requested.
+    finds it faster, and the matrix then counts as ``dtype`` requested. ``preconditioning`` is
+    how NS normalises it (``newton_schulz.PRECONDITIONINGS``): AOL runs with the standard method
+    only, and its extra elementwise work is counted (:func:`ns_flops`).
     """
 
     rows: int
@@ -48,6 +50,7 @@ class MatrixSpec:
     method: str = "auto"
     requested: torch.dtype | None = None
     fallback: torch.dtype | None = None
+    preconditioning: str = "frobenius"
 
     @property
     def transposed(self) -> bool:
@@ -84,6 +87,7 @@ class Bucket:
     device: torch.device
     key: Hashable = None
     method: str = "standard"
+    preconditioning: str = "frobenius"
 
     def nbytes(self) -> int:
         b, r, c = self.shape
@@ -92,11 +96,13 @@ class Bucket:
     def flops(self, steps: int) -> int:
         """FLOPs the padded batch actually computes."""
         b, r, c = self.shape
-        return b * ns_flops(r, c, steps, self.method, self.dtype)
+        return b * ns_flops(r, c, steps, self.method, self.dtype, self.preconditioning)
 
     def useful_flops(self, steps: int) -> int:
         """FLOPs the members would cost unpadded (with the bucket's method)."""
-        return sum(ns_flops(*m.oriented, steps, self.method, self.dtype) for m in self.members)
+        return sum(
+            ns_flops(*m.oriented, steps, self.method, self.dtype, self.preconditioning) for m in self.members
+        )
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,10 @@ def default_cost_model(device: torch.device | str) -> CostModel:
 #: the Newton-Schulz formulations a matrix can be planned with (the iterations are in newton_schulz)
 NS_METHODS = ("standard", "gram", "eigh")
 
+#: Elementwise FLOPs per ``R²`` of AOL's rescaling on the ``R×R`` side: ``|A|``, its row sums and
+#: the two rescalings of ``A`` (``newton_schulz._aol_rescaled``).
+AOL_FLOPS_PER_R2 = 4
+
 #: Nominal FLOPs of a symmetric eigendecomposition with eigenvectors, in units of ``R³``
 #: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less): what the plan's
 #: FLOP counts report. LAPACK runs it well below matmul speed, so the planner chooses by what
@@ -209,14 +219,26 @@ EIGH_FLOPS_PER_R3 = 9
 
 
 def ns_flops(
-    rows: int, cols: int, steps: int, method: str = "standard", dtype: torch.dtype | None = None
+    rows: int,
+    cols: int,
+    steps: int,
+    method: str = "standard",
+    dtype: torch.dtype | None = None,
+    preconditioning: str = "frobenius",
 ) -> int:
     """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c).
 
     Gram space (see newton_schulz._iterate_gram): ``X`` is touched twice per run from a fresh
     ``A`` (``A = X·Xᵀ`` and ``Q·X``), the rest is ``R×R``; low precision restarts, so runs ``s > 1``.
+    AOL preconditioning (newton_schulz._iterate_aol) computes the first iteration's Gram matrix
+    from the raw ``X`` and reuses it after rescaling, so its matmuls are those of a standard
+    iteration; on top come ``|A|``'s row sums and the rescaling of ``A`` on both sides
+    (``4R²``: counted) and of ``X`` (``RC``, counted like Frobenius normalisation's passes over
+    ``X``: not at all). What it saves is an iteration: its schedule has one step fewer.
     """
     r, c = min(rows, cols), max(rows, cols)
+    if preconditioning == "aol":  # the standard loop only
+        return steps * (4 * r * r * c + 2 * r * r * r) + AOL_FLOPS_PER_R2 * r * r
     if method == "eigh":  # A = X·Xᵀ, the eigendecomposition, V·h·Vᵀ, Q·X
         return 4 * r * r * c + (EIGH_FLOPS_PER_R3 + 2) * r * r * r
     if method == "gram":
@@ -233,11 +255,12 @@ def ns_cost(
     dtype: torch.dtype | None = None,
     eigh: EighCost | None = None,
     threads: int = 1,
+    preconditioning: str = "frobenius",
 ) -> float:
     """What the planner minimises: :func:`ns_flops`, with an eigendecomposition counted at what
     it costs on the device in matmul FLOPs (``eigh``; ``None``: its nominal count)."""
     if method != "eigh" or eigh is None:
-        return ns_flops(rows, cols, steps, method, dtype)
+        return ns_flops(rows, cols, steps, method, dtype, preconditioning)
     r, c = min(rows, cols), max(rows, cols)
     return 4 * r * r * c + (2 + eigh.per_r3(r, threads)) * r**3
 
@@ -253,6 +276,7 @@ def choose_method(
     eigh: EighCost | None = None,
     threads: int = 1,
     low_precision_gram: bool = False,
+    preconditioning: str = "frobenius",
 ) -> str:
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
@@ -269,9 +293,12 @@ def choose_method(
     it in standard bf16 NS's band from twice as wide as tall on (random, graded and
     ill-conditioned inputs at 128..768 rows, 2..3x as wide: errors against fp64 NS no larger);
     it competes there where the cost model says it was measured to pay (``low_precision_gram``),
-    by FLOPs, which track its measured time against standard NS's on such CPUs."""
+    by FLOPs, which track its measured time against standard NS's on such CPUs.
+    AOL preconditioning runs in the standard loop only, so "auto" is "standard" there."""
     if allowed != "auto":
         return allowed
+    if preconditioning == "aol":
+        return "standard"
     if dtype not in (torch.float32, torch.float64):
         if low_precision_gram and narrowest >= 2:
             return min(("standard", "gram"), key=lambda m: ns_flops(rows, cols, steps, m, dtype))
@@ -285,11 +312,15 @@ def choose_method(
     return min(candidates, key=lambda m: ns_cost(rows, cols, steps, m, dtype, eigh, threads))  # ties: first
 
 
-def kernels_per_bucket(steps: int, method: str = "standard") -> int:
+def kernels_per_bucket(steps: int, method: str = "standard", preconditioning: str = "frobenius") -> int:
     """Launches a bucket costs however many matrices it holds (counted with bench.counter on
     the kernels): standard NS normalises (3) and runs 3 per step; the Gram loop builds and
     scales ``A₀`` (9) and runs ~4 per step; the eigh route runs the scalar recursion on the
-    eigenvalues (7 per step) around its 13 fixed ones."""
+    eigenvalues (7 per step) around its 13 fixed ones. AOL's rescaling replaces the
+    normalisation by ~14 small ops (largest entry, its power of two, the row sums, the clamp,
+    the rescalings) and saves the first step's Gram matrix (one launch)."""
+    if preconditioning == "aol":
+        return 14 + 3 * steps - 1
     if method == "gram":
         return 9 + 4 * steps
     if method == "eigh":
@@ -338,8 +369,9 @@ class Plan:
             for m in b.members:
                 shapes[(m.rows, m.cols)] = shapes.get((m.rows, m.cols), 0) + 1
             members = ", ".join(f"{n}x{r}x{c}" for (r, c), n in shapes.items())
+            method = b.method + (" aol" if b.preconditioning == "aol" else "")
             lines.append(
-                f"  bucket {i}: batch {b.shape[0]}x{b.shape[1]}x{b.shape[2]} {_dtype_name(b.dtype)} {b.method} "
+                f"  bucket {i}: batch {b.shape[0]}x{b.shape[1]}x{b.shape[2]} {_dtype_name(b.dtype)} {method} "
                 f"on {b.device}, {b.nbytes() / 2**20:.2f} MiB, padding "
                 f"{100 * (b.flops(self.steps) / max(b.useful_flops(self.steps), 1) - 1):.1f}%: "
                 f"{members}"
@@ -378,19 +410,20 @@ def plan_buckets(
             raise ValueError(
                 f"matrix {i}: unknown NS method {s.method!r}; choose 'auto' or one of {NS_METHODS}"
             )
+        check_method_preconditioning(s.method, s.preconditioning)
         fallback = s.fallback if s.fallback is not None and s.fallback != s.dtype else None
         part = partitions.setdefault(
-            (s.dtype, torch.device(s.device), s.key, s.method, s.requested, fallback), {}
+            (s.dtype, torch.device(s.device), s.key, s.method, s.requested, fallback, s.preconditioning), {}
         )
         part.setdefault(s.oriented, []).append(i)
 
     threads = torch.get_num_threads() if threads is None else threads
     buckets: list[Bucket] = []
-    for (dtype, device, key, allowed, requested, fallback), by_shape in partitions.items():
+    for (dtype, device, key, allowed, requested, fallback, pre), by_shape in partitions.items():
         model = cost_model or default_cost_model(device)
         groups = [_DraftBucket(r, c, members, c / r) for (r, c), members in by_shape.items()]
 
-        def chooser_for(run_dtype, run_requested, allowed=allowed, model=model):
+        def chooser_for(run_dtype, run_requested, allowed=allowed, model=model, pre=pre):
             return functools.partial(
                 choose_method,
                 allowed,
@@ -400,14 +433,15 @@ def plan_buckets(
                 eigh=model.eigh,
                 threads=threads,
                 low_precision_gram=model.low_precision_gram,
+                preconditioning=pre,
             )
 
         runs = [(dtype, requested, groups)]
         if fallback is not None:  # each shape in whichever dtype runs it faster
             native, wide = chooser_for(dtype, requested), chooser_for(fallback, dtype)
             faster_wide = [
-                _seconds(g, steps, fallback, model, wide, threads, max_bucket_bytes)
-                < _seconds(g, steps, dtype, model, native, threads, max_bucket_bytes)
+                _seconds(g, steps, fallback, model, wide, threads, max_bucket_bytes, pre)
+                < _seconds(g, steps, dtype, model, native, threads, max_bucket_bytes, pre)
                 for g in groups
             ]
             runs = [
@@ -418,19 +452,19 @@ def plan_buckets(
             chooser = chooser_for(run_dtype, run_requested)
             if policy != "exact" and run_groups:
                 run_groups = _merge(
-                    run_groups, policy, steps, run_dtype, max_bucket_bytes, model, chooser, threads
+                    run_groups, policy, steps, run_dtype, max_bucket_bytes, model, chooser, threads, pre
                 )
             for g in sorted(run_groups, key=lambda g: (-g.rows * g.cols, g.rows)):
                 method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
-                buckets.extend(_materialise(g, specs, run_dtype, device, key, max_bucket_bytes, method))
+                buckets.extend(_materialise(g, specs, run_dtype, device, key, max_bucket_bytes, method, pre))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
 
-def _seconds(g, steps, dtype, model: CostModel, chooser, threads: int, cap: int) -> float:
+def _seconds(g, steps, dtype, model: CostModel, chooser, threads: int, cap: int, pre: str) -> float:
     """What the cost model says group ``g`` costs alone in ``dtype``: FLOPs plus launches."""
     method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
-    flops = len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, model.eigh, threads)
-    launches = g.chunks(_itemsize(dtype), cap) * kernels_per_bucket(steps, method)
+    flops = len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, model.eigh, threads, pre)
+    launches = g.chunks(_itemsize(dtype), cap) * kernels_per_bucket(steps, method, pre)
     return flops * model.flop_seconds(dtype) + launches * model.launch_cost(dtype)
 
 
@@ -459,7 +493,9 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
     return max(1, cap // (rows * cols * itemsize))
 
 
-def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int) -> list[_DraftBucket]:
+def _merge(
+    groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int, pre: str = "frobenius"
+) -> list[_DraftBucket]:
     """Greedy agglomeration: apply the best merge until none helps (costs in matmul FLOPs)."""
     itemsize = _itemsize(dtype)
     per_flop = model.flop_seconds(dtype)
@@ -472,10 +508,10 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads
         return method_of(g.rows, g.cols, g.narrowest)
 
     def flops(g: _DraftBucket) -> float:
-        return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads)
+        return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads, pre)
 
     def launches(g: _DraftBucket) -> int:
-        return g.chunks(itemsize, cap) * kernels_per_bucket(steps, method(g))
+        return g.chunks(itemsize, cap) * kernels_per_bucket(steps, method(g), pre)
 
     def score(a: _DraftBucket, b: _DraftBucket) -> tuple[float, float] | None:
         """Lower is better; ``None`` means this merge does not help."""
@@ -507,7 +543,7 @@ def _merge(groups, policy, steps, dtype, cap, model: CostModel, chooser, threads
     return groups
 
 
-def _materialise(group, specs, dtype, device, key, cap, method) -> list[Bucket]:
+def _materialise(group, specs, dtype, device, key, cap, method, pre="frobenius") -> list[Bucket]:
     """Order members so identical tensors are adjacent, then split by the memory cap."""
     order = sorted(
         group.members,
@@ -528,7 +564,7 @@ def _materialise(group, specs, dtype, device, key, cap, method) -> list[Bucket]:
         members = tuple(
             Member(i, slot, specs[i].rows, specs[i].cols, specs[i].transposed) for slot, i in enumerate(chunk)
         )
-        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key, method))
+        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key, method, pre))
     return buckets
 
 

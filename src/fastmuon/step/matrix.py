@@ -125,7 +125,14 @@ def single_tensor_matrix_update(items: list[MatrixItem]) -> None:
         u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
         c = it.config
         dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
-        o = newton_schulz(u.reshape(u.shape[0], -1), c.steps, list(c.coefficients), c.eps, dtype)
+        o = newton_schulz(
+            u.reshape(u.shape[0], -1),
+            c.steps,
+            list(c.coefficients),
+            c.eps,
+            dtype,
+            preconditioning=c.preconditioning,
+        )
         if it.decay != 1:
             it.param.mul_(it.decay)
         it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
