@@ -155,7 +155,16 @@ RULES: tuple[Rule, ...] = (
 #: Module types whose ``weight`` is a matrix (conv weights flattened to ``(out, in·k…)``):
 #: linear (its subclasses too, e.g. attention's ``out_proj``), bilinear, and every
 #: convolution and transposed convolution.
-MATRIX_LAYERS: tuple[type[nn.Module], ...] = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd)
+MATRIX_LAYERS: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
 
 #: Class-name endings of a Mixture-of-Experts router (Transformers' ``...TopKRouter``,
 #: ``Llama4Router``, ``DbrxRouter``, ...).
@@ -196,7 +205,7 @@ def layer_weight(module: nn.Module) -> list[Tensor]:
         for name in ("weight_orig", "weight_v")
         if isinstance(p := getattr(module, name, None), nn.Parameter)
     ]
-    weight = module._parameters.get("weight")
+    weight = dict(module.named_parameters(recurse=False)).get("weight")
     if weight is not None and not isinstance(weight, nn.parameter.UninitializedParameter):
         found.append(weight)
     return found
