@@ -338,7 +338,9 @@ class MatrixOptimizer(Optimizer):
             note = (
                 f"foreach=False runs the per-parameter loop, nothing is batched; {take.describe()}; {steps}"
             )
-        elif self.process_group is not None or self._driver.cache.params(self.param_groups)[1]:
+        elif not self._driver.steps and (
+            self.process_group is not None or self._driver.cache.params(self.param_groups)[1]
+        ):
             note = f"{steps} (a distributed plan is built by the first step); {take.describe()}"
         else:
             had = "none of them had a gradient in any step, and " if self._driver.steps else ""
