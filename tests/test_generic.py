@@ -189,7 +189,9 @@ OPTIMIZERS = [
         COMMON_INPUTS + MUSGD_INPUTS,
         COMMON_ERRORS
         + (
-            ErrorInput("bad_adjust_lr", ValueError, "unknown adjust_lr 'sqrt'", kwargs={"adjust_lr": "sqrt"}),
+            ErrorInput(
+                "bad_adjust_lr", ValueError, "unknown adjust_lr_fn 'sqrt'", kwargs={"adjust_lr": "sqrt"}
+            ),
             ErrorInput("negative_muon", ValueError, "invalid muon", group={"muon": -0.5}),
         ),
     ),
@@ -484,7 +486,8 @@ def test_refused_steps_leave_no_state_behind(info):
 def test_plan_before_the_first_step_is_the_plan_it_will_use(info):
     params = make_params()
     opt = info.build(params, {"policy": "min_launches"})
-    assert "no matrix has a gradient" in opt.plan().describe()
+    assert "no step taken yet; Muon takes" in opt.plan().describe()
+    assert "none has a gradient now" in opt.plan().describe()
     set_grads(params, 0)
     before = opt.plan()
     assert len(opt.state) == 0  # built without stepping

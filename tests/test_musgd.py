@@ -171,7 +171,7 @@ def test_defaults_match_ultralytics_signature():
         0.5,
         0.5,
     )
-    assert (d["ns_steps"], d["ns_coefficients"], d["ns_dtype"], d["eps"], d["adjust_lr"]) == (
+    assert (d["ns_steps"], d["ns_coefficients"], d["ns_dtype"], d["eps"], d["adjust_lr_fn"]) == (
         5,
         "jordan",
         torch.bfloat16,

@@ -116,7 +116,7 @@ def test_invalid_group_values_name_the_group():
     p, q = torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(3))
     with pytest.raises(ValueError, match="param group 1"):
         MuSGD([{"params": [p]}, {"params": [q], "lr": -0.1}])
-    with pytest.raises(ValueError, match="unknown adjust_lr 'sqrt'"):
+    with pytest.raises(ValueError, match="unknown adjust_lr_fn 'sqrt'"):
         MuSGD([p], adjust_lr="sqrt")
     with pytest.raises(ValueError, match="unknown adjust_lr_fn 'sqrt'"):
         Muon([p], adjust_lr_fn="sqrt")

@@ -5,6 +5,7 @@ import torch
 from integration_support import import_offline
 
 import fastmuon
+import fastmuon.transformers
 
 VOCAB, SEQ, STEPS, SAVE_EVERY = 64, 16, 4, 2
 
@@ -116,3 +117,76 @@ def test_param_groups_finds_transformers_heads(transformers):
         f"bert.embeddings.{t}_embeddings.weight" for t in ("word", "position", "token_type")
     ] + ["classifier.weight"]
     assert "bert.pooler.dense.weight" in muon["param_names"]
+
+
+# ----- the optimizer factories: Trainer(optimizer_cls_and_kwargs=(Factory, kwargs)) -------------
+def train_with_factory(transformers, output_dir, factory, kwargs, resume_from=None):
+    """A Trainer that builds its optimizer by calling ``factory()(model, **kwargs)``."""
+    model = tiny_gpt2(transformers)
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        save_steps=SAVE_EVERY,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        lr_scheduler_type="constant",
+    )
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=Patterns(), optimizer_cls_and_kwargs=(factory, kwargs)
+    )
+    trainer.train(resume_from_checkpoint=resume_from)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def factory_run(transformers, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpt2_factory_run")
+    kwargs = {"lr": 0.02, "weight_decay": 0.01}
+    return out, kwargs, train_with_factory(transformers, out, fastmuon.transformers.MuonFactory, kwargs)
+
+
+def test_muon_factory_builds_fastmuons_groups_from_the_model(transformers, first_run, factory_run):
+    """The Trainer calls the factory with the model: the groups are param_groups(model)'s, and the
+    run takes the same updates as one given the optimizer built by hand."""
+    _, by_hand, opt = first_run
+    _, _, trainer = factory_run
+    built = trainer.optimizer.optimizer  # accelerate's wrapper holds it
+    assert isinstance(built, fastmuon.Muon)
+    assert [g["param_names"] for g in built.param_groups] == [g["param_names"] for g in opt.param_groups]
+    assert [g["use_muon"] for g in built.param_groups] == [True, False, False]
+    assert built.param_groups[0]["lr"] == 0.02 and built.param_groups[1]["lr"] == 3e-4
+    assert "Muon takes 8 of 28 parameters (12 matrices" in built.plan().describe()
+    for (name, a), b in zip(by_hand.model.named_parameters(), trainer.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_factory_run_resumes_with_the_same_updates(transformers, factory_run, tmp_path):
+    out, kwargs, trainer = factory_run
+    factory = fastmuon.transformers.MuonFactory
+    resumed = train_with_factory(
+        transformers, tmp_path, factory, kwargs, resume_from=str(out / f"checkpoint-{SAVE_EVERY}")
+    )
+    assert resumed.state.global_step == STEPS
+    for (name, a), b in zip(trainer.model.named_parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    first, then = trainer.optimizer.optimizer, resumed.optimizer.optimizer
+    assert isinstance(then, fastmuon.Muon)
+    for p, q in zip(first.param_groups[0]["params"], then.param_groups[0]["params"]):
+        torch.testing.assert_close(then.state[q]["momentum_buffer"], first.state[p]["momentum_buffer"])
+
+
+def test_musgd_factory_and_group_keywords(transformers, tmp_path):
+    """Group keywords (head=, exclude=, ...) shape the groups; the rest reach the constructor."""
+    kwargs = {"lr": 0.02, "momentum": 0.9, "exclude": "*.mlp.c_proj", "ns_dtype": torch.float32}
+    trainer = train_with_factory(transformers, tmp_path, fastmuon.transformers.MuSGDFactory, kwargs)
+    opt = trainer.optimizer.optimizer
+    assert isinstance(opt, fastmuon.MuSGD) and opt.param_groups[0]["ns_dtype"] == torch.float32
+    assert not any(n.endswith("mlp.c_proj.weight") for n in opt.param_groups[0]["param_names"])
+    assert "transformer.h.0.mlp.c_proj.weight" in opt.param_groups[1]["param_names"]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == STEPS and all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert kwargs == {"lr": 0.02, "momentum": 0.9, "exclude": "*.mlp.c_proj", "ns_dtype": torch.float32}

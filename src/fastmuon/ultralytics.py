@@ -97,7 +97,9 @@ def install(**options: Any) -> None:
             f"install() got {', '.join(trainer_set)}, which Ultralytics' trainer sets itself; pass them "
             "to YOLO(...).train() (lr0=, momentum=, weight_decay=) instead"
         )
-    musgd_for_ultralytics([torch.nn.Parameter(torch.zeros(2, 2))], **options)  # bad options fail here
+    musgd_for_ultralytics(
+        [torch.nn.Parameter(torch.zeros(2, 2))], use_muon=True, **options
+    )  # bad options fail here
     trainer_module, dist_module = _ultralytics_modules()
     original_generate = _replaced.get((dist_module, "generate_ddp_file"), dist_module.generate_ddp_file)
     _replace(trainer_module, "MuSGD", _Factory(options))

@@ -11,7 +11,9 @@ A key the saved group lacks is taken from the optimizer's own group at the same 
 from its defaults: the way torch fills keys an optimizer gained in a later version (a filled
 ``momentum`` is also the ``β`` the saved buffers are judged by, below). A saved
 key that belongs to the source optimizer's algorithm but not to this one (SGD's
-``dampening``, AdamW's ``amsgrad``, Muon's ``adjust_lr_fn`` in MuSGD, ...) is dropped, and so
+``dampening``, AdamW's ``amsgrad``, ...) is dropped, and so are the lr factor (``adjust_lr_fn``,
+``rms_scale``) between Muon and MuSGD, whose factors scale different learning rates; an older
+fastmuon MuSGD's ``adjust_lr`` is read as ``adjust_lr_fn``. So
 is one whose meaning differs here: ``weight_decay`` between coupled (SGD, MuSGD, Adam) and
 decoupled (AdamW, Muon) decay (an Adam group without torch's ``decoupled_weight_decay`` flag
 could be either, so its ``weight_decay`` is never taken); ``eps`` between Newton–Schulz's and
@@ -108,6 +110,7 @@ FAMILY_KEYS = {
             "betas",
             "adamw_eps",
             "use_muon",
+            "rms_scale",
         }
     ),
     MUSGD: frozenset(
@@ -124,10 +127,14 @@ FAMILY_KEYS = {
             "ns_dtype",
             "ns_method",
             "eps",
-            "adjust_lr",
+            "adjust_lr",  # the name fastmuon's MuSGD saved its lr factor under before adjust_lr_fn
+            "adjust_lr_fn",
+            "rms_scale",
         }
     ),
 }
+_LR_ALIAS = "adjust_lr"
+_LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
 _BUFFER_NAMES = frozenset(
     {"momentum_buffer", "momentum_buffer_SGD", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"}
 )
@@ -150,12 +157,12 @@ def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]
         return SGD
     if "amsgrad" in saved_group:
         return ADAM
-    if {"adjust_lr_fn", "betas", "adamw_eps"} & saved_group.keys():
-        return MUON
     if {"muon", "sgd", "adjust_lr"} & saved_group.keys() or any(
         "momentum_buffer_SGD" in s for s in saved_states
     ):
-        return MUSGD
+        return MUSGD  # before Muon's keys: MuSGD saves adjust_lr_fn too
+    if {"adjust_lr_fn", "betas", "adamw_eps"} & saved_group.keys():
+        return MUON
     if "use_muon" in saved_group:  # Ultralytics' MuSGD saves only this of its own keys
         return MUSGD
     return default  # an older fastmuon of the same class
@@ -179,6 +186,13 @@ def adapt_group(into: LoadTarget, saved: dict[str, Any], family: str, own: dict[
     """The saved group as the target's group ``own`` (``params`` kept as saved ids)."""
     target = into.family
     keys = into.defaults.keys()
+    if family != target:
+        # the lr factor is each family's own (MuSGD's scales lr·muon): a group keeps its own
+        saved = {k: v for k, v in saved.items() if k not in _LR_FACTOR_KEYS}
+    elif _LR_ALIAS in saved:  # an older fastmuon MuSGD's name for it
+        alias = saved[_LR_ALIAS]
+        saved = {k: v for k, v in saved.items() if k != _LR_ALIAS}
+        saved.setdefault("adjust_lr_fn", alias)
     group = {k: v for k, v in saved.items() if not (k in FAMILY_KEYS.get(family, ()) and k not in keys)}
     if group.get("use_muon", False) is None:
         del group["use_muon"]  # "not set"

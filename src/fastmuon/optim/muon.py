@@ -12,11 +12,11 @@ from torch.optim.optimizer import ParamsT
 from ..matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import muon as muon_rule
-from ..step.elementwise import ADJUST_LR
+from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
-from .validation import check_foreach, check_fraction, check_nonnegative
+from .validation import check_foreach, check_fraction, check_nonnegative, resolve_alias
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
@@ -45,7 +45,10 @@ class Muon(MatrixOptimizer):
         ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
             per step, or a preset name), the norm's eps and the iteration count.
         adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
-            "spectral_unclamped" (torch's modes), or "ultralytics", "none".
+            "spectral_unclamped" (torch's modes), or "ultralytics", "none"; ``adjust_lr`` (MuSGD's
+            former name), as a keyword or a group key, is its alias.
+        rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
+            rms_scale·sqrt(max(rows, cols))`` (0.2 as Moonlight and torch; DeepSeek-V4 uses 0.18).
         ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
         ns_method: "auto", "standard", "gram" or "eigh" (as in :class:`~fastmuon.MuSGD`).
         matrices: how each tensor maps to matrices: "flatten", "experts", "transposed" or a dict
@@ -91,6 +94,8 @@ class Muon(MatrixOptimizer):
         ns_method: str = "auto",
         matrices: MatrixMapSpec | list = "flatten",
         policy: str = "auto",
+        rms_scale: float = RMS_SCALE,
+        adjust_lr: str | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
         adamw_lr: float = ADAMW_LR,
@@ -110,7 +115,8 @@ class Muon(MatrixOptimizer):
             ns_coefficients=ns_coefficients,
             eps=eps,
             ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
+            adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", None),
+            rms_scale=rms_scale,
             ns_dtype=ns_dtype,
             ns_method=ns_method,
             matrices=matrices,

@@ -12,11 +12,11 @@ from torch.optim.optimizer import ParamsT
 from ..matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import musgd as musgd_rule
-from ..step.elementwise import ADJUST_LR
+from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
-from .validation import ArgumentTypeError, check_foreach, check_nonnegative
+from .validation import ArgumentTypeError, check_foreach, check_nonnegative, resolve_alias
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -59,8 +59,11 @@ class MuSGD(MatrixOptimizer):
             kernels, linear weights), "experts", "transposed" or a dict (see
             :mod:`fastmuon.matrices`); per group, or a list with one per parameter.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
-        adjust_lr: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw",
-            "spectral_unclamped", "none".
+        adjust_lr_fn: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw",
+            "spectral_unclamped", "none" (the name Muon and ``torch.optim.Muon`` use;
+            ``adjust_lr``, as a keyword or a group key, is its alias).
+        rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
+            rms_scale·sqrt(max(rows, cols))`` (0.2 as Moonlight and torch; DeepSeek-V4 uses 0.18).
         foreach: ``None`` or ``True``: the batched path; ``False``: the plain per-parameter loop
             (the reference path).
         compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
@@ -103,7 +106,9 @@ class MuSGD(MatrixOptimizer):
         ns_method: str = "auto",
         matrices: MatrixMapSpec | list = "flatten",
         policy: str = "auto",
-        adjust_lr: str = "ultralytics",
+        adjust_lr_fn: str = "ultralytics",
+        rms_scale: float = RMS_SCALE,
+        adjust_lr: str | None = None,
         foreach: bool | None = None,
         max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
         cost_model: CostModel | str | None = None,
@@ -126,7 +131,8 @@ class MuSGD(MatrixOptimizer):
             ns_method=ns_method,
             matrices=matrices,
             eps=eps,
-            adjust_lr=adjust_lr,
+            adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", "ultralytics"),
+            rms_scale=rms_scale,
         )
         options = Options(
             foreach=check_foreach(foreach),
@@ -169,8 +175,8 @@ class MuSGD(MatrixOptimizer):
             raise ArgumentTypeError(f"use_muon in {where} must be True or False, got {group['use_muon']!r}")
         check_nonnegative("muon", group["muon"], where)
         check_nonnegative("sgd", group["sgd"], where)
-        if group["adjust_lr"] not in ADJUST_LR:
+        if group["adjust_lr_fn"] not in ADJUST_LR:
             raise ValueError(
-                f"unknown adjust_lr {group['adjust_lr']!r} in {where}; choose one of {ADJUST_LR}"
+                f"unknown adjust_lr_fn {group['adjust_lr_fn']!r} in {where}; choose one of {ADJUST_LR}"
             )
         self._check_matrix_maps(group, where)

@@ -76,3 +76,27 @@ def check_grad(name: str, optimizer: str, grad: Tensor) -> None:
             f"{name} has a sparse gradient; {optimizer} needs "
             "dense gradients (use a dense nn.Embedding or a sparse optimizer such as SparseAdam)"
         )
+
+
+def resolve_alias(value: Any, alias_value: Any, name: str, alias: str, default: Any) -> Any:
+    """A constructor option given under its name or its alias (``alias_value`` None: not given)."""
+    if alias_value is None:
+        return value
+    if value != default and value != alias_value:
+        raise ValueError(f"{name}={value!r} and its alias {alias}={alias_value!r} disagree; pass {name} only")
+    return alias_value
+
+
+def group_without_alias(param_group: dict[str, Any], name: str, alias: str, where: str) -> dict[str, Any]:
+    """``param_group`` with an option given under its alias stored under its name (a new dict;
+    the caller's is unchanged until the group is accepted)."""
+    if not isinstance(param_group, dict) or alias not in param_group:
+        return param_group
+    group = dict(param_group)
+    value = group.pop(alias)
+    if name in group and group[name] != value:
+        raise ValueError(
+            f"{where} sets both {name}={group[name]!r} and its alias {alias}={value!r}; set {name} only"
+        )
+    group[name] = value
+    return group

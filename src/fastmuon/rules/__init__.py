@@ -4,6 +4,8 @@ A rule is a small object the optimizer class holds (``MatrixOptimizer.rule``). I
 its family of optimizers:
 
 - ``family``: its name in checkpoints (see :mod:`fastmuon.optim.checkpoint`);
+- ``elementwise``: what the parameters it does not orthogonalise take ("SGD", "AdamW"), as
+  warnings and plan notes name it;
 - ``is_matrix(group, p)`` and ``state_roles(group, p)``: what it orthogonalises, and what each
   state buffer it keeps holds;
 - ``collect(groups, grads, env)``: a step's work items (``Items``, one list per half: the

@@ -22,6 +22,7 @@ from ..step.adamw import (
     single_tensor_adamw,
 )
 from ..step.collecting import CollectEnv, live_params, ns_config
+from ..step.elementwise import lr_factor
 from ..step.matrix import (
     EngineFor,
     MatrixItem,
@@ -34,6 +35,7 @@ from ..step.program import classes
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
+elementwise = "AdamW"  # the update of the parameters it does not orthogonalise
 
 
 class Items(NamedTuple):
@@ -51,7 +53,7 @@ class Pattern(NamedTuple):
     betas: tuple[int, ...]
     eps: tuple[int, ...]  # AdamW's: a use_muon=False group's eps, else its adamw_eps
     weight_decay: tuple[int, ...]
-    structure: tuple[Any, ...]  # per group: use_muon, adjust_lr_fn, NS settings, matrix maps
+    structure: tuple[Any, ...]  # per group: use_muon, (adjust_lr_fn, rms_scale), NS settings, matrix maps
 
 
 class Scalars(NamedTuple):
@@ -86,7 +88,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         lr, wd = env.lr_value(group["lr"]), group["weight_decay"]
         use_muon = group.get("use_muon")
         config = ns_config(group)
-        adjust = group["adjust_lr_fn"] or "original"
+        adjust, rms_scale = lr_factor(group, gi, "original")
         eps = adamw_eps(group)
         maps = env.maps(group, gi)
         for j, p, grad, index in members:
@@ -101,6 +103,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     nesterov=group["nesterov"],
                     base=lr,
                     adjust=adjust,
+                    rms_scale=rms_scale,
                     config=config,
                     group=gi,
                     index=index,
@@ -136,7 +139,8 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     betas = [tuple(g["betas"]) for g in groups]
     eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]  # as adamw_eps
     structure = tuple(
-        (g.get("use_muon"), g["adjust_lr_fn"], ns_config(g), maps_key(g.get("matrices"))) for g in groups
+        (g.get("use_muon"), lr_factor(g, i, "original"), ns_config(g), maps_key(g.get("matrices")))
+        for i, g in enumerate(groups)
     )
     pattern = Pattern(
         classes(beta), classes(nesterov), classes(lr), classes(betas), classes(eps), classes(wd), structure

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from ..matrices import maps_key
 from ..step.collecting import CollectEnv, live_params, ns_config
+from ..step.elementwise import lr_factor
 from ..step.matrix import (
     EngineFor,
     MatrixItem,
@@ -29,6 +30,7 @@ from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
 from .roles import EMA, HEAVY_BALL, MUSGD
 
 family = MUSGD
+elementwise = "SGD"  # the update of the parameters it does not orthogonalise
 
 
 class Items(NamedTuple):
@@ -46,7 +48,7 @@ class Pattern(NamedTuple):
     muon_lr: tuple[int, ...]  # of lr·muon, the Muon half's scale before its per-matrix factor
     sgd_lr: tuple[int, ...]  # over Scalars.sgd.lr: every group's lr·sgd, then every group's lr
     zero_beta: tuple[bool, ...]
-    structure: tuple[Any, ...]  # per group: use_muon, adjust_lr, NS settings, matrix maps
+    structure: tuple[Any, ...]  # per group: use_muon, (adjust_lr_fn, rms_scale), NS settings, matrix maps
 
 
 class Scalars(NamedTuple):
@@ -75,6 +77,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         lr, beta, nesterov = env.lr_value(group["lr"]), group["momentum"], group["nesterov"]
         muon_group = group["use_muon"]
         config = ns_config(group)
+        adjust, rms_scale = lr_factor(group, gi, "ultralytics")
         maps = env.maps(group, gi)
         key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
         for j, p, grad, index in members:
@@ -88,7 +91,8 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     beta=beta,
                     nesterov=nesterov,
                     base=lr * group["muon"],
-                    adjust=group["adjust_lr"],
+                    adjust=adjust,
+                    rms_scale=rms_scale,
                     config=config,
                     group=gi,
                     index=index,
@@ -119,7 +123,8 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     base = [r * g["muon"] for r, g in zip(lr, groups)]
     sgd_lr = [r * g["sgd"] for r, g in zip(lr, groups)] + [r * 1.0 for r in lr]
     structure = tuple(
-        (g.get("use_muon"), g["adjust_lr"], ns_config(g), maps_key(g.get("matrices"))) for g in groups
+        (g.get("use_muon"), lr_factor(g, i, "ultralytics"), ns_config(g), maps_key(g.get("matrices")))
+        for i, g in enumerate(groups)
     )
     pattern = Pattern(
         classes(beta),

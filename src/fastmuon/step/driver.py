@@ -73,6 +73,7 @@ class StepDriver:
         self.inflight = InFlight()  # this step's agreement collectives (see inflight.py)
         self.hooks: OrderedDict[int, Callable] = OrderedDict()
         self.initialised = initialised  # distributed steps make every parameter's state first
+        self.steps = 0  # steps this driver has run (accepted ones: a refused step counts none)
 
     def step(self, env: StepEnv) -> None:
         """One batched update of every parameter with a gradient."""
@@ -116,6 +117,7 @@ class StepDriver:
         finally:
             if saved is not None:
                 program.guard.restore(saved, keep)
+        self.steps += 1
 
     def reference_step(self, env: StepEnv) -> None:
         """The same update through the rule's per-parameter reference (``foreach=False``)."""
@@ -147,6 +149,7 @@ class StepDriver:
         finally:
             if saved is not None:
                 guard.restore(saved, keep)  # type: ignore[union-attr]
+        self.steps += 1
 
     def init_state(self, env: StepEnv) -> None:
         """Every parameter's state (zeros), as its first step would make it."""

@@ -9,8 +9,8 @@ function that returns a buffer it also modifies says so.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -18,6 +18,13 @@ from torch import Tensor
 from ..ns import device as compute
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
+
+#: the update RMS "match_rms_adamw" aims at unless a group sets ``rms_scale``: Moonlight's 0.2
+#: (an AdamW update's typical RMS); DeepSeek-V4 reports 0.18
+RMS_SCALE = 0.2
+
+#: the lr-factor option's other name (MuSGD's before both optimizers took ``adjust_lr_fn``)
+ADJUST_LR_ALIAS = "adjust_lr"
 
 T = TypeVar("T")
 
@@ -80,20 +87,35 @@ def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
     return torch.tensor(value, dtype=like.dtype) if host else value
 
 
-def lr_scale(mode: str, shape: Sequence[int]) -> float:
-    """The per-matrix factor on the orthogonalised update (``s`` in "Update rules" in docs/optimizers.md)."""
+def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
+    """A group's per-matrix learning-rate factor: its ``adjust_lr_fn`` (``default`` where it is
+    None) and its ``rms_scale``. The alias ``adjust_lr`` is read where a group is added; one set
+    on a group afterwards would be ignored, so it is refused here, before anything changes."""
+    if ADJUST_LR_ALIAS in group:
+        raise ValueError(
+            f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "
+            f"was added; set group['adjust_lr_fn'] instead ({ADJUST_LR_ALIAS} is its alias, read when "
+            "a group is added) and delete the adjust_lr entry"
+        )
+    mode = group["adjust_lr_fn"]
+    return (default if mode is None else mode), group.get("rms_scale", RMS_SCALE)
+
+
+def lr_scale(mode: str, shape: Sequence[int], rms_scale: float = RMS_SCALE) -> float:
+    """The per-matrix factor on the orthogonalised update (``s`` in "Update rules" in
+    docs/optimizers.md); ``rms_scale`` is the update RMS "match_rms_adamw" aims at."""
     rows, cols = shape[0], math.prod(shape[1:])
     if mode == "ultralytics":  # on the raw tensor's last two dims: 1 for square conv kernels
         return math.sqrt(max(1.0, shape[-2] / shape[-1]))
     if mode == "original":
         return math.sqrt(max(1.0, rows / cols))
     if mode == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(rows, cols))
+        return rms_scale * math.sqrt(max(rows, cols))
     if mode == "spectral_unclamped":  # keeps the update's spectral norm at sqrt(rows/cols), wide ones too
         return math.sqrt(rows / cols)
     if mode == "none":
         return 1.0
-    raise ValueError(f"unknown adjust_lr {mode!r}; choose one of {ADJUST_LR}")
+    raise ValueError(f"unknown adjust_lr_fn {mode!r}; choose one of {ADJUST_LR}")
 
 
 def partition(items: Iterable[T], key: Callable[[T], Hashable]) -> dict[Hashable, list[T]]:

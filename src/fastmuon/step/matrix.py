@@ -21,7 +21,7 @@ from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.gather import Gather
 from ..ns.newton_schulz import newton_schulz
-from .elementwise import ema_momentum_, ema_momentum_cast_, lr_scale, partition
+from .elementwise import RMS_SCALE, ema_momentum_, ema_momentum_cast_, lr_scale, partition
 from .program import Scalar, apply_scaled_, scale_limit
 
 
@@ -68,6 +68,7 @@ def matrix_items(
     base: Any,
     adjust: str,
     config: NSConfig,
+    rms_scale: float = RMS_SCALE,
     group: int,
     index: int,
     decay: Any = 1.0,
@@ -75,7 +76,8 @@ def matrix_items(
 ) -> list[MatrixItem]:
     """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
     ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
-    learning-rate factor of its own shape. Views of the tensors throughout; ``optimizer`` names
+    learning-rate factor of its own shape (``adjust``, with ``rms_scale`` for
+    "match_rms_adamw"). Views of the tensors throughout; ``optimizer`` names
     the optimizer in errors."""
     buf = state_buffer(state, "momentum_buffer", p)
     if m.is_flatten:
@@ -90,7 +92,7 @@ def matrix_items(
         ]
     items = []
     for view, grad_view, buf_view, shape, split, piece, whole in pieces:
-        factor = lr_scale(adjust, shape)
+        factor = lr_scale(adjust, shape, rms_scale)
         items.append(
             MatrixItem(
                 view,
