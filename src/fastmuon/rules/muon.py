@@ -51,7 +51,7 @@ class Pattern(NamedTuple):
     betas: tuple[int, ...]
     eps: tuple[int, ...]  # AdamW's: a use_muon=False group's eps, else its adamw_eps
     weight_decay: tuple[int, ...]
-    structure: tuple[Any, ...]  # per group: use_muon, adjust_lr_fn, NS settings, matrix maps
+    structure: tuple[Any, ...]  # per group: use_muon, adjust_lr_fn, NS settings, maps, cautious decay
 
 
 class Scalars(NamedTuple):
@@ -79,20 +79,29 @@ def adamw_eps(group: Mapping[str, Any]) -> Any:
     return group["eps"] if group.get("use_muon") is False else group["adamw_eps"]
 
 
-def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:
+def collect(
+    groups: Sequence[dict[str, Any]],
+    grads: Sequence[Tensor | None],
+    env: CollectEnv,
+    variant: Any = None,
+) -> Items:
+    """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.normuon`)
+    gives each group's lr factor mode (``variant.adjust(group)``) and attaches its state to each
+    parameter's matrix items (``variant.attach(group, p, map, state, items, env)``)."""
     matrices: list[MatrixItem] = []
     others: list[AdamWItem] = []
     for gi, group, members in live_params(groups, grads, env):
         lr, wd = env.lr_value(group["lr"]), group["weight_decay"]
         use_muon = group.get("use_muon")
         config = ns_config(group)
-        adjust = group["adjust_lr_fn"] or "original"
+        adjust = (group["adjust_lr_fn"] or "original") if variant is None else variant.adjust(group)
+        cautious = group.get("cautious_weight_decay", False)
         eps = adamw_eps(group)
         maps = env.maps(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):
-                matrices += matrix_items(
+                made = matrix_items(
                     maps[j],
                     p,
                     grad,
@@ -106,7 +115,11 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     index=index,
                     decay=1 - lr * wd,
                     optimizer=env.optimizer,
+                    cautious=cautious,
                 )
+                if variant is not None:
+                    variant.attach(group, p, maps[j], state, made, env)
+                matrices += made
             elif use_muon is not True:
                 exp_avg, exp_avg_sq, step = adamw_state(state, p, env.capturable)
                 others.append(
@@ -136,7 +149,14 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     betas = [tuple(g["betas"]) for g in groups]
     eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]  # as adamw_eps
     structure = tuple(
-        (g.get("use_muon"), g["adjust_lr_fn"], ns_config(g), maps_key(g.get("matrices"))) for g in groups
+        (
+            g.get("use_muon"),
+            g["adjust_lr_fn"],
+            ns_config(g),
+            maps_key(g.get("matrices")),
+            g.get("cautious_weight_decay", False),
+        )
+        for g in groups
     )
     pattern = Pattern(
         classes(beta), classes(nesterov), classes(lr), classes(betas), classes(eps), classes(wd), structure
