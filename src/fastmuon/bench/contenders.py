@@ -9,7 +9,6 @@ Factories are listed per update rule in :data:`.lineup.CONTENDERS`; add one ther
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -247,12 +246,13 @@ def reference_contender(wb: Workbench) -> Contender:
     if wb.optimizer in ("musgd", "muon"):
         cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
         return _ours(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
-    cls = functools.partial(CLASSES[wb.optimizer][0], foreach=False)
-    return _ours(wb, cls, "per-parameter", "foreach=False: one NS call per matrix")
+    cls = CLASSES[wb.optimizer][0]
+    return _ours(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
 
 
-def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
+def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Contender:
     kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
+    kwargs.update(extra)
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model
     )
