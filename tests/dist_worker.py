@@ -681,18 +681,72 @@ def check_errors() -> None:
         net.zero_grad()
 
 
+def check_variants_ddp(group) -> None:
+    """DDP NorMuon, AdaMuon and cautious Muon (matrix maps included): equal to one process, and
+    to the per-matrix references written from the papers."""
+    from reference_impl import variant_reference_step
+
+    cases = (
+        (fastmuon.NorMuon, {}, dict(variant="normuon", nesterov=True)),
+        (fastmuon.AdaMuon, {}, dict(variant="adamuon", nesterov=False, sign_momentum=True)),
+        (
+            fastmuon.Muon,
+            {"cautious_weight_decay": True},
+            dict(variant="muon", nesterov=True, cautious=True),
+        ),
+    )
+    for opt_cls, extra, ref_kw in cases:
+        torch.manual_seed(7)
+        twin = MappedNet()
+        ddp_net = copy.deepcopy(twin)
+        ref = [p.detach().clone() for p in twin.parameters()]
+        states = [{} for _ in PIECES]
+        kw = {k: v for k, v in MUON_KW.items() if k != "nesterov"}
+
+        def make(net, opt_cls=opt_cls, kw=kw, extra=extra, **more):
+            groups = [{"params": list(net.parameters()), "matrices": MAPS}]
+            return opt_cls(groups, ns_dtype=F32, **kw, **extra, **more)
+
+        twin_opt, ddp_opt = make(twin), make(ddp_net, process_group=group)
+        for t in range(3):
+            for net, opt in ((twin, twin_opt), (ddp_net, ddp_opt)):
+                opt.zero_grad()
+                net(mapped_batch(t)).backward()
+            grads = [p.grad.clone() for p in twin.parameters()]
+            for opt in (twin_opt, ddp_opt):
+                opt.step()
+            for q, g, pieces, st in zip(ref, grads, PIECES, states):
+                with torch.no_grad():
+                    variant_reference_step(q, g, st, pieces=pieces, **kw, **ref_kw)
+        want = [p.detach() for p in twin.parameters()]
+        check_close(
+            f"DDP {opt_cls.__name__} with matrix maps", [p.detach() for p in ddp_net.parameters()], want
+        )
+        check_reference(f"DDP {opt_cls.__name__} with matrix maps", want, ref)
+        for p, q in zip(ddp_net.parameters(), twin.parameters()):
+            assert torch.equal(ddp_opt.state[p]["momentum_buffer"], twin_opt.state[q]["momentum_buffer"])
+    if dist.get_rank() == 0:
+        log("DDP NorMuon, AdaMuon and cautious Muon: equal to one process and the reference")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dir", required=True)
+    ap.add_argument("--only", default=None, help="run this one check (a function name) alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
     )
     try:
+        if args.only:
+            globals()[args.only](dist.group.WORLD)
+            dist.barrier()
+            return 0
+        check_variants_ddp(dist.group.WORLD)
         check_ddp(dist.group.WORLD)
         check_ddp(dist.new_group(list(range(args.world))))
         check_missing_grads(dist.group.WORLD)

@@ -183,3 +183,75 @@ def musgd_reference_pieces(
     update = _piece_updates(U, pieces, ns_steps, coefficients, eps, lambda s: adjust(adjust_lr, s))
     p.copy_(p - lr * muon * update.to(p.dtype))
     sgd_step(p, g, state, "momentum_buffer_SGD", lr * sgd, beta, nesterov, weight_decay)
+
+
+# ----- the second-moment variants and cautious weight decay, from their papers -------------------
+def normuon_normalize(O, v, *, beta2, eps, rescale):
+    """NorMuon (arXiv 2510.05491, Algorithm 1) after NS on one ``m×n`` matrix ``O``: ``v ∈ ℝᵐ``
+    (updated in place) the EMA of each row's mean square; the rescale keeps ``‖O‖_F`` ("norm", the
+    authors' code) or gives RMS 0.2 ("rms", the paper's η̂)."""
+    m, n = O.shape
+    v.copy_(beta2 * v + (1 - beta2) * (O * O).sum(dim=1) / n)
+    Ohat = O / (v.sqrt()[:, None] + eps)
+    target = O.norm() if rescale == "norm" else 0.2 * math.sqrt(m * n)
+    return Ohat * target / max(Ohat.norm(), eps)
+
+
+def adamuon_normalize(O, v, *, beta2, eps, rescale="rms"):
+    """AdaMuon (arXiv 2507.11005) after NS on one matrix: ``v`` (``O``'s shape, in place) the EMA
+    of ``O⊙O``, no bias correction, then the RMS-aligned rescale ``0.2·√(mn)/‖Ô‖_F``."""
+    m, n = O.shape
+    v.copy_(beta2 * v + (1 - beta2) * O * O)
+    Ohat = O / (v.sqrt() + eps)
+    target = O.norm() if rescale == "norm" else 0.2 * math.sqrt(m * n)
+    return Ohat * target / max(Ohat.norm(), eps)
+
+
+def variant_reference_step(
+    p,
+    g,
+    state,
+    *,
+    variant,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    beta2=0.95,
+    moment_eps=1e-8,
+    rescale=None,
+    sign_momentum=False,
+    cautious=False,
+    adjust_lr_fn=None,
+    pieces=None,
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One step of Muon (``variant="muon"``), NorMuon or AdaMuon on one parameter, fp32; ``pieces``
+    (``(index, transposed)`` each) for a tensor holding several matrices, each with its own
+    statistics; ``cautious``: decay only where ``u⊙p ≥ 0`` (arXiv 2510.12402)."""
+    U = ema_update(p, g, state, momentum, nesterov)
+    if sign_momentum:
+        U = U.sign()
+    pieces = pieces or [((slice(None),), False)]
+    rescale = rescale or ("rms" if variant == "adamuon" else "norm")
+    update = torch.zeros_like(p)
+    for k, (box, transposed) in enumerate(pieces):
+        u = U[box].T if transposed else U[box]
+        shape = u.shape
+        O = ns_reference(u.reshape(shape[0], -1), ns_steps, coefficients, eps)
+        if variant == "normuon":
+            v = state.setdefault(("rows", k), torch.zeros(O.shape[0]))
+            O = normuon_normalize(O, v, beta2=beta2, eps=moment_eps, rescale=rescale)
+        elif variant == "adamuon":
+            v = state.setdefault(("elems", k), torch.zeros_like(O))
+            O = adamuon_normalize(O, v, beta2=beta2, eps=moment_eps, rescale=rescale)
+        factor = 1.0 if rescale == "rms" and variant != "muon" else adjust(adjust_lr_fn or "original", shape)
+        O = O.reshape(shape) * factor
+        update[box] = O.T if transposed else O
+    if cautious:
+        p.copy_(p - lr * weight_decay * torch.where(update * p >= 0, p, 0))
+    else:
+        p.copy_(p * (1 - lr * weight_decay))
+    p.copy_(p - lr * update.to(p.dtype))

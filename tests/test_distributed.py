@@ -73,6 +73,7 @@ def launch(world: int, workdir: Path, timeout: float = 600) -> str:
 def test_distributed_world(world, tmp_path):
     report = launch(world, tmp_path)
     assert "checkpoint save/load/resume identical" in report
+    assert "DDP NorMuon, AdaMuon and cautious Muon: equal to one process and the reference" in report
     assert "thread counts differing by rank: one plan" in report
     assert "with matrix maps: equal to one process and the reference" in report
     assert "step programs kept across distributed steps: bitwise as fresh ones" in report

@@ -258,7 +258,7 @@ def test_top_level_api_is_what_users_need():
     import fastmuon
 
     assert set(fastmuon.__all__) == {
-        "MuSGD", "Muon", "param_groups", "newton_schulz", "orthogonalize",
+        "MuSGD", "Muon", "NorMuon", "AdaMuon", "param_groups", "newton_schulz", "orthogonalize",
         "PRESETS", "CostModel", "Plan", "__version__",
     }  # fmt: skip
     assert all(hasattr(fastmuon, name) for name in fastmuon.__all__)

@@ -7,6 +7,7 @@ from .ns.newton_schulz import PRESETS, newton_schulz
 from .ns.planner import CostModel, Plan
 from .optim.muon import Muon
 from .optim.musgd import MuSGD
+from .optim.normuon import AdaMuon, NorMuon
 
 __version__ = "0.4.0"
 
@@ -15,6 +16,8 @@ _module_paths.register(__name__)
 __all__ = [
     "MuSGD",
     "Muon",
+    "NorMuon",
+    "AdaMuon",
     "param_groups",
     "newton_schulz",
     "orthogonalize",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import Muon, MuSGD
+from .. import AdaMuon, Muon, MuSGD, NorMuon
 from ..matrices import maps_of
 from ..ns.device import compute_dtype
 from ..ns.newton_schulz import newton_schulz
@@ -32,7 +32,14 @@ from ..ns.planner import COST_MODELS, Plan, ns_flops
 from ..optim.reference import ReferenceMuon, ReferenceMuSGD
 from .manifest import Manifest
 
-OPTIMIZERS = ("musgd", "muon")
+OPTIMIZERS = ("musgd", "muon", "normuon", "adamuon")
+#: each update rule's fastmuon class and its name in the report
+CLASSES = {
+    "musgd": (MuSGD, "MuSGD"),
+    "muon": (Muon, "Muon"),
+    "normuon": (NorMuon, "NorMuon"),
+    "adamuon": (AdaMuon, "AdaMuon"),
+}
 
 
 class Unavailable(Exception):
@@ -232,16 +239,20 @@ def dtype_label(c: Contender) -> str:
 # ----- the contenders --------------------------------------------------------------------------
 def fastmuon_contender(wb: Workbench) -> Contender:
     note = f"policy={wb.policy}, ns_method={wb.ns_method}, cost_model={wb.cost_model}"
-    return _ours(wb, MuSGD if wb.optimizer == "musgd" else Muon, "fastmuon", note)
+    return _ours(wb, CLASSES[wb.optimizer][0], "fastmuon", note)
 
 
 def reference_contender(wb: Workbench) -> Contender:
-    cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
-    return _ours(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
+    if wb.optimizer in ("musgd", "muon"):
+        cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
+        return _ours(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
+    cls = CLASSES[wb.optimizer][0]
+    return _ours(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
 
 
-def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
+def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Contender:
     kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
+    kwargs.update(extra)
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model
     )
@@ -261,7 +272,7 @@ def _ours(wb: Workbench, cls: type, label: str, note: str) -> Contender:
     if mapped != len(wb.manifest.matrices()):
         note += f"; the manifest's matrix maps: {len(wb.manifest.matrices())} tensors, {mapped} matrices"
 
-    name = f"{label} {'MuSGD' if wb.optimizer == 'musgd' else 'Muon'}"
+    name = f"{label} {CLASSES[wb.optimizer][1]}"
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
     computed = useful if getattr(opt, "foreach", None) is False else None

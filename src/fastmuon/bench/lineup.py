@@ -15,7 +15,7 @@ from .contenders import (
     ultralytics_contender,
     ultralytics_fp32_contender,
 )
-from .peers import heavyball_contender, pytorch_optimizer_contender
+from .peers import heavyball_contender, pytorch_optimizer_contender, pytorch_optimizer_variant_contender
 
 #: update rule -> contender factories, in report order (the first is the one the others are compared to)
 CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
@@ -35,6 +35,8 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
         pytorch_optimizer_contender,
         sgd_contender,
     ],
+    "normuon": [fastmuon_contender, reference_contender, pytorch_optimizer_variant_contender],
+    "adamuon": [fastmuon_contender, reference_contender, pytorch_optimizer_variant_contender],
 }
 
 #: what each factory is called when it is unavailable
@@ -48,4 +50,5 @@ CONTENDER_LABELS = {
     sgd_contender: "torch.optim.SGD foreach",
     ultralytics_contender: "Ultralytics MuSGD",
     ultralytics_fp32_contender: "Ultralytics MuSGD (NS in float32)",
+    pytorch_optimizer_variant_contender: "pytorch-optimizer NorMuon/AdaMuon",
 }

@@ -148,3 +148,23 @@ def pytorch_optimizer_contender(wb: Workbench) -> Contender:
         ns_useful_flops=wb.matrix_flops(),
         ns_flops=wb.matrix_flops(),
     )
+
+
+def pytorch_optimizer_variant_contender(wb: Workbench) -> Contender:
+    """pytorch-optimizer's ``NorMuon`` or ``AdaMuon`` (its defaults: foreach as it chooses, NS in
+    bfloat16), beside fastmuon's class of the same name (``--optimizer normuon``/``adamuon``)."""
+    names = {"normuon": "NorMuon", "adamuon": "AdaMuon"}
+    if wb.optimizer not in names:
+        raise Unavailable("pytorch-optimizer's variants are compared with --optimizer normuon or adamuon")
+    module, version = import_peer("pytorch_optimizer", "pytorch_optimizer")
+    matrices, others = _split(wb)
+    name = names[wb.optimizer]
+    opt = getattr(module, name)(pytorch_optimizer_groups(matrices.groups, others))
+    return Contender(
+        f"pytorch-optimizer {name} {version}",
+        [opt],
+        torch.bfloat16,
+        "use_muon groups (its AdamW for the rest), NS in bfloat16 (its own)" + matrices.note,
+        ns_useful_flops=wb.matrix_flops(),
+        ns_flops=wb.matrix_flops(),
+    )

@@ -8,12 +8,10 @@ the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Optio
 from __future__ import annotations
 
 import copy
-import dataclasses
-import math
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -27,16 +25,18 @@ from ..ns import device
 from ..ns.planner import Plan
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv
-from ..step.elementwise import ADJUST_LR_ALIAS, RMS_SCALE
+from ..step.elementwise import ADJUST_LR_ALIAS
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
 from .param_names import agree_on_names, restore_names
+from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
     ArgumentTypeError,
     check_fraction,
     check_grad,
     check_nonnegative,
     check_param,
+    check_rms_scale,
     check_tensor_lr,
     group_without_alias,
     param_name,
@@ -44,44 +44,6 @@ from .validation import (
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-
-#: how to get Muon where an optimizer orthogonalises nothing
-NO_MUON_FIX = (
-    "To orthogonalise the matrices, put them in param groups with use_muon=True, or build the "
-    "groups with fastmuon.param_groups(model)"
-)
-
-
-class MuonShare(NamedTuple):
-    """How an optimizer's parameters split between Muon and the elementwise update."""
-
-    parameters: int  # tensors Muon orthogonalises
-    matrices: int  # the matrices they make (a tensor may hold several: see fastmuon.matrices)
-    elements: int
-    others: int  # tensors that take the elementwise update alone
-    other_elements: int
-    other_update: str  # "SGD", "AdamW"
-    all_off: bool  # every group has use_muon=False
-
-    def why_none(self) -> str:
-        if self.all_off:
-            return "every param group has use_muon=False"
-        return "no param group without use_muon=False holds a matrix (a non-empty tensor of 2 or more dims)"
-
-    def describe(self) -> str:
-        total = self.parameters + self.others
-        rest = (
-            f"{'the other ' if self.parameters else ''}{self.others} parameter{'s' if self.others != 1 else ''} ({self.other_elements:,} elements) "
-            f"take {self.other_update}"
-        )
-        if not self.parameters:
-            return rest
-        muon = (
-            f"Muon takes {self.parameters} of {total} parameters ({self.matrices} "
-            f"matri{'ces' if self.matrices != 1 else 'x'}, {self.elements:,} elements)"
-        )
-        return f"{muon}; {rest}" if self.others else muon
 
 
 def _option(name: str) -> property:
@@ -181,7 +143,7 @@ class MatrixOptimizer(Optimizer):
         check_fraction("momentum", group["momentum"], where)
         check_nonnegative("weight_decay", group["weight_decay"], where)
         check_nonnegative("eps", group["eps"], where)
-        self._check_rms_scale(group, where)
+        check_rms_scale(group, where)
         use_muon = group.get("use_muon")
         if use_muon is not None and not isinstance(use_muon, bool):
             raise ValueError(f"use_muon in {where} must be True, False or absent, got {use_muon!r}")
@@ -189,27 +151,6 @@ class MatrixOptimizer(Optimizer):
             ns_config(group)
         except ValueError as e:
             raise ValueError(f"{e} (in {where})") from None
-
-    @staticmethod
-    def _check_rms_scale(group: dict[str, Any], where: str) -> None:
-        """``rms_scale``: a positive number, and set only where the group's lr factor reads it."""
-        rms_scale = group.get("rms_scale", RMS_SCALE)
-        if (
-            not isinstance(rms_scale, (int, float))
-            or isinstance(rms_scale, bool)
-            or not 0 < rms_scale < math.inf
-        ):
-            raise ValueError(
-                f"invalid rms_scale {rms_scale!r} in {where}: it must be a finite number > 0 (the update RMS "
-                f"adjust_lr_fn='match_rms_adamw' aims at, {RMS_SCALE} by default)"
-            )
-        mode = group.get("adjust_lr_fn")
-        if rms_scale != RMS_SCALE and mode != "match_rms_adamw":
-            raise ValueError(
-                f"rms_scale={rms_scale!r} in {where} is read by adjust_lr_fn='match_rms_adamw' only, "
-                f"and this group's adjust_lr_fn is {mode!r}: set adjust_lr_fn='match_rms_adamw' "
-                f"(the update's RMS becomes rms_scale) or leave rms_scale at {RMS_SCALE}"
-            )
 
     def _check_matrix_maps(self, group: dict[str, Any], where: str) -> list[MatrixMap]:
         """The group's matrix maps, once they parse and fit the shapes of the parameters they
@@ -296,25 +237,7 @@ class MatrixOptimizer(Optimizer):
     def muon_takes(self) -> MuonShare:
         """What Muon orthogonalises among this optimizer's parameters and what takes the
         elementwise update (SGD or AdamW): counts over every group, gradients or not."""
-        other_update = getattr(self.rule, "elementwise", "the elementwise update")
-        parameters = matrices = elements = others = other_elements = 0
-        for index, group in enumerate(self.param_groups):
-            params = group["params"]
-            maps = None
-            for j, p in enumerate(params):
-                if not self.rule.is_matrix(group, p):
-                    others += 1
-                    other_elements += p.numel()
-                    continue
-                if maps is None:
-                    maps = self._check_matrix_maps(group, f"param group {index}")
-                parameters += 1
-                elements += p.numel()
-                matrices += 1 if maps[j].is_flatten else len(maps[j].shapes(p.shape))
-        unset = [g for g in self.param_groups if g.get("use_muon") is not False]
-        return MuonShare(
-            parameters, matrices, elements, others, other_elements, other_update, all_off=not unset
-        )
+        return muon_share(self.param_groups, self.rule, self._maps_of)
 
     def plan(self) -> Plan:
         """The batching plan of the last step, its note saying how many parameters and
@@ -328,43 +251,16 @@ class MatrixOptimizer(Optimizer):
         step (building a plan there takes every rank).
         """
         take = self.muon_takes()
-        plan = self._driver.plan(self._step_env())
+        driver = self._driver
+        plan = driver.plan(self._step_env())
         if plan is not None:
-            return self._noted(plan, take.describe())
-        steps = self._steps_note()
-        if not take.parameters:
-            note = f"no parameter is orthogonalised: {take.why_none()}; {take.describe()}; {steps}. {NO_MUON_FIX}"
-        elif self.options.foreach is False:
-            note = (
-                f"foreach=False runs the per-parameter loop, nothing is batched; {take.describe()}; {steps}"
-            )
-        elif not self._driver.steps and (
-            self.process_group is not None or self._driver.cache.params(self.param_groups)[1]
-        ):
-            note = f"{steps} (a distributed plan is built by the first step); {take.describe()}"
-        else:
-            had = "none of them had a gradient in any step, and " if self._driver.steps else ""
-            note = f"{steps}; {take.describe()}, but {had}none has a gradient now"
+            return driver.cache.noted(plan, take.describe())
+        distributed = self.process_group is not None or driver.cache.params(self.param_groups)[1]
+        note = empty_plan_note(
+            take, driver.steps, any(self.state.values()), self.options.foreach is False, distributed
+        )
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
         return Plan((), 0, self.options.policy, ns_steps, self.options.max_bucket_bytes, note)
-
-    def _noted(self, plan: Plan, note: str) -> Plan:
-        """``plan`` with ``note``: the same object while neither changes (a reused plan is the
-        same plan)."""
-        kept = self.__dict__.get("_noted_plan")
-        if kept is not None and kept[0] is plan and kept[1] == note:
-            return kept[2]
-        noted = dataclasses.replace(plan, note=f"{plan.note}; {note}" if plan.note else note)
-        self.__dict__["_noted_plan"] = (plan, note, noted)
-        return noted
-
-    def _steps_note(self) -> str:
-        steps = self._driver.steps
-        if steps:
-            return f"{steps} step{'s' if steps != 1 else ''} taken"
-        if any(self.state.values()):
-            return "no step taken since this optimizer was made (its state was loaded, copied or made by init_state)"
-        return "no step taken yet"
 
     # ----- what tools may read: the executors, their kept buffers, a hook around NS ----------
     def orthogonalizers(self) -> list[Any]:

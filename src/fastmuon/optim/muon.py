@@ -16,7 +16,7 @@ from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
-from .validation import check_foreach, check_fraction, check_nonnegative, resolve_alias
+from .validation import ArgumentTypeError, check_foreach, check_fraction, check_nonnegative, resolve_alias
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
@@ -66,6 +66,8 @@ class Muon(MatrixOptimizer):
             detected without it (see :mod:`fastmuon.distributed`).
         nonfinite: what a NaN/Inf gradient does ("raise" by default, "skip" or "ignore"), as in
             :class:`~fastmuon.MuSGD`.
+        cautious_weight_decay: decay a matrix only where its update and the parameter agree in
+            sign, ``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` (Chen et al., arXiv 2510.12402); per group.
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
             computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
             that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
@@ -106,6 +108,7 @@ class Muon(MatrixOptimizer):
         process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
+        cautious_weight_decay: bool = False,
     ):
         defaults = dict(
             lr=lr,
@@ -122,6 +125,8 @@ class Muon(MatrixOptimizer):
             matrices=matrices,
             betas=betas,
             adamw_eps=adamw_eps,
+            cautious_weight_decay=cautious_weight_decay,
+            **getattr(self, "_variant_defaults", {}),  # a variant's own group options
         )
         check_foreach(foreach)
         check_nonnegative("adamw_lr", adamw_lr, "Muon")
@@ -161,6 +166,11 @@ class Muon(MatrixOptimizer):
         check_fraction("betas[0]", betas[0], where)
         check_fraction("betas[1]", betas[1], where)
         check_nonnegative("adamw_eps", group["adamw_eps"], where)
+        if not isinstance(group.get("cautious_weight_decay", False), bool):
+            raise ArgumentTypeError(
+                f"cautious_weight_decay in {where} must be True or False, "
+                f"got {group['cautious_weight_decay']!r}"
+            )
         if group.get("use_muon") is True:
             for j, p in enumerate(group["params"]):
                 if p.ndim < 2:

@@ -15,6 +15,8 @@ from torch import Tensor
 
 #: State entries that are counters, not buffers shaped like the parameter.
 SCALAR_KEYS = frozenset({"step"})
+# per-row statistics (NorMuon's ``second_moment``): a 1-D tensor, its length checked by the step
+ROW_KEYS = frozenset({"second_moment"})
 
 _FIX = (
     "the state dict was saved for a different parameter layout; build the optimizer over the "
@@ -52,6 +54,9 @@ def check_state_layout(
                 if key in SCALAR_KEYS:
                     fits = value.numel() == 1
                     want = "a single number"
+                elif key in ROW_KEYS:
+                    fits = value.shape == p.shape or value.ndim == 1
+                    want = f"shape {tuple(p.shape)} or one dim"
                 else:
                     fits = value.shape == p.shape
                     want = f"shape {tuple(p.shape)}"

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import Tensor
 
+from ..step.elementwise import RMS_SCALE
+
 
 class ArgumentTypeError(TypeError, ValueError):
     """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
@@ -100,3 +102,20 @@ def group_without_alias(param_group: dict[str, Any], name: str, alias: str, wher
         )
     group[name] = value
     return group
+
+
+def check_rms_scale(group: dict[str, Any], where: str) -> None:
+    """``rms_scale``: a positive number, and set only where the group's lr factor reads it."""
+    rms_scale = group.get("rms_scale", RMS_SCALE)
+    if not isinstance(rms_scale, (int, float)) or isinstance(rms_scale, bool) or not 0 < rms_scale < math.inf:
+        raise ValueError(
+            f"invalid rms_scale {rms_scale!r} in {where}: it must be a finite number > 0 (the update RMS "
+            f"adjust_lr_fn='match_rms_adamw' aims at, {RMS_SCALE} by default)"
+        )
+    mode = group.get("adjust_lr_fn")
+    if rms_scale != RMS_SCALE and mode != "match_rms_adamw":
+        raise ValueError(
+            f"rms_scale={rms_scale!r} in {where} is read by adjust_lr_fn='match_rms_adamw' only, "
+            f"and this group's adjust_lr_fn is {mode!r}: set adjust_lr_fn='match_rms_adamw' "
+            f"(the update's RMS becomes rms_scale) or leave rms_scale at {RMS_SCALE}"
+        )

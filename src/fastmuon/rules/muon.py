@@ -53,7 +53,9 @@ class Pattern(NamedTuple):
     betas: tuple[int, ...]
     eps: tuple[int, ...]  # AdamW's: a use_muon=False group's eps, else its adamw_eps
     weight_decay: tuple[int, ...]
-    structure: tuple[Any, ...]  # per group: use_muon, (adjust_lr_fn, rms_scale), NS settings, matrix maps
+    structure: tuple[
+        Any, ...
+    ]  # per group: use_muon, (adjust_lr_fn, rms_scale), NS settings, maps, cautious decay
 
 
 class Scalars(NamedTuple):
@@ -81,7 +83,15 @@ def adamw_eps(group: Mapping[str, Any]) -> Any:
     return group["eps"] if group.get("use_muon") is False else group["adamw_eps"]
 
 
-def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:
+def collect(
+    groups: Sequence[dict[str, Any]],
+    grads: Sequence[Tensor | None],
+    env: CollectEnv,
+    variant: Any = None,
+) -> Items:
+    """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.normuon`)
+    gives each group's lr factor mode (``variant.adjust(group)``) and attaches its state to each
+    parameter's matrix items (``variant.attach(group, p, map, state, items, env)``)."""
     matrices: list[MatrixItem] = []
     others: list[AdamWItem] = []
     for gi, group, members in live_params(groups, grads, env):
@@ -89,12 +99,15 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         use_muon = group.get("use_muon")
         config = ns_config(group)
         adjust, rms_scale = lr_factor(group, gi, "original")
+        if variant is not None:
+            adjust = variant.adjust(group)
+        cautious = group.get("cautious_weight_decay", False)
         eps = adamw_eps(group)
         maps = env.maps(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):
-                matrices += matrix_items(
+                made = matrix_items(
                     maps[j],
                     p,
                     grad,
@@ -109,7 +122,11 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     index=index,
                     decay=1 - lr * wd,
                     optimizer=env.optimizer,
+                    cautious=cautious,
                 )
+                if variant is not None:
+                    variant.attach(group, p, maps[j], state, made, env)
+                matrices += made
             elif use_muon is not True:
                 exp_avg, exp_avg_sq, step = adamw_state(state, p, env.capturable)
                 others.append(
@@ -139,7 +156,13 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     betas = [tuple(g["betas"]) for g in groups]
     eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]  # as adamw_eps
     structure = tuple(
-        (g.get("use_muon"), lr_factor(g, i, "original"), ns_config(g), maps_key(g.get("matrices")))
+        (
+            g.get("use_muon"),
+            lr_factor(g, i, "original"),
+            ns_config(g),
+            maps_key(g.get("matrices")),
+            g.get("cautious_weight_decay", False),
+        )
         for i, g in enumerate(groups)
     )
     pattern = Pattern(

@@ -9,6 +9,7 @@ ran (what ``optimizer.plan()`` reports).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -30,6 +31,7 @@ class StepCache:
         self.programs: dict[Hashable, Any] = {}
         self.engines: OrderedDict[Hashable, Any] = OrderedDict()
         self.last_plan = last_plan
+        self._noted: tuple[Plan, str, Plan] | None = None
         self._params: tuple[list[Tensor], bool] | None = None
 
     def params(self, groups: list[dict[str, Any]]) -> tuple[list[Tensor], bool]:
@@ -63,6 +65,16 @@ class StepCache:
             self.engines.move_to_end(key)
         self.last_plan = engine.plan
         return engine
+
+    def noted(self, plan: Plan, note: str) -> Plan:
+        """``plan`` with ``note`` added: the same object while neither changes (a reused plan is
+        the same plan to whoever asks for it twice)."""
+        kept = self._noted
+        if kept is not None and kept[0] is plan and kept[1] == note:
+            return kept[2]
+        noted = dataclasses.replace(plan, note=f"{plan.note}; {note}" if plan.note else note)
+        self._noted = (plan, note, noted)
+        return noted
 
     def forget_programs(self) -> None:
         """After the groups, their ``params`` or the state changed: programs are rebuilt."""

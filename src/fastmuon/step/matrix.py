@@ -47,6 +47,10 @@ class MatrixItem:
     # what the planner sees of a matrix this rank holds a shard of (a DTensor, or the
     # description of a matrix cut out of one: see fastmuon.distributed); None: ``param`` itself
     whole: Any = None
+    # decay only where the update and the parameter agree in sign (cautious weight decay)
+    cautious: bool = False
+    # a variant's per-matrix state read after NS (see fastmuon.step.moments); None: Muon's update
+    moment: Any = None
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
@@ -73,6 +77,7 @@ def matrix_items(
     index: int,
     decay: Any = 1.0,
     optimizer: str = "the optimizer",
+    cautious: bool = False,
 ) -> list[MatrixItem]:
     """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
     ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
@@ -109,6 +114,7 @@ def matrix_items(
                 split=split,
                 piece=piece,
                 whole=whole,
+                cautious=cautious,
             )
         )
     return items
@@ -120,11 +126,20 @@ def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
     return list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
 
 
-def single_tensor_matrix_update(items: list[MatrixItem]) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path."""
+def single_tensor_matrix_update(
+    items: list[MatrixItem],
+    after_ns: Callable[[MatrixItem, Tensor], Tensor] | None = None,
+) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path.
+
+    ``after_ns(item, o)`` (a variant's) maps a matrix's orthogonalised update, in the
+    parameter's shape and dtype, to the update applied. A matrix whose ``moment`` says
+    ``sign_input`` orthogonalises the sign of its momentum instead of the momentum."""
     for it in items:
         it.buf.lerp_(it.grad, 1 - it.beta)
         u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
+        if getattr(it.moment, "sign_input", False):
+            u = u.sign()
         c = it.config
         dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
         o = newton_schulz(
@@ -135,9 +150,22 @@ def single_tensor_matrix_update(items: list[MatrixItem]) -> None:
             dtype,
             preconditioning=c.preconditioning,
         )
-        if it.decay != 1:
+        o = o.reshape(it.param.shape).to(it.param.dtype)
+        if after_ns is not None:
+            o = after_ns(it, o)
+        if it.cautious:
+            if it.decay != 1:
+                it.param.sub_(cautious_decay(it.param, o) * (1 - it.decay))
+        elif it.decay != 1:
             it.param.mul_(it.decay)
-        it.param.sub_(o.reshape(it.param.shape).to(it.param.dtype) * it.scale)
+        it.param.sub_(o * it.scale)
+
+
+def cautious_decay(p: Tensor, update: Tensor) -> Tensor:
+    """``p`` where it and ``update`` (the direction subtracted from it) agree in sign, or either
+    is zero, else 0: the decayed part under cautious weight decay (Chen et al., "Cautious
+    Weight Decay", arXiv 2510.12402, eq. for CWD: ``x ← x − η(u + λ·𝟙[u⊙x ≥ 0]⊙x)``)."""
+    return torch.where(update * p >= 0, p, 0)
 
 
 @dataclass
@@ -189,6 +217,7 @@ class MatrixProgram:
         items: list[MatrixItem],
         base_class: Sequence[int],
         engine_for: EngineFor | None = None,
+        variant: Callable[[list[MatrixItem]], Any] | None = None,
     ):
         parts = batch_order(items)
         ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
@@ -232,6 +261,23 @@ class MatrixProgram:
             start += len(part)
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
+        # a variant's stage after NS (``variant(ordered)``: see fastmuon.step.moments), or None
+        self.variant = variant(ordered) if variant is not None and ordered else None
+        # the matrices whose NS input is the sign of their momentum (AdaMuon's), if any
+        self.signed = [k for k, i in enumerate(ordered) if getattr(i.moment, "sign_input", False)]
+        self.signed_pick = Gather(self.signed)
+        self.owned_inputs = all(out is not None for *_, out, _ in self.parts)
+        # cautious weight decay: the matrices it applies to, apart (None: none)
+        cautious = [k for k, i in enumerate(ordered) if i.cautious]
+        self.cautious: tuple[Gather, list[Tensor], list[int]] | None = None
+        if cautious:
+            plain = [k for k in range(len(ordered)) if not ordered[k].cautious]
+            self.cautious = (
+                Gather(cautious),
+                [self.params[k] for k in cautious],
+                [self.item_groups[k] for k in cautious],
+            )
+            self.plain = ([self.params[k] for k in plain], [self.item_groups[k] for k in plain])
         # scale = base · factor: one class per (class of the group's base, factor)
         by_scale = partition(range(len(ordered)), lambda k: (base_class[ordered[k].group], ordered[k].factor))
         self.scale_keys = [(ordered[idx[0]].group, ordered[idx[0]].factor) for idx in by_scale.values()]
@@ -259,6 +305,12 @@ class MatrixProgram:
         sources: list[Tensor] = []
         for bufs, pick, g, out, momentum in self.parts:
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
+        if self.signed:  # in place where the momentum step wrote into NS input buffers
+            if self.owned_inputs:
+                torch._foreach_sign_(self.signed_pick(sources))
+            else:
+                for k, t in zip(self.signed, torch._foreach_sign(self.signed_pick(sources))):
+                    sources[k] = t
         # 2. orthogonalise, one NS call per bucket of the cached plan
         args = (self.engine, sources, self.dtypes, keep, self.keep_positions)
         if hooks:
@@ -268,16 +320,21 @@ class MatrixProgram:
             updates = call()
         else:
             updates = orthogonalize_step(*args)
+        if self.variant is not None:
+            updates = self.variant(updates, scalars)
         # 3-4. decay, scale and apply
         decay = scalars.decay
         if decay is not None:
+            if self.cautious is not None:
+                self._cautious_decay(updates, decay)
+                params, item_groups = self.plain
+            else:
+                params, item_groups = self.params, self.item_groups
             if any(isinstance(decay[g], Tensor) for g in self.groups):
                 for g in self.groups:
-                    torch._foreach_mul_(
-                        [p for p, h in zip(self.params, self.item_groups) if h == g], decay[g]
-                    )
-            elif any(decay[g] != 1 for g in self.groups):
-                torch._foreach_mul_(self.params, [decay[g] for g in self.item_groups])
+                    torch._foreach_mul_([p for p, h in zip(params, item_groups) if h == g], decay[g])
+            elif any(decay[g] != 1 for g in self.groups) and params:
+                torch._foreach_mul_(params, [decay[g] for g in item_groups])
         scales = [scalars.base[g] * f for g, f in self.scale_keys]
         apply_scaled_(
             self.scale_params,
@@ -286,3 +343,20 @@ class MatrixProgram:
             owned=True,
             limit=self.limit,
         )
+
+    def _cautious_decay(self, updates: Sequence[Tensor], decay: Sequence[Scalar]) -> None:
+        """``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` over the cautious matrices, in a fixed number of foreach
+        calls (see :func:`cautious_decay`): the mask from the product's sign (+1 clamped at 1)."""
+        pick, params, item_groups = self.cautious  # type: ignore[misc]
+        masked = torch._foreach_mul(pick(updates), params)
+        torch._foreach_sign_(masked)
+        torch._foreach_add_(masked, 1)
+        torch._foreach_clamp_max_(masked, 1)  # 1 where u·p ≥ 0, else 0
+        torch._foreach_mul_(masked, params)
+        rates = [1 - decay[g] for g in item_groups]  # lr·wd
+        if any(isinstance(r, Tensor) for r in rates):
+            for m, r in zip(masked, rates):
+                m.mul_(r)
+        else:
+            torch._foreach_mul_(masked, rates)
+        torch._foreach_sub_(params, masked)

@@ -1,0 +1,160 @@
+"""NorMuon and AdaMuon, the optimizers: Muon's constructor plus each variant's second-moment
+options; the updates themselves are :mod:`fastmuon.rules.normuon` and :mod:`fastmuon.rules.adamuon`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from ..distributed.dtensor import is_dtensor
+from ..rules import adamuon as adamuon_rule
+from ..rules import normuon as normuon_rule
+from ..rules.normuon import RESCALES
+from .muon import Muon
+from .validation import ArgumentTypeError, check_fraction, check_nonnegative
+
+
+class _SecondMomentMuon(Muon):
+    """Muon with a second moment of the orthogonalised update (see the subclasses)."""
+
+    _variant_keys: tuple[str, ...] = ("beta2", "moment_eps", "rescale")
+
+    def _validate_group(self, group: dict[str, Any], where: str) -> None:
+        super()._validate_group(group, where)
+        check_fraction("beta2", group["beta2"], where)
+        check_nonnegative("moment_eps", group["moment_eps"], where)
+        rescale = group["rescale"]
+        if rescale not in RESCALES:
+            raise ValueError(f"unknown rescale {rescale!r} in {where}; choose one of {RESCALES}")
+        if rescale == "rms" and group["adjust_lr_fn"] not in (None, "none"):
+            raise ValueError(
+                f"adjust_lr_fn={group['adjust_lr_fn']!r} in {where} has no effect with rescale='rms' "
+                "(the rescale sets every matrix's update RMS); set adjust_lr_fn=None, or rescale='norm' "
+                "to keep NS's norm and apply Muon's lr factor"
+            )
+        for j, p in enumerate(group["params"]):
+            if is_dtensor(p) and self.rule.is_matrix(group, p):
+                raise ValueError(
+                    f"{self._param_name(group, j)} in {where} is an FSDP2-sharded (DTensor) matrix; "
+                    f"{type(self).__name__}'s statistics of the whole update are not computed across "
+                    "shards yet: use Muon for sharded matrices, or replicate them (DDP)"
+                )
+
+
+class NorMuon(_SecondMomentMuon):
+    """NorMuon (Li et al., arXiv 2510.05491): Muon whose orthogonalised update is divided, row by
+    row, by the root of an EMA of its mean square per row (per neuron), then rescaled.
+
+    The arguments are :class:`~fastmuon.Muon`'s (AdamW for the parameters Muon does not take,
+    matrix maps, DDP, ``foreach=False``, ...), plus, per group:
+
+    Args:
+        beta2: ``β₂`` in [0, 1) of the per-row second moment (default 0.95, the paper's).
+        moment_eps: ``ε`` in ``O/(√v + ε)`` (default 1e-8, dion's).
+        rescale: ``"norm"`` (default): keep the Frobenius norm NS gave and apply Muon's lr
+            factor ``adjust_lr_fn`` (the authors' code, dion, modded-nanogpt: Muon's learning
+            rates carry over); ``"rms"``: the paper's Algorithm 1, an update of RMS 0.2 (AdamW's),
+            with no lr factor (``adjust_lr_fn`` must stay None).
+
+    The state of a matrix parameter adds ``second_moment``: a 1-D tensor with one entry per row
+    of each of its matrices (of each expert, fused part or head of a matrix map, in the map's
+    order). FSDP2-sharded matrices are refused (use :class:`~fastmuon.Muon` there).
+    """
+
+    rule = normuon_rule
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        beta2: float = 0.95,
+        moment_eps: float = 1e-8,
+        rescale: str = "norm",
+        **muon_options: Any,
+    ):
+        self._variant_defaults = dict(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
+        super().__init__(
+            params,
+            lr,
+            weight_decay,
+            momentum,
+            nesterov,
+            ns_coefficients,
+            eps,
+            ns_steps,
+            adjust_lr_fn,
+            **muon_options,
+        )
+
+
+class AdaMuon(_SecondMomentMuon):
+    """AdaMuon (Si et al., arXiv 2507.11005): Muon of the momentum's sign whose orthogonalised
+    update is divided elementwise by the root of an EMA of its square, then rescaled to RMS 0.2.
+
+    The arguments are :class:`~fastmuon.Muon`'s (``nesterov`` default False here: the paper's
+    momentum is plain), plus, per group:
+
+    Args:
+        beta2: ``β₂`` in [0, 1) of the elementwise second moment (default 0.95).
+        moment_eps: ``ε`` in ``O/(√v + ε)`` (default 1e-8).
+        sign_momentum: orthogonalise ``sign(M)`` (default True, the paper's sign-stabilised
+            update); False orthogonalises ``M`` (the paper's first version, pytorch-optimizer's).
+        rescale: ``"rms"`` (default): the paper's RMS-aligned rescale, ``0.2·√(mn)/‖Ô‖_F``, with
+            no lr factor; ``"norm"``: keep NS's Frobenius norm and apply ``adjust_lr_fn``.
+
+    The state of a matrix parameter adds ``second_moment``, of the parameter's shape.
+    """
+
+    rule = adamuon_rule
+    _variant_keys = ("beta2", "moment_eps", "rescale", "sign_momentum")
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        beta2: float = 0.95,
+        moment_eps: float = 1e-8,
+        sign_momentum: bool = True,
+        rescale: str = "rms",
+        **muon_options: Any,
+    ):
+        self._variant_defaults = dict(
+            beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum
+        )
+        super().__init__(
+            params,
+            lr,
+            weight_decay,
+            momentum,
+            nesterov,
+            ns_coefficients,
+            eps,
+            ns_steps,
+            adjust_lr_fn,
+            **muon_options,
+        )
+
+    def _validate_group(self, group: dict[str, Any], where: str) -> None:
+        super()._validate_group(group, where)
+        if not isinstance(group["sign_momentum"], bool):
+            raise ArgumentTypeError(
+                f"sign_momentum in {where} must be True or False, got {group['sign_momentum']!r}"
+            )

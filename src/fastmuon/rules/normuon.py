@@ -1,0 +1,134 @@
+"""The NorMuon rule: Muon's orthogonalised momentum normalised per neuron, AdamW for the rest.
+
+Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable" (arXiv
+2510.05491), Algorithm 1, for a matrix ``W`` (``m×n``, rows the output neurons):
+
+- ``M ← β₁·M + (1−β₁)·G``, ``O = NS(M)`` (Muon's, here with its Nesterov option);
+- ``v ← β₂·v + (1−β₂)·mean_cols(O⊙O)`` (``v ∈ ℝᵐ``), ``Ô = O ⊘ (√v + ε)``;
+- a rescale of ``Ô``, then ``W ← W − η·λ·W − η̂·Ô`` (decoupled weight decay).
+
+The rescale is ``rescale`` per group: ``"norm"`` (the default) keeps the Frobenius norm NS gave,
+``Ô·‖O‖_F/‖Ô‖_F``, and then takes Muon's lr factor (``adjust_lr_fn``), as the authors' code, dion's
+NorMuon (``normuon_normalization``) and modded-nanogpt's NorMuon records do, so Muon's learning
+rates carry over; ``"rms"`` is the paper's ``η̂ = 0.2·η·√(mn)/‖Ô‖_F``: an update of RMS 0.2, AdamW's,
+with no lr factor. ``β₂ = 0.95`` and ``ε = 1e-8`` are the paper's and dion's defaults.
+
+Each matrix of a matrix map (experts, fused parts, heads) has its own row statistics: the state
+``second_moment`` of a parameter is one 1-D tensor holding each of its matrices' ``v`` in turn
+(``m`` entries per matrix, in the map's order), in the parameter's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..matrices import MatrixMap
+from ..step.adamw import AdamWClasses, AdamWProgram, single_tensor_adamw
+from ..step.collecting import CollectEnv
+from ..step.matrix import EngineFor, MatrixItem, MatrixProgram, single_tensor_matrix_update
+from ..step.moments import ADAMW_RMS, Moment, MomentScalars, MomentStage, reference_normalize
+from . import muon as muon_rule
+from .muon import Items, Program, is_matrix
+from .roles import MUON
+
+# its state dicts are Muon's (the same group keys and buffers) plus ``second_moment``, which
+# loading carries as saved (see fastmuon.optim.checkpoint) and a fresh step makes as zeros
+family = MUON
+MOMENT = "second_moment"
+RESCALES = ("norm", "rms")
+
+__all__ = ["Items", "Program", "is_matrix", "state_roles", "collect", "scalars", "build", "reference"]
+
+
+def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+    """Muon's buffers; ``second_moment`` follows no recurrence the loader translates."""
+    return muon_rule.state_roles(group, p)
+
+
+class Variant:
+    """What a second-moment variant adds to Muon's collection: its lr factor mode and each
+    matrix's :class:`~fastmuon.step.moments.Moment`."""
+
+    def __init__(self, per_row: bool, sign_key: str | None = None):
+        self.per_row = per_row
+        self.sign_key = sign_key  # the group key saying whether NS takes the momentum's sign
+
+    def adjust(self, group: Mapping[str, Any]) -> str:
+        if group["rescale"] == "rms":
+            return "none"  # the rescale sets the update's size
+        return group["adjust_lr_fn"] or "original"
+
+    def attach(
+        self,
+        group: Mapping[str, Any],
+        p: Tensor,
+        m: MatrixMap,
+        state: dict[str, Any],
+        items: list[MatrixItem],
+        env: CollectEnv,
+    ) -> None:
+        # the neurons: a matrix's rows, or its stored columns where the map says (in, out)
+        rows = [it.param.shape[1] if m.transposed else it.param.shape[0] for it in items]
+        wanted = (sum(rows),) if self.per_row else tuple(p.shape)
+        buf = state.get(MOMENT)
+        if buf is None:
+            if self.per_row:
+                buf = state[MOMENT] = torch.zeros(wanted, dtype=p.dtype, device=p.device)
+            else:
+                buf = state[MOMENT] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        elif not isinstance(buf, Tensor) or tuple(buf.shape) != wanted:
+            got = tuple(buf.shape) if isinstance(buf, Tensor) else type(buf).__name__
+            raise ValueError(
+                f"{env.optimizer}: the state {MOMENT!r} of a parameter of shape {tuple(p.shape)} is "
+                f"{got}, not {wanted}; it was saved for another model or optimizer: delete that "
+                "entry from the state (it restarts from zeros)"
+            )
+        views = list(buf.split(rows)) if self.per_row else ([buf] if m.is_flatten else m.views(buf))
+        rms = ADAMW_RMS if group["rescale"] == "rms" else None
+        sign = bool(group[self.sign_key]) if self.sign_key else False
+        for it, v in zip(items, views):
+            it.moment = Moment(v, group["beta2"], group["moment_eps"], rms, sign, m.transposed)
+
+
+VARIANT = Variant(per_row=True)
+
+
+def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:
+    return muon_rule.collect(groups, grads, env, VARIANT)
+
+
+def variant_scalars(groups: Sequence[Mapping[str, Any]], lr_value, extra: tuple[str, ...] = ()):
+    """Muon's pattern and scalars with the second moment's: its settings' structure in the
+    pattern, its β₂ and ε among the matrix scalars (read each step, as every hyperparameter)."""
+    pattern, s = muon_rule.scalars(groups, lr_value)
+    structure = tuple((g["rescale"], *(g[k] for k in extra)) for g in groups)
+    m = s.matrices
+    matrices = MomentScalars(
+        m.beta, m.nesterov, m.base, m.decay, [g["beta2"] for g in groups], [g["moment_eps"] for g in groups]
+    )
+    return (pattern, structure), muon_rule.Scalars(matrices, s.adamw)
+
+
+def scalars(groups: Sequence[Mapping[str, Any]], lr_value):
+    return variant_scalars(groups, lr_value)
+
+
+def build(items: Items, pattern: Any, engine_for: EngineFor, options: Any) -> Program:
+    muon_pattern = pattern[0]
+    adamw_classes = AdamWClasses(
+        muon_pattern.lr, muon_pattern.betas, muon_pattern.eps, muon_pattern.weight_decay
+    )
+    return Program(
+        MatrixProgram(items.matrices, muon_pattern.lr, engine_for, variant=MomentStage),
+        AdamWProgram(items.adamw, adamw_classes, options.capturable),
+    )
+
+
+def reference(items: Items) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    single_tensor_matrix_update(items.matrices, reference_normalize)
+    single_tensor_adamw(items.adamw)
