@@ -279,3 +279,14 @@ def test_adamuon_agrees_with_pytorch_optimizer(monkeypatch, foreach):
     )
     _peer_run(peer, theirs, 3)
     assert max_rel([a - s for a, s in zip(mine, start)], [b - s for b, s in zip(theirs, start)]) < 1e-5
+
+
+def test_musgd_refuses_cautious_weight_decay_rather_than_ignoring_it():
+    """MuSGD's decay is coupled: a cautious flag in its group would be silently meaningless."""
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    with pytest.raises(ValueError, match="cautious_weight_decay in param group 0.*coupled"):
+        fastmuon.MuSGD([dict(params=[w], use_muon=True, cautious_weight_decay=True)], lr=0.02)
+    opt = fastmuon.MuSGD([dict(params=[w], use_muon=True)], lr=0.02, momentum=0.9)
+    with pytest.raises(ValueError, match="cautious_weight_decay"):
+        opt.add_param_group(dict(params=[torch.nn.Parameter(torch.randn(3, 3))], cautious_weight_decay=True))
+    assert len(opt.param_groups) == 1

@@ -179,4 +179,10 @@ class MuSGD(MatrixOptimizer):
             raise ValueError(
                 f"unknown adjust_lr_fn {group['adjust_lr_fn']!r} in {where}; choose one of {ADJUST_LR}"
             )
+        if group.get("cautious_weight_decay", False) is not False:
+            raise ValueError(
+                f"cautious_weight_decay in {where}: MuSGD's weight decay is coupled (L2 inside the SGD "
+                "momentum), and cautious decay is defined for decoupled decay; use Muon, NorMuon or "
+                "AdaMuon for it, or leave cautious_weight_decay unset"
+            )
         self._check_matrix_maps(group, where)
