@@ -24,12 +24,11 @@ from torch import Tensor
 
 from ..step.collecting import CollectEnv
 from . import muon as muon_rule
-from .muon import Items, Program, is_matrix
+from .muon import Items, is_matrix
 from .normuon import Variant, build, family, reference, state_roles, variant_scalars
 
 __all__ = [
     "Items",
-    "Program",
     "is_matrix",
     "state_roles",
     "collect",

@@ -31,7 +31,7 @@ from ..step.matrix import (
     matrix_items,
     single_tensor_matrix_update,
 )
-from ..step.program import classes
+from ..step.program import TwoHalves, classes
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
@@ -60,7 +60,7 @@ class Pattern(NamedTuple):
 
 class Scalars(NamedTuple):
     matrices: MatrixScalars
-    adamw: AdamWScalars
+    elementwise: AdamWScalars
 
 
 def is_matrix(group: dict[str, Any], p: Tensor) -> bool:
@@ -171,24 +171,9 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     return pattern, Scalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
 
 
-class Program:
-    """A Muon step prepared once: the matrices' update, then AdamW on the rest."""
-
-    def __init__(self, matrices: MatrixProgram, adamw: AdamWProgram):
-        self.matrices = matrices
-        self.adamw = adamw
-
-    def fits(self, grads: Sequence[Tensor]) -> bool:
-        return self.adamw.fits(grads)
-
-    def run(self, grads: Sequence[Tensor], s: Scalars, keep: Tensor | None, hooks: Mapping) -> None:
-        self.matrices.run(grads, s.matrices, keep, hooks)
-        self.adamw.run(grads, s.adamw)
-
-
-def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> Program:
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> TwoHalves:
     adamw_classes = AdamWClasses(pattern.lr, pattern.betas, pattern.eps, pattern.weight_decay)
-    return Program(
+    return TwoHalves(
         MatrixProgram(items.matrices, pattern.lr, engine_for),
         AdamWProgram(items.adamw, adamw_classes, options.capturable),
     )

@@ -25,7 +25,7 @@ from ..step.matrix import (
     single_tensor_matrix_update,
     state_buffer,
 )
-from ..step.program import classes
+from ..step.program import TwoHalves, classes
 from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
 from .roles import EMA, HEAVY_BALL, MUSGD
 
@@ -46,14 +46,14 @@ class Pattern(NamedTuple):
     nesterov: tuple[int, ...]
     weight_decay: tuple[int, ...]
     muon_lr: tuple[int, ...]  # of lr·muon, the Muon half's scale before its per-matrix factor
-    sgd_lr: tuple[int, ...]  # over Scalars.sgd.lr: every group's lr·sgd, then every group's lr
+    sgd_lr: tuple[int, ...]  # over Scalars.elementwise.lr: every group's lr·sgd, then every group's lr
     zero_beta: tuple[bool, ...]
     structure: tuple[Any, ...]  # per group: use_muon, (adjust_lr_fn, rms_scale), NS settings, matrix maps
 
 
 class Scalars(NamedTuple):
     matrices: MatrixScalars
-    sgd: SGDScalars
+    elementwise: SGDScalars
 
 
 def is_matrix(group: dict[str, Any], p: Tensor) -> bool:
@@ -138,23 +138,8 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     return pattern, Scalars(MatrixScalars(beta, nesterov, base), SGDScalars(beta, nesterov, wd, sgd_lr))
 
 
-class Program:
-    """A MuSGD step prepared once: the Muon half, then the SGD half on ``p`` after it."""
-
-    def __init__(self, matrices: MatrixProgram, sgd: SGDProgram):
-        self.matrices = matrices
-        self.sgd = sgd
-
-    def fits(self, grads: Sequence[Tensor]) -> bool:
-        return self.sgd.fits(grads)
-
-    def run(self, grads: Sequence[Tensor], s: Scalars, keep: Tensor | None, hooks: Mapping) -> None:
-        self.matrices.run(grads, s.matrices, keep, hooks)
-        self.sgd.run(grads, s.sgd)
-
-
-def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> Program:
-    return Program(
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> TwoHalves:
+    return TwoHalves(
         MatrixProgram(items.matrices, pattern.muon_lr, engine_for),
         SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable),
     )

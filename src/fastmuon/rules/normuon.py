@@ -31,8 +31,9 @@ from ..step.adamw import AdamWClasses, AdamWProgram, single_tensor_adamw
 from ..step.collecting import CollectEnv
 from ..step.matrix import EngineFor, MatrixItem, MatrixProgram, single_tensor_matrix_update
 from ..step.moments import ADAMW_RMS, Moment, MomentScalars, MomentStage, reference_normalize
+from ..step.program import TwoHalves
 from . import muon as muon_rule
-from .muon import Items, Program, is_matrix
+from .muon import Items, is_matrix
 from .roles import MUON
 
 # its state dicts are Muon's (the same group keys and buffers) plus ``second_moment``, which
@@ -41,7 +42,7 @@ family = MUON
 MOMENT = "second_moment"
 RESCALES = ("norm", "rms")
 
-__all__ = ["Items", "Program", "is_matrix", "state_roles", "collect", "scalars", "build", "reference"]
+__all__ = ["Items", "is_matrix", "state_roles", "collect", "scalars", "build", "reference"]
 
 
 def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
@@ -110,19 +111,19 @@ def variant_scalars(groups: Sequence[Mapping[str, Any]], lr_value, extra: tuple[
     matrices = MomentScalars(
         m.beta, m.nesterov, m.base, m.decay, [g["beta2"] for g in groups], [g["moment_eps"] for g in groups]
     )
-    return (pattern, structure), muon_rule.Scalars(matrices, s.adamw)
+    return (pattern, structure), muon_rule.Scalars(matrices, s.elementwise)
 
 
 def scalars(groups: Sequence[Mapping[str, Any]], lr_value):
     return variant_scalars(groups, lr_value)
 
 
-def build(items: Items, pattern: Any, engine_for: EngineFor, options: Any) -> Program:
+def build(items: Items, pattern: Any, engine_for: EngineFor, options: Any) -> TwoHalves:
     muon_pattern = pattern[0]
     adamw_classes = AdamWClasses(
         muon_pattern.lr, muon_pattern.betas, muon_pattern.eps, muon_pattern.weight_decay
     )
-    return Program(
+    return TwoHalves(
         MatrixProgram(items.matrices, muon_pattern.lr, engine_for, variant=MomentStage),
         AdamWProgram(items.adamw, adamw_classes, options.capturable),
     )

@@ -85,6 +85,24 @@ def apply_scaled_(
     torch._foreach_sub_(all_params, scaled)
 
 
+class TwoHalves:
+    """A rule's update prepared once as its two halves: the matrices' (see
+    :class:`~fastmuon.step.matrix.MatrixProgram`), then the elementwise one (SGD, AdamW) on the
+    parameters after it. It reads the step's scalars as their fields ``matrices`` and
+    ``elementwise``."""
+
+    def __init__(self, matrices: Any, elementwise: Any):
+        self.matrices = matrices
+        self.elementwise = elementwise
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return self.elementwise.fits(grads)
+
+    def run(self, grads: Sequence[Tensor], s: Any, keep: Tensor | None, hooks: Mapping[int, Any]) -> None:
+        self.matrices.run(grads, s.matrices, keep, hooks)
+        self.elementwise.run(grads, s.elementwise)
+
+
 class StepProgram:
     """One step, prepared: the update's program and what every step around it needs.
 
