@@ -35,11 +35,9 @@ def tiny_gpt2(transformers):
     return transformers.GPT2LMHeadModel(config)
 
 
-def train(transformers, output_dir, resume_from=None):
-    """A Trainer on a fresh tiny GPT-2 with fastmuon.Muon as its optimizer; returns both."""
-    model = tiny_gpt2(transformers)
-    opt = fastmuon.Muon(fastmuon.param_groups(model), lr=0.02, weight_decay=0.01)
-    args = transformers.TrainingArguments(
+def training_args(transformers, output_dir, **extra):
+    """The Trainer's arguments every run here shares: CPU, seed 0, a checkpoint every SAVE_EVERY."""
+    return transformers.TrainingArguments(
         output_dir=str(output_dir),
         max_steps=STEPS,
         save_steps=SAVE_EVERY,
@@ -49,7 +47,15 @@ def train(transformers, output_dir, resume_from=None):
         use_cpu=True,
         disable_tqdm=True,
         seed=0,
+        **extra,
     )
+
+
+def train(transformers, output_dir, resume_from=None):
+    """A Trainer on a fresh tiny GPT-2 with fastmuon.Muon as its optimizer; returns both."""
+    model = tiny_gpt2(transformers)
+    opt = fastmuon.Muon(fastmuon.param_groups(model), lr=0.02, weight_decay=0.01)
+    args = training_args(transformers, output_dir)
     trainer = transformers.Trainer(
         model=model,
         args=args,
@@ -123,18 +129,7 @@ def test_param_groups_finds_transformers_heads(transformers):
 def train_with_factory(transformers, output_dir, factory, kwargs, resume_from=None):
     """A Trainer that builds its optimizer by calling ``factory()(model, **kwargs)``."""
     model = tiny_gpt2(transformers)
-    args = transformers.TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=STEPS,
-        save_steps=SAVE_EVERY,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        lr_scheduler_type="constant",
-    )
+    args = training_args(transformers, output_dir, lr_scheduler_type="constant")
     trainer = transformers.Trainer(
         model=model, args=args, train_dataset=Patterns(), optimizer_cls_and_kwargs=(factory, kwargs)
     )

@@ -370,11 +370,21 @@ def _iterate(
 ) -> Tensor:
     """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
     written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch."""
-    R = X.size(-2)
     X = _normalize(X, eps, out=scratch("X", X.shape), host=host, host_reads=host_reads)
+    return _polynomial_steps(X, schedule, scratch, out)
+
+
+def _polynomial_steps(
+    X: Tensor, schedule: list[Coefficients], scratch: Scratch, out: Tensor | None, A: Tensor | None = None
+) -> Tensor:
+    """``X ← aX + (bA + cA²)X`` with ``A = X·Xᵀ``, once per step of ``schedule``, from a
+    normalised wide batch; ``A``: the first step's, where the caller has computed it already.
+    The last iterate goes to ``out`` when given, the others ping-pong in scratch."""
+    R = X.size(-2)
     spare = scratch("Y", X.shape)
     for k, (a, b, c) in enumerate(schedule):
-        A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
+        if k or A is None:
+            A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))
         target = out if k + 1 == len(schedule) else spare
         X, spare = torch.baddbmm(X, B, X, beta=a, out=target), X
@@ -411,16 +421,8 @@ def _iterate_aol(
     underflows: in range the result equals the plain rule's bit for bit. Nothing is read on the
     host. The statistics run in fp32 at least. ``X`` is never modified.
     """
-    R = X.size(-2)
     X, A = _aol_rescaled(X, eps, scratch, host)
-    spare = scratch("Y", X.shape)
-    for k, (a, b, c) in enumerate(schedule):
-        if k:
-            A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))
-        target = out if k + 1 == len(schedule) else spare
-        X, spare = torch.baddbmm(X, B, X, beta=a, out=target), X
-    return X
+    return _polynomial_steps(X, schedule, scratch, out, A)
 
 
 def _aol_rescaled(X: Tensor, eps: float, scratch: Scratch, host: bool) -> tuple[Tensor, Tensor]:
