@@ -661,7 +661,9 @@ def check_one_ranks_misfit(group) -> None:
 
 
 def check_errors() -> None:
-    """Unsupported set-ups fail on every rank with a message that says what to do."""
+    """Unsupported set-ups fail on every rank with a message that says what to do: the
+    per-parameter path over DTensors; a plain tensor beside them whose gradient differs by rank
+    (a module left out of fully_shard)."""
     net, _ = sharded_net(3)
     plain = nn.Parameter(torch.randn(4, 4))
     cases = [
@@ -670,7 +672,7 @@ def check_errors() -> None:
     ]
     for opt, hint in cases:
         net(batch(0)).sum().backward()
-        plain.grad = torch.ones_like(plain)
+        plain.grad = torch.full_like(plain, dist.get_rank() + 1.0)
         try:
             opt.step()
         except ValueError as e:

@@ -22,16 +22,11 @@ from torch import Tensor
 from ..ns.build import plan_for, resolve_cost_model
 from ..ns.engine import NSConfig, TensorLayout, spec_of
 from ..ns.planner import Plan
-from .dtensor import is_dtensor, local_shard
+from .dtensor import local_shard
+from .exchange import ShardedOrthogonalizer, contiguous_layout
 from .inflight import InFlight
 from .replicated import ReplicatedOrthogonalizer
-from .sharded import (
-    ShardedMatrix,
-    ShardedOrthogonalizer,
-    SplitShardedOrthogonalizer,
-    contiguous_layout,
-    shard0_on_1d_mesh,
-)
+from .sharded import ShardedMatrix, SplitShardedOrthogonalizer
 
 
 # ----- the optimizer side: building, agreeing, localising ------------------------------------
@@ -55,27 +50,21 @@ def build_distributed(
     configs: Sequence[NSConfig],
     wholes: Sequence[Any],
     policy: str,
+    group: Any = None,
 ):
-    """The orthogonalizer for a step's matrices: sharded if they are DTensors (or matrices cut
-    out of DTensors: ``wholes`` holds what each matrix is whole), else replicated."""
-    sharded = [is_dtensor(g) or isinstance(g, ShardedMatrix) for g in wholes]
-    if any(sharded) and not all(sharded):
-        raise ValueError(
-            "some matrix parameters are FSDP2 DTensors and some are plain tensors; "
-            f"{ctx.optimizer} needs all of them sharded (apply fully_shard to the root module too)"
-        )
-    if all(sharded) and params:
-        group = mesh_group(ctx)
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        matrices = [
-            g if isinstance(g, ShardedMatrix) else ShardedMatrix.of(g, p, world)
-            for g, p in zip(wholes, params)
-        ]
-        spread = [i for i, m in enumerate(matrices) if m.spread]
-        mine = [i for i, m in enumerate(matrices) if not m.spread and m.rows[rank]]
+    """The orthogonalizer for a step's matrices: through the exchange if they are held in
+    parts (``wholes`` holds each one's :class:`ShardedMatrix`, its parts over ``group``), else
+    replicated over ``ctx.process_group`` (DDP)."""
+    sharded = [isinstance(g, ShardedMatrix) for g in wholes]
+    if any(sharded) and params:
+        assert all(sharded), "a step over DTensors describes every matrix by its parts"
+        rank = dist.get_rank(group)
+        matrices: list[ShardedMatrix] = list(wholes)
+        spread = [i for i, m in enumerate(matrices) if m.exchanged]
+        mine = [i for i, m in enumerate(matrices) if not m.exchanged and m.held[rank] is not None]
         exchanged = None
-        if spread:  # the same list on every rank: computed from global shapes alone
-            # the planner sees each matrix whole; its device and dtype are the local shard's
+        if spread:  # the same list on every rank: computed from every rank's boxes
+            # the planner sees each matrix whole; its device and dtype are the local part's
             specs = [
                 spec_of(
                     torch.empty(0, dtype=params[i].dtype, device=params[i].device),
@@ -88,7 +77,8 @@ def build_distributed(
             configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
             exchanged = ShardedOrthogonalizer(
                 plan,
-                [matrices[i] for i in spread],
+                [matrices[i].shape for i in spread],
+                [matrices[i].held for i in spread],
                 configs_by_key,
                 group,
                 compile=ctx.options.compile,
@@ -143,36 +133,10 @@ def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: tor
     return pickle.loads(bytes(payload.tolist()))
 
 
-def mesh_group(ctx: DistContext) -> dist.ProcessGroup:
-    """The process group of the mesh every sharded parameter lives on (checked: Shard(0), 1-D)."""
-    mesh = None
-    for group in ctx.groups:
-        for j, p in enumerate(group["params"]):
-            if not is_dtensor(p):
-                continue
-            mesh = p.device_mesh if mesh is None else mesh
-            if not shard0_on_1d_mesh(p):
-                raise ValueError(
-                    f"{ctx.param_name(group, j)} is a DTensor with placements {tuple(p.placements)} "
-                    f"on a {p.device_mesh.ndim}-D mesh; {ctx.optimizer} supports FSDP2's "
-                    "Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP)"
-                )
-            if p.device_mesh != mesh:
-                raise ValueError(
-                    f"{ctx.param_name(group, j)} lives on another device mesh than the first "
-                    "sharded parameter; shard all parameters over one mesh"
-                )
-    assert mesh is not None, "no sharded parameter"
-    return mesh.get_group()
-
-
-def step_group(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dist.ProcessGroup | None:
-    """The group the ranks agree on: the DTensors' mesh if any, else the optimizer's process group."""
-    if sharded:
-        for p in params:
-            if is_dtensor(p):
-                return p.device_mesh.get_group()
-    return ctx.process_group
+def flat_namer(ctx: DistContext) -> Callable[[int], str]:
+    """A parameter's name from its index in the flat list of every group's parameters."""
+    owners = [(g, j) for g in ctx.groups for j in range(len(g["params"]))]
+    return lambda k: ctx.param_name(*owners[k])
 
 
 def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
@@ -184,7 +148,7 @@ def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
     return ok > 0.5
 
 
-def begin_step(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dict[Tensor, Tensor]:
+def begin_step(ctx: DistContext, params: Sequence[Tensor], group: Any) -> dict[Tensor, Tensor]:
     """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
 
     A parameter steps on every rank if any rank has a gradient for it (a rank without one
@@ -193,7 +157,6 @@ def begin_step(ctx: DistContext, params: Sequence[Tensor], sharded: bool) -> dic
     """
     if not params:
         return {}
-    group = step_group(ctx, params, sharded)
     device = local_shard(params[0]).device
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())

@@ -49,8 +49,8 @@ def localize(items: Sequence[Any], optimizer: str) -> None:
     """Swap every DTensor field of the step's items for its local shard, in place.
 
     The elementwise maths is then plain foreach work on local tensors (DTensor dispatch per op
-    would cost more than the maths). A matrix item keeps its whole DTensor in ``whole``, so the
-    NS step can find the matrix's global shape.
+    would cost more than the maths). A matrix item's ``whole`` describes its matrix across
+    ranks (see :mod:`fastmuon.distributed.sharded`).
     """
     for item in items:
         param = getattr(item, "param", None)
@@ -64,6 +64,4 @@ def localize(items: Sequence[Any], optimizer: str) -> None:
                     f"{tuple(param.placements)}; {optimizer} needs gradients sharded "
                     "like their parameters (as FSDP2 leaves them after backward)"
                 )
-            if f.name == "param" and hasattr(item, "whole"):
-                item.whole = value
             setattr(item, f.name, value.to_local())

@@ -1,35 +1,27 @@
-"""Newton–Schulz of FSDP2-sharded matrices (``fully_shard``, 1-D mesh, ``Shard(0)``).
+"""The matrices of parameters whose parts lie on several ranks, and the step's executor for them.
 
-Each rank holds a row block of every matrix, and NS needs whole matrices: one ``all_to_all``
-brings every block to its matrix's owner, the owner orthogonalises its buckets, and a second
-``all_to_all`` sends each rank its rows of the result (the gather-to-owner / scatter-back scheme
-of muon-fsdp2 and torchtitan, batched here to two collectives per step). Uneven shards (rows not
-divisible by the world size, empty shards) need no padding: every rank computes every block size
-from the shapes. A matrix a map cuts out of one rank's rows is that rank's alone: no exchange.
+Every matrix a matrix map makes of a parameter (the whole tensor, an expert, a head, a fused
+projection's part) is a box of the whole tensor; its part on a rank is that box's overlap with
+the rank's own box (see :mod:`.parts`). A matrix held whole by one rank alone is orthogonalised
+there with no exchange (an expert of a stack sharded on its expert dim, a head inside one
+tensor-parallel shard, a ``[1, N]`` weight under ``Shard(0)``); every other matrix goes through
+:class:`~fastmuon.distributed.exchange.ShardedOrthogonalizer`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..matrices import Box, MatrixMap, box_shape
-from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout
-from ..ns.planner import Plan
-from .inflight import InFlight
-from .replicated import CommStats, Timer, assign_work, sub_plan
-
-
-def contiguous_layout(shape: Sequence[int]) -> TensorLayout:
-    """The layout of a whole matrix as the owner assembles it: contiguous."""
-    return TensorLayout.of(torch.empty(tuple(shape), device="meta"))
+from ..matrices import Box, MatrixMap
+from .parts import Parts, Region
+from .replicated import CommStats
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
@@ -38,247 +30,110 @@ def shard_rows(rows: int, world: int) -> list[int]:
     return [max(0, min(chunk, rows - r * chunk)) for r in range(world)]
 
 
-class ShardedOrthogonalizer:
-    """Gather each matrix to its owner, orthogonalise there in buckets, scatter the rows back.
-
-    Two ``all_to_all_single`` calls per NS dtype and step: the first sends every rank's row
-    blocks to the owners (cast to NS dtype on the way, as the single-process engine casts when
-    packing), the second sends every rank its rows of each result. Sizes are exact, so uneven
-    and empty shards cost nothing extra. The four exchange buffers per NS dtype persist between
-    steps, and the results are views of the last one: valid until the next call.
-    """
-
-    def __init__(
-        self,
-        plan: Plan,
-        matrices: Sequence[ShardedMatrix],
-        configs: dict[Hashable, NSConfig],
-        group: dist.ProcessGroup,
-        compile: bool = False,
-        host_reads: bool = True,
-    ):
-        self.plan, self.shapes, self.group = plan, [m.shape for m in matrices], group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.units = assign_work(plan, self.world)
-        layouts = [contiguous_layout(s) for s in self.shapes]
-        owned = [u for u in self.units if u.owner == self.rank]
-        # one engine per NS dtype (each dtype is exchanged apart), over this rank's units
-        self._engines: dict[torch.dtype, Orthogonalizer] = {}
-        for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
-            local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
-            self._engines[dtype] = Orthogonalizer(
-                local_plan, [layouts[i] for i in index], configs, compile=compile, host_reads=host_reads
-            )
-        self._rows = [list(m.rows) for m in matrices]  # rows of each matrix each rank holds
-        self._cols = [math.prod(s[1:]) for s in self.shapes]
-        self._row_starts = [[sum(rows[:r]) for r in range(self.world)] for rows in self._rows]
-        # per NS dtype: the matrices each rank owns, in unit and slot order
-        self._order: dict[torch.dtype, list[list[int]]] = {}
-        for u in self.units:
-            bucket = plan.buckets[u.bucket]
-            order = self._order.setdefault(bucket.dtype, [[] for _ in range(self.world)])
-            order[u.owner] += [m.index for m in bucket.members[u.start : u.stop]]
-        # per NS dtype, element counts: this rank's blocks for each owner, and the blocks each
-        # rank sends this one as owner. The scatter sends back exactly what the gather brought.
-        me, world = self.rank, self.world
-        self._sizes: dict[torch.dtype, tuple[list[int], list[int]]] = {}
-        for dtype, order in self._order.items():
-            mine_to_owner = [sum(self._block(i, me) for i in order[o]) for o in range(world)]
-            theirs_to_me = [sum(self._block(i, r) for i in order[me]) for r in range(world)]
-            self._sizes[dtype] = (mine_to_owner, theirs_to_me)
-        self._buffers: dict[tuple[torch.dtype, str], Tensor] = {}
-        self._inflight = InFlight()
-        self.profile = False
-        self.stats = CommStats(total_flops=plan.flops(), owned_flops=sum(u.flops for u in owned))
-
-    def _block(self, i: int, rank: int) -> int:
-        return self._rows[i][rank] * self._cols[i]
-
-    def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
-        """``sources`` are this rank's row blocks; so are the results (in ``out_dtypes``)."""
-        self._inflight.settle()  # the last call's all_to_alls (finished long ago)
-        device = sources[0].device
-        timer = Timer(self.profile, device)
-        results: list[Tensor | None] = [None] * len(sources)
-        stats = CommStats(total_flops=self.stats.total_flops, owned_flops=self.stats.owned_flops)
-        me, world = self.rank, self.world
-        for dtype, order in self._order.items():
-            item = torch.empty((), dtype=dtype).element_size()
-            t0 = timer.now()
-            # 1. every rank's row blocks to the owners, cast to NS dtype on the way
-            to_owner, from_rank = self._sizes[dtype]
-            send = self._buffer(dtype, "gather send", sum(to_owner), device)
-            blocks = [sources[i].reshape(-1) for o in range(world) for i in order[o]]
-            if blocks:
-                torch.cat(blocks, out=send)
-            recv = self._buffer(dtype, "gather recv", sum(from_rank), device)
-            self._inflight.issue(dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group)
-            self._inflight.wait()
-            t1 = timer.now()
-            # 2. whole matrices on the owner, NS over its buckets
-            full = self._assemble(recv, from_rank, order[me])
-            owned = self._engines[dtype](full, [dtype] * len(full)) if full else []
-            t2 = timer.now()
-            # 3. every rank's rows of each result back to it
-            to_rank, from_owner = from_rank, to_owner
-            send = self._buffer(dtype, "scatter send", sum(to_rank), device)
-            rows = [
-                out.reshape(out.shape[0], -1).narrow(0, self._row_starts[i][d], self._rows[i][d]).reshape(-1)
-                for d in range(world)
-                for i, out in zip(order[me], owned)
-            ]
-            if rows:
-                torch.cat(rows, out=send)
-            recv = self._buffer(dtype, "scatter recv", sum(from_owner), device)
-            self._inflight.issue(dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group)
-            self._inflight.wait()
-            casts: dict[torch.dtype, Tensor] = {}
-            offset = 0
-            for s in range(world):
-                for i in order[s]:
-                    out_dtype = out_dtypes[i]
-                    if out_dtype not in casts:
-                        casts[out_dtype] = recv if recv.dtype == out_dtype else recv.to(out_dtype)
-                    size = self._block(i, me)
-                    results[i] = casts[out_dtype][offset : offset + size].view(
-                        self._rows[i][me], *self.shapes[i][1:]
-                    )
-                    offset += size
-            t3 = timer.now()
-            stats.ns_seconds += t2 - t1
-            stats.comm_seconds += (t1 - t0) + (t3 - t2)
-            stats.bytes_sent += item * (sum(to_owner) - to_owner[me] + sum(to_rank) - to_rank[me])
-            stats.bytes_received += item * (sum(from_rank) - from_rank[me] + sum(from_owner) - from_owner[me])
-        self.stats = stats
-        return results  # type: ignore[return-value]
-
-    def _buffer(self, dtype: torch.dtype, role: str, numel: int, device: torch.device) -> Tensor:
-        """The persistent exchange buffer for ``role`` in ``dtype`` (its size never changes)."""
-        buf = self._buffers.get((dtype, role))
-        if buf is None or buf.device != device:
-            buf = self._buffers[(dtype, role)] = torch.empty(numel, dtype=dtype, device=device)
-        return buf
-
-    def workspaces(self) -> list[Tensor]:
-        """Every tensor kept between steps: exchange buffers and the local engines'."""
-        return list(self._buffers.values()) + [t for e in self._engines.values() for t in e.workspaces()]
-
-    def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
-        """Whole matrices from the blocks every rank sent, one ``cat`` per run of equal shapes
-        (and equal rows per rank)."""
-        chunks = list(recv.split(recv_sizes))
-        offsets = [0] * self.world
-        full: list[Tensor] = []
-        k = 0
-        while k < len(owned):
-            shape, held = self.shapes[owned[k]], self._rows[owned[k]]
-            end = k
-            while end < len(owned) and self.shapes[owned[end]] == shape and self._rows[owned[end]] == held:
-                end += 1
-            count, rows, cols = end - k, self._rows[owned[k]], self._cols[owned[k]]
-            blocks = []
-            for s in range(self.world):
-                size = count * rows[s] * cols
-                blocks.append(chunks[s][offsets[s] : offsets[s] + size].view(count, rows[s], cols))
-                offsets[s] += size
-            run = torch.cat(blocks, dim=1)
-            full += [run[j].view(shape) for j in range(count)]
-            k = end
-        return full
-
-
-# ----- matrices cut out of FSDP2 parameters (see fastmuon.matrices) ---------------------------
 @dataclass(frozen=True)
 class ShardedMatrix:
-    """One matrix of an FSDP2 (``Shard(0)``) parameter: its whole shape as stored (rows first)
-    and how many of its rows each rank holds.
-
-    A matrix held by one rank is orthogonalised there, with no exchange at all: an expert of a
-    stack sharded on its expert dim, a fused projection's part that falls inside one shard, a
-    ``[1, N]`` weight. One spread over ranks goes through :class:`ShardedOrthogonalizer`.
-    """
+    """One matrix of a parameter held in parts: its whole shape as stored (rows first) and
+    the box of it each rank of the exchange holds (None: no part)."""
 
     shape: tuple[int, ...]
-    rows: tuple[int, ...]
+    held: tuple[Region | None, ...]
     dtype: torch.dtype
     device: torch.device
 
     @property
-    def spread(self) -> bool:
-        return sum(1 for n in self.rows if n) >= 2
-
-    @classmethod
-    def of(cls, whole: Any, local: Tensor, world: int) -> ShardedMatrix:
-        """A whole ``Shard(0)`` DTensor parameter as one matrix (``local``: this rank's shard)."""
-        shape = tuple(whole.shape)
-        return cls(shape, tuple(shard_rows(shape[0], world)), local.dtype, local.device)
+    def exchanged(self) -> bool:
+        """Whether the matrix moves: unless one rank alone holds it, whole."""
+        holders = [r for r in self.held if r is not None]
+        return not (len(holders) == 1 and holders[0] == tuple((0, n) for n in self.shape))
 
 
-def sharded_pieces(m: MatrixMap, p: Any, grad: Any, buf: Any, optimizer: str) -> list[tuple]:
-    """The matrices of FSDP2 parameter ``p`` under map ``m`` that this rank takes part in, as
-    ``(param, grad, buffer, shape, split, piece, whole)`` with views of its local shards (see
+def held_pieces(m: MatrixMap, p: Any, grad: Any, buf: Any, parts: Parts) -> list[tuple]:
+    """The matrices of parameter ``p`` under map ``m`` that this rank takes part in, as
+    ``(param, grad, buffer, shape, split, piece, whole)`` with views of its local tensors (see
     :func:`fastmuon.step.matrix.matrix_items`); ``whole`` describes the matrix for the planner.
 
-    Each piece is a box of the whole tensor; its rows on a rank are the box's overlap with the
-    rank's ``Shard(0)`` chunk. A piece with rows here, or spread over several ranks (then it is
-    exchanged, and every rank must take part, maybe with no rows), is kept; one held whole by
-    another rank is that rank's alone. Every rank computes every box from the global shape, so
-    all agree on which pieces are exchanged.
+    A matrix is kept if this rank holds part of it, or if it is exchanged (every rank takes part
+    in that, maybe with an empty part); one held whole by another rank alone is that rank's.
+    Every rank computes every box from ``parts``, so all agree on which matrices are exchanged.
     """
-    for t in (p, grad):
-        if not shard0_on_1d_mesh(t):
-            raise ValueError(
-                f"a DTensor of shape {tuple(p.shape)} has placements {tuple(t.placements)} on a "
-                f"{t.device_mesh.ndim}-D mesh; {optimizer} orthogonalises the matrices of "
-                "FSDP2's Shard(0) on a 1-D mesh (fully_shard without shard_placement_fn or HSDP; "
-                "gradients sharded like their parameters)"
-            )
-    mesh = p.device_mesh
-    world, rank = mesh.size(), mesh.get_local_rank()
     shape = tuple(p.shape)
-    counts = shard_rows(shape[0], world)
-    starts = [sum(counts[:r]) for r in range(world)]
-    lo, hi = starts[rank], starts[rank] + counts[rank]
-    local = [t.to_local() for t in (p, grad, buf)]
+    local = [_local(t) for t in (p, grad, buf)]
+    mine = parts.mine
     boxes: list[Box] = []
     pieces = []
     for box, factor_shape in zip(m.boxes(shape), m.shapes(shape)):
-        first = box[0] if box else slice(None)
-        whole = box_shape(shape, box)
-        if isinstance(first, int):  # a batch index: the matrix lies in one rank's chunk
-            rows = tuple(whole[0] if s <= first < s + n else 0 for s, n in zip(starts, counts))
-            here: int | slice = first - lo
-        else:
-            a, b, _ = first.indices(shape[0])
-            rows = tuple(max(0, min(b, s + n) - max(a, s)) for s, n in zip(starts, counts))
-            start = min(max(a, lo), hi)
-            here = slice(start - lo, max(min(b, hi), start) - lo)
-        matrix = ShardedMatrix(whole, rows, local[0].dtype, local[0].device)
-        if not (rows[rank] or matrix.spread):
+        ranges, kept = _box_ranges(box, shape)
+        held = tuple(_within(ranges, kept, region) for region in parts.regions)
+        matrix = ShardedMatrix(
+            tuple(b - a for (a, b), k in zip(ranges, kept) if k), held, local[0].dtype, local[0].device
+        )
+        if held[parts.rank] is None and not matrix.exchanged:
             continue
-        local_box = (here, *box[1:])
-        views = [t[local_box] for t in local]
+        local_box = _local_box(ranges, kept, mine)
         boxes.append(local_box)
-        pieces.append((*views, factor_shape, matrix))
+        pieces.append((*(t[local_box] for t in local), factor_shape, matrix))
     split = functools.partial(_cut, tuple(boxes))
     return [(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)]
 
 
+def _local(t: Any) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _box_ranges(box: Box, shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[bool]]:
+    """A box of a tensor as ``(start, stop)`` per dim, and which dims the matrix keeps (an
+    integer index drops its dim)."""
+    ranges, kept = [], []
+    for d, size in enumerate(shape):
+        index = box[d] if d < len(box) else slice(None)
+        if isinstance(index, slice):
+            a, b, _ = index.indices(size)
+            ranges.append((a, max(a, b)))
+            kept.append(True)
+        else:
+            ranges.append((int(index), int(index) + 1))
+            kept.append(False)
+    return ranges, kept
+
+
+def _within(ranges, kept, region: Region | None) -> Region | None:
+    """The part of the box in ``region`` (a rank's box), in the matrix's own coordinates."""
+    if region is None:
+        return None
+    out = []
+    for (a, b), k, (s, e) in zip(ranges, kept, region):
+        lo, hi = max(a, s), min(b, e)
+        if lo >= hi:
+            return None
+        if k:
+            out.append((lo - a, hi - a))
+    return tuple(out)
+
+
+def _local_box(ranges, kept, mine: Region | None) -> Box:
+    """The index into this rank's local tensor of its part of the box (an empty part where it
+    holds none)."""
+    if mine is None:
+        return tuple(slice(0, 0) for _ in ranges)
+    index: list[int | slice] = []
+    empty = False
+    for (a, b), k, (s, e) in zip(ranges, kept, mine):
+        lo, hi = max(a, s), min(b, e)
+        empty = empty or lo >= hi
+        index.append(slice(lo - s, max(lo, hi) - s) if k or lo >= hi else lo - s)
+    if empty:
+        return tuple(slice(0, 0) for _ in ranges)
+    return tuple(index)
+
+
 def _cut(boxes: tuple[Box, ...], t: Tensor) -> list[Tensor]:
-    """A step's local gradient shard cut into this rank's pieces (see :func:`sharded_pieces`)."""
+    """A step's local gradient cut into this rank's pieces (see :func:`held_pieces`)."""
     return [t[box] for box in boxes]
 
 
-def shard0_on_1d_mesh(t: Any) -> bool:
-    """Whether DTensor ``t`` is laid out as FSDP2 shards by default: ``Shard(0)`` on a 1-D mesh."""
-    from torch.distributed.tensor import Shard
-
-    return t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
-
-
 class SplitShardedOrthogonalizer:
-    """FSDP2 matrices by where they live: spread ones through the exchange, ones held whole by
-    this rank through a local engine, ones held by another rank not at all (no rows here)."""
+    """Matrices held in parts by where they live: exchanged ones through the exchange, ones
+    held whole by this rank alone through a local engine, ones another rank holds not at all."""
 
     def __init__(self, exchanged, exchanged_index: list[int], local, local_index: list[int], count: int):
         self.exchanged, self.local = exchanged, local
@@ -307,7 +162,7 @@ class SplitShardedOrthogonalizer:
         if self.exchanged is not None:
             self.stats = self.exchanged.stats
         for i, r in enumerate(results):
-            if r is None:  # held by another rank: no rows here
+            if r is None:  # held by another rank: no part here
                 results[i] = sources[i].new_empty(sources[i].shape, dtype=out_dtypes[i])
         return results  # type: ignore[return-value]
 

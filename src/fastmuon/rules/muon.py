@@ -122,6 +122,7 @@ def collect(
                     index=index,
                     decay=1 - lr * wd,
                     optimizer=env.optimizer,
+                    parts=env.parts_of(p),
                     cautious=cautious,
                 )
                 if variant is not None:

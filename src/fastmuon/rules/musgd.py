@@ -97,6 +97,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     group=gi,
                     index=index,
                     optimizer=env.optimizer,
+                    parts=env.parts_of(p),
                 )
             elementwise.append(
                 SGDItem(

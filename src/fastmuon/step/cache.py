@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from ..distributed.dtensor import is_dtensor
+from ..distributed.parts import PartsTable
 from ..ns.planner import Plan
 
 #: How many programs (and executors) are kept: a run alternates between a few step shapes at most
@@ -25,7 +26,8 @@ CACHE_SIZE = 4
 
 
 class StepCache:
-    """Programs by step key, executors by matrix key, the flat parameters, the last plan."""
+    """Programs by step key, executors by matrix key, the flat parameters (and, over DTensors,
+    every rank's part of each), the last plan."""
 
     def __init__(self, last_plan: Plan | None = None):
         self.programs: dict[Hashable, Any] = {}
@@ -33,6 +35,7 @@ class StepCache:
         self.last_plan = last_plan
         self._noted: tuple[Plan, str, Plan] | None = None
         self._params: tuple[list[Tensor], bool] | None = None
+        self.parts = PartsTable()  # where each rank's part of every parameter lies (DTensors)
 
     def params(self, groups: list[dict[str, Any]]) -> tuple[list[Tensor], bool]:
         """Every group's parameters in order, as a step reads their gradients, and whether any
@@ -80,6 +83,7 @@ class StepCache:
         """After the groups, their ``params`` or the state changed: programs are rebuilt."""
         self.programs.clear()
         self._params = None
+        self.parts = PartsTable()
 
     def clear(self) -> None:
         """Programs and executors both (new parameters or a loaded state)."""

@@ -28,6 +28,12 @@ class CollectEnv(NamedTuple):
     maps: Callable[[dict[str, Any], int], list[MatrixMap]]
     capturable: bool  # state lives where a captured step can update it
     optimizer: str  # the optimizer's class name, for errors
+    # over DTensors: every rank's part of a parameter (fastmuon.distributed.parts); else None
+    parts: Callable[[Tensor], Any] | None = None
+
+    def parts_of(self, p: Tensor) -> Any:
+        """Where each rank's part of ``p`` lies, in a step over DTensors; None otherwise."""
+        return None if self.parts is None else self.parts(p)
 
 
 def live_params(

@@ -20,10 +20,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..distributed.context import DistContext, agree_across_ranks, begin_step, build_distributed
+from ..distributed.context import DistContext, agree_across_ranks, begin_step, build_distributed, flat_namer
 from ..distributed.dtensor import LocalShards, is_dtensor, localize
 from ..distributed.dtensor import local_shard as _local
 from ..distributed.inflight import InFlight
+from ..distributed.parts import provisional_parts
 from ..ns.build import build_orthogonalizer
 from ..ns.engine import NSConfig
 from ..ns.gather import Gather
@@ -82,7 +83,7 @@ class StepDriver:
         compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
         flat, sharded = cache.params(env.groups)
         distributed = env.process_group is not None or sharded
-        agree = functools.partial(self._agree, env.process_group) if distributed else None
+        agree = functools.partial(self._agree, env, sharded) if distributed else None
         params = grads = program = stale = None
         if distributed and self.initialised:
             # the ranks agree on which parameters step with a collective, hit or miss; with the
@@ -141,7 +142,7 @@ class StepDriver:
                 states = [env.state[p] for p in live_params] if mode == "skip" else ()
                 guard = NonFiniteGuard(mode, live_grads, live_params, states)
                 distributed = env.process_group is not None or sharded
-                agree = functools.partial(self._agree, env.process_group) if distributed else None
+                agree = functools.partial(self._agree, env, sharded) if distributed else None
                 keep = guard.keep(live_grads, lambda k: env.param_name(*owners[live[k]]), agree)
                 saved = guard.snapshot(keep) if keep is not None else None
         try:
@@ -177,20 +178,35 @@ class StepDriver:
     ) -> tuple[list[Tensor], list[Tensor | None]]:
         """Every parameter and its gradient this step (zeros where only another rank has one)."""
         zero_grads = {}
+        parts = self.cache.parts
         if env.process_group is not None or sharded:
             self.inflight.settle()  # the last step's (finished long ago)
+            ctx = self._dist_context(env)
+            if sharded and not parts.ready:  # every rank's part of every parameter, once
+                parts.build(flat, self.inflight, flat_namer(ctx), env.optimizer)
             if not self.initialised:
                 self.init_state(env)  # every rank holds every parameter's state (rank-symmetric)
-            zero_grads = begin_step(self._dist_context(env), flat, sharded)
+            zero_grads = begin_step(ctx, flat, parts.group if sharded else env.process_group)
         grads = [p.grad for p in flat]
         if zero_grads:
             grads = [zero_grads.get(p) if g is None else g for p, g in zip(flat, grads)]
+        if sharded:
+            parts.check_plain(flat, grads, self.inflight, flat_namer(self._dist_context(env)), env.optimizer)
         return flat, grads
 
     def _collect(self, env: StepEnv, grads: Sequence[Tensor | None]) -> Any:
         """This step's work items (the rule's ``Items``), creating missing state."""
+        parts = None
+        if self.cache.params(env.groups)[1]:
+            parts = self.cache.parts if self.cache.parts.ready else provisional_parts
         collecting = CollectEnv(
-            env.state, env.lr_value, env.check_grad, env.check_maps, env.options.capturable, env.optimizer
+            env.state,
+            env.lr_value,
+            env.check_grad,
+            env.check_maps,
+            env.options.capturable,
+            env.optimizer,
+            parts,
         )
         return env.rule.collect(env.groups, grads, collecting)
 
@@ -232,9 +248,10 @@ class StepDriver:
             shards=LocalShards([params[k] for k in positions]) if sharded else None,
         )
 
-    def _agree(self, process_group: Any, keep: Tensor) -> Tensor:
+    def _agree(self, env: StepEnv, sharded: bool, keep: Tensor) -> Tensor:
         """Every rank's verdict on its gradients combined: a NaN may sit in one rank's shard only."""
-        return agree_across_ranks(keep, process_group, self.inflight)
+        group = self.cache.parts.group if sharded else env.process_group
+        return agree_across_ranks(keep, group, self.inflight)
 
     # ----- the executors ------------------------------------------------------------------
     def _engine(
@@ -248,7 +265,9 @@ class StepDriver:
     @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
     def _build(self, env: StepEnv, params, configs, wholes, policy) -> Any:
         if env.process_group is not None or any(w is not p for w, p in zip(wholes, params)):
-            return build_distributed(self._dist_context(env), params, configs, wholes, policy)
+            return build_distributed(
+                self._dist_context(env), params, configs, wholes, policy, self.cache.parts.group
+            )
         return self._build_local(env.options, params, configs, policy)
 
     @staticmethod

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..distributed.dtensor import is_dtensor
-from ..distributed.sharded import sharded_pieces
+from ..distributed.sharded import held_pieces
 from ..matrices import MatrixMap
 from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
@@ -78,17 +77,19 @@ def matrix_items(
     decay: Any = 1.0,
     optimizer: str = "the optimizer",
     cautious: bool = False,
+    parts: Any = None,
 ) -> list[MatrixItem]:
     """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
     ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
     learning-rate factor of its own shape (``adjust``, with ``rms_scale`` for
     "match_rms_adamw"). Views of the tensors throughout; ``optimizer`` names
-    the optimizer in errors."""
+    the optimizer in errors. ``parts``: in a step over DTensors, where each rank's part of
+    ``p`` lies (the matrices are then this rank's parts of them)."""
     buf = state_buffer(state, "momentum_buffer", p)
-    if m.is_flatten:
+    if parts is not None:
+        pieces = held_pieces(m, p, grad, buf, parts)
+    elif m.is_flatten:
         pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
-    elif is_dtensor(p):
-        pieces = sharded_pieces(m, p, grad, buf, optimizer)
     else:
         split = m.views
         pieces = [

@@ -1,0 +1,239 @@
+"""Where each rank's part of every parameter lies, in the whole tensor's coordinates.
+
+A DTensor on any mesh with ``Shard``/``Replicate`` placements (FSDP2, HSDP, tensor parallel,
+FSDP + TP, expert parallel, several meshes at once) leaves each rank one box of the whole
+tensor; two ranks' boxes are equal (replicas) or disjoint. The step needs every rank's box, not
+only its own: which matrices a rank must send, receive or orthogonalise alone follows from them.
+Each rank knows its own box (``__create_chunk_list__``, the protocol
+``torch.distributed.checkpoint`` reads), so one ``all_gather`` of the boxes, repeated only when
+the parameters' layouts change, tells every rank all of them. A plain tensor beside DTensors
+(a layer tensor parallelism leaves unsharded) is whole on every rank.
+
+The exchange runs over the ranks the meshes span: all of them (the default group), or one 1-D
+mesh's group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .dtensor import is_dtensor
+from .inflight import InFlight
+
+#: A box of a tensor: ``(start, stop)`` per dimension.
+Region = tuple[tuple[int, int], ...]
+
+
+def whole_region(shape: Sequence[int]) -> Region:
+    return tuple((0, int(n)) for n in shape)
+
+
+def region_numel(region: Region | None) -> int:
+    return 0 if region is None else math.prod(b - a for a, b in region)
+
+
+def region_sizes(region: Region) -> tuple[int, ...]:
+    return tuple(b - a for a, b in region)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """A tensor's whole shape and the box of it each rank of the exchange holds (None: none)."""
+
+    shape: tuple[int, ...]
+    regions: tuple[Region | None, ...]
+    rank: int  # this rank's place in ``regions``
+
+    @property
+    def mine(self) -> Region | None:
+        return self.regions[self.rank]
+
+    @classmethod
+    def replicated(cls, shape: Sequence[int], world: int, rank: int) -> Parts:
+        """A plain tensor every rank holds whole."""
+        whole = whole_region(shape)
+        return cls(tuple(shape), (whole,) * world, rank)
+
+
+def own_region(p: Any) -> Region | None:
+    """The box of DTensor ``p`` this rank holds (None if none), as DCP's chunk protocol says."""
+    chunks = p.__create_chunk_list__()
+    if not chunks:
+        return None
+    if len(chunks) != 1:
+        raise ValueError(f"a DTensor of shape {tuple(p.shape)} holds {len(chunks)} boxes on one rank")
+    offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    if 0 in sizes:
+        return None
+    return tuple((int(o), int(o) + int(s)) for o, s in zip(offsets, sizes))
+
+
+def exchange_group(
+    params: Sequence[Any], name: Callable[[int], str], optimizer: str
+) -> dist.ProcessGroup | None:
+    """The group every DTensor's mesh spans: None (the default group) where the meshes span
+    every rank, else the one 1-D mesh's group. Refuses partial placements and meshes over
+    different ranks, naming the parameter."""
+    world = set(range(dist.get_world_size()))
+    first: tuple[set[int], Any] | None = None
+    for k, p in enumerate(params):
+        if not is_dtensor(p):
+            continue
+        partial = [pl for pl in p.placements if pl.is_partial()]
+        if partial:
+            raise ValueError(
+                f"{name(k)} is a DTensor with a partial placement {tuple(p.placements)}; "
+                f"{optimizer} steps parameters that are sharded or replicated (redistribute it "
+                "to Shard or Replicate first)"
+            )
+        mesh = p.device_mesh
+        ranks = set(mesh.mesh.flatten().tolist())
+        if first is None:
+            first = (ranks, mesh)
+        elif ranks != first[0]:
+            raise ValueError(
+                f"{name(k)} lives on a device mesh over ranks {sorted(ranks)}, the first sharded "
+                f"parameter on one over {sorted(first[0])}; {optimizer} needs every mesh over "
+                "the same ranks (sub-meshes of one mesh, as init_device_mesh makes them)"
+            )
+    if first is None or first[0] == world:
+        return None
+    ranks, mesh = first
+    for p in params:
+        if is_dtensor(p) and p.device_mesh.ndim == 1:
+            return p.device_mesh.get_group()
+    raise ValueError(
+        f"the parameters' {mesh.ndim}-D device mesh spans ranks {sorted(ranks)} of "
+        f"{dist.get_world_size()}; {optimizer} exchanges over a mesh of every rank or over a "
+        "1-D mesh (give each pipeline stage a 1-D mesh, or mesh every rank)"
+    )
+
+
+class PartsTable:
+    """Every parameter's :class:`Parts` and the exchange's group, for a step over DTensors.
+
+    Built once over the optimizer's flat parameter list (one collective, on every rank at
+    once: see :meth:`build`) and kept with it: a parameter's layout is fixed while it is the
+    same object, and a new list (new groups, ``invalidate()``) comes with a new table.
+    """
+
+    def __init__(self) -> None:
+        self.group: dist.ProcessGroup | None = None
+        self.ready = False
+        self.checked = False  # whether the plain tensors' gradients were found replicated
+        self._by_id: dict[int, Parts] = {}
+
+    def build(
+        self, params: Sequence[Any], inflight: InFlight, name: Callable[[int], str], optimizer: str
+    ) -> None:
+        self.group = exchange_group(params, name, optimizer)
+        parts = gather_parts(params, self.group, inflight, name, optimizer)
+        self._by_id = {id(p): part for p, part in zip(params, parts)}
+        self.ready = True
+
+    def check_plain(
+        self, params: Sequence[Any], grads: Sequence[Tensor | None], inflight: InFlight, name, optimizer: str
+    ) -> None:
+        """Once: refuse a plain tensor whose gradient differs across ranks (see
+        :func:`check_replicated`)."""
+        if self.checked:
+            return
+        plain = [k for k, p in enumerate(params) if not is_dtensor(p)]
+        check_replicated([grads[k] for k in plain], [name(k) for k in plain], self.group, inflight, optimizer)
+        self.checked = True
+
+    def __call__(self, p: Any) -> Parts:
+        """The parts of ``p``, one of the parameters the table was built over."""
+        return self._by_id[id(p)]
+
+
+def provisional_parts(p: Any) -> Parts:
+    """``p``'s parts as this rank alone knows them (its own box; the others' unknown), for
+    making state before the first step has gathered the boxes: never for a step."""
+    group = None
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if not is_dtensor(p):
+        return Parts.replicated(tuple(p.shape), world, rank)
+    regions: list[Region | None] = [None] * world
+    regions[rank] = own_region(p)
+    return Parts(tuple(p.shape), tuple(regions), rank)
+
+
+def gather_parts(
+    params: Sequence[Any], group: Any, inflight: InFlight, name: Callable[[int], str], optimizer: str
+) -> list[Parts]:
+    """Every parameter's parts: the DTensors' boxes from every rank (one ``all_gather``), the
+    plain tensors whole everywhere."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sharded = [k for k, p in enumerate(params) if is_dtensor(p)]
+    mine: list[int] = []
+    for k in sharded:
+        region = own_region(params[k])
+        mine += [-1] * (2 * params[k].ndim) if region is None else [x for ab in region for x in ab]
+    device = _collective_device(params[sharded[0]].to_local().device, group)
+    send = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(send) for _ in range(world)]
+    inflight.issue(dist.all_gather, gathered, send, group=group)
+    inflight.wait()
+    table = [t.tolist() for t in gathered]
+    parts = [Parts.replicated(tuple(p.shape), world, rank) for p in params]
+    offset = 0
+    for k in sharded:
+        p = params[k]
+        n = 2 * p.ndim
+        regions = tuple(_region(row[offset : offset + n]) for row in table)
+        offset += n
+        held = sum(region_numel(r) for r in dict.fromkeys(regions) if r is not None)
+        if held != p.numel():
+            raise ValueError(
+                f"{name(k)}: the ranks' boxes of a DTensor of shape {tuple(p.shape)} with "
+                f"placements {tuple(p.placements)} hold {held} distinct elements, not "
+                f"{p.numel()}; {optimizer} needs each element in one box (Shard or Replicate)"
+            )
+        parts[k] = Parts(tuple(p.shape), regions, rank)
+    return parts
+
+
+def _region(row: list[int]) -> Region | None:
+    if row and row[0] < 0:
+        return None
+    return tuple((row[i], row[i + 1]) for i in range(0, len(row), 2))
+
+
+def _collective_device(device: torch.device, group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_replicated(
+    grads: Sequence[Tensor | None], names: Sequence[str], group: Any, inflight: InFlight, optimizer: str
+) -> None:
+    """A plain tensor beside DTensors is taken as replicated, its update computed once for all
+    ranks: refuse one whose gradient differs across ranks (a module left out of ``fully_shard``,
+    whose gradients nobody averages), naming it. One ``all_reduce`` of two checksums each."""
+    live = [(g, n) for g, n in zip(grads, names) if g is not None]
+    if not live:
+        return
+    sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) for g, _ in live]).reshape(-1)
+    both = torch.cat([sums, -sums]).to(_collective_device(sums.device, group))
+    inflight.issue(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=group)
+    inflight.wait()
+    high, low = both[: sums.numel()].cpu(), -both[sums.numel() :].cpu()
+    differs = (high - low).abs() > 1e-6 * torch.maximum(high.abs(), low.abs()).clamp_min(1e-30)
+    for (_, n), bad in zip(live, differs.reshape(-1, 2).any(dim=1).tolist()):
+        if bad:
+            raise ValueError(
+                f"{n} is a plain tensor beside DTensors and its gradient differs across ranks; "
+                f"{optimizer} takes such a tensor as replicated (as tensor parallelism leaves "
+                "unsharded layers) and would apply one rank's update everywhere: shard it too "
+                "(fully_shard the module holding it, or the root module) or average its gradient "
+                "across ranks"
+            )
