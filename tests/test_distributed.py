@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, workdir: Path, timeout: float = 600) -> str:
+def launch(world: int, workdir: Path, timeout: float = 600, script: str = "dist_worker.py") -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")])
     port = free_port()
@@ -37,7 +37,7 @@ def launch(world: int, workdir: Path, timeout: float = 600) -> str:
         subprocess.Popen(
             [
                 sys.executable,
-                str(HERE / "dist_worker.py"),
+                str(HERE / script),
                 "--rank",
                 str(r),
                 "--world",

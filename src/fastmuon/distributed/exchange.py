@@ -56,8 +56,13 @@ class Routes:
         world: int,
     ):
         self.world = world
-        self.units = assign_work(plan, world)
         self.shapes, self.held = list(shapes), [tuple(h) for h in held]
+        # a matrix some ranks hold whole is owned by one of them: nothing to gather
+        wholes = [whole_region(s) for s in self.shapes]
+        candidates = [
+            [r for r, reg in enumerate(h) if reg == whole] or None for h, whole in zip(self.held, wholes)
+        ]
+        self.units = assign_work(plan, world, candidates)
         self.order: dict[torch.dtype, list[list[int]]] = {}
         self.owner: dict[int, int] = {}
         for u in self.units:

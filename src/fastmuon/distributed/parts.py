@@ -78,41 +78,35 @@ def own_region(p: Any) -> Region | None:
 def exchange_group(
     params: Sequence[Any], name: Callable[[int], str], optimizer: str
 ) -> dist.ProcessGroup | None:
-    """The group every DTensor's mesh spans: None (the default group) where the meshes span
-    every rank, else the one 1-D mesh's group. Refuses partial placements and meshes over
-    different ranks, naming the parameter."""
-    world = set(range(dist.get_world_size()))
-    first: tuple[set[int], Any] | None = None
+    """The group of the ranks the DTensors' meshes span together: None (the default group)
+    where they span every rank (one mesh, its sub-meshes, or several meshes over the same
+    ranks: FSDP2 leaves a layer tensor parallelism skipped on the data-parallel sub-mesh), else
+    the one 1-D mesh's group (a pipeline stage's FSDP2). Refuses partial placements, naming
+    the parameter."""
+    ranks: set[int] = set()
+    one_d: dict[Any, None] = {}
     for k, p in enumerate(params):
         if not is_dtensor(p):
             continue
-        partial = [pl for pl in p.placements if pl.is_partial()]
-        if partial:
+        if any(pl.is_partial() for pl in p.placements):
             raise ValueError(
                 f"{name(k)} is a DTensor with a partial placement {tuple(p.placements)}; "
                 f"{optimizer} steps parameters that are sharded or replicated (redistribute it "
                 "to Shard or Replicate first)"
             )
         mesh = p.device_mesh
-        ranks = set(mesh.mesh.flatten().tolist())
-        if first is None:
-            first = (ranks, mesh)
-        elif ranks != first[0]:
-            raise ValueError(
-                f"{name(k)} lives on a device mesh over ranks {sorted(ranks)}, the first sharded "
-                f"parameter on one over {sorted(first[0])}; {optimizer} needs every mesh over "
-                "the same ranks (sub-meshes of one mesh, as init_device_mesh makes them)"
-            )
-    if first is None or first[0] == world:
+        ranks.update(mesh.mesh.flatten().tolist())
+        if mesh.ndim == 1:
+            one_d[mesh] = None
+    if ranks == set(range(dist.get_world_size())):
         return None
-    ranks, mesh = first
-    for p in params:
-        if is_dtensor(p) and p.device_mesh.ndim == 1:
-            return p.device_mesh.get_group()
+    spanning = [m for m in one_d if set(m.mesh.flatten().tolist()) == ranks]
+    if spanning:
+        return spanning[0].get_group()
     raise ValueError(
-        f"the parameters' {mesh.ndim}-D device mesh spans ranks {sorted(ranks)} of "
-        f"{dist.get_world_size()}; {optimizer} exchanges over a mesh of every rank or over a "
-        "1-D mesh (give each pipeline stage a 1-D mesh, or mesh every rank)"
+        f"the parameters' device meshes span ranks {sorted(ranks)} of {dist.get_world_size()}; "
+        f"{optimizer} exchanges over every rank or over one 1-D mesh spanning its parameters' "
+        "ranks (give a pipeline stage's parameters one mesh over its ranks, 1-D, or mesh every rank)"
     )
 
 

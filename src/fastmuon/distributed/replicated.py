@@ -35,30 +35,54 @@ class WorkUnit:
     owner: int
 
 
-def assign_work(plan: Plan, world: int) -> list[WorkUnit]:
+def assign_work(
+    plan: Plan, world: int, candidates: Sequence[Sequence[int] | None] | None = None
+) -> list[WorkUnit]:
     """Split the plan into per-rank shares of about equal NS FLOPs, in bucket order.
 
     A bucket larger than an even share is cut by batch slots into near-equal pieces (each at
     most one share), so one huge bucket cannot leave the other ranks idle; then the pieces go,
-    largest first, to the least-loaded rank (LPT). Pure and deterministic: every rank computes
-    the same assignment from the same plan without talking to the others.
+    largest first, to the least-loaded rank (LPT). ``candidates[i]``, where given, restricts who
+    may own matrix ``i`` (the ranks that hold it whole: then nothing needs gathering); a bucket
+    is first cut into runs of slots with the same candidates. Pure and deterministic: every rank
+    computes the same assignment from the same plan without talking to the others.
     """
     steps = plan.steps
     share = plan.flops() / max(world, 1)
-    pieces: list[tuple[int, int, int, int]] = []  # (bucket, start, stop, flops)
+    pieces: list[tuple[int, int, int, int, tuple[int, ...] | None]] = []  # (bucket, start, stop, flops, who)
     for b, bucket in enumerate(plan.buckets):
         slots = bucket.shape[0]
         per_slot = bucket.flops(steps) // slots
-        n = 1 if world == 1 or share <= 0 else min(slots, max(1, math.ceil(bucket.flops(steps) / share)))
-        bounds = [round(k * slots / n) for k in range(n + 1)]
-        pieces += [(b, lo, hi, per_slot * (hi - lo)) for lo, hi in zip(bounds, bounds[1:])]
+        for lo, hi, who in _runs(bucket, candidates):
+            run_flops = per_slot * (hi - lo)
+            n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_flops / share)))
+            bounds = [lo + round(k * (hi - lo) / n) for k in range(n + 1)]
+            pieces += [(b, a, z, per_slot * (z - a), who) for a, z in zip(bounds, bounds[1:])]
     load = [0] * world
     owners: dict[tuple[int, int], int] = {}
-    for b, lo, _, flops in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
-        rank = min(range(world), key=lambda r: (load[r], r))
+    for b, lo, _, flops, who in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
+        rank = min(range(world) if who is None else who, key=lambda r: (load[r], r))
         load[rank] += flops
         owners[(b, lo)] = rank
-    return [WorkUnit(b, lo, hi, flops, owners[(b, lo)]) for b, lo, hi, flops in pieces]
+    return [WorkUnit(b, lo, hi, flops, owners[(b, lo)]) for b, lo, hi, flops, _ in pieces]
+
+
+def _runs(bucket, candidates) -> list[tuple[int, int, tuple[int, ...] | None]]:
+    """A bucket's slots as runs with the same owner candidates (one run where unrestricted)."""
+    slots = bucket.shape[0]
+    if candidates is None:
+        return [(0, slots, None)]
+    who_at: list[tuple[int, ...] | None] = [None] * slots
+    for m in bucket.members:
+        c = candidates[m.index]
+        who_at[m.slot] = None if c is None else tuple(c)
+    runs: list[tuple[int, int, tuple[int, ...] | None]] = []
+    for slot, who in enumerate(who_at):
+        if runs and runs[-1][2] == who:
+            runs[-1] = (runs[-1][0], slot + 1, who)
+        else:
+            runs.append((slot, slot + 1, who))
+    return runs
 
 
 def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:

@@ -1,0 +1,320 @@
+"""One rank of the device-mesh tests (gloo on CPU); ``test_distributed_mesh.py`` launches them.
+
+Every layout a multi-node run uses, built with torch's own APIs on the same input on every rank:
+HSDP (``fully_shard`` on a 2-D mesh), tensor parallel alone (``ColwiseParallel`` /
+``RowwiseParallel``, the head left a plain tensor), FSDP + TP, and expert parallel (an expert
+stack sharded on its expert dim over its own mesh, beside dense layers on another). Each is
+compared after three steps with the same model stepped in one process (rel. 1e-6 at fp32 NS) and,
+for Muon, with the per-parameter reference; which matrices move and the bytes every rank sends
+are checked against counts worked out by hand from the layout. A checkpoint saved on one layout
+is loaded on another and on one process, and the run goes on with the same updates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from reference_impl import adamw_reference_step, muon_reference_pieces, muon_reference_step
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fastmuon
+
+F32 = torch.float32
+MUON_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+MUSGD_KW = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
+ADAMW_LR = 0.01  # Muon's lr for the parameters it does not orthogonalise
+EXPERTS = 8
+
+
+def log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach()
+
+
+class Dense(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(12, 16)
+        self.down = nn.Linear(16, 12)
+        self.head = nn.Linear(12, 6)
+
+    def forward(self, x):
+        return self.head(self.down(torch.relu(self.up(x))))
+
+
+class MoE(nn.Module):
+    """A dense layer and a stack of experts; every token goes to every expert, so each
+    expert's gradient is its own term's (a rank holding some experts computes theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(12, 12)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, 12, 12) * 0.3)
+
+    def forward(self, x):
+        h = torch.tanh(self.dense(x))
+        w = self.experts
+        first = 0
+        if isinstance(w, DTensor):
+            (chunk,) = w.__create_chunk_list__()
+            first, w = chunk.offsets[0], w.to_local()
+        weights = torch.arange(first + 1, first + 1 + w.shape[0], dtype=F32)
+        per_expert = torch.tanh(torch.einsum("bi,eoi->ebo", x, w)).pow(2).sum(dim=(1, 2))
+        # the dense part's gradient is every rank's alike (the experts read x, not h), so the
+        # average FSDP2 takes over ranks is one process's
+        return (per_expert * weights).sum() + h.sum()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 12, generator=torch.Generator().manual_seed(100 + step))
+
+
+def groups_of(net: nn.Module, opt_name: str) -> list[dict]:
+    matrices = [p for n, p in net.named_parameters() if p.ndim >= 2 and n != "experts"]
+    experts = [p for n, p in net.named_parameters() if n == "experts"]
+    vectors = [p for p in net.parameters() if p.ndim < 2]
+    groups = [{"params": matrices, "use_muon": True}]
+    if experts:
+        groups.append({"params": experts, "use_muon": True, "matrices": "experts"})
+    groups.append({"params": vectors, "use_muon": False})
+    return groups
+
+
+def make_opt(net: nn.Module, opt_name: str):
+    if opt_name == "muon":
+        return fastmuon.Muon(groups_of(net, opt_name), ns_dtype=F32, adamw_lr=ADAMW_LR, **MUON_KW)
+    return fastmuon.MuSGD(groups_of(net, opt_name), ns_dtype=F32, **MUSGD_KW)
+
+
+def run(net: nn.Module, opt, steps: range) -> None:
+    for t in steps:
+        opt.zero_grad()
+        net(batch(t)).sum().backward()
+        opt.step()
+
+
+# ----- the layouts ---------------------------------------------------------------------------
+def hsdp(net: Dense, mesh_shape) -> Dense:
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    for layer in (net.up, net.down, net.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def tensor_parallel(net: Dense, mesh_shape) -> Dense:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    parallelize_module(net, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return net  # the head stays a plain tensor, replicated
+
+
+def fsdp_tp(net: Dense, mesh_shape) -> Dense:
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+    parallelize_module(net, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    for layer in (net.up, net.down, net.head):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(net, mesh=mesh["dp"])
+    return net
+
+
+def expert_parallel(net: MoE, mesh_shape) -> MoE:
+    """The dense layer FSDP2-sharded over every rank, the experts over their own "ep" mesh."""
+    world = dist.get_world_size()
+    dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    ep = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    net.experts = nn.Parameter(distribute_tensor(net.experts.detach(), ep, [Shard(0)]))
+    fully_shard(net.dense, mesh=dp)
+    return net
+
+
+def hsdp_ep(net: MoE, mesh_shape) -> MoE:
+    """HSDP for the dense layer, the experts sharded over "ep" and replicated over "dp"."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "ep"))
+    net.experts = nn.Parameter(distribute_tensor(net.experts.detach(), mesh, [Replicate(), Shard(0)]))
+    fully_shard(net.dense, mesh=mesh)
+    return net
+
+
+def numel(*shapes) -> int:
+    return sum(torch.Size(s).numel() for s in shapes)
+
+
+def expected_bytes(layout: str, world: int, rows: int) -> tuple[int, int]:
+    """(exchanged matrices, bytes all ranks send together per step) worked out from the layout:
+    a matrix in ``k`` disjoint equal parts, each held by ``r`` ranks, costs its owner the parts
+    it lacks (``1 − 1/k`` of it) and every other holder its part (``r − 1/k`` of it)."""
+    up, down, head = numel((16, 12)), numel((12, 16)), numel((6, 12))
+
+    def cost(n: int, parts: int, replicas: int) -> float:
+        return n * (1 - 1 / parts) + n * (replicas - 1 / parts)
+
+    if layout == "hsdp":
+        replicas, parts = rows, world // rows
+        total = sum(cost(n, parts, replicas) for n in (up, down, head))
+        return 3, int(4 * total)
+    if layout == "tp":
+        total = cost(up, world, 1) + cost(down, world, 1) + cost(head, 1, world)
+        return 3, int(4 * total)
+    if layout == "fsdp+tp":
+        dp, tp = rows, world // rows
+        total = cost(up, world, 1) + cost(down, world, 1) + cost(head, dp, tp)
+        return 3, int(4 * total)
+    if layout == "ep":  # experts stay where they are; the dense weight moves
+        return 1, int(4 * cost(numel((12, 12)), world, 1))
+    if layout == "hsdp+ep":
+        dp, ep = rows, world // rows
+        experts = EXPERTS * cost(numel((12, 12)), 1, dp)
+        return 1 + EXPERTS, int(4 * (cost(numel((12, 12)), ep, dp) + experts))
+    raise AssertionError(layout)
+
+
+LAYOUTS = {
+    "hsdp": (Dense, hsdp),
+    "tp": (Dense, tensor_parallel),
+    "fsdp+tp": (Dense, fsdp_tp),
+    "ep": (MoE, expert_parallel),
+    "hsdp+ep": (MoE, hsdp_ep),
+}
+
+
+def reference_muon(model_cls) -> list[torch.Tensor]:
+    """Three Muon steps of the per-parameter reference (fp32), on one process's gradients."""
+    torch.manual_seed(0)
+    net = model_cls()
+    params = [p.detach().clone() for p in net.parameters()]
+    names = [n for n, _ in net.named_parameters()]
+    states = [{} for _ in params]
+    for t in range(3):
+        net.zero_grad()
+        with torch.no_grad():
+            for q, p in zip(net.parameters(), params):
+                q.copy_(p)
+        net(batch(t)).sum().backward()
+        for name, p, q, st in zip(names, params, net.parameters(), states):
+            if name == "experts":
+                pieces = [((e,), False) for e in range(EXPERTS)]
+                muon_reference_pieces(p, q.grad, st, pieces, **MUON_KW)
+            elif p.ndim >= 2:
+                muon_reference_step(p, q.grad, st, **MUON_KW)
+            else:
+                adamw_reference_step(p, q.grad, st, lr=ADAMW_LR, weight_decay=MUON_KW["weight_decay"])
+    return params
+
+
+def check_layout(layout: str, mesh_shape, opt_name: str) -> None:
+    model_cls, shard = LAYOUTS[layout]
+    torch.manual_seed(0)
+    twin = model_cls()
+    torch.manual_seed(0)
+    net = shard(model_cls(), mesh_shape)
+    twin_opt, opt = make_opt(twin, opt_name), make_opt(net, opt_name)
+    run(twin, twin_opt, range(3))
+    run(net, opt, range(3))
+    got, want = [full(p) for p in net.parameters()], [p.detach() for p in twin.parameters()]
+    names = [n for n, _ in twin.named_parameters()]
+    for name, g, w in zip(names, got, want):
+        err = rel_err(g, w)
+        assert err <= 1e-6, f"{layout} {opt_name}: {name} differs from one process by {err:.2e}"
+    if opt_name == "muon":
+        for name, g, r in zip(names, got, reference_muon(model_cls)):
+            err = rel_err(g, r)
+            assert err <= 1e-5, f"{layout} Muon: {name} differs from the reference by {err:.2e}"
+    engine = opt.orthogonalizers()[-1]
+    exchanged = getattr(engine, "exchanged", engine)
+    count, total = expected_bytes(layout, dist.get_world_size(), mesh_shape[0])
+    assert exchanged.plan.num_matrices == count, (layout, exchanged.plan.describe())
+    sent = torch.tensor([exchanged.stats.bytes_sent, exchanged.stats.bytes_received], dtype=torch.int64)
+    dist.all_reduce(sent)
+    assert sent.tolist() == [total, total], (layout, opt_name, sent.tolist(), total)
+    mesh = tuple(mesh_shape) if layout in ("hsdp", "fsdp+tp", "hsdp+ep") else (dist.get_world_size(),)
+    log(f"{layout} {mesh} {opt_name}: equal to one process; {count} exchanged matrices, {total} bytes sent")
+
+
+def check_checkpoint_across_layouts(workdir: str, mesh_shape) -> None:
+    """Saved under HSDP, loaded under FSDP + TP and under one process: the next steps equal an
+    uninterrupted run's."""
+    torch.manual_seed(0)
+    straight = hsdp(Dense(), mesh_shape)
+    straight_opt = make_opt(straight, "muon")
+    run(straight, straight_opt, range(2))
+    model_sd, optim_sd = get_state_dict(straight, straight_opt)
+    path = os.path.join(workdir, "hsdp-ckpt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    run(straight, straight_opt, range(2, 4))
+    want = [full(p) for p in straight.parameters()]
+
+    torch.manual_seed(1)  # other weights: the checkpoint must replace them
+    other = fsdp_tp(Dense(), mesh_shape)
+    other_opt = make_opt(other, "muon")
+    other_opt.init_state()
+    model_sd, optim_sd = get_state_dict(other, other_opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    run(other, other_opt, range(2, 4))
+    for k, (g, w) in enumerate(zip([full(p) for p in other.parameters()], want)):
+        assert rel_err(g, w) <= 1e-6, f"HSDP → FSDP + TP resume: parameter {k} off by {rel_err(g, w):.2e}"
+    log("checkpoint saved under HSDP, resumed under FSDP + TP: the same updates")
+    dist.barrier()
+    if dist.get_rank() == 0:  # one process reads the same checkpoint without a process group
+        check_single_process_resume(path, want)
+    dist.barrier()
+
+
+def check_single_process_resume(path: str, want: list[torch.Tensor]) -> None:
+    torch.manual_seed(2)
+    net = Dense()
+    opt = make_opt(net, "muon")
+    opt.init_state()
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, no_dist=True)
+    set_state_dict(net, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    run(net, opt, range(2, 4))
+    for k, (g, w) in enumerate(zip(net.parameters(), want)):
+        assert rel_err(g.detach(), w) <= 1e-6, (
+            f"HSDP → one process resume: parameter {k} off by {rel_err(g.detach(), w):.2e}"
+        )
+    print("checkpoint saved under HSDP, resumed in one process: the same updates", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    try:
+        mesh_shape = (2, args.world // 2) if args.world >= 4 else (args.world, 1)
+        for layout in LAYOUTS:
+            shape = (1, args.world) if layout == "fsdp+tp" and args.world < 4 else mesh_shape
+            for opt_name in ("muon", "musgd"):
+                check_layout(layout, shape, opt_name)
+        check_checkpoint_across_layouts(args.dir, mesh_shape)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Device meshes on CPU with gloo: HSDP, tensor parallel, FSDP + TP and expert parallel, each
+against one process and the per-parameter reference, with the matrices exchanged and the bytes
+sent counted; a checkpoint saved on one layout resumed on another and on one process.
+
+Each test launches one world of ``mesh_worker.py`` processes (4 ranks: 2×2 meshes; 2 ranks:
+2×1 and 1×2) that runs every check; see that file for what each compares.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from test_distributed import launch
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
+)
+
+LAYOUTS = ("hsdp", "tp", "fsdp+tp", "ep", "hsdp+ep")
+
+
+@pytest.mark.parametrize("world", [4, 2])
+def test_mesh_layouts(world, tmp_path):
+    report = launch(world, tmp_path, script="mesh_worker.py")
+    for layout in LAYOUTS:
+        for opt in ("muon", "musgd"):
+            assert f"{layout} " in report and f" {opt}: equal to one process" in report, (layout, opt)
+    assert report.count("equal to one process") == 2 * len(LAYOUTS), report
+    assert "resumed under FSDP + TP: the same updates" in report
+    assert "resumed in one process: the same updates" in report
+    print(report)
