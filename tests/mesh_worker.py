@@ -135,6 +135,13 @@ def fsdp_tp(net: Dense, mesh_shape) -> Dense:
     return net
 
 
+def fsdp_1d(net: Dense, mesh_shape) -> Dense:
+    for layer in (net.up, net.down, net.head):
+        fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
 def expert_parallel(net: MoE, mesh_shape) -> MoE:
     """The dense layer FSDP2-sharded over every rank, the experts over their own "ep" mesh."""
     world = dist.get_world_size()
@@ -249,8 +256,8 @@ def check_layout(layout: str, mesh_shape, opt_name: str) -> None:
 
 
 def check_checkpoint_across_layouts(workdir: str, mesh_shape) -> None:
-    """Saved under HSDP, loaded under FSDP + TP and under one process: the next steps equal an
-    uninterrupted run's."""
+    """Saved under HSDP, loaded under FSDP + TP, under 1-D FSDP2 and in one process: the next
+    steps equal an uninterrupted run's."""
     torch.manual_seed(0)
     straight = hsdp(Dense(), mesh_shape)
     straight_opt = make_opt(straight, "muon")
@@ -261,17 +268,19 @@ def check_checkpoint_across_layouts(workdir: str, mesh_shape) -> None:
     run(straight, straight_opt, range(2, 4))
     want = [full(p) for p in straight.parameters()]
 
-    torch.manual_seed(1)  # other weights: the checkpoint must replace them
-    other = fsdp_tp(Dense(), mesh_shape)
-    other_opt = make_opt(other, "muon")
-    other_opt.init_state()
-    model_sd, optim_sd = get_state_dict(other, other_opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    run(other, other_opt, range(2, 4))
-    for k, (g, w) in enumerate(zip([full(p) for p in other.parameters()], want)):
-        assert rel_err(g, w) <= 1e-6, f"HSDP → FSDP + TP resume: parameter {k} off by {rel_err(g, w):.2e}"
-    log("checkpoint saved under HSDP, resumed under FSDP + TP: the same updates")
+    for label, layout in (("FSDP + TP", fsdp_tp), ("1-D FSDP2", fsdp_1d)):
+        torch.manual_seed(1)  # other weights: the checkpoint must replace them
+        other = layout(Dense(), mesh_shape)
+        other_opt = make_opt(other, "muon")
+        other_opt.init_state()
+        model_sd, optim_sd = get_state_dict(other, other_opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        run(other, other_opt, range(2, 4))
+        for k, (g, w) in enumerate(zip([full(p) for p in other.parameters()], want)):
+            err = rel_err(g, w)
+            assert err <= 1e-6, f"HSDP → {label} resume: parameter {k} off by {err:.2e}"
+        log(f"checkpoint saved under HSDP, resumed under {label}: the same updates")
     dist.barrier()
     if dist.get_rank() == 0:  # one process reads the same checkpoint without a process group
         check_single_process_resume(path, want)
@@ -294,6 +303,76 @@ def check_single_process_resume(path: str, want: list[torch.Tensor]) -> None:
     print("checkpoint saved under HSDP, resumed in one process: the same updates", flush=True)
 
 
+def check_accelerate_fsdp2() -> None:
+    """accelerate's FSDP2 preparation swaps the optimizer's parameters for DTensors after it was
+    built (its own code path; accelerate prepares FSDP only on accelerators, so the state is
+    set to FSDP by hand): the run equals one process."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    torch.manual_seed(0)
+    twin = Dense()
+    twin_opt = fastmuon.Muon(fastmuon.param_groups(twin), ns_dtype=F32, **MUON_KW)
+    torch.manual_seed(0)
+    net = Dense()
+    opt = fastmuon.Muon(fastmuon.param_groups(net), ns_dtype=F32, **MUON_KW)
+    accelerator = Accelerator(cpu=True)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, cpu_ram_efficient_loading=False
+    )
+    net, opt = accelerator.prepare(net, opt)
+    assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+    run(twin, twin_opt, range(3))
+    for t in range(3):
+        accelerator.backward(net(batch(t)).sum())
+        opt.step()
+        opt.zero_grad()
+    for (name, p), w in zip(net.named_parameters(), twin.parameters()):
+        assert rel_err(full(p), w.detach()) <= 1e-6, (
+            f"accelerate FSDP2: {name} off by {rel_err(full(p), w.detach()):.2e}"
+        )
+    log("accelerate's FSDP2 preparation (parameters swapped after construction): equal to one process")
+
+
+def check_trainer_mesh_groups(workdir: str) -> None:
+    """Transformers' Trainer gives each device mesh its own param group (experts on one, the
+    dense layers on another): the optimizer it builds from fastmuon.Muon, and the one the
+    factory builds from the model, both step the expert-parallel model as one process does."""
+    from transformers import Trainer, TrainingArguments
+
+    import fastmuon.transformers as fmt
+
+    args = TrainingArguments(
+        output_dir=os.path.join(workdir, "trainer"), use_cpu=True, report_to=[], weight_decay=0.1
+    )
+    for label, cls_and_kwargs in (
+        ("fastmuon.Muon", (fastmuon.Muon, dict(ns_dtype=F32, adamw_lr=ADAMW_LR, **MUON_KW))),
+        ("MuonFactory", (fmt.MuonFactory, dict(ns_dtype=F32, adamw_lr=ADAMW_LR, **MUON_KW))),
+    ):
+        torch.manual_seed(0)
+        twin = MoE()
+        torch.manual_seed(0)
+        net = expert_parallel(MoE(), None)
+        trainer = Trainer(model=net, args=args, optimizer_cls_and_kwargs=cls_and_kwargs)
+        opt = trainer.create_optimizer()
+        meshes = {
+            p.device_mesh.mesh_dim_names
+            for g in opt.param_groups
+            for p in g["params"]
+            if isinstance(p, DTensor)
+        }
+        assert meshes == {("dp",), ("ep",)}, meshes
+        twin_trainer = Trainer(model=twin, args=args, optimizer_cls_and_kwargs=cls_and_kwargs)
+        twin_opt = twin_trainer.create_optimizer()
+        run(twin, twin_opt, range(3))
+        run(net, opt, range(3))
+        for (name, p), w in zip(net.named_parameters(), twin.parameters()):
+            err = rel_err(full(p), w.detach())
+            assert err <= 1e-6, f"Trainer with {label}: {name} off from one process by {err:.2e}"
+    log("Transformers' Trainer, groups per device mesh (fastmuon.Muon and MuonFactory): equal to one process")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
@@ -302,6 +381,9 @@ def main() -> int:
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    # what a launcher sets, for accelerate and Transformers
+    rank, world = str(args.rank), str(args.world)
+    os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
@@ -311,6 +393,8 @@ def main() -> int:
             for opt_name in ("muon", "musgd"):
                 check_layout(layout, shape, opt_name)
         check_checkpoint_across_layouts(args.dir, mesh_shape)
+        check_accelerate_fsdp2()
+        check_trainer_mesh_groups(args.dir)
     finally:
         dist.destroy_process_group()
     return 0
