@@ -87,21 +87,24 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(5, 12, generator=torch.Generator().manual_seed(100 + step))
 
 
-def groups_of(net: nn.Module, opt_name: str) -> list[dict]:
-    matrices = [p for n, p in net.named_parameters() if p.ndim >= 2 and n != "experts"]
-    experts = [p for n, p in net.named_parameters() if n == "experts"]
-    vectors = [p for p in net.parameters() if p.ndim < 2]
-    groups = [{"params": matrices, "use_muon": True}]
-    if experts:
-        groups.append({"params": experts, "use_muon": True, "matrices": "experts"})
-    groups.append({"params": vectors, "use_muon": False})
-    return groups
+#: matrix maps by parameter name: the experts one matrix each; ``up.weight`` per head in the
+#: "heads" layouts (4 heads of 4 rows: inside one rank's part under tensor parallelism)
+MAPS = {"experts": "experts"}
+HEADS = {"up.weight": {"heads": 4}}
 
 
-def make_opt(net: nn.Module, opt_name: str):
+def groups_of(net: nn.Module, maps: dict) -> list[dict]:
+    named = dict(net.named_parameters())
+    mapped = [{"params": [named[n]], "use_muon": True, "matrices": m} for n, m in maps.items() if n in named]
+    matrices = [p for n, p in named.items() if p.ndim >= 2 and n not in maps]
+    vectors = [p for p in named.values() if p.ndim < 2]
+    return [{"params": matrices, "use_muon": True}, *mapped, {"params": vectors, "use_muon": False}]
+
+
+def make_opt(net: nn.Module, opt_name: str, maps: dict = MAPS):
     if opt_name == "muon":
-        return fastmuon.Muon(groups_of(net, opt_name), ns_dtype=F32, adamw_lr=ADAMW_LR, **MUON_KW)
-    return fastmuon.MuSGD(groups_of(net, opt_name), ns_dtype=F32, **MUSGD_KW)
+        return fastmuon.Muon(groups_of(net, maps), ns_dtype=F32, adamw_lr=ADAMW_LR, **MUON_KW)
+    return fastmuon.MuSGD(groups_of(net, maps), ns_dtype=F32, **MUSGD_KW)
 
 
 def run(net: nn.Module, opt, steps: range) -> None:
@@ -180,6 +183,8 @@ def expected_bytes(layout: str, world: int, rows: int) -> tuple[int, int]:
     if layout == "tp":
         total = cost(up, world, 1) + cost(down, world, 1) + cost(head, 1, world)
         return 3, int(4 * total)
+    if layout == "tp+heads":  # each head inside one rank's rows (world ≤ 4): up.weight stays put
+        return 2, int(4 * (cost(down, world, 1) + cost(head, 1, world)))
     if layout == "fsdp+tp":
         dp, tp = rows, world // rows
         total = cost(up, world, 1) + cost(down, world, 1) + cost(head, dp, tp)
@@ -193,16 +198,17 @@ def expected_bytes(layout: str, world: int, rows: int) -> tuple[int, int]:
     raise AssertionError(layout)
 
 
-LAYOUTS = {
-    "hsdp": (Dense, hsdp),
-    "tp": (Dense, tensor_parallel),
-    "fsdp+tp": (Dense, fsdp_tp),
-    "ep": (MoE, expert_parallel),
-    "hsdp+ep": (MoE, hsdp_ep),
+LAYOUTS = {  # name: (model, how it is laid out, matrix maps)
+    "hsdp": (Dense, hsdp, MAPS),
+    "tp": (Dense, tensor_parallel, MAPS),
+    "tp+heads": (Dense, tensor_parallel, HEADS),
+    "fsdp+tp": (Dense, fsdp_tp, MAPS),
+    "ep": (MoE, expert_parallel, MAPS),
+    "hsdp+ep": (MoE, hsdp_ep, MAPS),
 }
 
 
-def reference_muon(model_cls) -> list[torch.Tensor]:
+def reference_muon(model_cls, maps: dict) -> list[torch.Tensor]:
     """Three Muon steps of the per-parameter reference (fp32), on one process's gradients."""
     torch.manual_seed(0)
     net = model_cls()
@@ -219,6 +225,9 @@ def reference_muon(model_cls) -> list[torch.Tensor]:
             if name == "experts":
                 pieces = [((e,), False) for e in range(EXPERTS)]
                 muon_reference_pieces(p, q.grad, st, pieces, **MUON_KW)
+            elif name in maps:  # heads of 4 rows
+                pieces = [((slice(a, a + 4),), False) for a in range(0, p.shape[0], 4)]
+                muon_reference_pieces(p, q.grad, st, pieces, **MUON_KW)
             elif p.ndim >= 2:
                 muon_reference_step(p, q.grad, st, **MUON_KW)
             else:
@@ -227,12 +236,12 @@ def reference_muon(model_cls) -> list[torch.Tensor]:
 
 
 def check_layout(layout: str, mesh_shape, opt_name: str) -> None:
-    model_cls, shard = LAYOUTS[layout]
+    model_cls, shard, maps = LAYOUTS[layout]
     torch.manual_seed(0)
     twin = model_cls()
     torch.manual_seed(0)
     net = shard(model_cls(), mesh_shape)
-    twin_opt, opt = make_opt(twin, opt_name), make_opt(net, opt_name)
+    twin_opt, opt = make_opt(twin, opt_name, maps), make_opt(net, opt_name, maps)
     run(twin, twin_opt, range(3))
     run(net, opt, range(3))
     got, want = [full(p) for p in net.parameters()], [p.detach() for p in twin.parameters()]
@@ -241,7 +250,7 @@ def check_layout(layout: str, mesh_shape, opt_name: str) -> None:
         err = rel_err(g, w)
         assert err <= 1e-6, f"{layout} {opt_name}: {name} differs from one process by {err:.2e}"
     if opt_name == "muon":
-        for name, g, r in zip(names, got, reference_muon(model_cls)):
+        for name, g, r in zip(names, got, reference_muon(model_cls, maps)):
             err = rel_err(g, r)
             assert err <= 1e-5, f"{layout} Muon: {name} differs from the reference by {err:.2e}"
     engine = opt.orthogonalizers()[-1]
@@ -301,6 +310,27 @@ def check_single_process_resume(path: str, want: list[torch.Tensor]) -> None:
             f"HSDP → one process resume: parameter {k} off by {rel_err(g.detach(), w):.2e}"
         )
     print("checkpoint saved under HSDP, resumed in one process: the same updates", flush=True)
+
+
+def check_refusals() -> None:
+    """A layout the step cannot take is refused at the first step, on every rank, naming the
+    parameter and what to do; the optimizer is left as it was."""
+    from torch.distributed.tensor import Partial
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    sharded = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
+    opt = fastmuon.Muon([{"params": [sharded, partial], "use_muon": True}], ns_dtype=F32)
+    for p in (sharded, partial):
+        p.grad = torch.zeros_like(p)
+    try:
+        opt.step()
+    except ValueError as e:
+        assert "parameter 1 of param group 0" in str(e) and "Replicate" in str(e), str(e)
+    else:
+        raise AssertionError("a Partial parameter was stepped")
+    assert not opt.state, "a refused step left state"
+    log("a partial placement: refused at the first step, naming the parameter; no state left")
 
 
 def check_accelerate_fsdp2() -> None:
@@ -393,6 +423,7 @@ def main() -> int:
             for opt_name in ("muon", "musgd"):
                 check_layout(layout, shape, opt_name)
         check_checkpoint_across_layouts(args.dir, mesh_shape)
+        check_refusals()
         check_accelerate_fsdp2()
         check_trainer_mesh_groups(args.dir)
     finally:

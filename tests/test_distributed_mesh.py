@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
 )
 
-LAYOUTS = ("hsdp", "tp", "fsdp+tp", "ep", "hsdp+ep")
+LAYOUTS = ("hsdp", "tp", "tp+heads", "fsdp+tp", "ep", "hsdp+ep")
 
 
 @pytest.mark.parametrize("world", [4, 2])
