@@ -90,11 +90,15 @@ def test_a_group_without_use_muon_is_plain_sgd_as_in_ultralytics():
 
 
 def test_muon_keeps_torch_optim_muons_signature_and_its_spectral_unclamped_mode():
-    """torch's positionals in torch's order, and ``adjust_lr_fn="spectral_unclamped"`` (added in
-    torch 2.14): ``sqrt(A/B)``, below 1 for wide matrices."""
+    """torch's positionals in torch's order with torch's defaults (``ns_steps=None`` is the count
+    the coefficients were published for: torch's 5 for torch's coefficients), and
+    ``adjust_lr_fn="spectral_unclamped"`` (added in torch 2.14): ``sqrt(A/B)``, below 1 for wide
+    matrices."""
     ours = [(p.name, p.default) for p in _positional(Muon)]
     theirs = [(p.name, p.default) for p in _positional(torch.optim.Muon)]
-    assert ours[: len(theirs)] == theirs
+    assert [name for name, _ in ours[: len(theirs)]] == [name for name, _ in theirs]
+    implied = {"ns_steps": Muon([nn.Parameter(torch.randn(4, 4))]).defaults["ns_steps"]}
+    assert [(n, implied.get(n, d) if d is None else d) for n, d in ours[: len(theirs)]] == theirs
     assert lr_scale("spectral_unclamped", (64, 16)) == pytest.approx(2.0)
     assert lr_scale("spectral_unclamped", (16, 64)) == pytest.approx(0.5)
     assert lr_scale("original", (16, 64)) == 1.0
@@ -163,3 +167,36 @@ def test_use_muon_must_be_a_bool_in_musgd():
         MuSGD([p], use_muon="yes")
     with pytest.raises((TypeError, ValueError), match="use_muon"):
         MuSGD([{"params": [p], "use_muon": None}])
+
+
+@pytest.mark.parametrize("cls", [fastmuon.NorMuon, fastmuon.AdaMuon])
+def test_variants_show_every_option_of_muon_in_their_signature(cls):
+    """``inspect.signature`` of a variant lists all of Muon's options, each of the same kind and
+    default (AdaMuon's plain momentum aside), then its own; nothing hides behind ``**kwargs``."""
+    muon = inspect.signature(Muon).parameters
+    ours = inspect.signature(cls).parameters
+    assert not [p for p in ours.values() if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    different = {"nesterov"} if cls is fastmuon.AdaMuon else set()
+    for name, p in muon.items():
+        assert name in ours, name
+        assert ours[name].kind is p.kind, name
+        assert ours[name].annotation == p.annotation, name
+        if name not in different:
+            assert ours[name].default == p.default, name
+    own = {"beta2", "moment_eps", "rescale"} | ({"sign_momentum"} if cls is fastmuon.AdaMuon else set())
+    assert set(ours) - set(muon) == own
+    assert all(ours[n].kind is inspect.Parameter.KEYWORD_ONLY for n in own)
+    assert all(f"{n}:" in cls.__doc__ for n in own)
+    # each option reaches the groups or the options, as Muon's do
+    p = nn.Parameter(torch.randn(6, 4))
+    opt = cls([p], beta2=0.9, moment_eps=1e-6, adamw_lr=1e-4, cautious_weight_decay=True, policy="exact")
+    group = opt.param_groups[0]
+    assert (group["beta2"], group["moment_eps"], group["cautious_weight_decay"]) == (0.9, 1e-6, True)
+    assert (opt.adamw_lr, opt.policy) == (1e-4, "exact")
+    assert not hasattr(opt, "_variant_defaults")
+
+
+def test_a_variant_with_nothing_to_orthogonalise_warns_at_the_callers_line():
+    with pytest.warns(UserWarning, match="orthogonalises no parameter") as caught:
+        fastmuon.NorMuon([nn.Parameter(torch.randn(3))])
+    assert caught[0].filename == __file__

@@ -15,7 +15,14 @@ import fastmuon
 from fastmuon import PRESETS, newton_schulz, orthogonalize
 from fastmuon.ns.device import cpu_low_precision
 from fastmuon.ns.engine import NSConfig, TensorLayout, spec_of
-from fastmuon.ns.newton_schulz import _aol_rescaled, _fresh, resolve_coefficients
+from fastmuon.ns.newton_schulz import (
+    DEFAULT_NS_STEPS,
+    PRESET_STEPS,
+    _aol_rescaled,
+    _fresh,
+    default_steps,
+    resolve_coefficients,
+)
 from fastmuon.ns.planner import AOL_FLOPS_PER_R2, MatrixSpec, ns_flops, plan_buckets
 
 NEW = ("aol", "cans", "deepseekv4", "polar_express_paper")
@@ -351,3 +358,98 @@ def test_optimizers_take_aol_by_name_for_every_bucket(cls):
     for a, b in zip(*results):  # batched and per-parameter paths agree
         assert torch.isfinite(a).all()
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------
+# the number of steps each preset runs when none is given
+
+
+def test_each_preset_carries_its_published_step_count():
+    assert PRESET_STEPS == {
+        "jordan": 5,
+        "you": 6,
+        "aol": 4,
+        "cans": 5,
+        "deepseekv4": 10,
+        "polar_express": 8,
+        "polar_express_paper": 8,
+    }
+    assert set(PRESET_STEPS) == set(PRESETS)
+    assert {name: default_steps(name) for name in LENGTH} == LENGTH
+    # tuples have no published count; AOL's start saves one iteration of theirs, and the aol
+    # polynomials after Frobenius normalisation take the iteration back
+    assert default_steps((3.4445, -4.775, 2.0315)) == DEFAULT_NS_STEPS == 5
+    assert default_steps("jordan", "aol") == default_steps((3.4445, -4.775, 2.0315), "aol") == 4
+    assert default_steps("aol", "frobenius") == 5
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_functions_run_the_published_count_unless_told(name):
+    G = inputs()[0]
+    steps = PRESET_STEPS[name]
+    assert torch.equal(
+        newton_schulz(G, coefficients=name, dtype=torch.float32),
+        newton_schulz(G, steps, name, dtype=torch.float32),
+    )
+    got = orthogonalize([G], coefficients=name, dtype=torch.float32, method="standard")[0]
+    assert (
+        rel_err(
+            got,
+            reference(G, name, steps)
+            if name != "polar_express_paper"
+            else newton_schulz(G.double(), steps, name, dtype=torch.float64),
+        )
+        < 1e-4
+    )
+    assert NSConfig.make(None, name, 1e-7, torch.float32).steps == steps
+    explicit = newton_schulz(G, steps + 1, name, dtype=torch.float32)
+    assert not torch.equal(explicit, newton_schulz(G, coefficients=name, dtype=torch.float32))
+
+
+def test_aol_preconditioning_of_other_coefficients_saves_an_iteration():
+    G = inputs()[0]
+    got = newton_schulz(G, coefficients="jordan", dtype=torch.float32, preconditioning="aol")
+    want = aol_reference(G, resolve_coefficients("jordan", 4))
+    assert rel_err(got, want) < 3e-5
+
+
+@pytest.mark.parametrize("cls", [fastmuon.Muon, fastmuon.MuSGD, fastmuon.NorMuon, fastmuon.AdaMuon])
+def test_optimizers_take_the_presets_count_unless_ns_steps_is_set(cls):
+    """``ns_coefficients="aol"`` runs 4 steps, one fewer than Jordan's 5; an explicit ``ns_steps``
+    wins; a group that names its own coefficients takes their count, or its own ``ns_steps``."""
+    p, q, r = (torch.nn.Parameter(torch.randn(8, 6)) for _ in range(3))
+    kw = {"use_muon": True} if cls is fastmuon.MuSGD else {}
+    assert cls([p], **kw).param_groups[0]["ns_steps"] == 5
+    opt = cls([p], ns_coefficients="aol", **kw)
+    assert opt.defaults["ns_steps"] == opt.param_groups[0]["ns_steps"] == 4
+    assert cls([p], ns_coefficients="aol", ns_steps=5, **kw).param_groups[0]["ns_steps"] == 5
+    assert cls([p], ns_coefficients="you", **kw).param_groups[0]["ns_steps"] == 6
+    groups = [
+        {"params": [p], "ns_coefficients": "aol"},
+        {"params": [q], "ns_coefficients": "deepseekv4", "ns_steps": 3},
+        {"params": [r]},
+    ]
+    opt = cls(groups, ns_steps=7, **kw)
+    assert [g["ns_steps"] for g in opt.param_groups] == [4, 3, 7]
+    for x in (p, q, r):
+        x.grad = torch.randn(x.shape)
+    opt.step()
+    runs = opt.orthogonalizers()[-1].configs.values()
+    assert sorted(c.steps for c in runs) == [3, 4, 7]
+    assert opt.state_dict()["param_groups"][0]["ns_steps"] == 4  # an int, as torch's Muon saves
+
+
+def test_muon_with_the_aol_preset_steps_as_four_aol_iterations():
+    """One Muon step from zero momentum: ``p ← p − lr·NS(g)`` with the 4-step AOL NS, against
+    an fp32 per-matrix transcription of the rule."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(12, 20, generator=g))
+    grad = torch.randn(12, 20, generator=g)
+    before = p.detach().clone()
+    opt = fastmuon.Muon(
+        [p], lr=0.1, weight_decay=0.0, nesterov=False, ns_coefficients="aol", ns_dtype=torch.float32
+    )
+    p.grad = grad.clone()
+    opt.step()
+    want = before - 0.1 * aol_reference(grad.float(), PRESETS["aol"]).float()
+    assert ((p.detach() - want).norm() / want.norm()).item() < 1e-6

@@ -116,3 +116,32 @@ def test_muon_contender_splits_matrices_from_adamw_params():
     assert other["lr"] == no_decay["lr"] == CONTENDERS["muon"].hparams["chars"]["adamw_lr"]
     assert no_decay["weight_decay"] == 0 and other["weight_decay"] == muon["weight_decay"] > 0
     assert [g["use_muon"] for g in param_groups(model)] == [True, False, False]
+
+
+def test_cli_trains_the_variants_beside_muon_and_adamw(capsys):
+    rc = main(
+        ["train", "--model", "digits", "--optimizer", "normuon,adamuon", "--optimizer", "muon,adamw"]
+        + ["--steps", "3", "--threads", "1", "--json", "-"]
+    )
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    runs = doc["runs"]
+    assert [r["optimizer"] for r in runs] == ["normuon", "adamuon", "muon", "adamw"]
+    assert [r["label"] for r in runs[:2]] == ["fastmuon NorMuon", "fastmuon AdaMuon"]
+    assert len({json.dumps(r["evals"][0]) for r in runs}) == 1  # the same start for all
+    for r in runs:
+        assert all(math.isfinite(v) for v in r["final"].values()) and not r["diverged"]
+    # three steps apart: each rule moved the weights its own way
+    assert len({r["final"]["train_loss"] for r in runs}) == 4
+
+
+@pytest.mark.parametrize("name, cls", [("normuon", "NorMuon"), ("adamuon", "AdaMuon")])
+def test_variant_contenders_take_muons_split(name, cls):
+    corpus = load_char_corpus(max_chars=5_000)
+    model = CharTransformer(corpus.vocab_size, block=8, dim=16, layers=1, heads=2)
+    opt = CONTENDERS[name].build(model, "chars", torch.float32)
+    assert type(opt).__name__ == cls
+    muon = CONTENDERS["muon"].build(model, "chars", torch.float32)
+    assert [g["param_names"] for g in opt.param_groups] == [g["param_names"] for g in muon.param_groups]
+    hp = CONTENDERS[name].hparams["chars"]
+    assert opt.param_groups[0]["lr"] == hp["lr"] and opt.param_groups[1]["lr"] == hp["adamw_lr"]

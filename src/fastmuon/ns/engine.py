@@ -29,6 +29,7 @@ from .newton_schulz import (
     Coefficients,
     CoefficientSpec,
     check_method_preconditioning,
+    default_steps,
     ns_kernel,
     resolve_coefficients,
     resolve_preconditioning,
@@ -64,7 +65,7 @@ class NSConfig:
     @classmethod
     def make(
         cls,
-        steps: int,
+        steps: int | None,
         coefficients: CoefficientSpec,
         eps: float,
         dtype: torch.dtype,
@@ -77,6 +78,8 @@ class NSConfig:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
         if method not in ("auto", *METHODS):
             raise ValueError(f"unknown ns_method {method!r}; choose 'auto' or one of {sorted(METHODS)}")
+        if steps is None:  # the count the coefficients were published for
+            steps = default_steps(coefficients, preconditioning)
         preconditioning = resolve_preconditioning(coefficients, preconditioning)
         check_method_preconditioning(method, preconditioning)
         schedule = tuple(resolve_coefficients(coefficients, steps))
@@ -698,7 +701,7 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
 
 def orthogonalize(
     tensors: Sequence[Tensor],
-    steps: int = 5,
+    steps: int | None = None,
     coefficients: CoefficientSpec = "jordan",
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
@@ -720,7 +723,8 @@ def orthogonalize(
     cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
     less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
     in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). ``preconditioning``: as in :func:`fastmuon.newton_schulz`
-    (``coefficients="aol"`` selects AOL's rescaling, which "auto" runs with the standard method).
+    (``coefficients="aol"`` selects AOL's rescaling, which "auto" runs with the standard method);
+    ``steps=None``: the count the coefficients were published for, as there.
     For repeated calls on the same shapes, an optimizer caches the plan and
     buffers; this function plans afresh each call.
     """
@@ -755,6 +759,7 @@ def orthogonalize(
             for t, m, a, b in zip(tensors, maps, starts, starts[1:])
         ]
     config = NSConfig.make(steps, coefficients, eps, dtype, method, preconditioning)
+    steps = config.steps
     live = [i for i, t in enumerate(tensors) if t.numel() > 0]
     layouts = [TensorLayout.of(tensors[i]) for i in live]
     specs = [spec_of(tensors[i], config, lay) for i, lay in zip(live, layouts)]

@@ -114,6 +114,45 @@ PRECONDITIONINGS = ("frobenius", "aol")
 #: Presets that select a preconditioning by their name (the schedule was fitted to start from it).
 PRESET_PRECONDITIONING: dict[str, str] = {"aol": "aol"}
 
+#: The iteration count when none is given: Keller Jordan's five (his Muon write-up and code,
+#: which torch.optim.Muon, optax and microsoft/dion keep as their default).
+DEFAULT_NS_STEPS = 5
+
+#: The number of steps each preset was published for, which is the count used when ``ns_steps``
+#: (or ``steps``) is not given. Where a preset is missing here, :data:`DEFAULT_NS_STEPS` applies.
+PRESET_STEPS: dict[str, int] = {
+    "jordan": 5,  # Jordan's Muon write-up; torch.optim.Muon's and optax's default
+    # You Jiacheng's schedule has six polynomials, each tuned for the six-step run
+    "you": 6,
+    # Turbo-Muon (arXiv:2512.04632): AOL's start saves one of Jordan's five iterations; dion's
+    # AOL kernels and flash-newton-schulz run these four polynomials once each
+    "aol": 4,
+    # CANS (arXiv:2506.10935) as emerging-optimizers ships it: five polynomials for five steps
+    "cans": 5,
+    # DeepSeek-V4's report (as emerging-optimizers' "deepseekv4"): 8 + 2 steps
+    "deepseekv4": 10,
+    # Polar Express (arXiv:2505.16932): the paper's code runs its eight polynomials once each
+    "polar_express": 8,
+    "polar_express_paper": 8,
+}
+
+
+def default_steps(coefficients: CoefficientSpec, preconditioning: str | None = None) -> int:
+    """The number of NS steps when none is given: the preset's published count
+    (:data:`PRESET_STEPS`), else :data:`DEFAULT_NS_STEPS`; one fewer where AOL preconditioning is
+    applied to coefficients fitted without it, and one more where a preset fitted to AOL's start
+    runs after Frobenius normalisation (AOL's start is worth one iteration, as Turbo-Muon reports)."""
+    name = coefficients if isinstance(coefficients, str) else None
+    steps = PRESET_STEPS.get(name, DEFAULT_NS_STEPS) if name else DEFAULT_NS_STEPS
+    fitted = PRESET_PRECONDITIONING.get(name, "frobenius") if name else "frobenius"
+    try:
+        used = resolve_preconditioning(coefficients, preconditioning)
+    except ValueError:
+        return steps  # an unknown preconditioning is reported where it is checked
+    if used != fitted:
+        steps += -1 if used == "aol" else 1
+    return steps
+
 
 def resolve_preconditioning(coefficients: CoefficientSpec, preconditioning: str | None) -> str:
     """The preconditioning a call runs: ``preconditioning`` if given, else the one the
@@ -175,7 +214,7 @@ def _is_triple(value: object) -> bool:
 
 def newton_schulz(
     X: Tensor,
-    steps: int = 5,
+    steps: int | None = None,
     coefficients: CoefficientSpec = "jordan",
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
@@ -203,6 +242,8 @@ def newton_schulz(
     (see :func:`_iterate_aol`), with the standard method only.
     ``host_reads=False`` reads no value on the host, as a step that may be captured into a CUDA
     graph must: a CPU then normalises as an accelerator does (the same values, see :func:`_normalize`).
+    ``steps=None`` runs the count the coefficients were published for (:func:`default_steps`:
+    5 for ``"jordan"``, 4 for ``"aol"``, ...).
     """
     if matrices is not None:
         m = parse(matrices)
@@ -232,6 +273,8 @@ def newton_schulz(
         raise ValueError(f"newton_schulz dtype must be a floating dtype, got {dtype}")
     if method not in METHODS:
         raise ValueError(f"unknown Newton-Schulz method {method!r}; choose one of {sorted(METHODS)}")
+    if steps is None:
+        steps = default_steps(coefficients, preconditioning)
     schedule = resolve_coefficients(coefficients, steps)
     preconditioning = resolve_preconditioning(coefficients, preconditioning)
     check_method_preconditioning(method, preconditioning)

@@ -40,6 +40,7 @@ from .validation import (
     check_tensor_lr,
     group_without_alias,
     param_name,
+    with_implied_ns_steps,
 )
 
 if TYPE_CHECKING:
@@ -103,9 +104,11 @@ class MatrixOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking it whole (filled with the defaults, as it would be stored):
         a refused group leaves the optimizer exactly as it was. The constructor adds its groups
-        through here too. The lr factor's alias ``adjust_lr`` is stored as ``adjust_lr_fn``."""
+        through here too. The lr factor's alias ``adjust_lr`` is stored as ``adjust_lr_fn``; a group
+        that sets ``ns_coefficients`` without ``ns_steps`` runs their published count."""
         where = f"param group {len(self.param_groups)}"
         param_group = group_without_alias(param_group, "adjust_lr_fn", ADJUST_LR_ALIAS, where)
+        param_group = with_implied_ns_steps(param_group, self.defaults)
         param_group, held_names = agree_on_names(param_group, self.param_groups)
         if isinstance(param_group, dict) and "params" in param_group:
             # the group dict is stored (as in torch), but only once it has passed

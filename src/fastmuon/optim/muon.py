@@ -16,7 +16,14 @@ from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
-from .validation import ArgumentTypeError, check_foreach, check_fraction, check_nonnegative, resolve_alias
+from .validation import (
+    ArgumentTypeError,
+    check_foreach,
+    check_fraction,
+    check_nonnegative,
+    implied_ns_steps,
+    resolve_alias,
+)
 
 ADAMW_EPS = 1e-8
 ADAMW_BETAS = (0.9, 0.95)
@@ -43,7 +50,11 @@ class Muon(MatrixOptimizer):
         momentum: ``β`` in [0, 1) of Muon's EMA momentum.
         nesterov: Nesterov momentum for Muon (a bool).
         ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
-            per step, or a preset name), the norm's eps and the iteration count.
+            per step, or a preset name), the norm's eps and the iteration count; ``ns_steps=None``
+            (the default) is the count the preset was published for (4 for ``"aol"``, whose AOL
+            start saves one of the standard 5; see :data:`fastmuon.ns.newton_schulz.PRESET_STEPS`),
+            else 5. A group that sets ``ns_coefficients`` but not ``ns_steps`` takes its
+            coefficients' count likewise.
         adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
             "spectral_unclamped" (torch's modes), or "ultralytics", "none"; ``adjust_lr`` (MuSGD's
             former name), as a keyword or a group key, is its alias.
@@ -89,7 +100,7 @@ class Muon(MatrixOptimizer):
         nesterov: bool = True,
         ns_coefficients: Any = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
@@ -110,7 +121,7 @@ class Muon(MatrixOptimizer):
         capturable: bool = False,
         cautious_weight_decay: bool = False,
     ):
-        defaults = dict(
+        defaults, options = muon_settings(
             lr=lr,
             weight_decay=weight_decay,
             momentum=momentum,
@@ -118,27 +129,23 @@ class Muon(MatrixOptimizer):
             ns_coefficients=ns_coefficients,
             eps=eps,
             ns_steps=ns_steps,
-            adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", None),
-            rms_scale=rms_scale,
+            adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
             ns_method=ns_method,
             matrices=matrices,
+            policy=policy,
+            rms_scale=rms_scale,
+            adjust_lr=adjust_lr,
             betas=betas,
             adamw_eps=adamw_eps,
-            cautious_weight_decay=cautious_weight_decay,
-            **getattr(self, "_variant_defaults", {}),  # a variant's own group options
-        )
-        check_foreach(foreach)
-        check_nonnegative("adamw_lr", adamw_lr, "Muon")
-        options = Options(
+            adamw_lr=adamw_lr,
             foreach=foreach,
-            policy=policy,
-            compile=compile,
             max_bucket_bytes=max_bucket_bytes,
             cost_model=cost_model,
+            compile=compile,
             nonfinite=nonfinite,
             capturable=capturable,
-            adamw_lr=adamw_lr,
+            cautious_weight_decay=cautious_weight_decay,
         )
         super().__init__(params, defaults, options, process_group)
 
@@ -180,3 +187,67 @@ class Muon(MatrixOptimizer):
                         "with use_muon=False (AdamW)"
                     )
         self._check_matrix_maps(group, where)
+
+
+def muon_settings(
+    *,
+    lr: float | Tensor,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: Any,
+    eps: float,
+    ns_steps: int | None,
+    adjust_lr_fn: str | None,
+    ns_dtype: torch.dtype,
+    ns_method: str,
+    matrices: MatrixMapSpec | list,
+    policy: str,
+    rms_scale: float,
+    adjust_lr: str | None,
+    betas: tuple[float, float],
+    adamw_eps: float,
+    adamw_lr: float,
+    foreach: bool | None,
+    max_bucket_bytes: int,
+    cost_model: CostModel | str | None,
+    compile: bool,
+    nonfinite: str,
+    capturable: bool,
+    cautious_weight_decay: bool,
+) -> tuple[dict[str, Any], Options]:
+    """The group defaults and the optimizer-wide options of :class:`Muon`'s arguments.
+
+    A variant of Muon adds its own group options to these defaults and passes both to
+    :class:`~fastmuon.optim.base.MatrixOptimizer` (as ``torch.optim`` optimizers pass their
+    defaults to ``Optimizer``), so its signature lists every option it takes."""
+    defaults = dict(
+        lr=lr,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_coefficients=ns_coefficients,
+        eps=eps,
+        ns_steps=implied_ns_steps(ns_steps, ns_coefficients),
+        adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", None),
+        rms_scale=rms_scale,
+        ns_dtype=ns_dtype,
+        ns_method=ns_method,
+        matrices=matrices,
+        betas=betas,
+        adamw_eps=adamw_eps,
+        cautious_weight_decay=cautious_weight_decay,
+    )
+    check_foreach(foreach)
+    check_nonnegative("adamw_lr", adamw_lr, "Muon")
+    options = Options(
+        foreach=foreach,
+        policy=policy,
+        compile=compile,
+        max_bucket_bytes=max_bucket_bytes,
+        cost_model=cost_model,
+        nonfinite=nonfinite,
+        capturable=capturable,
+        adamw_lr=adamw_lr,
+    )
+    return defaults, options

@@ -16,7 +16,7 @@ from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
-from .validation import ArgumentTypeError, check_foreach, check_nonnegative, resolve_alias
+from .validation import ArgumentTypeError, check_foreach, check_nonnegative, implied_ns_steps, resolve_alias
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -49,7 +49,9 @@ class MuSGD(MatrixOptimizer):
         muon: the factor on ``lr`` for the Muon half.
         sgd: the factor on ``lr`` for the SGD half of parameters in ``use_muon`` groups.
         ns_steps, ns_coefficients, eps: the Newton–Schulz iteration count, coefficients (a
-            preset name such as "jordan", one ``(a, b, c)`` or one per step) and the norm's eps.
+            preset name such as "jordan", one ``(a, b, c)`` or one per step) and the norm's eps;
+            ``ns_steps=None`` (the default): the count the preset was published for, else 5
+            (as in :class:`~fastmuon.Muon`).
         ns_dtype: the dtype the iteration runs in (bf16 by default, as Ultralytics).
         ns_method: "auto" (the cheapest accurate formulation per bucket: Gram-space NS for wide
             fp32 buckets; on CPUs, where bf16 NS runs in fp32, the eigendecomposition route where
@@ -99,7 +101,7 @@ class MuSGD(MatrixOptimizer):
         muon: float = 0.5,
         sgd: float = 0.5,
         *,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         ns_coefficients: Any = "jordan",
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
@@ -125,7 +127,7 @@ class MuSGD(MatrixOptimizer):
             use_muon=use_muon,
             muon=muon,
             sgd=sgd,
-            ns_steps=ns_steps,
+            ns_steps=implied_ns_steps(ns_steps, ns_coefficients),
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
             ns_method=ns_method,

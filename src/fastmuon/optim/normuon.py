@@ -1,25 +1,32 @@
-"""NorMuon and AdaMuon, the optimizers: Muon's constructor plus each variant's second-moment
+"""NorMuon and AdaMuon, the optimizers: Muon's arguments plus each variant's second-moment
 options; the updates themselves are :mod:`fastmuon.rules.normuon` and :mod:`fastmuon.rules.adamuon`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..distributed.dtensor import is_dtensor
+from ..matrices import MatrixMapSpec
+from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import adamuon as adamuon_rule
 from ..rules import normuon as normuon_rule
 from ..rules.normuon import RESCALES
-from .muon import Muon
+from ..step.elementwise import RMS_SCALE
+from ..step.nonfinite import DEFAULT_NONFINITE
+from .base import MatrixOptimizer
+from .muon import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, Muon, muon_settings
 from .validation import ArgumentTypeError, check_fraction, check_nonnegative
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class _SecondMomentMuon(Muon):
     """Muon with a second moment of the orthogonalised update (see the subclasses)."""
-
-    _variant_keys: tuple[str, ...] = ("beta2", "moment_eps", "rescale")
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
         super()._validate_group(group, where)
@@ -47,8 +54,8 @@ class NorMuon(_SecondMomentMuon):
     """NorMuon (Li et al., arXiv 2510.05491): Muon whose orthogonalised update is divided, row by
     row, by the root of an EMA of its mean square per row (per neuron), then rescaled.
 
-    The arguments are :class:`~fastmuon.Muon`'s (AdamW for the parameters Muon does not take,
-    matrix maps, DDP, ``foreach=False``, ...), plus, per group:
+    Every argument of :class:`~fastmuon.Muon` is taken, with its meaning and default (AdamW for
+    the parameters Muon does not take, matrix maps, DDP, ``foreach=False``, ...), plus, per group:
 
     Args:
         beta2: ``β₂`` in [0, 1) of the per-row second moment (default 0.95, the paper's).
@@ -74,35 +81,68 @@ class NorMuon(_SecondMomentMuon):
         nesterov: bool = True,
         ns_coefficients: Any = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         *,
         beta2: float = 0.95,
         moment_eps: float = 1e-8,
         rescale: str = "norm",
-        **muon_options: Any,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "auto",
+        matrices: MatrixMapSpec | list = "flatten",
+        policy: str = "auto",
+        rms_scale: float = RMS_SCALE,
+        adjust_lr: str | None = None,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        adamw_eps: float = ADAMW_EPS,
+        adamw_lr: float = ADAMW_LR,
+        foreach: bool | None = None,
+        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
+        process_group: ProcessGroup | None = None,
+        nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
+        cautious_weight_decay: bool = False,
     ):
-        self._variant_defaults = dict(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
-        super().__init__(
-            params,
-            lr,
-            weight_decay,
-            momentum,
-            nesterov,
-            ns_coefficients,
-            eps,
-            ns_steps,
-            adjust_lr_fn,
-            **muon_options,
+        defaults, options = muon_settings(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            ns_method=ns_method,
+            matrices=matrices,
+            policy=policy,
+            rms_scale=rms_scale,
+            adjust_lr=adjust_lr,
+            betas=betas,
+            adamw_eps=adamw_eps,
+            adamw_lr=adamw_lr,
+            foreach=foreach,
+            max_bucket_bytes=max_bucket_bytes,
+            cost_model=cost_model,
+            compile=compile,
+            nonfinite=nonfinite,
+            capturable=capturable,
+            cautious_weight_decay=cautious_weight_decay,
         )
+        defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
+        # Muon's constructor does no more than build these two: the variant's group options join
+        # Muon's defaults, and all of them reach the base class at once
+        MatrixOptimizer.__init__(self, params, defaults, options, process_group)
 
 
 class AdaMuon(_SecondMomentMuon):
     """AdaMuon (Si et al., arXiv 2507.11005): Muon of the momentum's sign whose orthogonalised
     update is divided elementwise by the root of an EMA of its square, then rescaled to RMS 0.2.
 
-    The arguments are :class:`~fastmuon.Muon`'s (``nesterov`` default False here: the paper's
-    momentum is plain), plus, per group:
+    Every argument of :class:`~fastmuon.Muon` is taken, with its meaning and default except
+    ``nesterov`` (False here: the paper's momentum is plain), plus, per group:
 
     Args:
         beta2: ``β₂`` in [0, 1) of the elementwise second moment (default 0.95).
@@ -116,7 +156,6 @@ class AdaMuon(_SecondMomentMuon):
     """
 
     rule = adamuon_rule
-    _variant_keys = ("beta2", "moment_eps", "rescale", "sign_momentum")
 
     def __init__(
         self,
@@ -127,30 +166,61 @@ class AdaMuon(_SecondMomentMuon):
         nesterov: bool = False,
         ns_coefficients: Any = (3.4445, -4.775, 2.0315),
         eps: float = 1e-7,
-        ns_steps: int = 5,
+        ns_steps: int | None = None,
         adjust_lr_fn: str | None = None,
         *,
         beta2: float = 0.95,
         moment_eps: float = 1e-8,
         sign_momentum: bool = True,
         rescale: str = "rms",
-        **muon_options: Any,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "auto",
+        matrices: MatrixMapSpec | list = "flatten",
+        policy: str = "auto",
+        rms_scale: float = RMS_SCALE,
+        adjust_lr: str | None = None,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        adamw_eps: float = ADAMW_EPS,
+        adamw_lr: float = ADAMW_LR,
+        foreach: bool | None = None,
+        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
+        process_group: ProcessGroup | None = None,
+        nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
+        cautious_weight_decay: bool = False,
     ):
-        self._variant_defaults = dict(
-            beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum
+        defaults, options = muon_settings(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            ns_method=ns_method,
+            matrices=matrices,
+            policy=policy,
+            rms_scale=rms_scale,
+            adjust_lr=adjust_lr,
+            betas=betas,
+            adamw_eps=adamw_eps,
+            adamw_lr=adamw_lr,
+            foreach=foreach,
+            max_bucket_bytes=max_bucket_bytes,
+            cost_model=cost_model,
+            compile=compile,
+            nonfinite=nonfinite,
+            capturable=capturable,
+            cautious_weight_decay=cautious_weight_decay,
         )
-        super().__init__(
-            params,
-            lr,
-            weight_decay,
-            momentum,
-            nesterov,
-            ns_coefficients,
-            eps,
-            ns_steps,
-            adjust_lr_fn,
-            **muon_options,
-        )
+        defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)
+        # Muon's constructor does no more than build these two: the variant's group options join
+        # Muon's defaults, and all of them reach the base class at once
+        MatrixOptimizer.__init__(self, params, defaults, options, process_group)
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
         super()._validate_group(group, where)

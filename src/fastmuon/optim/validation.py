@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..ns.newton_schulz import default_steps
 from ..step.elementwise import RMS_SCALE
 
 
@@ -119,3 +120,22 @@ def check_rms_scale(group: dict[str, Any], where: str) -> None:
             f"and this group's adjust_lr_fn is {mode!r}: set adjust_lr_fn='match_rms_adamw' "
             f"(the update's RMS becomes rms_scale) or leave rms_scale at {RMS_SCALE}"
         )
+
+
+def implied_ns_steps(ns_steps: Any, coefficients: Any) -> Any:
+    """``ns_steps`` as given, or for None the count ``coefficients`` were published for
+    (:func:`fastmuon.ns.newton_schulz.default_steps`; a bad value is refused where it is checked)."""
+    return default_steps(coefficients) if ns_steps is None else ns_steps
+
+
+def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
+    """A group that names its own ``ns_coefficients`` but no ``ns_steps`` (or None) runs the
+    count those coefficients were published for, not the constructor's (a new dict, as
+    :func:`group_without_alias` makes)."""
+    if not isinstance(param_group, dict):
+        return param_group
+    steps = param_group.get("ns_steps")
+    if steps is None and ("ns_coefficients" in param_group or "ns_steps" in param_group):
+        coefficients = param_group.get("ns_coefficients", defaults.get("ns_coefficients"))
+        return {**param_group, "ns_steps": default_steps(coefficients)}
+    return param_group

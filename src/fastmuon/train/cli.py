@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer",
         action="append",
         metavar="NAME[,NAME]",
-        help="musgd, muon, sgd, adamw or all (repeatable or comma list; default all)",
+        help="musgd, muon, normuon, adamuon, sgd, adamw or all (repeatable or comma list; default all)",
     )
     p.add_argument(
         "--steps", type=int, help="training steps per run (default: per model, 120 for both models)"

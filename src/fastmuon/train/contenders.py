@@ -1,10 +1,12 @@
-"""The four optimizers compared, each with its stated, lightly tuned hyperparameters.
+"""The optimizers compared, each with its stated, lightly tuned hyperparameters.
 
 Learning rates were picked per task from a small sweep at the default budget, seed 0 (about
 four values per contender and task, roughly x2 apart; the best validation loss won; see
 docs/training.md). Everything else is the usual default for that optimizer: Nesterov
 momentum 0.9 and weight decay 5e-4 for the SGD family, betas (0.9, 0.95) for AdamW, momentum
-0.95 for Muon. All contenders share the learning-rate schedule in :func:`lr_multiplier`, the
+0.95 for Muon; NorMuon and AdaMuon keep Muon's settings and AdamW part (their own options at
+their defaults: NorMuon's Nesterov momentum and Muon's lr factor, AdaMuon's plain momentum of
+the sign and update RMS 0.2) and had only their learning rate swept. All contenders share the learning-rate schedule in :func:`lr_multiplier`, the
 seed and the step budget.
 """
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .. import Muon, MuSGD, param_groups
+from .. import AdaMuon, Muon, MuSGD, NorMuon, param_groups
 
 WARMUP_FRACTION = 0.05
 
@@ -44,6 +46,16 @@ def _musgd(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optim
 def _muon(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
     # Matrices: Muon at ``lr``; embeddings, head, norms, biases: AdamW at ``adamw_lr``.
     return Muon(param_groups(model), nesterov=True, ns_dtype=ns_dtype, **hp)
+
+
+def _normuon(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
+    # Muon's split and lr factor; NS's update divided by its per-row second moment's root.
+    return NorMuon(param_groups(model), nesterov=True, ns_dtype=ns_dtype, **hp)
+
+
+def _adamuon(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
+    # Muon's split; NS of the momentum's sign, elementwise second moment, update RMS 0.2.
+    return AdaMuon(param_groups(model), ns_dtype=ns_dtype, **hp)
 
 
 def _sgd(model: nn.Module, hp: dict[str, Any], ns_dtype: torch.dtype) -> Optimizer:
@@ -91,6 +103,24 @@ CONTENDERS: dict[str, Contender] = {
             {
                 "digits": dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=0.01),
                 "chars": dict(lr=0.05, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
+            },
+        ),
+        Contender(
+            "normuon",
+            "fastmuon NorMuon",
+            _normuon,
+            {
+                "digits": dict(lr=0.32, momentum=0.95, weight_decay=0.01, adamw_lr=0.01),
+                "chars": dict(lr=0.05, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
+            },
+        ),
+        Contender(
+            "adamuon",
+            "fastmuon AdaMuon",
+            _adamuon,
+            {
+                "digits": dict(lr=0.08, momentum=0.95, weight_decay=0.01, adamw_lr=0.01),
+                "chars": dict(lr=0.04, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
             },
         ),
         Contender(

@@ -12,7 +12,14 @@ from ..tables import grid_width, stacked, wrapped
 from .loop import RunResult
 
 #: one colour per contender, the same in every panel
-COLOURS = {"musgd": "tab:red", "muon": "tab:orange", "sgd": "tab:blue", "adamw": "tab:green"}
+COLOURS = {
+    "musgd": "tab:red",
+    "muon": "tab:orange",
+    "normuon": "tab:purple",
+    "adamuon": "tab:brown",
+    "sgd": "tab:blue",
+    "adamw": "tab:green",
+}
 
 
 def _fmt(value: float | None, spec: str) -> str:
