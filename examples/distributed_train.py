@@ -1,7 +1,8 @@
-"""Train a small CNN with fastmuon's MuSGD on several ranks, under DDP or FSDP2.
+"""Train a small CNN with fastmuon's MuSGD on several ranks, under DDP, FSDP2 or HSDP.
 
     torchrun --nproc_per_node 2 examples/distributed_train.py            # DDP, gloo on CPU
     torchrun --nproc_per_node 2 examples/distributed_train.py --fsdp     # FSDP2 (fully_shard)
+    torchrun --nproc_per_node 4 examples/distributed_train.py --hsdp     # HSDP on a 2×2 mesh
 
 On GPUs (one per rank) the same commands use NCCL. With DDP the optimizer gets the process
 group and each rank orthogonalises only its share of the matrices; with FSDP2 nothing extra
@@ -46,6 +47,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fsdp", action="store_true", help="shard with FSDP2 instead of DDP")
+    ap.add_argument("--hsdp", action="store_true", help="HSDP: replicate over 2 groups, shard within")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
@@ -59,13 +61,19 @@ def main() -> None:
     model = make_model().to(device)
 
     opt_kwargs = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.2, sgd=1.0)
-    if args.fsdp:
+    sharded = args.fsdp or args.hsdp
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        world = dist.get_world_size()
+        replicas = 2 if args.hsdp and world % 2 == 0 else 1
+        shape, names = (replicas, world // replicas), ("replicate", "shard")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names) if args.hsdp else None
         for layer in model:
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         net = model
         # DTensor parameters are detected: no process group argument needed
         opt = fastmuon.MuSGD(fastmuon.param_groups(model), **opt_kwargs)
@@ -88,10 +96,12 @@ def main() -> None:
             print(f"step {step:3d}  loss {total.item() / dist.get_world_size():.4f}")
 
     # checkpoint with torch.distributed.checkpoint, then resume into a fresh optimizer
-    path = os.path.join(tempfile.gettempdir(), f"fastmuon_example_{'fsdp' if args.fsdp else 'ddp'}")
+    path = os.path.join(
+        tempfile.gettempdir(), f"fastmuon_example_{'hsdp' if args.hsdp else 'fsdp' if args.fsdp else 'ddp'}"
+    )
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
     fresh = fastmuon.MuSGD(
-        fastmuon.param_groups(model), process_group=None if args.fsdp else dist.group.WORLD, **opt_kwargs
+        fastmuon.param_groups(model), process_group=None if sharded else dist.group.WORLD, **opt_kwargs
     )
     fresh.init_state()  # the state tensors dcp.load fills in place
     state = {"model": model.state_dict(), "optim": fresh.state_dict()}
