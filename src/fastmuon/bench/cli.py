@@ -125,9 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dist-mode",
-        choices=("ddp", "fsdp"),
+        choices=("ddp", "fsdp", "hsdp"),
         default="ddp",
-        help="with --nproc: replicated or Shard(0) params",
+        help="with --nproc: replicated params, Shard(0) DTensors on a 1-D mesh, or HSDP "
+        "(Replicate over 2 groups, Shard(0) within; an even --nproc)",
     )
 
 

@@ -2,8 +2,9 @@
 
 Spawns ``nproc`` processes (gloo on CPU, nccl on CUDA), each holding a model's parameters
 (from a bundled manifest: yolo26n..x) either replicated (``ddp``: every rank orthogonalises
-its share of the buckets and broadcasts the results) or sharded (``fsdp``: Shard(0) DTensors,
-matrices gathered to their owners and scattered back). Every rank reports the seconds its NS
+its share of the buckets and broadcasts the results) or sharded (``fsdp``: Shard(0) DTensors;
+``hsdp``: replicated over two groups, Shard(0) within each, on a 2-D mesh; matrices gathered to
+their owners and scattered back). Every rank reports the seconds its NS
 share took, the seconds and bytes of the exchange per step; then every rank times the step
 without sharing (every rank orthogonalising every matrix, as a plain Muon does under DDP,
 same threads per process) for the speedup of NS work per rank.
@@ -56,8 +57,10 @@ def run_multirank_bench(
     warmup: int = 2,
 ) -> dict[str, Any]:
     """Run the benchmark; returns its figures (times in seconds, medians over ``steps`` steps)."""
-    if mode not in ("ddp", "fsdp"):
-        raise ValueError(f"unknown mode {mode!r}; choose 'ddp' or 'fsdp'")
+    if mode not in ("ddp", "fsdp", "hsdp"):
+        raise ValueError(f"unknown mode {mode!r}; choose 'ddp', 'fsdp' or 'hsdp'")
+    if mode == "hsdp" and (nproc < 2 or nproc % 2):
+        raise ValueError(f"--dist-mode hsdp replicates over 2 groups: give an even --nproc, not {nproc}")
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be >= 1")
     if device == "cuda" and torch.cuda.device_count() < nproc:
@@ -115,13 +118,18 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
         ns_dtype = DTYPES[config["ns_dtype"]]
         params, grads = _tensors(manifest, device)
         mesh = None
-        if config["mode"] == "fsdp":
+        if config["mode"] in ("fsdp", "hsdp"):
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.tensor import Shard, distribute_tensor
+            from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-            mesh = init_device_mesh(device.type, (world,))
-            params = [distribute_tensor(p, mesh, [Shard(0)]) for p in params]
-            grads = [distribute_tensor(g, mesh, [Shard(0)]) for g in grads]
+            if config["mode"] == "fsdp":
+                mesh, placements = init_device_mesh(device.type, (world,)), [Shard(0)]
+            else:
+                names = ("replicate", "shard")
+                mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=names)
+                placements = [Replicate(), Shard(0)]
+            params = [distribute_tensor(p, mesh, placements) for p in params]
+            grads = [distribute_tensor(g, mesh, placements) for g in grads]
         opt = MuSGD(
             _groups(manifest, params),
             ns_dtype=ns_dtype,
