@@ -1,9 +1,12 @@
-"""Newton–Schulz across ranks: DDP-replicated parameters share the work, FSDP2-sharded ones are
-assembled at an owner and sent back; the optimizer hands the layer a context, never itself.
+"""Newton–Schulz across ranks: DDP-replicated parameters share the work; DTensor parameters on
+any mesh (FSDP2, HSDP, tensor and expert parallel) are assembled at an owner and sent back; the
+optimizer hands the layer a context, never itself.
 
 - :mod:`.context`: the :class:`DistContext`, agreeing on a step, building its executor;
 - :mod:`.replicated`: the FLOP-balanced shares and their broadcasts (DDP);
-- :mod:`.sharded`: gather-to-owner and scatter-back of ``Shard(0)`` matrices (FSDP2);
+- :mod:`.parts`: every rank's box of every parameter, gathered once;
+- :mod:`.sharded`: the matrices a rank takes part in, and which move;
+- :mod:`.exchange`: gather-to-owner and scatter-back over those boxes (``Routes``: who sends what);
 - :mod:`.dtensor`: DTensor facts and local shards;
 - :mod:`.inflight`: keeping every collective's tensors alive until it is done.
 """
