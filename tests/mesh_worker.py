@@ -313,14 +313,22 @@ def check_single_process_resume(path: str, want: list[torch.Tensor]) -> None:
 
 
 def check_refusals() -> None:
-    """A layout the step cannot take is refused at the first step, on every rank, naming the
-    parameter and what to do; the optimizer is left as it was."""
+    """A layout the step cannot take is refused, on every rank, naming the parameter and what
+    to do: when the group is added, and at the first step for a parameter swapped in later (as
+    accelerate swaps them), leaving the optimizer as it was."""
     from torch.distributed.tensor import Partial
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     sharded = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
     partial = nn.Parameter(DTensor.from_local(torch.randn(4, 4), mesh, [Partial()]))
-    opt = fastmuon.Muon([{"params": [sharded, partial], "use_muon": True}], ns_dtype=F32)
+    try:
+        fastmuon.Muon([{"params": [sharded, partial], "use_muon": True}], ns_dtype=F32)
+    except ValueError as e:
+        assert "parameter 1 of param group 0" in str(e) and "Replicate" in str(e), str(e)
+    else:
+        raise AssertionError("a Partial parameter was taken")
+    opt = fastmuon.Muon([{"params": [sharded, sharded.detach().clone()], "use_muon": True}], ns_dtype=F32)
+    opt.param_groups[0]["params"][1] = partial  # swapped in after construction
     for p in (sharded, partial):
         p.grad = torch.zeros_like(p)
     try:
@@ -330,7 +338,7 @@ def check_refusals() -> None:
     else:
         raise AssertionError("a Partial parameter was stepped")
     assert not opt.state, "a refused step left state"
-    log("a partial placement: refused at the first step, naming the parameter; no state left")
+    log("a partial placement: refused when added and at the first step, naming the parameter; no state left")
 
 
 def check_accelerate_fsdp2() -> None:

@@ -75,6 +75,17 @@ def own_region(p: Any) -> Region | None:
     return tuple((int(o), int(o) + int(s)) for o, s in zip(offsets, sizes))
 
 
+def check_placements(name: str, optimizer: str, p: Any) -> None:
+    """A DTensor parameter the step can take: no ``Partial`` placement (checked when a group is
+    added, and again at the first step: accelerate swaps parameters in after construction)."""
+    if is_dtensor(p) and any(pl.is_partial() for pl in p.placements):
+        raise ValueError(
+            f"{name} is a DTensor with a partial placement {tuple(p.placements)}; {optimizer} "
+            "steps parameters that are sharded or replicated (redistribute it to Shard or "
+            "Replicate first)"
+        )
+
+
 def exchange_group(
     params: Sequence[Any], name: Callable[[int], str], optimizer: str
 ) -> dist.ProcessGroup | None:
@@ -88,12 +99,7 @@ def exchange_group(
     for k, p in enumerate(params):
         if not is_dtensor(p):
             continue
-        if any(pl.is_partial() for pl in p.placements):
-            raise ValueError(
-                f"{name(k)} is a DTensor with a partial placement {tuple(p.placements)}; "
-                f"{optimizer} steps parameters that are sharded or replicated (redistribute it "
-                "to Shard or Replicate first)"
-            )
+        check_placements(name(k), optimizer, p)
         mesh = p.device_mesh
         ranks.update(mesh.mesh.flatten().tolist())
         if mesh.ndim == 1:

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..distributed.parts import check_placements
 from ..ns.newton_schulz import default_steps
 from ..step.elementwise import RMS_SCALE
 
@@ -59,7 +60,8 @@ def param_name(groups: list[dict[str, Any]], group: dict[str, Any], j: int) -> s
 
 
 def check_param(name: str, optimizer: str, p: Tensor) -> None:
-    """A parameter the optimizer can update: real and floating-point."""
+    """A parameter the optimizer can update: real and floating-point, not a partial DTensor."""
+    check_placements(name, optimizer, p)
     if p.is_complex():
         raise ValueError(
             f"{name} is complex; {optimizer} supports real "
