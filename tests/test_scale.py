@@ -75,7 +75,9 @@ def _routes_bytes(w: Workload, lay, settings: Settings) -> list[tuple[int, int]]
         boxes = rank_regions(lay, t)
         for b in parse(t.map).boxes(t.shape):
             ranges = [
-                (b[d].indices(n)[:2] if isinstance(b[d], slice) else (b[d], b[d] + 1)) if d < len(b) else (0, n)
+                (b[d].indices(n)[:2] if isinstance(b[d], slice) else (b[d], b[d] + 1))
+                if d < len(b)
+                else (0, n)
                 for d, n in enumerate(t.shape)
             ]
             kept = [d >= len(b) or isinstance(b[d], slice) for d in range(len(t.shape))]

@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from ...cli import UsageError, check_output_file, json_help, plot_format_problem, require_packages, write_json_output
+from ...cli import (
+    UsageError,
+    check_output_file,
+    json_help,
+    plot_format_problem,
+    require_packages,
+    write_json_output,
+)
 from .devices import DEVICE_NAMES, device
 from .figures import DESIGNS, Figures, Settings, figures
 from .layouts import LAYOUT_HELP, Layout, check_fits, parse_layout
@@ -25,13 +32,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world", type=int, default=1024, help="ranks")
     p.add_argument("--layout", default="fsdp", help=f"how parameters lie on the ranks: {LAYOUT_HELP}")
     p.add_argument("--design", default="all", choices=("all", *DESIGNS), help="whose step to compute")
-    p.add_argument("--device", default="h100", choices=DEVICE_NAMES, help="the device times are predicted for")
-    p.add_argument("--ns-dtype", default=None, choices=list(DTYPES), help="NS dtype (bf16 on GPUs, fp32 on the CPU)")
+    p.add_argument(
+        "--device", default="h100", choices=DEVICE_NAMES, help="the device times are predicted for"
+    )
+    p.add_argument(
+        "--ns-dtype", default=None, choices=list(DTYPES), help="NS dtype (bf16 on GPUs, fp32 on the CPU)"
+    )
     p.add_argument("--param-dtype", default="fp32", choices=list(DTYPES), help="the parameters' dtype")
     p.add_argument("--classes", type=int, default=SHOWN_CLASSES, help="rank classes shown per design")
     p.add_argument("--json", metavar="FILE", help=json_help("every design's summary and rank classes"))
     p.add_argument(
-        "--plot", metavar="FILE", help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))})"
+        "--plot",
+        metavar="FILE",
+        help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))})",
     )
     p.add_argument(
         "--measure", action="store_true",
@@ -40,9 +53,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> tuple[Settings, Any]:
-    ns = DTYPES[args.ns_dtype] if args.ns_dtype else (torch.float32 if args.device == "cpu-measured" else torch.bfloat16)
+    ns = (
+        DTYPES[args.ns_dtype]
+        if args.ns_dtype
+        else (torch.float32 if args.device == "cpu-measured" else torch.bfloat16)
+    )
     dev = device(args.device, (ns,))
-    settings = Settings(ns_dtype=ns, param_dtype=DTYPES[args.param_dtype], plan_device=dev.plan_device, cost_model=dev.cost_model)
+    settings = Settings(
+        ns_dtype=ns,
+        param_dtype=DTYPES[args.param_dtype],
+        plan_device=dev.plan_device,
+        cost_model=dev.cost_model,
+    )
     return settings, dev
 
 
@@ -59,7 +81,9 @@ def _layout(args: argparse.Namespace, world: int, num_experts: int, sweep: bool 
         raise UsageError(str(e)) from None
 
 
-def compute(args: argparse.Namespace, world: int, sweep: bool = False) -> tuple[Layout, dict[str, Figures | str]]:
+def compute(
+    args: argparse.Namespace, world: int, sweep: bool = False
+) -> tuple[Layout, dict[str, Figures | str]]:
     w = workload(args.model)
     lay = _layout(args, world, w.num_experts, sweep)
     try:

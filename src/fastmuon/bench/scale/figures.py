@@ -79,7 +79,9 @@ class Matrix:
     @property
     def exchanged(self) -> bool:
         """Whether it moves: unless one rank alone holds it whole."""
-        return not (len(self.part_numel) == 1 and self.part_numel[0] == self.numel and len(self.part_ranks[0]) == 1)
+        return not (
+            len(self.part_numel) == 1 and self.part_numel[0] == self.numel and len(self.part_ranks[0]) == 1
+        )
 
 
 def matrices(workload: Workload, layout: Layout) -> list[Matrix]:
@@ -119,7 +121,9 @@ def _held(mats: Sequence[Matrix], world: int) -> np.ndarray:
     held = np.zeros(world, dtype=np.int64)
     for m in mats:
         if len(m.part_ranks) > 1 and all(len(r) == 1 for r in m.part_ranks[:2]):
-            np.add.at(held, np.concatenate(m.part_ranks), np.repeat(m.part_numel, [len(r) for r in m.part_ranks]))
+            np.add.at(
+                held, np.concatenate(m.part_ranks), np.repeat(m.part_numel, [len(r) for r in m.part_ranks])
+            )
             continue
         for n, ranks in zip(m.part_numel, m.part_ranks):
             held[ranks] += n
@@ -166,7 +170,9 @@ class Settings:
         device = "meta" if self.plan_device == "cuda" else self.plan_device  # meta: no memory
         probe = torch.empty(0, dtype=self.param_dtype, device=device)
         specs = [spec_of(probe, config, contiguous_layout(s)) for s in shapes]
-        return plan_for(specs, [config] * len(specs), self.policy, self.cost_model, self.max_bucket_bytes, self.threads)
+        return plan_for(
+            specs, [config] * len(specs), self.policy, self.cost_model, self.max_bucket_bytes, self.threads
+        )
 
 
 @dataclass
@@ -462,7 +468,7 @@ def peer_figures(
             f, s = cost[mats[members[0]].rows_cols]
             numel = mats[members[0]].numel
             rows = shape[0]
-            for k in range(math.ceil(len(members) / group)):
+            for _ in range(math.ceil(len(members) / group)):
                 batches += 1
                 # every member of the shard group orthogonalises one (a pad where the batch is short)
                 for g in range(group):
