@@ -1,0 +1,505 @@
+"""What one optimizer step's Newton–Schulz costs each rank, computed for any world size: NS
+FLOPs, bytes sent and received, collectives, exchange buffers, predicted seconds.
+
+fastmuon's own figures come from the functions its distributed step runs: the planner
+(:func:`fastmuon.ns.build.plan_for`), the FLOP-balanced owners
+(:func:`fastmuon.distributed.assign_work`, restricted to the ranks holding a matrix whole), and
+the exchange's routing rule (every part from its nearest holder to the owner, every holder's part
+of the result back; see :mod:`fastmuon.distributed.exchange`). They are recomputed here over
+arrays rather than through ``exchange.Routes``, which lists every rank's box of every matrix and
+would take minutes at 1,024 ranks on a model with tens of thousands of expert matrices; the tests
+hold the two equal on small worlds, and equal to what gloo runs count.
+
+Beside them, the peers' designs, computed from their published descriptions (not their code):
+
+- ``keller``: Keller Jordan's Muon (github.com/KellerJordan/Muon): parameters sorted by size,
+  largest first, taken W at a time; rank r orthogonalises the r-th of each round (one matrix per
+  NS call) and one ``all_gather`` per round hands every rank the updated parameters (in their
+  dtype; the last round padded with tensors of the smallest size). Needs every gradient whole on
+  every rank: DDP only.
+- ``dion``: microsoft/dion's Muon: matrices of one shape taken W (the shard group's size) at a
+  time as a mega-batch, padded with zero matrices, rank j orthogonalising the j-th; sharded
+  matrices are assembled by one ``all_to_all`` and returned by another, replicated ones handed on
+  by an ``all_gather``. Taken to move the NS dtype; pads compute and move like matrices. HSDP:
+  every replica group does its own (the shard group is the mesh); no tensor or expert parallelism.
+- ``plain``: every rank orthogonalises every matrix alone (plain DDP Muon; in a sharded layout
+  after an ``all_gather`` of each matrix's parts).
+
+Bytes are payload: what a rank puts on or takes off the wire if every message went straight to
+its destination (as ``all_to_all`` sends; ring broadcasts and all-gathers forward as much as they
+receive). An exchange's time is its larger direction over the link (all_to_all), or the bytes
+received (broadcast, all_gather: every rank forwards while it receives).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...distributed import assign_work, shard_rows
+from ...distributed.exchange import contiguous_layout
+from ...matrices import parse
+from ...ns.build import plan_for
+from ...ns.engine import NSConfig, spec_of
+from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost, ns_flops
+from .layouts import Layout, regions
+from .models import Tensor, Workload
+
+DESIGNS = ("fastmuon", "keller", "dion", "plain")
+#: Muon's defaults (fastmuon.Muon): five steps of its quintic, eps 1e-7
+NS_STEPS, NS_COEFFICIENTS, NS_EPS = 5, (3.4445, -4.775, 2.0315), 1e-7
+
+
+@dataclass
+class Matrix:
+    """One matrix NS orthogonalises: its shape (as stored), and its distinct parts across the
+    ranks: each part's elements and the ranks holding it (ascending)."""
+
+    shape: tuple[int, ...]
+    numel: int
+    part_numel: np.ndarray
+    part_ranks: list[np.ndarray]
+
+    @property
+    def rows_cols(self) -> tuple[int, int]:
+        return self.shape[0], self.numel // self.shape[0]
+
+    @property
+    def candidates(self) -> list[int] | None:
+        """The ranks holding it whole (it has one part then), else None."""
+        if len(self.part_numel) == 1 and self.part_numel[0] == self.numel:
+            return self.part_ranks[0].tolist()
+        return None
+
+    @property
+    def exchanged(self) -> bool:
+        """Whether it moves: unless one rank alone holds it whole."""
+        return not (
+            len(self.part_numel) == 1 and self.part_numel[0] == self.numel and len(self.part_ranks[0]) == 1
+        )
+
+
+def matrices(workload: Workload, layout: Layout) -> list[Matrix]:
+    """Every matrix of the workload's tensors (their maps' boxes, in order) with its parts.
+    Tensors alike (one per layer) share their matrices' descriptions (read-only)."""
+    out: list[Matrix] = []
+    seen: dict[tuple, list[Matrix]] = {}
+    for tensor in workload.tensors:
+        key = (tensor.shape, tensor.tp, tensor.experts, repr(parse(tensor.map)))
+        if key not in seen:
+            seen[key] = _tensor_matrices(tensor, layout)
+        out += seen[key]
+    return out
+
+
+def _tensor_matrices(tensor: Tensor, layout: Layout) -> list[Matrix]:
+    shape = tensor.shape
+    boxes = parse(tensor.map).boxes(shape)
+    lo, hi, kept = _box_arrays(boxes, shape)
+    held = [(r, np.asarray(ranks)) for r, ranks in regions(layout, tensor) if r is not None]
+    rlo = np.array([[a for a, _ in r] for r, _ in held], dtype=np.int64)
+    rhi = np.array([[b for _, b in r] for r, _ in held], dtype=np.int64)
+    lengths = np.clip(np.minimum(hi[:, None], rhi[None]) - np.maximum(lo[:, None], rlo[None]), 0, None)
+    numel = lengths.prod(axis=2)  # (matrices, regions); dropped dims count 1 where they overlap
+    mshape = tuple(int(n) for n, k in zip(hi[0] - lo[0], kept) if k)
+    whole = math.prod(mshape)
+    ranks_of = [r for _, r in held]
+    out = []
+    for i in range(len(boxes)):
+        (js,) = np.nonzero(numel[i])
+        out.append(Matrix(mshape, whole, numel[i, js], [ranks_of[j] for j in js]))
+    return out
+
+
+def _held(mats: Sequence[Matrix], world: int) -> np.ndarray:
+    """Elements of the matrices each rank holds."""
+    held = np.zeros(world, dtype=np.int64)
+    for m in mats:
+        if len(m.part_ranks) > 1 and all(len(r) == 1 for r in m.part_ranks[:2]):
+            np.add.at(
+                held, np.concatenate(m.part_ranks), np.repeat(m.part_numel, [len(r) for r in m.part_ranks])
+            )
+            continue
+        for n, ranks in zip(m.part_numel, m.part_ranks):
+            held[ranks] += n
+    return held
+
+
+def _box_arrays(boxes, shape) -> tuple[np.ndarray, np.ndarray, list[bool]]:
+    """The boxes as ``(start, stop)`` arrays per dim, and the dims a matrix keeps (an integer
+    index drops its dim), as :func:`fastmuon.distributed.sharded.held_pieces` reads a box."""
+    lo = np.zeros((len(boxes), len(shape)), dtype=np.int64)
+    hi = np.tile(np.asarray(shape, dtype=np.int64), (len(boxes), 1))
+    kept = [True] * len(shape)
+    for i, box in enumerate(boxes):
+        for d, index in enumerate(box):
+            if isinstance(index, slice):
+                a, b, _ = index.indices(shape[d])
+                lo[i, d], hi[i, d] = a, max(a, b)
+            else:
+                lo[i, d], hi[i, d] = int(index), int(index) + 1
+                kept[d] = False
+    return lo, hi, kept
+
+
+# ----- figures ------------------------------------------------------------------------------------
+@dataclass
+class Settings:
+    """What the plan depends on beside shapes: dtypes, the device the plan is for, its cost
+    constants (None: the device type's built-in ones), the planner's settings."""
+
+    ns_dtype: torch.dtype = torch.bfloat16
+    param_dtype: torch.dtype = torch.float32
+    plan_device: str = "cuda"
+    cost_model: CostModel | None = None
+    policy: str = "auto"
+    max_bucket_bytes: int = 512 * 2**20
+    threads: int | None = None
+
+    def config(self) -> NSConfig:
+        return NSConfig.make(NS_STEPS, NS_COEFFICIENTS, NS_EPS, self.ns_dtype)
+
+    def plan(self, shapes: Sequence[tuple[int, ...]]) -> Plan:
+        """The plan fastmuon builds for matrices of these shapes (whole, contiguous)."""
+        config = self.config()
+        device = "meta" if self.plan_device == "cuda" else self.plan_device  # meta: no memory
+        probe = torch.empty(0, dtype=self.param_dtype, device=device)
+        specs = [spec_of(probe, config, contiguous_layout(s)) for s in shapes]
+        return plan_for(
+            specs, [config] * len(specs), self.policy, self.cost_model, self.max_bucket_bytes, self.threads
+        )
+
+
+@dataclass
+class Figures:
+    """One design's figures for every rank (arrays of length W), and what is the same for all."""
+
+    design: str
+    layout: str
+    world: int
+    flops: np.ndarray
+    sent: np.ndarray  # bytes
+    received: np.ndarray
+    buffers: np.ndarray  # bytes of exchange buffers kept between steps (peers: the largest transient)
+    held: np.ndarray  # elements of orthogonalised matrices the rank holds (its shard)
+    ns_seconds: np.ndarray
+    comm_seconds: np.ndarray
+    collectives: dict[str, int] = field(default_factory=dict)  # kind -> count per step
+    itemsize: int = 2  # bytes per element moved
+    note: str = ""
+    work: Any = None  # fastmuon's: (plan, units, local plans by rank) of the exchange, for measuring
+
+    @property
+    def imbalance(self) -> float:
+        mean = float(self.flops.mean())
+        return float(self.flops.max()) / mean if mean else 1.0
+
+    def bytes_per_shard(self) -> tuple[float, float]:
+        """Largest sent and received bytes over the rank's shard in the same dtype."""
+        shard = np.maximum(self.held * self.itemsize, 1)
+        return float((self.sent / shard).max()), float((self.received / shard).max())
+
+    def classes(self) -> list[dict[str, Any]]:
+        """Ranks with identical figures, busiest first: each class's ranks and figures."""
+        keys: dict[tuple, list[int]] = {}
+        for r in range(self.world):
+            key = (
+                int(self.flops[r]),
+                int(self.sent[r]),
+                int(self.received[r]),
+                int(self.buffers[r]),
+                int(self.held[r]),
+            )
+            keys.setdefault(key, []).append(r)
+        out = []
+        for (flops, sent, received, buffers, held), ranks in keys.items():
+            r = ranks[0]
+            out.append(
+                {
+                    "ranks": _ranges(ranks),
+                    "count": len(ranks),
+                    "ns_flops": flops,
+                    "bytes_sent": sent,
+                    "bytes_received": received,
+                    "buffer_bytes": buffers,
+                    "shard_bytes": held * self.itemsize,
+                    "ns_seconds": float(self.ns_seconds[r]),
+                    "comm_seconds": float(self.comm_seconds[r]),
+                }
+            )
+        return sorted(out, key=lambda c: (-c["ns_flops"], -c["bytes_received"], c["ranks"]))
+
+    def summary(self) -> dict[str, Any]:
+        sent, received = self.bytes_per_shard()
+        return {
+            "design": self.design,
+            "layout": self.layout,
+            "world": self.world,
+            "ns_flops_max": int(self.flops.max()),
+            "ns_flops_mean": float(self.flops.mean()),
+            "imbalance": self.imbalance,
+            "bytes_sent_max": int(self.sent.max()),
+            "bytes_received_max": int(self.received.max()),
+            "sent_per_shard_max": sent,
+            "received_per_shard_max": received,
+            "buffer_bytes_max": int(self.buffers.max()),
+            "ns_seconds_max": float(self.ns_seconds.max()),
+            "comm_seconds_max": float(self.comm_seconds.max()),
+            "collectives": dict(self.collectives),
+            "rank_classes": len(self.classes()),
+            "note": self.note,
+        }
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-3,8,10-11``: a sorted rank list written short."""
+    parts, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(parts)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _bucket_seconds(plan: Plan, b: int, slots: int, model: CostModel, threads: int) -> float:
+    """What ``slots`` slots of bucket ``b`` cost as one NS call under ``model``."""
+    bucket = plan.buckets[b]
+    _, r, c = bucket.shape
+    per = ns_cost(r, c, plan.steps, bucket.method, bucket.dtype, model.eigh, threads, bucket.preconditioning)
+    launches = kernels_per_bucket(plan.steps, bucket.method, bucket.preconditioning)
+    return slots * per * model.flop_seconds(bucket.dtype) + launches * model.launch_cost(bucket.dtype)
+
+
+def _plan_seconds(plan: Plan, model: CostModel, threads: int) -> float:
+    return sum(_bucket_seconds(plan, b, bk.shape[0], model, threads) for b, bk in enumerate(plan.buckets))
+
+
+def _nearest(ranks: np.ndarray, owner: int) -> int:
+    """The holder an owner takes a part from (``exchange.source_of``): itself, else the
+    nearest by rank number, the lower on a tie (``ranks`` ascending)."""
+    k = int(np.argmin(np.abs(ranks - owner)))
+    return int(ranks[k])
+
+
+def fastmuon_figures(
+    workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+) -> Figures:
+    """fastmuon's step: the exchange (two all_to_all per NS dtype) for sharded layouts, one
+    broadcast per work unit under DDP; ``model`` prices NS, ``link`` (bytes/s each way) the bytes."""
+    world = layout.world
+    threads = settings.threads or torch.get_num_threads()
+    mats = matrices(workload, layout)
+    flops = np.zeros(world, dtype=np.int64)
+    sent, received, buffers = (np.zeros(world, dtype=np.int64) for _ in range(3))
+    held = _held(mats, world)
+    seconds = np.zeros(world)
+    if not layout.sharded:  # DDP: ReplicatedOrthogonalizer
+        plan = settings.plan([m.shape for m in mats])
+        units = assign_work(plan, world)
+        flat_bytes = 0
+        for u in units:
+            bucket = plan.buckets[u.bucket]
+            size = sum(m.rows * m.cols for m in bucket.members[u.start : u.stop]) * _itemsize(bucket.dtype)
+            flat_bytes += size
+            flops[u.owner] += u.flops
+            seconds[u.owner] += _bucket_seconds(plan, u.bucket, u.stop - u.start, model, threads)
+            sent[u.owner] += size * (world - 1)
+            received += size
+            received[u.owner] -= size
+        buffers[:] = flat_bytes  # one flat buffer per unit, on every rank
+        comm = received / link
+        return Figures(
+            "fastmuon", str(layout), world, flops, sent, received, buffers, held, seconds, comm,
+            {"broadcast": len(units)}, _itemsize(settings.ns_dtype), "", (plan, units, {}),
+        )  # fmt: skip
+    spread = [i for i, m in enumerate(mats) if m.exchanged]
+    plan = settings.plan([mats[i].shape for i in spread])
+    cands = [mats[i].candidates for i in spread]
+    units = assign_work(plan, world, cands)
+    dtype_of: dict[int, torch.dtype] = {}
+    for b in plan.buckets:
+        for mem in b.members:
+            dtype_of[mem.index] = b.dtype
+    owner: dict[int, int] = {}
+    for u in units:
+        for mem in plan.buckets[u.bucket].members[u.start : u.stop]:
+            owner[mem.index] = u.owner
+        flops[u.owner] += u.flops
+        seconds[u.owner] += _bucket_seconds(plan, u.bucket, u.stop - u.start, model, threads)
+    gather_send, gather_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+    scatter_send, scatter_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
+    # parts held by one rank each (FSDP's row blocks), all at once
+    one = [(k, i) for k, i in enumerate(spread) if all(len(r) == 1 for r in mats[i].part_ranks)]
+    if one:
+        n = np.concatenate([mats[i].part_numel * _itemsize(dtype_of[k]) for k, i in one])
+        src = np.concatenate([np.concatenate(mats[i].part_ranks) for _, i in one])
+        o = np.concatenate([np.full(len(mats[i].part_numel), owner[k]) for k, i in one])
+        away = src != o
+        for arr, idx, w in (
+            (gather_send, src, n), (gather_recv, o, n), (scatter_send, o, n), (scatter_recv, src, n),
+            (sent, src[away], n[away]), (received, o[away], n[away]),
+            (sent, o[away], n[away]), (received, src[away], n[away]),
+        ):  # fmt: skip
+            np.add.at(arr, idx, w)
+    done = {k for k, _ in one}
+    for k, i in enumerate(spread):
+        if k in done:
+            continue
+        m, o, item = mats[i], owner[k], _itemsize(dtype_of[k])
+        for n, ranks in zip(m.part_numel.tolist(), m.part_ranks):
+            src = _nearest(ranks, o)
+            gather_send[src] += n * item
+            gather_recv[o] += n * item
+            if src != o:
+                sent[src] += n * item
+                received[o] += n * item
+            scatter_send[o] += n * item * len(ranks)
+            scatter_recv[ranks] += n * item
+            has_owner = bool(np.any(ranks == o))
+            sent[o] += n * item * (len(ranks) - has_owner)
+            received[ranks] += n * item
+            if has_owner:
+                received[o] -= n * item
+    buffers[:] = gather_send + gather_recv + scatter_send + scatter_recv
+    # what each rank holds whole alone runs in a local engine, its own plan
+    local: dict[int, list[tuple[int, ...]]] = {}
+    for m in mats:
+        if not m.exchanged:
+            local.setdefault(int(m.part_ranks[0][0]), []).append(m.shape)
+    by_shapes: dict[tuple, tuple[Plan, int, float]] = {}
+    local_plans: dict[int, Plan] = {}
+    for r, shapes in local.items():
+        key = tuple(shapes)
+        if key not in by_shapes:
+            p = settings.plan(shapes)
+            by_shapes[key] = (p, p.flops(), _plan_seconds(p, model, threads))
+        local_plans[r], f, s = by_shapes[key]
+        flops[r] += f
+        seconds[r] += s
+    comm = np.maximum(sent, received) / link
+    dtypes = {b.dtype for b in plan.buckets}
+    note = f"{len(spread)} of {len(mats)} matrices exchanged, {len(mats) - len(spread)} orthogonalised where they lie"
+    return Figures(
+        "fastmuon", str(layout), world, flops, sent, received, buffers, held, seconds, comm,
+        {"all_to_all": 2 * len(dtypes)} if spread else {}, _itemsize(settings.ns_dtype), note,
+        (plan, units, local_plans),
+    )  # fmt: skip
+
+
+def _alone_seconds(shape: tuple[int, int], settings: Settings, model: CostModel) -> tuple[int, float]:
+    """FLOPs and seconds of standard NS on one matrix in one call (the peers' kernel)."""
+    r, c = shape
+    dtype = settings.ns_dtype if settings.plan_device == "cuda" else torch.float32
+    f = ns_flops(r, c, NS_STEPS, "standard", dtype)
+    return f, f * model.flop_seconds(dtype) + kernels_per_bucket(NS_STEPS) * model.launch_cost(dtype)
+
+
+def peer_figures(
+    design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+) -> Figures | str:
+    """A peer's figures, or why the design does not apply to ``layout``."""
+    world = layout.world
+    mats = matrices(workload, layout)
+    held = _held(mats, world)
+    z = [np.zeros(world, dtype=np.int64) for _ in range(4)]
+    flops, sent, received, buffers = z
+    seconds = np.zeros(world)
+    ns_item, param_item = _itemsize(settings.ns_dtype), _itemsize(settings.param_dtype)
+    cost = {m.rows_cols: _alone_seconds(m.rows_cols, settings, model) for m in mats}
+    if design == "plain":
+        total_f = sum(cost[m.rows_cols][0] for m in mats)
+        total_s = sum(cost[m.rows_cols][1] for m in mats)
+        flops[:], seconds[:] = total_f, total_s
+        gathers = 0
+        for m in mats:
+            if m.candidates is not None and len(m.candidates) == world:
+                continue  # whole everywhere already
+            gathers += 1
+            for n, ranks in zip(m.part_numel, m.part_ranks):
+                lacking = world - len(ranks)
+                received[ranks] += (m.numel - n) * ns_item
+                sent[ranks] += (n * ns_item * lacking) // len(ranks)
+            buffers[:] = np.maximum(buffers, m.numel * ns_item)
+        comm = received / link
+        return Figures(
+            design, str(layout), world, flops, sent, received, buffers, held, seconds, comm,
+            {"all_gather": gathers} if gathers else {}, ns_item,
+        )  # fmt: skip
+    if design == "keller":
+        if layout.sharded:
+            return "needs every gradient whole on every rank (DDP only)"
+        order = sorted(range(len(mats)), key=lambda i: mats[i].shape, reverse=True)
+        smallest = mats[order[-1]].numel
+        rounds = math.ceil(len(order) / world)
+        for k in range(rounds):
+            batch = order[k * world : (k + 1) * world]
+            sizes = [mats[i].numel for i in batch] + [smallest] * (world - len(batch))
+            total = sum(sizes)
+            for j, i in enumerate(batch):
+                f, s = cost[mats[i].rows_cols]
+                flops[j] += f
+                seconds[j] += s
+            for j, n in enumerate(sizes):
+                sent[j] += n * param_item * (world - 1)
+                received[j] += (total - n) * param_item
+        comm = received / link
+        return Figures(
+            design, str(layout), world, flops, sent, received, buffers, held, seconds, comm,
+            {"all_gather": rounds}, param_item, "each rank's item of a round gathered in the parameters' dtype",
+        )  # fmt: skip
+    if design == "dion":
+        if layout.kind not in ("ddp", "fsdp", "hsdp"):
+            return "no tensor or expert parallelism for Muon"
+        group = layout.cols  # the shard group: every rank (FSDP, DDP) or one replica group (HSDP)
+        shapes: dict[tuple[int, ...], list[int]] = {}
+        for i, m in enumerate(mats):
+            shapes.setdefault(m.shape, []).append(i)
+        batches = 0
+        for shape, members in shapes.items():
+            f, s = cost[mats[members[0]].rows_cols]
+            numel = mats[members[0]].numel
+            rows = shape[0]
+            for _ in range(math.ceil(len(members) / group)):
+                batches += 1
+                # every member of the shard group orthogonalises one (a pad where the batch is short)
+                for g in range(group):
+                    ranks = np.arange(layout.rows) * group + g
+                    flops[ranks] += f
+                    seconds[ranks] += s
+                if not layout.sharded:
+                    sent[:] += numel * ns_item * (world - 1)
+                    received[:] += numel * ns_item * (world - 1)
+                    continue
+                shard = np.array([n * numel // rows for n in shard_rows(rows, group)], dtype=np.int64)
+                for g in range(group):
+                    ranks = np.arange(layout.rows) * group + g
+                    # gather: my shard of each other member's matrix out, the others' of mine in; and back
+                    out = shard[g] * (group - 1) * ns_item
+                    into = (numel - shard[g]) * ns_item
+                    sent[ranks] += out + into
+                    received[ranks] += into + out
+                buffers[:] = np.maximum(buffers, 2 * (numel + shard.max() * group) * ns_item)
+        comm = np.maximum(sent, received) / link
+        kinds = {"all_to_all": 2 * batches} if layout.sharded else {"all_gather": batches}
+        return Figures(
+            design, str(layout), world, flops, sent, received, buffers, held, seconds, comm, kinds, ns_item,
+            "mega-batches of one shape, padded to the shard group",
+        )  # fmt: skip
+    raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
+
+
+def figures(
+    design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+) -> Figures | str:
+    if design == "fastmuon":
+        return fastmuon_figures(workload, layout, settings, model, link)
+    return peer_figures(design, workload, layout, settings, model, link)

@@ -1,0 +1,56 @@
+"""The predicted NS time of one rank against the time its work takes on this CPU.
+
+The busiest rank's share of a plan (its work units, each one NS call, and the matrices it holds
+whole alone) is run here on random matrices with fastmuon's engine, and timed; the prediction is
+the same work priced by the cost model the plan was made with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ...distributed import sub_plan
+from ...distributed.exchange import contiguous_layout
+from ...ns.engine import Orthogonalizer
+from ...ns.planner import Plan
+from .figures import Figures, Settings
+
+
+def _run_seconds(plan: Plan, settings: Settings, rounds: int) -> float:
+    """Median seconds of executing ``plan`` on random matrices (after one warm-up call)."""
+    if not plan.buckets:
+        return 0.0
+    config = settings.config()
+    shapes: dict[int, tuple[int, int]] = {}
+    for b in plan.buckets:
+        for m in b.members:
+            shapes[m.index] = (m.rows, m.cols)
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randn(shapes[i], generator=gen).to(settings.param_dtype) for i in range(len(shapes))]
+    layouts = [contiguous_layout(s.shape) for s in sources]
+    engine = Orthogonalizer(plan, layouts, {(settings.param_dtype, config): config})
+    out = [settings.param_dtype] * len(sources)
+    engine(sources, out)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine(sources, out)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_busiest(fig: Figures, settings: Settings, rounds: int = 3) -> dict[str, float]:
+    """Measured and predicted NS seconds of the busiest rank of ``fig`` (fastmuon's figures)."""
+    plan, units, local_plans = fig.work
+    rank = int(fig.ns_seconds.argmax())
+    measured = 0.0
+    for u in (u for u in units if u.owner == rank):
+        measured += _run_seconds(sub_plan(plan, [u])[0], settings, rounds)
+    if rank in local_plans:
+        measured += _run_seconds(local_plans[rank], settings, rounds)
+    predicted = float(fig.ns_seconds[rank])
+    return {"rank": rank, "measured_seconds": measured, "predicted_seconds": predicted,
+            "ratio": measured / predicted if predicted else float("nan")}  # fmt: skip

@@ -1,0 +1,162 @@
+"""``fastmuon plan``'s figures: its boxes, bytes and per-rank NS FLOPs equal what real 2- and
+4-rank gloo runs hold and count, its exchange bytes equal the exchange's own routes on small
+worlds, and the command's output and refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_distributed import launch
+
+from fastmuon.bench.scale import parse_layout, rank_regions, workload
+from fastmuon.bench.scale.figures import Settings, fastmuon_figures, figures, matrices
+from fastmuon.bench.scale.models import COLWISE, ROWWISE, Tensor, Workload
+from fastmuon.cli import main
+from fastmuon.distributed.exchange import Routes, exchange_bytes
+
+# the model of scale_worker.py, as the plan sees it
+NET = Workload(
+    "scale-worker",
+    "tests/scale_worker.py",
+    (
+        Tensor("q_proj.weight", (16, 16), tp=COLWISE),
+        Tensor("o_proj.weight", (16, 16), tp=ROWWISE),
+        Tensor("gate_proj.weight", (24, 16), tp=COLWISE),
+        Tensor("down_proj.weight", (16, 24), tp=ROWWISE),
+        Tensor("router.weight", (6, 16)),
+        Tensor("experts", (4, 8, 16), "experts", experts=True),
+    ),
+)
+MESH = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp:2x{half}", "ep": "ep:{world}"}
+CPU = Settings(ns_dtype=torch.float32, param_dtype=torch.float32, plan_device="cpu", threads=1)
+
+
+def layout_of(name: str, world: int):
+    if name == "fsdp+tp":
+        dp = 2 if world >= 4 else 1
+        return parse_layout(f"fsdp+tp:{dp}x{world // dp}", world)
+    return parse_layout(MESH[name].format(half=world // 2, world=world), world, 4)
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+@pytest.mark.parametrize("world", [4, 2])
+def test_plan_equals_what_gloo_runs_hold_and_count(world, tmp_path):
+    report = launch(world, tmp_path, script="scale_worker.py")
+    runs = [json.loads(line[6:]) for line in report.splitlines() if line.startswith("SCALE ")]
+    assert len(runs) == 5 * world, report
+    for name in ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep"):
+        lay = layout_of(name, world)
+        fig = fastmuon_figures(NET, lay, CPU, CPU.cost_model or _cpu_model(), 1e9)
+        for run in (r for r in runs if r["layout"] == name):
+            rank = run["rank"]
+            for t in NET.tensors:
+                want = rank_regions(lay, t)[rank]
+                got = run["boxes"][t.name]
+                assert (None if got is None else tuple(map(tuple, got))) == want, (name, rank, t.name)
+            figures_here = (int(fig.sent[rank]), int(fig.received[rank]), int(fig.flops[rank]))
+            assert figures_here == (run["sent"], run["received"], run["flops"]), (name, rank, run)
+
+
+def _cpu_model():
+    from fastmuon.ns.planner import default_cost_model
+
+    return default_cost_model("cpu")
+
+
+def _routes_bytes(w: Workload, lay, settings: Settings) -> list[tuple[int, int]]:
+    """Bytes per rank from the exchange's own ``Routes`` over every rank's box of every matrix."""
+    from fastmuon.matrices import parse
+
+    shapes, helds = [], []
+    for t in w.tensors:
+        boxes = rank_regions(lay, t)
+        for b in parse(t.map).boxes(t.shape):
+            ranges = [
+                (b[d].indices(n)[:2] if isinstance(b[d], slice) else (b[d], b[d] + 1))
+                if d < len(b)
+                else (0, n)
+                for d, n in enumerate(t.shape)
+            ]
+            kept = [d >= len(b) or isinstance(b[d], slice) for d in range(len(t.shape))]
+            held = []
+            for reg in boxes:
+                part = None
+                if reg is not None:
+                    cut = [(max(a, s), min(z, e)) for (a, z), (s, e) in zip(ranges, reg)]
+                    if all(lo < hi for lo, hi in cut):
+                        part = tuple((lo - a, hi - a) for (lo, hi), (a, _), k in zip(cut, ranges, kept) if k)
+                held.append(part)
+            shape = tuple(z - a for (a, z), k in zip(ranges, kept) if k)
+            whole = tuple((0, n) for n in shape)
+            holders = [h for h in held if h is not None]
+            if not (len(holders) == 1 and holders[0] == whole):
+                shapes.append(shape)
+                helds.append(held)
+    routes = Routes(settings.plan(shapes), shapes, helds, lay.world)
+    return [exchange_bytes(routes, r) for r in range(lay.world)]
+
+
+@pytest.mark.parametrize(
+    "model, spec, world",
+    [("gpt2", "fsdp", 6), ("gpt2", "hsdp:2x3", 6), ("gpt2", "fsdp+tp:2x2", 4), ("mixtral-8x7b", "ep:4", 8)],
+)
+def test_bytes_equal_the_exchange_routes(model, spec, world):
+    w = workload(model)
+    lay = parse_layout(spec, world, w.num_experts)
+    settings = Settings(plan_device="cuda")
+    fig = fastmuon_figures(w, lay, settings, _cpu_model(), 1e9)
+    assert list(zip(fig.sent.tolist(), fig.received.tolist())) == _routes_bytes(w, lay, settings)
+
+
+def test_every_element_is_in_one_box_and_every_rank_has_one():
+    for spec, world in (("fsdp", 1024), ("hsdp:128x8", 1024), ("fsdp+tp:128x8", 1024), ("ep:256", 1024)):
+        w = workload("deepseek-v3" if spec.startswith("ep") else "llama3-70b")
+        lay = parse_layout(spec, world, w.num_experts)
+        for m in matrices(w, lay)[:40]:
+            assert sum(m.part_numel.tolist()) == m.numel
+            ranks = sorted(r for rs in m.part_ranks for r in rs.tolist())
+            assert len(ranks) == len(set(ranks))
+
+
+def test_70b_at_1024_ranks_figures():
+    """What docs/scale.md reports: whole-matrix owners cap the balance at 1,024 ranks (560
+    matrices), and the peers' designs on the same workload."""
+    w = workload("llama3-70b")
+    settings = Settings()
+    from fastmuon.bench.scale.devices import device
+
+    h100 = device("h100")
+    fsdp = fastmuon_figures(w, parse_layout("fsdp", 1024), settings, h100.cost_model, 50e9)
+    largest = 5 * (4 * 8192**2 * 28672 + 2 * 8192**3)  # one MLP matrix's standard NS
+    assert int(fsdp.flops.max()) == largest
+    assert fsdp.imbalance == pytest.approx(largest / fsdp.flops.mean())
+    assert fastmuon_figures(w, parse_layout("fsdp", 64), settings, h100.cost_model, 50e9).imbalance < 1.1
+    assert figures("keller", w, parse_layout("fsdp", 8), settings, h100.cost_model, 50e9).startswith("needs")
+
+
+def test_plan_command(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt2", "--world", "8", "--layout", "hsdp:2x4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fastmuon: NS imbalance" in text and "keller: n/a" in text and "dion: NS imbalance" in text
+    data = json.loads(out.read_text())
+    assert data["layout"] == "hsdp:2x4" and data["world"] == 8
+    classes = data["designs"]["fastmuon"]["classes"]
+    assert sum(c["count"] for c in classes) == 8
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--layout", "hsdp:3x3", "--world", "8"], "must multiply to --world 8"),
+        (["--layout", "zero"], "unknown layout 'zero'"),
+        (["--layout", "ep", "--model", "gpt2"], "has no expert stacks"),
+        (["--measure"], "give --device cpu-measured"),
+    ],
+)
+def test_plan_refusals(argv, message, capsys):
+    assert main(["plan", "--model", "gpt2", *argv]) == 2
+    assert message in capsys.readouterr().err
