@@ -134,14 +134,9 @@ def test_routes_send_what_is_received_and_cover_each_matrix_once(matrices):
         sends = [routes.gather_sizes(dtype, r)[0] for r in range(world)]
         recvs = [routes.gather_sizes(dtype, r)[1] for r in range(world)]
         assert all(sends[r][o] == recvs[o][r] for r in range(world) for o in range(world))
-        sends = [routes.copy_sizes(dtype, r)[0] for r in range(world)]
-        recvs = [routes.copy_sizes(dtype, r)[1] for r in range(world)]
-        assert all(sends[p][r] == recvs[r][p] for r in range(world) for p in range(world))
-        # every holder but a part's primary gets the part once, from the primary
-        for i in (i for o in routes.order[dtype] for i in o):
-            for p, region, others in routes.copies[i]:
-                assert held[i][p] == region and all(held[i][r] == region for r in others)
-                assert sorted([p, *others]) == [r for r in range(world) if held[i][r] == region]
+        sends = [routes.scatter_sizes(dtype, r)[0] for r in range(world)]
+        recvs = [routes.scatter_sizes(dtype, r)[1] for r in range(world)]
+        assert all(sends[o][r] == recvs[r][o] for r in range(world) for o in range(world))
     sent = sum(exchange_bytes(routes, r)[0] for r in range(world))
     received = sum(exchange_bytes(routes, r)[1] for r in range(world))
     assert sent == received

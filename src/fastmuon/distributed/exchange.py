@@ -1,23 +1,18 @@
 """Newton–Schulz of matrices whose parts lie on several ranks (FSDP2, HSDP, tensor parallel,
 expert parallel, and plain tensors replicated beside them).
 
-Each matrix has one owner, and each distinct part of it one *primary* holder: the holder nearest
-the owner by rank number (the owner itself where it holds the part; under HSDP a rank of the
-owner's own replica group). One ``all_to_all`` brings the owner every part of its matrices from
-their primaries, the owner orthogonalises its buckets, a second ``all_to_all`` sends each primary
-its part of the result, and — where parts are replicated — a third sends each primary's part on
-to the other ranks holding the same part: every replica gets the same bytes, and no rank sends a
-result once per replica (the owner of a large matrix under HSDP would otherwise send it ``R``
-times, and hold ``R`` copies in its send buffer). This is the gather-to-owner / scatter-back
-scheme of muon-fsdp2 and torchtitan, over boxes of any layout, batched here to two or three
-collectives per NS dtype and step. Sizes are exact (every rank computes every part's size from
-the boxes of :mod:`.parts`), so uneven and empty shards need no padding.
+Each matrix has one owner. One ``all_to_all`` brings the owner every part of its matrices (from
+the nearest rank holding that part: a replica in the owner's own replica group under HSDP), the
+owner orthogonalises its buckets, and a second ``all_to_all`` sends every rank that holds part
+of a matrix its part of the result: every replica receives the same update. This is the
+gather-to-owner / scatter-back scheme of muon-fsdp2 and torchtitan, over boxes of any layout
+and batched here to two collectives per NS dtype and step. Sizes are exact (every rank computes
+every box's size from the boxes of :mod:`.parts`), so uneven and empty shards need no padding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,9 +45,7 @@ class Routes:
     compute it for any world size without running one).
 
     ``owner[i]`` orthogonalises matrix ``i``; ``order[o]`` lists the matrices rank ``o`` owns in
-    bucket-slot order; ``sources[i]`` the ``(primary, region)`` pairs it is assembled from (and
-    whose parts of the result go back to those primaries); ``copies[i]`` the
-    ``(primary, region, other holders)`` of each part more than one rank holds.
+    bucket-slot order; ``sources[i]`` the ``(rank, region)`` pairs it is assembled from.
     """
 
     def __init__(
@@ -79,28 +72,17 @@ class Routes:
                 order[u.owner].append(m.index)
                 self.owner[m.index] = u.owner
         self.sources: list[list[tuple[int, Region]]] = []
-        self.copies: list[list[tuple[int, Region, list[int]]]] = []
-        self.primary: list[list[int | None]] = []  # per matrix, per rank: its part's primary
         for i, regions in enumerate(self.held):
             holders: dict[Region, list[int]] = {}
             for r, region in enumerate(regions):
                 if region is not None:
                     holders.setdefault(region, []).append(r)
             owner = self.owner.get(i, 0)
-            picked = {region: source_of(ranks, owner) for region, ranks in holders.items()}
-            self.sources.append(sorted(((p, region) for region, p in picked.items()), key=lambda sr: sr[1]))
-            self.copies.append(
-                [(picked[region], region, [r for r in ranks if r != picked[region]])
-                 for region, ranks in holders.items() if len(ranks) > 1]
-            )  # fmt: skip
-            self.primary.append([None if reg is None else picked[reg] for reg in regions])
-        self.copied = {
-            dtype: any(self.copies[i] for o in order for i in o) for dtype, order in self.order.items()
-        }
+            picked = [(source_of(ranks, owner), region) for region, ranks in holders.items()]
+            self.sources.append(sorted(picked, key=lambda sr: sr[1]))
 
     def gather_sizes(self, dtype: torch.dtype, rank: int) -> tuple[list[int], list[int]]:
-        """Elements ``rank`` sends each owner, and receives as owner from each rank. The
-        scatter sends back exactly these, the other way."""
+        """Elements ``rank`` sends each owner, and receives as owner from each rank."""
         order = self.order[dtype]
         send = [0] * self.world
         for o in range(self.world):
@@ -112,29 +94,21 @@ class Routes:
                 recv[s] += region_numel(reg)
         return send, recv
 
-    def copy_sizes(self, dtype: torch.dtype, rank: int) -> tuple[list[int], list[int]]:
-        """Elements ``rank`` passes on to each rank as a primary, and receives from each."""
-        send, recv = [0] * self.world, [0] * self.world
-        for o in self.order[dtype]:
-            for i in o:
-                for p, region, others in self.copies[i]:
-                    n = region_numel(region)
-                    if p == rank:
-                        for r in others:
-                            send[r] += n
-                    elif rank in others:
-                        recv[p] += n
+    def scatter_sizes(self, dtype: torch.dtype, rank: int) -> tuple[list[int], list[int]]:
+        """Elements ``rank`` sends each rank as owner, and receives from each owner."""
+        order = self.order[dtype]
+        send = [sum(region_numel(self.held[i][r]) for i in order[rank]) for r in range(self.world)]
+        recv = [sum(region_numel(self.held[i][rank]) for i in order[o]) for o in range(self.world)]
         return send, recv
 
 
 class ShardedOrthogonalizer:
-    """Gather each matrix to its owner, orthogonalise there in buckets, scatter the parts back
-    to their primaries, and pass replicated parts on to the other holders.
+    """Gather each matrix to its owner, orthogonalise there in buckets, scatter the parts back.
 
-    Two ``all_to_all_single`` calls per NS dtype and step, three where parts are replicated
-    (see the module docstring); parts travel cast to the NS dtype, as the single-process engine
-    casts when packing. The exchange buffers (four per NS dtype, six with copies) persist
-    between steps, and the results are views of them: valid until the next call.
+    Two ``all_to_all_single`` calls per NS dtype and step (see the module docstring); parts
+    travel cast to the NS dtype, as the single-process engine casts when packing. The four
+    exchange buffers per NS dtype persist between steps, and the results are views of the last
+    one: valid until the next call.
     """
 
     def __init__(
@@ -151,7 +125,7 @@ class ShardedOrthogonalizer:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         routes = self.routes = Routes(plan, self.shapes, held, self.world)
         self.units = routes.units
-        me, world = self.rank, self.world
+        me = self.rank
         layouts = [contiguous_layout(s) for s in self.shapes]
         owned = [u for u in self.units if u.owner == me]
         # one engine per NS dtype (each dtype is exchanged apart), over this rank's units
@@ -162,24 +136,16 @@ class ShardedOrthogonalizer:
                 local_plan, [layouts[i] for i in index], configs, compile=compile, host_reads=host_reads
             )
         self._mine = [h[me] for h in routes.held]
-        primary = routes.primary
-        self._routes: dict[torch.dtype, _DtypeRoutes] = {}
-        for dtype, order in routes.order.items():
-            by_owner = [i for o in range(world) for i in order[o]]  # every matrix, owners in rank order
-            sends_to_owners = [i for i in by_owner if primary[i][me] == me]
-            copies_to = [
-                (r, i) for r in range(world) for i in sends_to_owners if r != me and primary[i][r] == me
+        # what this rank sends each owner, in the order owners expect it
+        self._send_order = {
+            dtype: [
+                i for o in range(self.world) for i in order[o] if any(s == me for s, _ in routes.sources[i])
             ]
-            copies_from = [(p, i) for p in range(world) if p != me for i in by_owner if primary[i][me] == p]
-            self._routes[dtype] = _DtypeRoutes(
-                sends_to_owners,
-                [(i, reg) for p in range(world) for i in order[me] for q, reg in routes.sources[i] if q == p],
-                [i for _, i in copies_to],
-                [i for _, i in copies_from],
-                routes.gather_sizes(dtype, me),
-                routes.copy_sizes(dtype, me),
-                routes.copied[dtype],
-            )
+            for dtype, order in routes.order.items()
+        }
+        self._sizes = {
+            dtype: (routes.gather_sizes(dtype, me), routes.scatter_sizes(dtype, me)) for dtype in routes.order
+        }
         self._bytes = exchange_bytes(routes, me)
         self._buffers: dict[tuple[torch.dtype, str], Tensor] = {}
         self._inflight = InFlight()
@@ -193,63 +159,58 @@ class ShardedOrthogonalizer:
         timer = Timer(self.profile, device)
         results: list[Tensor | None] = [None] * len(sources)
         stats = CommStats(total_flops=self.stats.total_flops, owned_flops=self.stats.owned_flops)
-        me = self.rank
-        for dtype, r in self._routes.items():
-            (to_owner, from_rank), (copy_to, copy_from) = r.gather, r.copy
+        me, world, routes = self.rank, self.world, self.routes
+        for dtype, order in routes.order.items():
+            (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype]
             t0 = timer.now()
-            # 1. every part from its primary to its matrix's owner, cast to NS dtype on the way
+            # 1. every part to its matrix's owner, cast to NS dtype on the way
             send = self._buffer(dtype, "gather send", sum(to_owner), device)
-            if r.gather_order:
-                torch.cat([sources[i].reshape(-1) for i in r.gather_order], out=send)
+            blocks = [sources[i].reshape(-1) for i in self._send_order[dtype]]
+            if blocks:
+                torch.cat(blocks, out=send)
             recv = self._buffer(dtype, "gather recv", sum(from_rank), device)
-            self._exchange(recv, send, from_rank, to_owner)
+            self._inflight.issue(dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group)
+            self._inflight.wait()
             t1 = timer.now()
             # 2. whole matrices on the owner, NS over its buckets
-            order = self.routes.order[dtype][me]
-            full = self._assemble(recv, from_rank, order)
-            owned = dict(zip(order, self._engines[dtype](full, [dtype] * len(full)))) if full else {}
+            full = self._assemble(recv, from_rank, order[me])
+            owned = self._engines[dtype](full, [dtype] * len(full)) if full else []
             t2 = timer.now()
-            # 3. each part of each result back to its primary (what the gather brought, reversed)
-            send = self._buffer(dtype, "scatter send", sum(from_rank), device)
-            if r.scatter_order:
-                torch.cat([_part(owned[i], reg).reshape(-1) for i, reg in r.scatter_order], out=send)
-            back = self._buffer(dtype, "scatter recv", sum(to_owner), device)
-            self._exchange(back, send, to_owner, from_rank)
-            # 4. replicated parts on from their primaries to the other holders
-            copies = None
-            if r.copied:
-                offsets = _offsets(r.gather_order, self._mine)
-                send = self._buffer(dtype, "copy send", sum(copy_to), device)
-                if r.copy_order:
-                    parts = [
-                        back[offsets[i] : offsets[i] + region_numel(self._mine[i])] for i in r.copy_order
-                    ]
-                    torch.cat(parts, out=send)
-                copies = self._buffer(dtype, "copy recv", sum(copy_from), device)
-                self._exchange(copies, send, copy_from, copy_to)
-            casts: dict[tuple[str, torch.dtype], Tensor] = {}
-            for role, buffer, index in (("back", back, r.gather_order), ("copies", copies, r.copied_order)):
-                offset = 0
-                for i in index:
+            # 3. every holder's part of each result back to it
+            send = self._buffer(dtype, "scatter send", sum(to_rank), device)
+            parts = [
+                _part(out, routes.held[i][r]).reshape(-1)
+                for r in range(world)
+                for i, out in zip(order[me], owned)
+                if routes.held[i][r] is not None
+            ]
+            if parts:
+                torch.cat(parts, out=send)
+            recv = self._buffer(dtype, "scatter recv", sum(from_owner), device)
+            self._inflight.issue(dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group)
+            self._inflight.wait()
+            casts: dict[torch.dtype, Tensor] = {}
+            offset = 0
+            for o in range(world):
+                for i in order[o]:
+                    region = self._mine[i]
+                    if region is None:
+                        continue
                     out_dtype = out_dtypes[i]
-                    key = (role, out_dtype)
-                    if key not in casts:
-                        casts[key] = buffer if buffer.dtype == out_dtype else buffer.to(out_dtype)
-                    results[i] = _at(casts[key], offset, self._mine[i])
-                    offset += region_numel(self._mine[i])
+                    if out_dtype not in casts:
+                        casts[out_dtype] = recv if recv.dtype == out_dtype else recv.to(out_dtype)
+                    size = region_numel(region)
+                    results[i] = casts[out_dtype][offset : offset + size].view(region_sizes(region))
+                    offset += size
             t3 = timer.now()
             stats.ns_seconds += t2 - t1
             stats.comm_seconds += (t1 - t0) + (t3 - t2)
         stats.bytes_sent, stats.bytes_received = self._bytes
         self.stats = stats
-        for i, res in enumerate(results):
-            if res is None:  # this rank holds no part of it
+        for i, r in enumerate(results):
+            if r is None:  # this rank holds no part of it
                 results[i] = sources[i].new_empty(sources[i].shape, dtype=out_dtypes[i])
         return results  # type: ignore[return-value]
-
-    def _exchange(self, recv: Tensor, send: Tensor, recv_sizes: list[int], send_sizes: list[int]) -> None:
-        self._inflight.issue(dist.all_to_all_single, recv, send, recv_sizes, send_sizes, group=self.group)
-        self._inflight.wait()
 
     def _buffer(self, dtype: torch.dtype, role: str, numel: int, device: torch.device) -> Tensor:
         """The persistent exchange buffer for ``role`` in ``dtype`` (its size never changes)."""
@@ -290,37 +251,8 @@ class ShardedOrthogonalizer:
         return full
 
 
-@dataclass(frozen=True)
-class _DtypeRoutes:
-    """One NS dtype's routes as this rank runs them: the matrices whose part it sends each owner
-    (owners in rank order; its parts of the results come back in the same order), the parts of
-    its owned results it sends back (primaries in rank order), the parts it passes on as a
-    primary and receives as another holder, and the element counts of each exchange."""
-
-    gather_order: list[int]
-    scatter_order: list[tuple[int, Region]]
-    copy_order: list[int]
-    copied_order: list[int]
-    gather: tuple[list[int], list[int]]
-    copy: tuple[list[int], list[int]]
-    copied: bool  # whether any rank passes a part on (the third exchange runs on every rank)
-
-
 def _part(t: Tensor, region: Region) -> Tensor:
     return t[tuple(slice(a, b) for a, b in region)]
-
-
-def _at(flat: Tensor, offset: int, region: Region) -> Tensor:
-    """A part laid out flat at ``offset``, viewed in its own shape."""
-    return flat[offset : offset + region_numel(region)].view(region_sizes(region))
-
-
-def _offsets(order: list[int], mine: list[Region | None]) -> dict[int, int]:
-    offsets, offset = {}, 0
-    for i in order:
-        offsets[i] = offset
-        offset += region_numel(mine[i])
-    return offsets
 
 
 def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: int) -> Tensor:
@@ -340,11 +272,10 @@ def exchange_bytes(routes: Routes, rank: int) -> tuple[int, int]:
     sent = received = 0
     for dtype in routes.order:
         item = torch.empty((), dtype=dtype).element_size()
-        (to_owner, from_rank), (copy_to, copy_from) = (
+        (to_owner, from_rank), (to_rank, from_owner) = (
             routes.gather_sizes(dtype, rank),
-            routes.copy_sizes(dtype, rank),
+            routes.scatter_sizes(dtype, rank),
         )
-        away = sum(to_owner) - to_owner[rank] + sum(from_rank) - from_rank[rank]  # gather, then scatter back
-        sent += item * (away + sum(copy_to))
-        received += item * (away + sum(copy_from))
+        sent += item * (sum(to_owner) - to_owner[rank] + sum(to_rank) - to_rank[rank])
+        received += item * (sum(from_rank) - from_rank[rank] + sum(from_owner) - from_owner[rank])
     return sent, received

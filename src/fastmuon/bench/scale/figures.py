@@ -4,9 +4,8 @@ FLOPs, bytes sent and received, collectives, exchange buffers, predicted seconds
 fastmuon's own figures come from the functions its distributed step runs: the planner
 (:func:`fastmuon.ns.build.plan_for`), the FLOP-balanced owners
 (:func:`fastmuon.distributed.assign_work`, restricted to the ranks holding a matrix whole), and
-the exchange's routing rule (every part from its primary, the holder nearest the owner, to the
-owner and its result back, then on to the part's other holders; see
-:mod:`fastmuon.distributed.exchange`). They are recomputed here over
+the exchange's routing rule (every part from its nearest holder to the owner, every holder's part
+of the result back; see :mod:`fastmuon.distributed.exchange`). They are recomputed here over
 arrays rather than through ``exchange.Routes``, which lists every rank's box of every matrix and
 would take minutes at 1,024 ranks on a model with tens of thousands of expert matrices; the tests
 hold the two equal on small worlds, and equal to what gloo runs count.
@@ -294,8 +293,7 @@ def _nearest(ranks: np.ndarray, owner: int) -> int:
 def fastmuon_figures(
     workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
 ) -> Figures:
-    """fastmuon's step: the exchange (two all_to_all per NS dtype, three with replicated parts)
-    for sharded layouts, one
+    """fastmuon's step: the exchange (two all_to_all per NS dtype) for sharded layouts, one
     broadcast per work unit under DDP; ``model`` prices NS, ``link`` (bytes/s each way) the bytes."""
     world = layout.world
     threads = settings.threads or torch.get_num_threads()
@@ -339,8 +337,6 @@ def fastmuon_figures(
         seconds[u.owner] += _bucket_seconds(plan, u.bucket, u.stop - u.start, model, threads)
     gather_send, gather_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
     scatter_send, scatter_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
-    copy_send, copy_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
-    copied: set[torch.dtype] = set()  # NS dtypes with a third all_to_all (replicated parts)
     # parts held by one rank each (FSDP's row blocks), all at once
     one = [(k, i) for k, i in enumerate(spread) if all(len(r) == 1 for r in mats[i].part_ranks)]
     if one:
@@ -360,23 +356,20 @@ def fastmuon_figures(
             continue
         m, o, item = mats[i], owner[k], _itemsize(dtype_of[k])
         for n, ranks in zip(m.part_numel.tolist(), m.part_ranks):
-            primary = _nearest(ranks, o)  # the part goes to the owner and its result back from here
-            size = n * item
-            gather_send[primary] += size
-            gather_recv[o] += size
-            scatter_send[o] += size
-            scatter_recv[primary] += size
-            if primary != o:
-                sent[[primary, o]] += size
-                received[[o, primary]] += size
-            others = ranks[ranks != primary]  # the replicas: the primary passes the result on
-            if len(others):
-                copied.add(dtype_of[k])
-                copy_send[primary] += size * len(others)
-                copy_recv[others] += size
-                sent[primary] += size * len(others)
-                received[others] += size
-    buffers[:] = gather_send + gather_recv + scatter_send + scatter_recv + copy_send + copy_recv
+            src = _nearest(ranks, o)
+            gather_send[src] += n * item
+            gather_recv[o] += n * item
+            if src != o:
+                sent[src] += n * item
+                received[o] += n * item
+            scatter_send[o] += n * item * len(ranks)
+            scatter_recv[ranks] += n * item
+            has_owner = bool(np.any(ranks == o))
+            sent[o] += n * item * (len(ranks) - has_owner)
+            received[ranks] += n * item
+            if has_owner:
+                received[o] -= n * item
+    buffers[:] = gather_send + gather_recv + scatter_send + scatter_recv
     # what each rank holds whole alone runs in a local engine, its own plan
     local: dict[int, list[tuple[int, ...]]] = {}
     for m in mats:
@@ -397,7 +390,7 @@ def fastmuon_figures(
     note = f"{len(spread)} of {len(mats)} matrices exchanged, {len(mats) - len(spread)} orthogonalised where they lie"
     return Figures(
         "fastmuon", str(layout), world, flops, sent, received, buffers, held, seconds, comm,
-        {"all_to_all": 2 * len(dtypes) + len(copied)} if spread else {}, _itemsize(settings.ns_dtype), note,
+        {"all_to_all": 2 * len(dtypes)} if spread else {}, _itemsize(settings.ns_dtype), note,
         (plan, units, local_plans),
     )  # fmt: skip
 
