@@ -16,6 +16,7 @@ mesh's group.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,24 +120,35 @@ def exchange_group(
 class PartsTable:
     """Every parameter's :class:`Parts` and the exchange's group, for a step over DTensors.
 
-    Built once over the optimizer's flat parameter list (one collective, on every rank at
-    once: see :meth:`build`) and kept with it: a parameter's layout is fixed while it is the
-    same object, and a new list (new groups, ``invalidate()``) comes with a new table.
+    Built over the optimizer's flat parameter list (one collective, on every rank at once:
+    see :meth:`build`) and kept while the list holds the same objects: a parameter's layout is
+    fixed while it is the same object. So a step rebuilds the table only where every rank's
+    parameters changed (new groups, parameters swapped in), never for one rank's own reasons.
     """
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
-        self.ready = False
         self.checked = False  # whether the plain tensors' gradients were found replicated
+        self._params: list[Any] | None = None
         self._by_id: dict[int, Parts] = {}
 
+    def fits(self, params: list[Any]) -> bool:
+        """Whether the table was built over these very parameters, in this order."""
+        kept = self._params
+        if kept is params:
+            return True
+        if kept is None or len(kept) != len(params) or not all(map(operator.is_, kept, params)):
+            return False
+        self._params = params
+        return True
+
     def build(
-        self, params: Sequence[Any], inflight: InFlight, name: Callable[[int], str], optimizer: str
+        self, params: list[Any], inflight: InFlight, name: Callable[[int], str], optimizer: str
     ) -> None:
         self.group = exchange_group(params, name, optimizer)
         parts = gather_parts(params, self.group, inflight, name, optimizer)
         self._by_id = {id(p): part for p, part in zip(params, parts)}
-        self.ready = True
+        self._params, self.checked = params, False
 
     def check_plain(
         self, params: Sequence[Any], grads: Sequence[Tensor | None], inflight: InFlight, name, optimizer: str

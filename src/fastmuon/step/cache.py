@@ -83,7 +83,6 @@ class StepCache:
         """After the groups, their ``params`` or the state changed: programs are rebuilt."""
         self.programs.clear()
         self._params = None
-        self.parts = PartsTable()
 
     def clear(self) -> None:
         """Programs and executors both (new parameters or a loaded state)."""

@@ -182,7 +182,7 @@ class StepDriver:
         if env.process_group is not None or sharded:
             self.inflight.settle()  # the last step's (finished long ago)
             ctx = self._dist_context(env)
-            if sharded and not parts.ready:  # every rank's part of every parameter, once
+            if sharded and not parts.fits(flat):  # every rank's part of every parameter, once
                 parts.build(flat, self.inflight, flat_namer(ctx), env.optimizer)
             if not self.initialised:
                 self.init_state(env)  # every rank holds every parameter's state (rank-symmetric)
@@ -197,8 +197,9 @@ class StepDriver:
     def _collect(self, env: StepEnv, grads: Sequence[Tensor | None]) -> Any:
         """This step's work items (the rule's ``Items``), creating missing state."""
         parts = None
-        if self.cache.params(env.groups)[1]:
-            parts = self.cache.parts if self.cache.parts.ready else provisional_parts
+        flat, sharded = self.cache.params(env.groups)
+        if sharded:
+            parts = self.cache.parts if self.cache.parts.fits(flat) else provisional_parts
         collecting = CollectEnv(
             env.state,
             env.lr_value,
