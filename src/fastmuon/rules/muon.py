@@ -121,7 +121,6 @@ def collect(
                     group=gi,
                     index=index,
                     decay=1 - lr * wd,
-                    optimizer=env.optimizer,
                     parts=env.parts_of(p),
                     cautious=cautious,
                 )

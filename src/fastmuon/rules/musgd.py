@@ -96,7 +96,6 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     config=config,
                     group=gi,
                     index=index,
-                    optimizer=env.optimizer,
                     parts=env.parts_of(p),
                 )
             elementwise.append(

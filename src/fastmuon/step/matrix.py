@@ -75,16 +75,14 @@ def matrix_items(
     group: int,
     index: int,
     decay: Any = 1.0,
-    optimizer: str = "the optimizer",
     cautious: bool = False,
     parts: Any = None,
 ) -> list[MatrixItem]:
     """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
     ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
     learning-rate factor of its own shape (``adjust``, with ``rms_scale`` for
-    "match_rms_adamw"). Views of the tensors throughout; ``optimizer`` names
-    the optimizer in errors. ``parts``: in a step over DTensors, where each rank's part of
-    ``p`` lies (the matrices are then this rank's parts of them)."""
+    "match_rms_adamw"). Views of the tensors throughout. ``parts``: in a step over DTensors,
+    where each rank's part of ``p`` lies (the matrices are then this rank's parts of them)."""
     buf = state_buffer(state, "momentum_buffer", p)
     if parts is not None:
         pieces = held_pieces(m, p, grad, buf, parts)
