@@ -24,7 +24,7 @@ from ..ns.engine import NSConfig, TensorLayout, spec_of
 from ..ns.planner import Plan
 from .dtensor import local_shard
 from .exchange import ShardedOrthogonalizer, contiguous_layout
-from .inflight import InFlight
+from .inflight import InFlight, collective_device
 from .replicated import ReplicatedOrthogonalizer
 from .sharded import ShardedMatrix, SplitShardedOrthogonalizer
 
@@ -118,8 +118,7 @@ def _plan(ctx: DistContext, specs, configs, policy, group) -> Plan:
 def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: torch.device) -> Any:
     """``obj`` as rank ``src`` (a global rank) has it, on every rank: ``broadcast_object_list``'s
     pickle and two broadcasts, with the buffers held by ``inflight`` (see inflight.py)."""
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collective_device(device, group)
     data = pickle.dumps(obj) if dist.get_rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     inflight.issue(dist.broadcast, size, src=src, group=group)
@@ -157,9 +156,7 @@ def begin_step(ctx: DistContext, params: Sequence[Tensor], group: Any) -> dict[T
     """
     if not params:
         return {}
-    device = local_shard(params[0]).device
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = collective_device(local_shard(params[0]).device, group)
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
     ctx.inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
     ctx.inflight.wait()

@@ -21,7 +21,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
+
+
+def collective_device(device: torch.device, group: Any) -> torch.device:
+    """Where a collective's tensors must live for ``group``'s backend: NCCL takes CUDA tensors
+    only, so a CPU-side buffer (flags, sizes, boxes) goes to the current CUDA device there."""
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
 
 #: How long :meth:`InFlight.settle` waits for a helper thread to let go of a finished
 #: collective's tensors (normally microseconds: the thread only has to reach its next line).

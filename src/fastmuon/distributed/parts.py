@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .dtensor import is_dtensor
-from .inflight import InFlight
+from .inflight import InFlight, collective_device
 
 #: A box of a tensor: ``(start, stop)`` per dimension.
 Region = tuple[tuple[int, int], ...]
@@ -189,7 +189,7 @@ def gather_parts(
     for k in sharded:
         region = own_region(params[k])
         mine += [-1] * (2 * params[k].ndim) if region is None else [x for ab in region for x in ab]
-    device = _collective_device(params[sharded[0]].to_local().device, group)
+    device = collective_device(params[sharded[0]].to_local().device, group)
     send = torch.tensor(mine, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(send) for _ in range(world)]
     inflight.issue(dist.all_gather, gathered, send, group=group)
@@ -219,12 +219,6 @@ def _region(row: list[int]) -> Region | None:
     return tuple((row[i], row[i + 1]) for i in range(0, len(row), 2))
 
 
-def _collective_device(device: torch.device, group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl" and device.type != "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def check_replicated(
     grads: Sequence[Tensor | None], names: Sequence[str], group: Any, inflight: InFlight, optimizer: str
 ) -> None:
@@ -235,7 +229,7 @@ def check_replicated(
     if not live:
         return
     sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) for g, _ in live]).reshape(-1)
-    both = torch.cat([sums, -sums]).to(_collective_device(sums.device, group))
+    both = torch.cat([sums, -sums]).to(collective_device(sums.device, group))
     inflight.issue(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=group)
     inflight.wait()
     high, low = both[: sums.numel()].cpu(), -both[sums.numel() :].cpu()
