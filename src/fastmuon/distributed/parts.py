@@ -153,10 +153,8 @@ class PartsTable:
     def check_plain(
         self, params: Sequence[Any], grads: Sequence[Tensor | None], inflight: InFlight, name, optimizer: str
     ) -> None:
-        """Once: refuse a plain tensor whose gradient differs across ranks (see
-        :func:`check_replicated`)."""
-        if self.checked:
-            return
+        """Refuse a plain tensor whose gradient differs across ranks (see
+        :func:`check_replicated`); ``checked`` says it passed, so a step runs it once."""
         plain = [k for k, p in enumerate(params) if not is_dtensor(p)]
         check_replicated([grads[k] for k in plain], [name(k) for k in plain], self.group, inflight, optimizer)
         self.checked = True

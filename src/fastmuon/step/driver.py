@@ -190,8 +190,8 @@ class StepDriver:
         grads = [p.grad for p in flat]
         if zero_grads:
             grads = [zero_grads.get(p) if g is None else g for p, g in zip(flat, grads)]
-        if sharded:
-            parts.check_plain(flat, grads, self.inflight, flat_namer(self._dist_context(env)), env.optimizer)
+        if sharded and not parts.checked:  # once per table: not on every step's path
+            parts.check_plain(flat, grads, self.inflight, flat_namer(ctx), env.optimizer)
         return flat, grads
 
     def _collect(self, env: StepEnv, grads: Sequence[Tensor | None]) -> Any:
