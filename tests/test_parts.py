@@ -42,16 +42,10 @@ def layouts(draw):
     return shape, tuple(regions)
 
 
-class Sharded:
-    """What ``held_pieces`` reads of a DTensor: its whole shape and this rank's local tensor."""
-
-    def __init__(self, whole: torch.Tensor, region):
-        self.shape = whole.shape
-        index = tuple(slice(a, b) for a, b in region) if region else tuple(slice(0, 0) for _ in whole.shape)
-        self._local = whole[index]
-
-    def to_local(self) -> torch.Tensor:
-        return self._local
+def local_part(whole: torch.Tensor, region) -> torch.Tensor:
+    """A rank's local tensor: its box of ``whole`` (an empty tensor where it holds none)."""
+    index = tuple(slice(a, b) for a, b in region) if region else tuple(slice(0, 0) for _ in whole.shape)
+    return whole[index]
 
 
 MAPS = ["flatten", "experts", {"batch_dims": 1, "heads": 2}, {"split": [1, 2]}]
@@ -85,7 +79,7 @@ def test_each_rank_views_its_part_of_every_matrix(layout, spec):
         return  # a map this shape cannot take (heads that do not divide, a split that does not fit)
     whole = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     for rank, region in enumerate(regions):
-        t = Sharded(whole, region)
+        t = local_part(whole, region)
         pieces = iter(held_pieces(m, t, t, t, Parts(shape, regions, rank)))
         for box in m.boxes(shape):
             matrix = whole[box]

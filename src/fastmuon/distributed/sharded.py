@@ -14,7 +14,6 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,18 +46,17 @@ class ShardedMatrix:
         return not (len(holders) == 1 and holders[0] == tuple((0, n) for n in self.shape))
 
 
-def held_pieces(m: MatrixMap, p: Any, grad: Any, buf: Any, parts: Parts) -> list[tuple]:
-    """The matrices of parameter ``p`` under map ``m`` that this rank takes part in, as
-    ``(param, grad, buffer, shape, split, piece, whole)`` with views of its local tensors (see
+def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts) -> list[tuple]:
+    """The matrices under map ``m`` of the parameter whose local tensors (this rank's part) are
+    ``p``, ``grad`` and ``buf`` that this rank takes part in, as
+    ``(param, grad, buffer, shape, split, piece, whole)`` with views of those tensors (see
     :func:`fastmuon.step.matrix.matrix_items`); ``whole`` describes the matrix for the planner.
 
     A matrix is kept if this rank holds part of it, or if it is exchanged (every rank takes part
     in that, maybe with an empty part); one held whole by another rank alone is that rank's.
     Every rank computes every box from ``parts``, so all agree on which matrices are exchanged.
     """
-    shape = tuple(p.shape)
-    local = [_local(t) for t in (p, grad, buf)]
-    mine = parts.mine
+    shape, local, mine = parts.shape, (p, grad, buf), parts.mine
     boxes: list[Box] = []
     pieces = []
     for box, factor_shape in zip(m.boxes(shape), m.shapes(shape)):
@@ -74,10 +72,6 @@ def held_pieces(m: MatrixMap, p: Any, grad: Any, buf: Any, parts: Parts) -> list
         pieces.append((*(t[local_box] for t in local), factor_shape, matrix))
     split = functools.partial(_cut, tuple(boxes))
     return [(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)]
-
-
-def _local(t: Any) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _box_ranges(box: Box, shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[bool]]:

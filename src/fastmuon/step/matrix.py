@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..distributed.dtensor import local_shard
 from ..distributed.sharded import held_pieces
 from ..matrices import MatrixMap
 from ..ns.device import compute_dtype
@@ -85,7 +86,7 @@ def matrix_items(
     where each rank's part of ``p`` lies (the matrices are then this rank's parts of them)."""
     buf = state_buffer(state, "momentum_buffer", p)
     if parts is not None:
-        pieces = held_pieces(m, p, grad, buf, parts)
+        pieces = held_pieces(m, *map(local_shard, (p, grad, buf)), parts)
     elif m.is_flatten:
         pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
     else:
