@@ -94,6 +94,14 @@ class Routes:
                 recv[s] += region_numel(reg)
         return send, recv
 
+    def sizes(
+        self, rank: int
+    ) -> dict[torch.dtype, tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]]:
+        """Per NS dtype, ``rank``'s gather sizes and scatter sizes (see those methods)."""
+        return {
+            dtype: (self.gather_sizes(dtype, rank), self.scatter_sizes(dtype, rank)) for dtype in self.order
+        }
+
     def scatter_sizes(self, dtype: torch.dtype, rank: int) -> tuple[list[int], list[int]]:
         """Elements ``rank`` sends each rank as owner, and receives from each owner."""
         order = self.order[dtype]
@@ -143,10 +151,8 @@ class ShardedOrthogonalizer:
             ]
             for dtype, order in routes.order.items()
         }
-        self._sizes = {
-            dtype: (routes.gather_sizes(dtype, me), routes.scatter_sizes(dtype, me)) for dtype in routes.order
-        }
-        self._bytes = exchange_bytes(routes, me)
+        self._sizes = routes.sizes(me)
+        self._bytes = moved_bytes(self._sizes, me)
         self._buffers: dict[tuple[torch.dtype, str], Tensor] = {}
         self._inflight = InFlight()
         self.profile = False
@@ -269,13 +275,14 @@ def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: i
 
 def exchange_bytes(routes: Routes, rank: int) -> tuple[int, int]:
     """Bytes ``rank`` sends and receives per step under ``routes`` (its own parts excluded)."""
+    return moved_bytes(routes.sizes(rank), rank)
+
+
+def moved_bytes(sizes: dict, rank: int) -> tuple[int, int]:
+    """Bytes sent and received given ``rank``'s :meth:`Routes.sizes` (its own parts excluded)."""
     sent = received = 0
-    for dtype in routes.order:
+    for dtype, ((to_owner, from_rank), (to_rank, from_owner)) in sizes.items():
         item = torch.empty((), dtype=dtype).element_size()
-        (to_owner, from_rank), (to_rank, from_owner) = (
-            routes.gather_sizes(dtype, rank),
-            routes.scatter_sizes(dtype, rank),
-        )
         sent += item * (sum(to_owner) - to_owner[rank] + sum(to_rank) - to_rank[rank])
         received += item * (sum(from_rank) - from_rank[rank] + sum(from_owner) - from_owner[rank])
     return sent, received
