@@ -4,7 +4,9 @@
 #   2.13.0 (default): the CPU build, in .venv, beside PyPI's torchvision 0.28.0, which does not
 #                     import beside it and is removed again (the tests that need it skip here);
 #   2.14.1:           PyPI's build (CUDA, runs on a CPU too), in .venv-torch2.14, beside
-#                     torchvision 0.29.1, which imports: Ultralytics' trainer tests run there.
+#                     torchvision 0.29.1, which imports: Ultralytics' trainer tests run there;
+#   2.15.0:           the newest release, PyPI's build, in .venv-torch2.15, without torchvision
+#                     (none is published for it here): the trainer tests skip there.
 # Sourced by bench.sh and test.sh so that each is one command on a fresh machine; a second run
 # installs nothing that is already there.
 set -euo pipefail
@@ -13,7 +15,8 @@ TORCH="${2:-2.13.0}"
 case "$TORCH" in
   2.13.0) VENV=.venv TORCHVISION=0.28.0 ;;
   2.14.1) VENV=.venv-torch2.14 TORCHVISION=0.29.1 ;;
-  *) echo "setup: torch $TORCH is not one of the tested releases (2.13.0, 2.14.1)" >&2; exit 2 ;;
+  2.15.0) VENV=.venv-torch2.15 TORCHVISION= ;;
+  *) echo "setup: torch $TORCH is not one of the tested releases (2.13.0, 2.14.1, 2.15.0)" >&2; exit 2 ;;
 esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -23,14 +26,19 @@ if [ ! -x "$PY" ]; then
 fi
 # torch first and pinned: an unpinned torch would pull whatever build is newest.
 torch_ready="import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH')"
-"$PY" -c "$torch_ready" 2>/dev/null || "$PY" -m pip install -q "torch==$TORCH"
+if ! "$PY" -c "$torch_ready" 2>/dev/null && ! "$PY" -m pip install -q "torch==$TORCH"; then
+  echo "setup: pip could not install torch==$TORCH; if it says '(constraint) torch<=...', a pip" \
+    "constraint file caps torch on this machine (pip config list shows which): lift it, or run" \
+    "the other releases alone (FASTMUON_TEST_TORCH=\"2.13.0 2.14.1\" ./test.sh)" >&2
+  exit 1
+fi
 "$PY" -m pip install -q -e ".[$EXTRAS]" "torch==$TORCH"
 # The tests run Ultralytics' trainer (the [ultralytics] extra) with torch and its torchvision pinned
 # in the same command, so that torchvision's torch requirement cannot swap the installed build.
 # Best effort: without it the trainer tests skip. Skipped once the trainer's own dependencies are
 # there, so that a second run does not install (and remove again) torchvision each time.
 trainer_ready='import cv2, polars, yaml, importlib.metadata as m; assert m.version("ultralytics") == "8.4.190"'
-if [[ ",$EXTRAS," == *,test,* ]] && ! "$PY" -c "$trainer_ready" 2>/dev/null; then
+if [[ ",$EXTRAS," == *,test,* ]] && [ -n "$TORCHVISION" ] && ! "$PY" -c "$trainer_ready" 2>/dev/null; then
   "$PY" -m pip install -q -e ".[$EXTRAS,ultralytics]" "torch==$TORCH" "torchvision==$TORCHVISION" \
     || echo "setup: the [ultralytics] extra did not install; the trainer tests will skip" >&2
   # PyPI's x86-64 torchvision is linked against PyPI's (CUDA) build of torch: beside the CPU build

@@ -34,7 +34,9 @@ def test_a_pickled_0_4_optimizer_loads_and_steps_as_0_4_did(name, cls):
         p.grad = by_shape[tuple(p.shape)].clone()
     opt.step()
     for p in params:
-        assert torch.equal(p.detach(), saved[f"{name}_next"][tuple(p.shape)])
+        # fp32 NS: equal up to the summation order of the CPU's matmul kernels (oneDNN picks them
+        # per instruction set, so the file's CPU and this one may round differently)
+        torch.testing.assert_close(p.detach(), saved[f"{name}_next"][tuple(p.shape)], rtol=0, atol=1e-6)
 
 
 def test_a_pickled_0_4_optimizer_state_dict_loads_into_a_new_one():

@@ -24,3 +24,43 @@ def test_one_version_everywhere(capsys):
 def test_ships_type_marker_and_licence():
     assert (pathlib.Path(fastmuon.__file__).parent / "py.typed").is_file()
     assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def _tested_releases() -> list[str]:
+    script = (ROOT / "test.sh").read_text()
+    default = script.split('releases="${FASTMUON_TEST_TORCH:-', 1)[1].split("}", 1)[0]
+    return default.split()
+
+
+def _torch_requirement():
+    from packaging.requirements import Requirement
+
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    (torch_req,) = [Requirement(d.strip().strip('"')) for d in deps.split(",") if "torch" in d]
+    return torch_req
+
+
+def test_the_running_torch_satisfies_the_declared_requirement():
+    """Installing fastmuon beside this torch must not swap it for another release."""
+    import torch
+    from packaging.version import Version
+
+    running = Version(torch.__version__.split("+")[0])
+    assert _torch_requirement().specifier.contains(running), (torch.__version__, str(_torch_requirement()))
+
+
+def test_the_torch_bound_is_one_release_past_the_newest_tested():
+    from packaging.version import Version
+
+    tested = [Version(v) for v in _tested_releases()]
+    assert tested, "test.sh names no torch release"
+    newest = max(tested)
+    spec = _torch_requirement().specifier
+    assert all(spec.contains(v) for v in tested)
+    # every patch of the newest tested release is allowed, the next (untested) release is not
+    assert spec.contains(Version(f"{newest.major}.{newest.minor}.99"))
+    assert not spec.contains(Version(f"{newest.major}.{newest.minor + 1}.0"))
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    for v in _tested_releases():
+        assert f"  {v})" in setup, f"scripts/setup.sh has no case for torch {v}"

@@ -315,6 +315,7 @@ class MatrixOptimizer(Optimizer):
             self._param_name,
             self._validate_group,
             self.rule.state_roles,
+            self._state_shapes,
         )
         adapted = adapt_state_dict(target, state_dict)
         pre_hooks, post_hooks = (
@@ -331,6 +332,11 @@ class MatrixOptimizer(Optimizer):
         self._after_load()
         for post_hook in list(post_hooks.values()):
             post_hook(self)
+
+    def _state_shapes(self, group: dict[str, Any], where: str) -> list[dict[str, tuple[int, ...]]]:
+        """Per parameter of ``group``, the shape of each buffer not simply shaped like it."""
+        maps = self._check_matrix_maps(group, where)
+        return [self.rule.state_shapes(group, p, m) for p, m in zip(group["params"], maps)]
 
     def _after_load(self) -> None:
         """AdamW's ``step`` as float32 on the host (read there every step) or, ``capturable``, on

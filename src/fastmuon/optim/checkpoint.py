@@ -60,7 +60,19 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..rules.roles import ADAM, ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, HEAVY_BALL, MUON, MUSGD, SGD
+from ..rules.roles import (
+    ADAM,
+    ADAM_AVG,
+    ADAM_AVG_SQ,
+    ADAM_STEP,
+    ELEMENT_MOMENT,
+    EMA,
+    HEAVY_BALL,
+    MUON,
+    MUSGD,
+    ROW_MOMENT,
+    SGD,
+)
 from .state import check_state_layout
 
 _ADAM_ROLES = (ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP)
@@ -111,6 +123,12 @@ FAMILY_KEYS = {
             "adamw_eps",
             "use_muon",
             "rms_scale",
+            "cautious_weight_decay",
+            # NorMuon's and AdaMuon's, whose state dicts are Muon's with a second moment
+            "beta2",
+            "moment_eps",
+            "rescale",
+            "sign_momentum",
         }
     ),
     MUSGD: frozenset(
@@ -135,8 +153,10 @@ FAMILY_KEYS = {
 }
 _LR_ALIAS = "adjust_lr"
 _LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
+_MOMENT = "second_moment"
+_MOMENT_ROLES = (ROW_MOMENT, ELEMENT_MOMENT)
 _BUFFER_NAMES = frozenset(
-    {"momentum_buffer", "momentum_buffer_SGD", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"}
+    {"momentum_buffer", "momentum_buffer_SGD", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step", _MOMENT}
 )
 
 
@@ -149,6 +169,9 @@ class LoadTarget(NamedTuple):
     param_name: Callable[[dict[str, Any], int], str]  # names a parameter in errors
     validate: Callable[[dict[str, Any], str], None]  # raises for a group it would refuse
     state_roles: Callable[[dict[str, Any], Tensor], dict[str, str]]  # the buffers a step keeps
+    # per parameter of a (candidate) group named by the second argument, the shape of each buffer
+    # not simply shaped like the parameter (a second moment)
+    state_shapes: Callable[[dict[str, Any], str], list[dict[str, tuple[int, ...]]]]
 
 
 def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]], default: str) -> str:
@@ -226,7 +249,7 @@ def _source_roles(family: str, group: dict[str, Any], state: dict[str, Any]) -> 
             return {}
         return _adam_roles(group)
     if family == MUON:
-        return {"momentum_buffer": (EMA, group.get("momentum")), **_adam_roles(group)}
+        return {"momentum_buffer": (EMA, group.get("momentum")), **_adam_roles(group), **_moment_roles(group)}
     muon_half = "momentum_buffer_SGD" in state or group.get("use_muon") is True
     beta = group.get("momentum")
     if muon_half:
@@ -237,6 +260,22 @@ def _source_roles(family: str, group: dict[str, Any], state: dict[str, Any]) -> 
 def _adam_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     beta1, beta2 = _betas(group)
     return {"step": (ADAM_STEP, None), "exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, beta2)}
+
+
+def _moment_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """The second moment of a NorMuon or AdaMuon group (told apart by AdaMuon's own key)."""
+    if "beta2" not in group:
+        return {}  # Muon's: it keeps none
+    role = ELEMENT_MOMENT if "sign_momentum" in group else ROW_MOMENT
+    return {_MOMENT: (role, _moment_key(role, group))}
+
+
+def _moment_key(role: str, group: dict[str, Any]) -> Any:
+    """What, besides the role, a second moment's recurrence depends on in a group: ``β₂``, and
+    for AdaMuon's whether ``O`` orthogonalises the momentum's sign."""
+    if role == ELEMENT_MOMENT:
+        return (group.get("beta2"), group.get("sign_momentum"))
+    return group.get("beta2")
 
 
 def _betas(group: dict[str, Any]) -> tuple[Any, Any]:
@@ -271,6 +310,9 @@ def carry_buffers(
                 out[name] = by_role[HEAVY_BALL][0]
             elif EMA in by_role and by_role[EMA][1] == beta and group.get("weight_decay") == 0:
                 out[name] = by_role[EMA][0] / (1 - beta)
+        elif role in _MOMENT_ROLES and role in by_role and by_role[role][1] == _moment_key(role, group):
+            # a second moment averages its own variant's O⊙O: only the same variant's carries
+            out[name] = by_role[role][0]
     adam = {role: name for name, role in wanted.items() if role in _ADAM_ROLES}
     betas = _betas(group)
     if (
@@ -328,12 +370,14 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
         source_decay = saved.get("weight_decay", 0)
         # a saved group without momentum steps at the one filled in: its buffers are judged by it
         judged = saved if "momentum" in saved else {**saved, "momentum": group.get("momentum")}
+        shapes = into.state_shapes(candidate, where)
         for j, (pid, saved_buffers, p) in enumerate(zip(ids, states, own["params"])):
             owned.add(pid)
             roles = _source_roles(family, judged, saved_buffers)
             _check_buffers(into.param_name(own, j), saved_buffers, roles)
             wanted = into.state_roles(candidate, p)
             carried = carry_buffers(saved_buffers, roles, wanted, group, source_decay)
+            _check_shapes(into.param_name(own, j), carried, shapes[j])
             known = roles.keys() | wanted.keys() | _BUFFER_NAMES
             extra = {
                 k: v.clone() if isinstance(v, Tensor) else v
@@ -369,4 +413,17 @@ def _check_buffers(owner: str, buffers: dict[str, Any], roles) -> None:
             kind = f"a {value.dtype} tensor" if isinstance(value, Tensor) else repr(value)
             raise ValueError(
                 f"{where} is {kind}, not a floating-point buffer; drop that entry to restart it from zero"
+            )
+
+
+def _check_shapes(owner: str, carried: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """A carried buffer whose shape the target's step would refuse is refused here, before
+    anything changes (``check_state_layout`` has checked the buffers shaped like the parameter)."""
+    for name, shape in shapes.items():
+        value = carried.get(name)
+        if isinstance(value, Tensor) and tuple(value.shape) != shape:
+            raise ValueError(
+                f"{owner}: saved state {name!r} has shape {tuple(value.shape)} but the group's matrix "
+                f"map needs {shape}; load it with the matrices= map it was saved with, or drop that "
+                "entry to restart it from zeros"
             )

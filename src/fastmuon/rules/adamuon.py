@@ -22,15 +22,17 @@ from typing import Any
 
 from torch import Tensor
 
+from ..matrices import MatrixMap
 from ..step.collecting import CollectEnv
 from . import muon as muon_rule
 from .muon import Items, is_matrix
-from .normuon import Variant, build, family, reference, state_roles, variant_scalars
+from .normuon import Variant, build, family, reference, variant_scalars
 
 __all__ = [
     "Items",
     "is_matrix",
     "state_roles",
+    "state_shapes",
     "collect",
     "scalars",
     "build",
@@ -39,6 +41,16 @@ __all__ = [
 ]
 
 VARIANT = Variant(per_row=False, sign_key="sign_momentum")
+
+
+def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
+    """Muon's buffers, and a matrix's elementwise second moment."""
+    return VARIANT.roles(group, p)
+
+
+def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
+    """The shape of each buffer the loader must check: ``second_moment``, ``p``'s own."""
+    return VARIANT.shapes(group, p, m)
 
 
 def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:

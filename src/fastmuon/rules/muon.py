@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import maps_key
+from ..matrices import MatrixMap, maps_key
 from ..step.adamw import (
     AdamWClasses,
     AdamWItem,
@@ -75,6 +75,11 @@ def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
     if group.get("use_muon") is True:
         return {}
     return {"step": ADAM_STEP, "exp_avg": ADAM_AVG, "exp_avg_sq": ADAM_AVG_SQ}
+
+
+def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
+    """The shape of each buffer not simply shaped like ``p`` (``step`` is a count): none."""
+    return {}
 
 
 def adamw_eps(group: Mapping[str, Any]) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import maps_key
+from ..matrices import MatrixMap, maps_key
 from ..step.collecting import CollectEnv, live_params, ns_config
 from ..step.elementwise import lr_factor
 from ..step.matrix import (
@@ -67,6 +67,11 @@ def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
     if is_matrix(group, p):
         return {"momentum_buffer": EMA, "momentum_buffer_SGD": HEAVY_BALL}
     return {"momentum_buffer_SGD": HEAVY_BALL}
+
+
+def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
+    """The shape of each buffer not simply shaped like ``p`` (``step`` is a count): none."""
+    return {}
 
 
 def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:

@@ -34,20 +34,27 @@ from ..step.moments import ADAMW_RMS, Moment, MomentScalars, MomentStage, refere
 from ..step.program import TwoHalves
 from . import muon as muon_rule
 from .muon import Items, is_matrix
-from .roles import MUON
+from .roles import ELEMENT_MOMENT, MUON, ROW_MOMENT
 
 # its state dicts are Muon's (the same group keys and buffers) plus ``second_moment``, which
-# loading carries as saved (see fastmuon.optim.checkpoint) and a fresh step makes as zeros
+# loading carries from a state dict of the same variant only (see fastmuon.optim.checkpoint) and
+# a fresh step makes as zeros
 family = MUON
 MOMENT = "second_moment"
 RESCALES = ("norm", "rms")
 
-__all__ = ["Items", "is_matrix", "state_roles", "collect", "scalars", "build", "reference"]
+__all__ = ["Items", "is_matrix", "state_roles", "state_shapes", "collect", "scalars", "build", "reference"]
 
 
 def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
-    """Muon's buffers; ``second_moment`` follows no recurrence the loader translates."""
-    return muon_rule.state_roles(group, p)
+    """Muon's buffers, and a matrix's per-row second moment."""
+    return VARIANT.roles(group, p)
+
+
+def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
+    """The shape of each buffer not simply shaped like ``p``: ``second_moment``, one entry per
+    row of each of ``p``'s matrices under its map ``m``."""
+    return VARIANT.shapes(group, p, m)
 
 
 class Variant:
@@ -57,6 +64,18 @@ class Variant:
     def __init__(self, per_row: bool, sign_key: str | None = None):
         self.per_row = per_row
         self.sign_key = sign_key  # the group key saying whether NS takes the momentum's sign
+        self.role = ROW_MOMENT if per_row else ELEMENT_MOMENT
+
+    def roles(self, group: dict[str, Any], p: Tensor) -> dict[str, str]:
+        """Muon's buffers, and ``second_moment`` for a matrix."""
+        roles = muon_rule.state_roles(group, p)
+        return {**roles, MOMENT: self.role} if is_matrix(group, p) else roles
+
+    def shapes(self, group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
+        """``second_moment``'s shape for a matrix: one entry per neuron, or the parameter's."""
+        if not is_matrix(group, p):
+            return {}
+        return {MOMENT: (sum(_neurons(m, p.shape)),) if self.per_row else tuple(p.shape)}
 
     def adjust(self, group: Mapping[str, Any]) -> str:
         if group["rescale"] == "rms":
@@ -93,6 +112,11 @@ class Variant:
         sign = bool(group[self.sign_key]) if self.sign_key else False
         for it, v in zip(items, views):
             it.moment = Moment(v, group["beta2"], group["moment_eps"], rms, sign, m.transposed)
+
+
+def _neurons(m: MatrixMap, shape: tuple[int, ...] | torch.Size) -> list[int]:
+    """Each matrix's neurons: its rows, or its stored columns where the map says (in, out)."""
+    return [s[0] for s in m.shapes(shape)]
 
 
 VARIANT = Variant(per_row=True)
