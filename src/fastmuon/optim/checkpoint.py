@@ -11,7 +11,7 @@ A key the saved group lacks is taken from the optimizer's own group at the same 
 from its defaults: the way torch fills keys an optimizer gained in a later version (a filled
 ``momentum`` is also the ``β`` the saved buffers are judged by, below). A saved
 key that belongs to the source optimizer's algorithm but not to this one (SGD's
-``dampening``, AdamW's ``amsgrad``, ...) is dropped, and so are the lr factor (``adjust_lr_fn``,
+``dampening``, AdamW's ``amsgrad``, a variant's ``beta2`` in Muon or MuSGD, ...) is dropped, and so are the lr factor (``adjust_lr_fn``,
 ``rms_scale``) between Muon and MuSGD, whose factors scale different learning rates; an older
 fastmuon MuSGD's ``adjust_lr`` is read as ``adjust_lr_fn``. So
 is one whose meaning differs here: ``weight_decay`` between coupled (SGD, MuSGD, Adam) and
@@ -40,7 +40,10 @@ zeros, would have produced it, so the next step is the one the target would have
   average of raw gradients);
 - ``HEAVY_BALL`` ↔ ``EMA`` with the same ``β`` where the heavy ball saw no weight decay:
   ``B = M / (1−β)`` (both are sums of ``βᵏ·g`` from zero; any ``wd·p`` term would not be);
-- AdamW's three entries together or not at all (its bias correction counts from ``step``).
+- AdamW's three entries together or not at all (its bias correction counts from ``step``);
+- a second moment (``second_moment``: NorMuon's per-row ``ROW_MOMENT``, AdaMuon's elementwise
+  ``ELEMENT_MOMENT``) from the same variant with the same ``β₂`` (and AdaMuon's
+  ``sign_momentum``) only: the two average different things, and Muon and MuSGD keep none.
 
 Anything else restarts from zero on the next step: buffers of SGD with ``dampening`` or
 ``maximize``, of Adam with coupled weight decay, or with another ``β``. Tensors are cast to
