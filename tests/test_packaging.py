@@ -33,11 +33,12 @@ def _tested_releases() -> list[str]:
 
 
 def _torch_requirement():
+    import tomllib
+
     from packaging.requirements import Requirement
 
-    text = (ROOT / "pyproject.toml").read_text()
-    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
-    (torch_req,) = [Requirement(d.strip().strip('"')) for d in deps.split(",") if "torch" in d]
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [r for r in map(Requirement, deps) if r.name == "torch"]
     return torch_req
 
 
