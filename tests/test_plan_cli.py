@@ -4,9 +4,11 @@ progress, the --world a mesh sets, and the messages and help a mistake meets."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
+from fastmuon.bench.scale import matrices, parse_layout, workload
 from fastmuon.cli import main
 
 FAST = ["--design", "fastmuon", "--classes", "1"]
@@ -210,3 +212,12 @@ def test_help_states_the_defaults_that_depend_on_other_options(capsys):
         in text
     )
     assert "--max-measure-seconds" in text and "default 120 s" in text
+
+
+# ----- the bundled gpt2 -------------------------------------------------------------------------
+def test_gpt2_fused_qkv_is_three_matrices():
+    w = workload("gpt2")
+    qkv = [t for t in w.tensors if ".attn_qkv." in t.name]
+    assert len(qkv) == 12 and all(t.shape == (2304, 768) and t.map == {"split": [768] * 3} for t in qkv)
+    shapes = Counter(m.shape for m in matrices(w, parse_layout("fsdp", 8)))
+    assert shapes == {(768, 768): 48, (3072, 768): 12, (768, 3072): 12}
