@@ -59,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         metavar="FILE",
-        help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))})",
+        help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))}; those the "
+        "layout's inner dim or ep size does not divide are left out)",
     )
     p.add_argument(
         "--measure", action="store_true",
@@ -117,12 +118,19 @@ def compute(args: argparse.Namespace, lay: Layout) -> dict[str, Figures | str]:
 
 
 # ----- the --plot sweep ---------------------------------------------------------------------------
+def _given_inner(spec: str) -> int | None:
+    """The inner dim of a mesh ``spec`` names (``hsdp:2x4``: 4); None where it names none."""
+    kind, _, mesh = spec.partition(":")
+    return int(mesh.lower().split("x")[1]) if kind in INNER_DIM and mesh else None
+
+
 def _kept_dim(spec: str) -> tuple[str, int] | None:
     """What the sweep keeps of ``spec`` at every world size, and its size: a given mesh's inner
     dim, ``ep:E``'s E (None: nothing fixed; the layout is remade at each size)."""
     kind, _, mesh = spec.partition(":")
-    if kind in INNER_DIM and mesh:
-        return f"inner ({INNER_DIM[kind]}) dim", int(mesh.lower().split("x")[1])
+    inner = _given_inner(spec)
+    if inner is not None:
+        return f"inner ({INNER_DIM[kind]}) dim", inner
     if kind == "ep" and mesh:
         return "ep size", int(mesh)
     return None
@@ -130,11 +138,8 @@ def _kept_dim(spec: str) -> tuple[str, int] | None:
 
 def sweep_spec(spec: str, world: int) -> str:
     """``spec`` at ``world`` ranks, its inner dim kept (``hsdp:2x4`` at 64: ``hsdp:16x4``)."""
-    kind, _, mesh = spec.partition(":")
-    if kind in INNER_DIM and mesh:
-        inner = int(mesh.lower().split("x")[1])
-        return f"{kind}:{world // inner}x{inner}"
-    return spec
+    inner = _given_inner(spec)
+    return spec if inner is None else f"{spec.partition(':')[0]}:{world // inner}x{inner}"
 
 
 def sweep_worlds(spec: str, w: Workload) -> tuple[list[int], str]:
@@ -190,7 +195,7 @@ def sweep_title(args: argparse.Namespace) -> str:
     spec = args.layout
     kind, _, mesh = spec.partition(":")
     if kind in INNER_DIM:
-        inner = int(mesh.lower().split("x")[1]) if mesh else NODE
+        inner = _given_inner(spec) or NODE
         return f"{args.model}, layout {kind}:(W/{inner})x{inner} (inner {INNER_DIM[kind]} dim {inner})"
     if kind == "ep" and not mesh:
         return f"{args.model}, layout ep:E, E = min(experts, W)"
