@@ -126,7 +126,7 @@ def _given_inner(spec: str) -> int | None:
 
 def _kept_dim(spec: str) -> tuple[str, int] | None:
     """What the sweep keeps of ``spec`` at every world size, and its size: a given mesh's inner
-    dim, ``ep:E``'s E (None: nothing fixed; the layout is remade at each size)."""
+    dim, ``ep:E``'s E (None: nothing kept; the layout is remade at each size)."""
     kind, _, mesh = spec.partition(":")
     inner = _given_inner(spec)
     if inner is not None:
