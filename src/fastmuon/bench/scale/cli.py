@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import torch
@@ -19,24 +20,38 @@ from ...cli import (
 )
 from .devices import DEVICE_NAMES, device
 from .figures import DESIGNS, Figures, Settings, figures
-from .layouts import LAYOUT_HELP, Layout, check_fits, parse_layout
-from .models import WORKLOADS, workload
+from .layouts import INNER_DIM, LAYOUT_HELP, NODE, Layout, check_fits, mesh_world, parse_layout
+from .measure import ROUNDS, busiest_rank, predicted_measure_seconds
+from .models import WORKLOADS, Workload, workload
 
 SWEEP = (8, 64, 256, 1024)
+#: --world where neither it nor a mesh naming both dims gives one
+DEFAULT_WORLD = 1024
+#: --max-measure-seconds by default
+DEFAULT_MAX_MEASURE_SECONDS = 120.0
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 SHOWN_CLASSES = 6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama3-70b", choices=list(WORKLOADS), help="the workload")
-    p.add_argument("--world", type=int, default=1024, help="ranks")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="ranks (default: R·S where --layout names both mesh dims, as hsdp:RxS or fsdp+tp:DxT; "
+        f"else {DEFAULT_WORLD})",
+    )
     p.add_argument("--layout", default="fsdp", help=f"how parameters lie on the ranks: {LAYOUT_HELP}")
     p.add_argument("--design", default="all", choices=("all", *DESIGNS), help="whose step to compute")
     p.add_argument(
         "--device", default="h100", choices=DEVICE_NAMES, help="the device times are predicted for"
     )
     p.add_argument(
-        "--ns-dtype", default=None, choices=list(DTYPES), help="NS dtype (bf16 on GPUs, fp32 on the CPU)"
+        "--ns-dtype",
+        default=None,
+        choices=list(DTYPES),
+        help="NS dtype (default: bf16 on the GPU devices, fp32 for cpu-measured)",
     )
     p.add_argument("--param-dtype", default="fp32", choices=list(DTYPES), help="the parameters' dtype")
     p.add_argument("--classes", type=int, default=SHOWN_CLASSES, help="rank classes shown per design")
@@ -44,12 +59,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         metavar="FILE",
-        help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))})",
+        help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))}; those the "
+        "layout's inner dim or ep size does not divide are left out)",
     )
     p.add_argument(
         "--measure", action="store_true",
         help="with --device cpu-measured: run the busiest rank's NS here and print measured against predicted",
     )  # fmt: skip
+    p.add_argument(
+        "--max-measure-seconds",
+        type=float,
+        default=DEFAULT_MAX_MEASURE_SECONDS,
+        help="with --measure: refuse to measure what the prediction says takes longer (the busiest "
+        f"rank's NS, once to warm up and {ROUNDS} times timed); 0: no limit; default "
+        f"{DEFAULT_MAX_MEASURE_SECONDS:g} s",
+    )
 
 
 def _settings(args: argparse.Namespace) -> tuple[Settings, Any]:
@@ -68,32 +92,114 @@ def _settings(args: argparse.Namespace) -> tuple[Settings, Any]:
     return settings, dev
 
 
-def _layout(args: argparse.Namespace, world: int, num_experts: int, sweep: bool = False) -> Layout:
-    spec = args.layout
-    if sweep and ":" in spec and spec.startswith(("hsdp", "fsdp+tp")):
-        inner = int(spec.partition(":")[2].lower().split("x")[1])  # keep the inner dim, if it fits
-        spec = f"{spec.partition(':')[0]}:{max(world // inner, 1)}x{min(inner, world)}"
-    elif sweep and spec.startswith("ep:"):
-        spec = f"ep:{min(int(spec[3:]), world)}"
+def world_of(args: argparse.Namespace) -> int:
+    """``--world``, else the ranks of a mesh naming both its dims, else :data:`DEFAULT_WORLD`."""
+    if args.world is not None:
+        return args.world
+    return mesh_world(args.layout) or DEFAULT_WORLD
+
+
+def layout_of(spec: str, world: int, w: Workload) -> Layout:
+    """``spec`` at ``world`` ranks for ``w``, or the UsageError naming the fix."""
     try:
-        return parse_layout(spec, world, num_experts)
+        check_fits(spec, w)
+        return parse_layout(spec, world, w.num_experts)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def compute(
-    args: argparse.Namespace, world: int, sweep: bool = False
-) -> tuple[Layout, dict[str, Figures | str]]:
+def compute(args: argparse.Namespace, lay: Layout) -> dict[str, Figures | str]:
+    """Every design's figures (or why it does not apply) for ``args.model`` under ``lay``."""
     w = workload(args.model)
-    lay = _layout(args, world, w.num_experts, sweep)
-    try:
-        check_fits(lay, w)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     settings, dev = _settings(args)
-    link = dev.link_bytes_per_s(world)
+    link = dev.link_bytes_per_s(lay.world)
     designs = DESIGNS if args.design == "all" else (args.design,)
-    return lay, {d: figures(d, w, lay, settings, dev.cost_model, link) for d in designs}
+    return {d: figures(d, w, lay, settings, dev.cost_model, link) for d in designs}
+
+
+# ----- the --plot sweep ---------------------------------------------------------------------------
+def _given_inner(spec: str) -> int | None:
+    """The inner dim of a mesh ``spec`` names (``hsdp:2x4``: 4); None where it names none."""
+    kind, _, mesh = spec.partition(":")
+    return int(mesh.lower().split("x")[1]) if kind in INNER_DIM and mesh else None
+
+
+def _kept_dim(spec: str) -> tuple[str, int] | None:
+    """What the sweep keeps of ``spec`` at every world size, and its size: a given mesh's inner
+    dim, ``ep:E``'s E (None: nothing kept; the layout is remade at each size)."""
+    kind, _, mesh = spec.partition(":")
+    inner = _given_inner(spec)
+    if inner is not None:
+        return f"inner ({INNER_DIM[kind]}) dim", inner
+    if kind == "ep" and mesh:
+        return "ep size", int(mesh)
+    return None
+
+
+def sweep_spec(spec: str, world: int) -> str:
+    """``spec`` at ``world`` ranks, its inner dim kept (``hsdp:2x4`` at 64: ``hsdp:16x4``)."""
+    inner = _given_inner(spec)
+    return spec if inner is None else f"{spec.partition(':')[0]}:{world // inner}x{inner}"
+
+
+def sweep_worlds(spec: str, w: Workload) -> tuple[list[int], str]:
+    """The sweep's world sizes ``spec`` can take, and a note on those left out ('' if none);
+    UsageError, naming the fix, where it takes none."""
+    kept, left_out, problem = [], [], ""
+    for world in SWEEP:
+        try:
+            parse_layout(sweep_spec(spec, world), world, w.num_experts)
+            kept.append(world)
+        except ValueError as e:
+            left_out.append(world)
+            problem = problem or str(e)
+    if not left_out:
+        return kept, ""
+    dim = _kept_dim(spec)
+    if dim is None:
+        why = problem
+    else:
+        what, n = dim
+        which = (
+            "none of them is a multiple"
+            if not kept
+            else f"{_sizes(left_out)} {'is' if len(left_out) == 1 else 'are'} not a multiple"
+        )
+        why = f"the plot keeps {spec}'s {what} {n} at every size, and {which} of {n}"
+    if not kept:
+        raise UsageError(
+            f"--plot sweeps {_sizes(SWEEP)} ranks, and --layout {spec} takes none of them: {why}; "
+            f"give {_sweep_fix(spec)} to plot, or leave out --plot"
+        )
+    return kept, f"left out {_sizes(left_out)} ranks: {why}"
+
+
+def _sweep_fix(spec: str) -> str:
+    kind = spec.partition(":")[0]
+    fits = [d for d in range(1, SWEEP[0] + 1) if SWEEP[0] % d == 0]
+    if kind in INNER_DIM:
+        return f"a mesh whose inner dim divides {SWEEP[0]} ({', '.join(f'{kind}:Rx{d}' for d in fits)})"
+    if kind == "ep":
+        return f"an ep size dividing {SWEEP[0]} and the experts ({', '.join(f'ep:{d}' for d in fits)})"
+    return "another layout"
+
+
+def _sizes(worlds) -> str:
+    names = [f"{n:,}" for n in worlds]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def sweep_title(args: argparse.Namespace) -> str:
+    """What every point of the plot shares: the model and the layout family, with the inner dim
+    it keeps (the mesh itself changes with the world size W)."""
+    spec = args.layout
+    kind, _, mesh = spec.partition(":")
+    if kind in INNER_DIM:
+        inner = _given_inner(spec) or NODE
+        return f"{args.model}, layout {kind}:(W/{inner})x{inner} (inner {INNER_DIM[kind]} dim {inner})"
+    if kind == "ep" and not mesh:
+        return f"{args.model}, layout ep:E, E = min(experts, W)"
+    return f"{args.model}, layout {spec}"
 
 
 def _gib(n: float) -> str:
@@ -136,15 +242,16 @@ def _text(args, lay: Layout, results: dict[str, Figures | str], dev) -> str:
     return "\n".join(lines)
 
 
-def _plot(args, path: str) -> None:
+def _plot(args, path: str, worlds: list[int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    w = workload(args.model)
     series: dict[str, dict[str, list]] = {}
-    for world in SWEEP:
-        _, results = compute(args, world, sweep=True)
+    for world in worlds:
+        results = compute(args, layout_of(sweep_spec(args.layout, world), world, w))
         for design, fig in results.items():
             if isinstance(fig, str):
                 continue
@@ -166,9 +273,48 @@ def _plot(args, path: str) -> None:
     b.axhline(2.0, color="grey", ls="--", lw=0.8)
     b.set_yscale("log")
     a.legend()
-    fig.suptitle(f"{args.model}, layout {args.layout}")
+    fig.suptitle(sweep_title(args))
     fig.tight_layout()
     fig.savefig(path)
+
+
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options alone, checked before any work (None: nothing)."""
+    if args.measure and args.device != "cpu-measured":
+        return "--measure times NS on this CPU: give --device cpu-measured with it"
+    if args.measure and args.design not in ("all", "fastmuon"):
+        return "--measure times fastmuon's busiest rank: give --design fastmuon or all"
+    if not args.max_measure_seconds >= 0:
+        return f"--max-measure-seconds must be 0 or more, got {args.max_measure_seconds}"
+    if args.classes < 0:
+        return f"--classes must be >= 0, got {args.classes}"
+    return None
+
+
+def _check_measure_time(args: argparse.Namespace, fig: Figures) -> None:
+    """Refuse to measure what the prediction says would take longer than ``--max-measure-seconds``."""
+    limit = args.max_measure_seconds
+    seconds = predicted_measure_seconds(fig)
+    if limit and seconds > limit:
+        raise UsageError(
+            f"--measure would take ~{seconds:,.0f} s here (rank {busiest_rank(fig)}'s NS, predicted at "
+            f"{float(fig.ns_seconds.max()):,.1f} s, once to warm up and {ROUNDS} times timed), over "
+            f"--max-measure-seconds {limit:g}; give a smaller --model (or a larger --world: less NS per "
+            "rank), or raise --max-measure-seconds (0: no limit)"
+        )
+
+
+def _measure(args: argparse.Namespace, fig: Figures) -> dict[str, float]:
+    """The busiest rank's NS timed here, its progress on standard error."""
+    from .measure import measure_busiest
+
+    def progress(done: int, total: int) -> None:
+        print(
+            f"measuring {done}/{total} matrices of rank {busiest_rank(fig)} ...", file=sys.stderr, flush=True
+        )
+
+    settings, _ = _settings(args)
+    return measure_busiest(fig, settings, progress=progress)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -180,11 +326,13 @@ def run(args: argparse.Namespace) -> int:
         problem = plot_format_problem(args.plot)
         if problem:
             raise UsageError(f"--plot {args.plot}: {problem}")
-    if args.measure and args.device != "cpu-measured":
-        raise UsageError("--measure times NS on this CPU: give --device cpu-measured with it")
-    if args.classes < 0:
-        raise UsageError(f"--classes must be >= 0, got {args.classes}")
-    lay, results = compute(args, args.world)
+    problem = usage_problem(args)
+    if problem:
+        raise UsageError(problem)
+    w = workload(args.model)
+    lay = layout_of(args.layout, world_of(args), w)
+    worlds, sweep_note = sweep_worlds(args.layout, w) if args.plot else ([], "")
+    results = compute(args, lay)
     _, dev = _settings(args)
     payload: dict[str, Any] = {
         "model": args.model, "layout": str(lay), "world": lay.world, "device": dev.name, "device_source": dev.source,
@@ -193,18 +341,15 @@ def run(args: argparse.Namespace) -> int:
             for d, f in results.items()
         },
     }  # fmt: skip
+    text = args.json != "-"
+    if text:
+        print(_text(args, lay, results, dev), flush=True)
     if args.measure:
-        fm = results.get("fastmuon")
-        if not isinstance(fm, Figures):
-            raise UsageError("--measure times fastmuon's busiest rank: give --design fastmuon or all")
-        settings, _ = _settings(args)
-        from .measure import measure_busiest
-
-        payload["measured"] = measure_busiest(fm, settings)
-    if args.json != "-":
-        print(_text(args, lay, results, dev))
-        if args.measure:
-            m = payload["measured"]
+        fm = results["fastmuon"]
+        assert isinstance(fm, Figures)  # fastmuon's figures apply to every layout
+        _check_measure_time(args, fm)
+        payload["measured"] = m = _measure(args, fm)
+        if text:
             print(
                 f"\nmeasured on this CPU: rank {m['rank']}'s NS took {m['measured_seconds']:.3f} s, predicted "
                 f"{m['predicted_seconds']:.3f} s (measured / predicted {m['ratio']:.2f})"
@@ -212,7 +357,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json_output(args.json, json.dumps(payload, indent=1))
     if args.plot:
-        _plot(args, args.plot)
-        if args.json != "-":
-            print(f"plot: {args.plot}")
+        _plot(args, args.plot, worlds)
+        if text:
+            print(f"plot: {args.plot}" + (f"; {sweep_note}" if sweep_note else ""))
+        elif sweep_note:
+            print(f"plot: {sweep_note}", file=sys.stderr)
     return 0

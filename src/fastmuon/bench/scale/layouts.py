@@ -10,9 +10,9 @@ the world size: what torch's own APIs (FSDP2's ``fully_shard``, ``parallelize_mo
   (d, t) holds sub-chunk d of chunk t (``(_StridedShard(0), Shard(0))``); a row-wise weight holds
   row block d of column block t (``(Shard(0), Shard(1))``); a weight tensor parallelism leaves
   alone holds row block d on every t (``Shard(0)`` over dp, replicated over tp);
-- ``ep:E`` (or ``ep``: E = the experts, or the world, whichever is smaller): expert stacks
-  ``(Replicate(), Shard(0))`` on a (W/E)×E mesh, ``Shard(0)`` of the expert dim over E; every
-  other weight FSDP2-sharded over every rank, on a 1-D mesh of its own.
+- ``ep:E`` (E dividing the experts; or ``ep``: E = the experts, or the world, whichever is
+  smaller): expert stacks ``(Replicate(), Shard(0))`` on a (W/E)×E mesh, ``Shard(0)`` of the
+  expert dim over E; every other weight FSDP2-sharded over every rank, on a 1-D mesh of its own.
 """
 
 from __future__ import annotations
@@ -53,10 +53,17 @@ class Layout:
         return f"{self.kind}:{self.rows}x{self.cols}" if self.kind != "ep" else f"ep:{self.cols}"
 
 
+#: ranks per node: the inner dim a mesh given without its size takes
+NODE = 8
+#: what the inner dim of a two-dim mesh is, by kind
+INNER_DIM = {"hsdp": "shard", "fsdp+tp": "tp"}
+
+
 def parse_layout(spec: str, world: int, num_experts: int = 0) -> Layout:
     """``spec`` (:data:`LAYOUT_HELP`) at ``world`` ranks; ``ValueError`` naming the fix otherwise.
-    A mesh given without its size (``hsdp``, ``fsdp+tp``) takes 8 ranks per node as the inner
-    dim (or the world, where smaller): one node's shards, one node's tensor-parallel group."""
+    A mesh given without its size (``hsdp``, ``fsdp+tp``) takes one node (:data:`NODE` ranks, or
+    the world, where smaller) as the inner dim: one node's shards, one node's tensor-parallel
+    group. With ``num_experts`` (the workload's expert count, 0: none), ``ep``'s size must divide it."""
     kind, _, mesh = spec.partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown layout {spec!r} for --layout; choose one of {LAYOUT_HELP}")
@@ -67,27 +74,85 @@ def parse_layout(spec: str, world: int, num_experts: int = 0) -> Layout:
             raise ValueError(f"--layout {kind} takes no mesh ({spec!r}); give {kind!r}")
         return Layout(kind, 1, world)
     if kind == "ep":
-        if mesh:
-            try:
-                ep = int(mesh)
-            except ValueError:
-                raise ValueError(f"--layout {spec!r}: ep takes one size, as ep:8") from None
-        else:
-            ep = min(num_experts or world, world)
-        if ep < 1 or world % ep:
-            raise ValueError(f"--layout {spec!r}: the ep size {ep} must divide --world {world}")
-        return Layout(kind, world // ep, ep)
-    if mesh:
-        try:
-            rows, cols = (int(x) for x in mesh.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"--layout {spec!r}: give the mesh as RxS, as {kind}:2x4") from None
-    else:
-        cols = min(8, world)
-        rows = world // cols
-    if rows * cols != world or rows < 1 or cols < 1:
-        raise ValueError(f"--layout {spec!r}: the mesh {rows}x{cols} must multiply to --world {world}")
+        return _parse_ep(spec, mesh, world, num_experts)
+    if not mesh:
+        return _bare_mesh(kind, world)
+    rows, cols = _mesh_dims(spec, kind, mesh)
+    if rows * cols != world:
+        raise ValueError(
+            f"--layout {spec!r}: the mesh {rows}x{cols} must multiply to --world {world} "
+            "(or leave out --world: a mesh naming both dims sets it)"
+        )
     return Layout(kind, rows, cols)
+
+
+def _mesh_dims(spec: str, kind: str, mesh: str) -> tuple[int, int]:
+    """The two dims of ``kind:RxS``, each 1 or more."""
+    try:
+        rows, cols = (int(x) for x in mesh.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--layout {spec!r}: give the mesh as RxS, as {kind}:2x4") from None
+    if rows < 1 or cols < 1:
+        raise ValueError(f"--layout {spec!r}: the mesh's dims must be 1 or more, as {kind}:2x4")
+    return rows, cols
+
+
+def _bare_mesh(kind: str, world: int) -> Layout:
+    """``hsdp`` or ``fsdp+tp`` without a mesh: one node as the inner dim, the nodes as the outer."""
+    cols = min(NODE, world)
+    if world % cols:
+        inner = max(d for d in range(1, NODE + 1) if world % d == 0)
+        raise ValueError(
+            f"--layout {kind}: a bare {kind} takes one node ({NODE} ranks) as its inner "
+            f"({INNER_DIM[kind]}) dim, and --world {world} is not a multiple of {NODE}; give the mesh, "
+            f"as {kind}:{world // inner}x{inner}"
+        )
+    return Layout(kind, world // cols, cols)
+
+
+def _parse_ep(spec: str, mesh: str, world: int, num_experts: int) -> Layout:
+    """``ep`` or ``ep:E``: E ranks shard each expert stack, ``world / E`` replicas of them."""
+    ep = _ep_size(spec, mesh) if mesh else min(num_experts or world, world)
+    if num_experts and num_experts % ep:
+        fits = ", ".join(f"ep:{d}" for d in range(1, num_experts + 1) if num_experts % d == 0)
+        why = (
+            f"{ep} EP ranks would leave ranks holding no expert"
+            if ep > num_experts
+            else f"{ep} does not divide them, so EP ranks would hold unequal expert counts"
+        )
+        given = f"--layout {spec}" + ("" if mesh else f" (at --world {world}: ep:{ep})")
+        raise ValueError(
+            f"{given}: the model has {num_experts} experts per layer and {why}; "
+            f"give --layout ep:E with E dividing {num_experts} ({fits})"
+        )
+    if world % ep:
+        raise ValueError(f"--layout {spec!r}: the ep size {ep} must divide --world {world}")
+    return Layout("ep", world // ep, ep)
+
+
+def _ep_size(spec: str, mesh: str) -> int:
+    try:
+        ep = int(mesh)
+    except ValueError:
+        raise ValueError(f"--layout {spec!r}: ep takes one size, as ep:8") from None
+    if ep < 1:
+        raise ValueError(
+            f"--layout {spec!r}: the ep size (ranks per expert stack) must be 1 or more, as ep:8"
+        )
+    return ep
+
+
+def mesh_world(spec: str) -> int | None:
+    """The ranks a mesh naming both its dims (``hsdp:RxS``, ``fsdp+tp:DxT``) makes, ``R·S``;
+    None for any other spec (one :func:`parse_layout` then reports, where malformed)."""
+    kind, _, mesh = spec.partition(":")
+    if kind not in INNER_DIM or not mesh:
+        return None
+    try:
+        rows, cols = _mesh_dims(spec, kind, mesh)
+    except ValueError:
+        return None
+    return rows * cols
 
 
 def _rows_of(rows: int, parts: int) -> list[tuple[int, int] | None]:
@@ -168,10 +233,10 @@ def rank_regions(layout: Layout, tensor: Tensor) -> list[Region | None]:
     return out
 
 
-def check_fits(layout: Layout, workload: Workload) -> None:
-    """Refuse a layout the workload cannot take, naming the fix."""
-    if layout.kind == "ep" and not workload.num_experts:
+def check_fits(spec: str, workload: Workload) -> None:
+    """Refuse a layout the workload cannot take at any world size, naming the fix."""
+    if spec.partition(":")[0] == "ep" and not workload.num_experts:
         raise ValueError(
-            f"--layout {layout}: {workload.name} has no expert stacks to shard; choose a MoE model "
-            "(mixtral-8x7b, deepseek-v3) or another layout"
+            f"--layout {spec}: {workload.name} has no expert stacks to shard; ep needs a MoE model "
+            "(mixtral-8x7b, deepseek-v3), or choose another layout"
         )

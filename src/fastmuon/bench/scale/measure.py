@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +18,9 @@ from ...distributed.exchange import contiguous_layout
 from ...ns.engine import Orthogonalizer
 from ...ns.planner import Plan
 from .figures import Figures, Settings
+
+#: timed runs of each NS call (after one warm-up), their median kept
+ROUNDS = 3
 
 
 def _run_seconds(plan: Plan, settings: Settings, rounds: int) -> float:
@@ -42,15 +46,40 @@ def _run_seconds(plan: Plan, settings: Settings, rounds: int) -> float:
     return statistics.median(times)
 
 
-def measure_busiest(fig: Figures, settings: Settings, rounds: int = 3) -> dict[str, float]:
-    """Measured and predicted NS seconds of the busiest rank of ``fig`` (fastmuon's figures)."""
+def busiest_rank(fig: Figures) -> int:
+    """The rank whose predicted NS takes longest (the lowest such)."""
+    return int(fig.ns_seconds.argmax())
+
+
+def predicted_measure_seconds(fig: Figures, rounds: int = ROUNDS) -> float:
+    """How long measuring the busiest rank takes, as the prediction has it: its NS, once to
+    warm up and ``rounds`` times timed."""
+    return (rounds + 1) * float(fig.ns_seconds[busiest_rank(fig)])
+
+
+def measure_busiest(
+    fig: Figures,
+    settings: Settings,
+    rounds: int = ROUNDS,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, float]:
+    """Measured and predicted NS seconds of the busiest rank of ``fig`` (fastmuon's figures);
+    ``progress(done, total)`` hears of the rank's matrices as each NS call is timed."""
     plan, units, local_plans = fig.work
-    rank = int(fig.ns_seconds.argmax())
-    measured = 0.0
-    for u in (u for u in units if u.owner == rank):
-        measured += _run_seconds(sub_plan(plan, [u])[0], settings, rounds)
+    rank = busiest_rank(fig)
+    calls = [sub_plan(plan, [u])[0] for u in units if u.owner == rank]
     if rank in local_plans:
-        measured += _run_seconds(local_plans[rank], settings, rounds)
+        calls.append(local_plans[rank])
+    total = sum(len(b.members) for call in calls for b in call.buckets)
+    done = 0
+    measured = 0.0
+    for call in calls:
+        if progress:
+            progress(done, total)
+        measured += _run_seconds(call, settings, rounds)
+        done += sum(len(b.members) for b in call.buckets)
+    if progress:
+        progress(done, total)
     predicted = float(fig.ns_seconds[rank])
     return {"rank": rank, "measured_seconds": measured, "predicted_seconds": predicted,
             "ratio": measured / predicted if predicted else float("nan")}  # fmt: skip

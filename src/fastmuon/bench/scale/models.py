@@ -1,7 +1,8 @@
 """The workloads ``fastmuon plan`` knows by name: their Muon matrices' shapes and matrix maps.
 
 The bundled ``gpt2`` and ``llama-1b`` come from :mod:`fastmuon.bench.workloads` (grouped with
-:func:`fastmuon.param_groups`). The large ones are written out here from their public
+:func:`fastmuon.param_groups`; ``gpt2``'s fused q, k and v are three matrices, as
+``param_groups`` maps GPT-2's own ``c_attn``). The large ones are written out here from their public
 configurations, shapes only (nothing is built or downloaded): a Llama-3-8B-like and a
 Llama-3-70B-like decoder, a Mixtral-8x7B-like and a DeepSeek-V3-like Mixture of Experts with each
 layer's experts stacked in one ``(E, out, in)`` tensor (mapped ``"experts"``; gate and up fused in
@@ -186,23 +187,47 @@ _TP_OF = {
 }
 
 
-def _tp_of(name: str) -> str | None:
+def _module_of(name: str) -> str | None:
     parts = name.split(".")
-    return _TP_OF.get(parts[-2]) if len(parts) >= 2 else None
+    return parts[-2] if len(parts) >= 2 else None
+
+
+def _tp_of(name: str) -> str | None:
+    return _TP_OF.get(_module_of(name) or "")
+
+
+def _qkv_parts(shape: tuple[int, ...]) -> MatrixMapSpec:
+    """q, k and v stacked along the output dim, each its own matrix."""
+    d = shape[0] // 3
+    return {"split": [d, d, d]}
+
+
+#: fused projections the bundled workloads keep in one ``nn.Linear``, mapped as
+#: :func:`fastmuon.param_groups` maps the models that fuse them (GPT-2's ``c_attn``,
+#: ``nn.MultiheadAttention``'s ``in_proj_weight``: q, k and v apart)
+_FUSED: dict[str, Callable[[tuple[int, ...]], MatrixMapSpec]] = {"attn_qkv": _qkv_parts}
+_FUSED_NOTE = "; attn_qkv mapped {split: [d, d, d]} (q, k and v apart, as param_groups maps GPT-2's c_attn)"
+
+
+def _map_of(name: str, shape: tuple[int, ...], given: MatrixMapSpec) -> MatrixMapSpec:
+    fused = _FUSED.get(_module_of(name) or "")
+    return fused(shape) if fused is not None and given is None else given
 
 
 def from_manifest(name: str) -> Workload:
-    """A bundled workload's orthogonalised parameters, as :func:`fastmuon.param_groups` groups it."""
+    """A bundled workload's orthogonalised parameters, as :func:`fastmuon.param_groups` groups
+    it, its fused projections (:data:`_FUSED`) mapped in their parts."""
     manifest = generated_manifest(name)
     params = manifest.params
-    maps = manifest.map_specs()
+    maps = [_map_of(p.name, p.shape, m) for p, m in zip(params, manifest.map_specs())]
     chosen = set(id(p) for p in manifest.matrices())
     tensors = tuple(
         Tensor(p.name, p.shape, m, _tp_of(p.name), parse(m).batch_dims > 0)
         for p, m in zip(params, maps)
         if id(p) in chosen
     )
-    return Workload(name, manifest.source, tensors)
+    fused = any(_module_of(t.name) in _FUSED for t in tensors)
+    return Workload(name, manifest.source + (_FUSED_NOTE if fused else ""), tensors)
 
 
 def _written(name: str, source: str, build: Callable[..., tuple[Tensor, ...]], config: dict[str, Any]):
