@@ -31,7 +31,7 @@ from .options import Options
 from .param_names import agree_on_names, restore_names
 from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
-    ArgumentTypeError,
+    check_flag,
     check_fraction,
     check_grad,
     check_nonnegative,
@@ -140,8 +140,7 @@ class MatrixOptimizer(Optimizer):
         """The values every rule reads; a subclass checks its own after these."""
         lr = group["lr"]
         check_tensor_lr(lr, where)
-        if not isinstance(group["nesterov"], bool):
-            raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
+        check_flag("nesterov", group["nesterov"], where)
         check_nonnegative("learning rate (lr)", lr, where)
         check_fraction("momentum", group["momentum"], where)
         check_nonnegative("weight_decay", group["weight_decay"], where)

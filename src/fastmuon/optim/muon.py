@@ -48,7 +48,8 @@ class Muon(MatrixOptimizer):
             that hold matrices too.
         weight_decay: decoupled weight decay, ``p ← p·(1 − lr·weight_decay)``, both parts.
         momentum: ``β`` in [0, 1) of Muon's EMA momentum.
-        nesterov: Nesterov momentum for Muon (a bool).
+        nesterov: Nesterov momentum for Muon (a bool, or an integer read as its truth value, as
+            ``torch.optim.Muon`` takes it and keeps it).
         ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
             per step, or a preset name), the norm's eps and the iteration count; ``ns_steps=None``
             (the default) is the count the preset was published for (4 for ``"aol"``, whose AOL
