@@ -1,6 +1,6 @@
 """What MuSGD and Muon share: group checks, the step's driver, state dicts and copies.
 
-A subclass names its update rule (``rule``, a module of :mod:`fastmuon.rules`: what a group
+A subclass names its update rule (``_rule``, a module of :mod:`fastmuon.rules`: what a group
 contributes, the step's scalars, its program and reference) and checks its own group values;
 the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Options`.
 """
@@ -62,8 +62,9 @@ class MatrixOptimizer(Optimizer):
     or, with ``foreach=False``, the rule's per-parameter reference.
     """
 
-    #: the update rule: a module of :mod:`fastmuon.rules`
-    rule: ClassVar[Any]
+    #: the update rule: a module of :mod:`fastmuon.rules`, read through :attr:`rule` (a property,
+    #: so that ``help()`` shows what it is rather than the module's file)
+    _rule: ClassVar[Any]
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -94,6 +95,12 @@ class MatrixOptimizer(Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
+
+    @property
+    def rule(self) -> Any:
+        """The update rule, a module of :mod:`fastmuon.rules`: what a group contributes, the
+        step's scalars, its program and its per-parameter reference."""
+        return self._rule
 
     @property
     def last_plan(self) -> Plan | None:

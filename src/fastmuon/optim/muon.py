@@ -88,9 +88,21 @@ class Muon(MatrixOptimizer):
 
     ``load_state_dict`` also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of
     Ultralytics' MuSGD (see :mod:`fastmuon.optim.checkpoint`).
+
+    Examples:
+        Matrices to Muon, the rest (biases, norms, embeddings, the head) to AdamW, split by
+        :func:`fastmuon.param_groups`:
+
+        >>> import torch, fastmuon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = fastmuon.Muon(fastmuon.param_groups(model), lr=0.02, adamw_lr=3e-4)
+        >>> [g["use_muon"] for g in opt.param_groups]
+        [True, False, False]
+        >>> model(torch.randn(32, 8)).square().mean().backward()
+        >>> opt.step()
     """
 
-    rule = muon_rule
+    _rule = muon_rule
 
     def __init__(
         self,

@@ -98,9 +98,20 @@ class MuSGD(MatrixOptimizer):
 
     ``load_state_dict`` also takes state dicts of Ultralytics' MuSGD, ``torch.optim`` SGD, Muon
     and AdamW (see :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
+
+    Examples:
+        Matrices take Muon and SGD, the rest plain SGD, split by :func:`fastmuon.param_groups`:
+
+        >>> import torch, fastmuon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = fastmuon.MuSGD(fastmuon.param_groups(model), lr=0.02, momentum=0.9, nesterov=True)
+        >>> [g["use_muon"] for g in opt.param_groups]
+        [True, False, False]
+        >>> model(torch.randn(32, 8)).square().mean().backward()
+        >>> opt.step()
     """
 
-    rule = musgd_rule
+    _rule = musgd_rule
 
     def __init__(
         self,
