@@ -1,8 +1,9 @@
 """The faster NS variants keep the orthogonality of standard 5-step NS in fp32."""
 
 import pytest
+import torch
 
-from fastmuon.accuracy import run_accuracy
+from fastmuon.accuracy import make_inputs, run_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +60,45 @@ def test_new_presets_agree_with_their_fp64_evaluation(table):
         for name in ("aol (4 steps) fp32", "cans fp32", "deepseekv4 (10) fp32", "polar_express_paper fp32"):
             assert table[(kind, name)]["rel_err_vs_fp64"] < 1e-2
         assert table[(kind, "aol (4 steps) fp32")]["rel_err_vs_fp64"] < 1e-4
+
+
+def _significant(G: torch.Tensor) -> int:
+    """Singular values above the 1e-4 noise: the rank the input was built with."""
+    s = torch.linalg.svdvals(G)
+    return int((s > 1e-2 * s[0]).sum())
+
+
+@pytest.mark.parametrize(
+    "rows, cols, low_rank, spread",
+    [
+        (1, 1, "full rank (1) + 1e-4 noise", "one singular value (1)"),
+        (1, 40, "full rank (1) + 1e-4 noise", "one singular value (1)"),
+        (3, 40, "full rank (3) + 1e-4 noise", "ill-conditioned (1 .. 1e-6)"),
+        (4, 4, "full rank (4) + 1e-4 noise", "ill-conditioned (1 .. 1e-6)"),
+        (5, 40, "low-rank (4) + 1e-4 noise", "ill-conditioned (1 .. 1e-6)"),
+    ],
+)
+def test_input_labels_claim_only_what_the_size_allows(rows, cols, low_rank, spread):
+    inputs = make_inputs(rows, cols)
+    assert list(inputs) == ["random", low_rank, spread]
+    rank = int(low_rank.split("(")[1].split(")")[0])
+    assert _significant(inputs[low_rank]) == rank  # built as randn(rows, r) @ randn(r, cols)
+    s = torch.linalg.svdvals(inputs[spread])
+    assert s[0] == pytest.approx(1.0) and s[-1] == pytest.approx(1e-6 if rows > 1 else 1.0)
+    measured = run_accuracy(rows, cols)
+    assert {r["input"] for r in measured} == set(inputs)
+
+
+def test_the_default_inputs_keep_their_names_and_values():
+    """At 64×576 the low-rank input is rank 4, drawn after the random one from the same generator."""
+    inputs = make_inputs()
+    assert list(inputs) == ["random", "low-rank (4) + 1e-4 noise", "ill-conditioned (1 .. 1e-6)"]
+    g = torch.Generator().manual_seed(0)
+    draw = [torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((64, 64), (576, 64))]
+    draw += [
+        torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((64, 576), (64, 4), (4, 576))
+    ]
+    noise = torch.randn(64, 576, generator=g, dtype=torch.float64)
+    assert torch.equal(inputs["random"], draw[2])
+    assert torch.equal(inputs["low-rank (4) + 1e-4 noise"], draw[3] @ draw[4] + 1e-4 * noise)
+    assert _significant(inputs["low-rank (4) + 1e-4 noise"]) == 4

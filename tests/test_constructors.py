@@ -137,8 +137,8 @@ def test_foreach_none_is_the_batched_path(cls, monkeypatch):
     [
         ({"foreach": "yes"}, "foreach"),
         ({"foreach": 1}, "foreach"),
-        ({"nesterov": 1}, "nesterov"),
         ({"nesterov": "no"}, "nesterov"),
+        ({"nesterov": None}, "nesterov"),
         ({"lr": "0.1"}, "lr"),
         ({"momentum": None}, "momentum"),
         ({"weight_decay": [0.1]}, "weight_decay"),
@@ -148,6 +148,46 @@ def test_wrong_types_are_refused_naming_the_argument(cls, kwargs, match):
     p = nn.Parameter(torch.randn(4, 4))
     with pytest.raises((TypeError, ValueError), match=match):
         cls([p], **kwargs)
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon, fastmuon.NorMuon, fastmuon.AdaMuon])
+@pytest.mark.parametrize("foreach", [None, False])
+def test_nesterov_takes_an_integer_as_torch_does_and_steps_as_its_truth_value(cls, foreach):
+    """``torch.optim.Muon`` and ``SGD`` take ``nesterov=1`` and keep it as given; so does each
+    optimizer here, and 1 and 0 step exactly as True and False (matrices and vectors alike)."""
+    assert torch.optim.Muon([nn.Parameter(torch.randn(4, 4))], nesterov=1).defaults["nesterov"] == 1
+    params = make_params([(8, 4), (6,)])
+    grads = make_grads(params, steps=2)
+    kw = dict(momentum=0.9, foreach=foreach) | ({"use_muon": True} if cls is MuSGD else {})
+
+    def trained(nesterov) -> list[torch.Tensor]:
+        ours = clone_params(params)
+        opt = cls([{"params": [ours[0]]}, {"params": [ours[1]], "use_muon": False}], nesterov=nesterov, **kw)
+        assert [g["nesterov"] for g in opt.param_groups] == [nesterov, nesterov]
+        assert all(type(g["nesterov"]) is type(nesterov) for g in opt.param_groups)
+        run_optimizer(opt, ours, grads)
+        return [p.detach() for p in ours]
+
+    for flag, same in ((1, True), (0, False)):
+        assert all(torch.equal(a, b) for a, b in zip(trained(flag), trained(same)))
+    assert not torch.equal(trained(1)[0], trained(0)[0])  # the flag matters: 1 took the Nesterov step
+
+
+def test_musgd_refuses_cautious_weight_decay_as_a_keyword_with_the_group_keys_reason():
+    p = nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(ValueError) as by_group:
+        MuSGD([{"params": [p], "use_muon": True, "cautious_weight_decay": True}])
+    with pytest.raises(
+        TypeError, match="^cautious_weight_decay in the constructor's arguments: MuSGD does not"
+    ) as by_keyword:
+        MuSGD([{"params": [p], "use_muon": True}], cautious_weight_decay=True)
+    reason = str(by_group.value).partition(": ")[2]
+    assert "coupled" in reason and "use Muon" in reason
+    assert str(by_keyword.value).partition(": ")[2] == reason
+    # False, as in a group, is accepted and leaves the groups as they are
+    opt = MuSGD([{"params": [p], "use_muon": True}], cautious_weight_decay=False)
+    assert "cautious_weight_decay" not in opt.param_groups[0] and "cautious_weight_decay" not in opt.defaults
+    assert [p.name for p in _positional(MuSGD)] == ULTRALYTICS_ORDER
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -145,3 +146,39 @@ def test_variant_contenders_take_muons_split(name, cls):
     assert [g["param_names"] for g in opt.param_groups] == [g["param_names"] for g in muon.param_groups]
     hp = CONTENDERS[name].hparams["chars"]
     assert opt.param_groups[0]["lr"] == hp["lr"] and opt.param_groups[1]["lr"] == hp["adamw_lr"]
+
+
+def test_train_help_names_every_contender_and_what_each_loss_is(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for c in CONTENDERS.values():
+        assert c.label in text, c.label
+    assert f"--optimizer NAME[,NAME] {', '.join(CONTENDERS)} or all" in text
+    assert "Train loss and val loss are the final model's losses (in eval mode)" in text
+    assert "the progress bars' batch loss is the loss of each step's training batch" in text
+    # the one-line summary under `fastmuon --help` names all the optimizers or none of them
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    (summary,) = [line for line in capsys.readouterr().out.split("\n    ") if line.startswith("train ")]
+    classes = {c.label.split()[1] for c in CONTENDERS.values()}
+    named = {n for n in classes if re.search(rf"\b{n}\b", summary)}
+    assert named in (set(), classes), summary
+
+
+def test_the_bar_and_the_table_say_which_loss_each_shows(tmp_path, capsys, monkeypatch):
+    """The bar's figure is the last batch's loss, the table's the final evaluation's."""
+    monkeypatch.setenv("COLUMNS", "120")
+    out = tmp_path / "runs.json"
+    rc = main(
+        ["train", "--model", "digits", "--optimizer", "muon", "--steps", "3", "--threads", "1"]
+        + ["--json", str(out)]
+    )
+    assert rc == 0
+    captured = capsys.readouterr()
+    (run,) = json.loads(out.read_text())["runs"]
+    (bar,) = re.findall(r"batch loss (\d+\.\d{3})", captured.err)
+    assert bar == f"{run['step_loss'][-1]:.3f}"
+    table = " ".join(captured.out.split())
+    assert f"{run['final']['train_loss']:.4f}" in table
+    assert "Train loss and val loss are the final model's losses (in eval mode) on a fixed subset" in table

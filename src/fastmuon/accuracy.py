@@ -1,10 +1,11 @@
 """``fastmuon accuracy``: how well each NS variant orthogonalises, measured, not assumed.
 
-For each input kind (random, low-rank plus noise, ill-conditioned) and each variant (standard,
-Gram-space or eigendecomposition formulation, dtype, coefficient preset, AOL preconditioning) it
-reports the band of output singular values over the input's significant directions, next to
-standard 5-step "jordan" NS in fp32, and the error against standard NS computed in fp64 with the
-same coefficients (and the same preconditioning, which the "aol" preset selects).
+For each input kind (random, low-rank plus noise, ill-conditioned; each named for what it is at
+the size asked for) and each variant (standard, Gram-space or eigendecomposition formulation,
+dtype, coefficient preset, AOL preconditioning) it reports the band of output singular values
+over the input's significant directions, next to standard 5-step "jordan" NS in fp32, and the
+error against standard NS computed in fp64 with the same coefficients (and the same
+preconditioning, which the "aol" preset selects).
 """
 
 from __future__ import annotations
@@ -48,18 +49,40 @@ VARIANTS = (
 )
 
 
+#: the rank of the low-rank input, where the matrix has more singular values than that
+LOW_RANK = 4
+
+
 def make_inputs(rows: int = 64, cols: int = 576, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Three kinds of matrices that stress NS differently (all ``rows × cols``)."""
+    """Three kinds of matrices that stress NS differently (all ``rows × cols``), each labelled
+    with what it is at this size: a matrix of at most 4 rows has no low-rank input, a 1-row one
+    no spread of singular values."""
     g = torch.Generator().manual_seed(seed)
     randn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     U, _ = torch.linalg.qr(randn(rows, rows))
     V, _ = torch.linalg.qr(randn(cols, rows))
     spread = torch.logspace(0, -6, rows, dtype=torch.float64)
+    singular_values = min(rows, cols)
+    rank = min(LOW_RANK, singular_values)
+    random = randn(rows, cols)
+    low_rank = randn(rows, rank) @ randn(rank, cols) + 1e-4 * randn(rows, cols)
     return {
-        "random": randn(rows, cols),
-        "low-rank (4) + 1e-4 noise": randn(rows, 4) @ randn(4, cols) + 1e-4 * randn(rows, cols),
-        "ill-conditioned (1 .. 1e-6)": U @ torch.diag(spread) @ V.T,
+        "random": random,
+        low_rank_label(rank, singular_values): low_rank,
+        spread_label(singular_values): U @ torch.diag(spread) @ V.T,
     }
+
+
+def low_rank_label(rank: int, singular_values: int) -> str:
+    """The low-rank input's name: full rank where ``rank`` reaches the matrix's count of
+    singular values."""
+    kind = f"low-rank ({rank})" if rank < singular_values else f"full rank ({rank})"
+    return f"{kind} + 1e-4 noise"
+
+
+def spread_label(singular_values: int) -> str:
+    """The spread input's name: singular values from 1 down to 1e-6, or 1 alone in a 1-row matrix."""
+    return "ill-conditioned (1 .. 1e-6)" if singular_values > 1 else "one singular value (1)"
 
 
 def measure(variant: Variant, G: torch.Tensor) -> dict[str, float]:

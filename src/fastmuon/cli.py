@@ -16,7 +16,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
     "accuracy": ("fastmuon.accuracy", "how well each NS variant orthogonalises (singular-value bands)"),
-    "train": ("fastmuon.train.cli", "MuSGD, Muon, SGD, AdamW trained on small models: losses, curves, time"),
+    "train": ("fastmuon.train.cli", "each optimizer trained on small models: losses, curves, time"),
     "plan": (
         "fastmuon.bench.scale.cli",
         "NS FLOPs, bytes and memory per rank at 8 to 1,024 ranks, per layout, beside the peers",

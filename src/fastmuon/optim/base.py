@@ -1,6 +1,6 @@
 """What MuSGD and Muon share: group checks, the step's driver, state dicts and copies.
 
-A subclass names its update rule (``rule``, a module of :mod:`fastmuon.rules`: what a group
+A subclass names its update rule (``_rule``, a module of :mod:`fastmuon.rules`: what a group
 contributes, the step's scalars, its program and reference) and checks its own group values;
 the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Options`.
 """
@@ -31,7 +31,7 @@ from .options import Options
 from .param_names import agree_on_names, restore_names
 from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
-    ArgumentTypeError,
+    check_flag,
     check_fraction,
     check_grad,
     check_nonnegative,
@@ -62,8 +62,9 @@ class MatrixOptimizer(Optimizer):
     or, with ``foreach=False``, the rule's per-parameter reference.
     """
 
-    #: the update rule: a module of :mod:`fastmuon.rules`
-    rule: ClassVar[Any]
+    #: the update rule: a module of :mod:`fastmuon.rules`, read through :attr:`rule` (a property,
+    #: so that ``help()`` shows what it is rather than the module's file)
+    _rule: ClassVar[Any]
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -94,6 +95,12 @@ class MatrixOptimizer(Optimizer):
                 UserWarning,
                 stacklevel=3,
             )
+
+    @property
+    def rule(self) -> Any:
+        """The update rule, a module of :mod:`fastmuon.rules`: what a group contributes, the
+        step's scalars, its program and its per-parameter reference."""
+        return self._rule
 
     @property
     def last_plan(self) -> Plan | None:
@@ -140,8 +147,7 @@ class MatrixOptimizer(Optimizer):
         """The values every rule reads; a subclass checks its own after these."""
         lr = group["lr"]
         check_tensor_lr(lr, where)
-        if not isinstance(group["nesterov"], bool):
-            raise ArgumentTypeError(f"nesterov in {where} must be True or False, got {group['nesterov']!r}")
+        check_flag("nesterov", group["nesterov"], where)
         check_nonnegative("learning rate (lr)", lr, where)
         check_fraction("momentum", group["momentum"], where)
         check_nonnegative("weight_decay", group["weight_decay"], where)

@@ -48,7 +48,8 @@ class Muon(MatrixOptimizer):
             that hold matrices too.
         weight_decay: decoupled weight decay, ``p ← p·(1 − lr·weight_decay)``, both parts.
         momentum: ``β`` in [0, 1) of Muon's EMA momentum.
-        nesterov: Nesterov momentum for Muon (a bool).
+        nesterov: Nesterov momentum for Muon (a bool, or an integer read as its truth value, as
+            ``torch.optim.Muon`` takes it and keeps it).
         ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
             per step, or a preset name), the norm's eps and the iteration count; ``ns_steps=None``
             (the default) is the count the preset was published for (4 for ``"aol"``, whose AOL
@@ -87,9 +88,21 @@ class Muon(MatrixOptimizer):
 
     ``load_state_dict`` also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of
     Ultralytics' MuSGD (see :mod:`fastmuon.optim.checkpoint`).
+
+    Examples:
+        Matrices to Muon, the rest (biases, norms, embeddings, the head) to AdamW, split by
+        :func:`fastmuon.param_groups`:
+
+        >>> import torch, fastmuon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = fastmuon.Muon(fastmuon.param_groups(model), lr=0.02, adamw_lr=3e-4)
+        >>> [g["use_muon"] for g in opt.param_groups]
+        [True, False, False]
+        >>> model(torch.randn(32, 8)).square().mean().backward()
+        >>> opt.step()
     """
 
-    rule = muon_rule
+    _rule = muon_rule
 
     def __init__(
         self,

@@ -16,7 +16,14 @@ from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
-from .validation import ArgumentTypeError, check_foreach, check_nonnegative, implied_ns_steps, resolve_alias
+from .validation import (
+    ArgumentTypeError,
+    UnsupportedOptionError,
+    check_foreach,
+    check_nonnegative,
+    implied_ns_steps,
+    resolve_alias,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -44,7 +51,8 @@ class MuSGD(MatrixOptimizer):
         lr: learning rate (a float, or a 1-element tensor).
         momentum: ``β`` in [0, 1): of the Muon EMA and of the SGD heavy-ball momentum alike.
         weight_decay: coupled (L2) weight decay of the SGD step, ``g' = g + weight_decay·p``.
-        nesterov: Nesterov momentum in both halves (a bool).
+        nesterov: Nesterov momentum in both halves (a bool, or an integer read as its truth
+            value, as ``torch.optim.SGD`` takes it and keeps it).
         use_muon: the ``use_muon`` of groups that do not set it.
         muon: the factor on ``lr`` for the Muon half.
         sgd: the factor on ``lr`` for the SGD half of parameters in ``use_muon`` groups.
@@ -79,6 +87,10 @@ class MuSGD(MatrixOptimizer):
         capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
             fused CPU kernel, no host-side NS range check), so that with ``nonfinite`` "skip" or
             "ignore" a step can be captured in a CUDA graph (see "Host time" in docs/performance.md).
+        cautious_weight_decay: not taken (False only, as a keyword or a group key): MuSGD's weight
+            decay is coupled, and cautious decay is defined for decoupled decay (use
+            :class:`~fastmuon.Muon` for it). It is named here so that options shared with Muon
+            are refused with that reason.
 
     The batched step runs a program built on the first step and reused while the parameters
     with gradients, their layouts and the equality classes of the groups' hyperparameters stay
@@ -86,9 +98,20 @@ class MuSGD(MatrixOptimizer):
 
     ``load_state_dict`` also takes state dicts of Ultralytics' MuSGD, ``torch.optim`` SGD, Muon
     and AdamW (see :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
+
+    Examples:
+        Matrices take Muon and SGD, the rest plain SGD, split by :func:`fastmuon.param_groups`:
+
+        >>> import torch, fastmuon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = fastmuon.MuSGD(fastmuon.param_groups(model), lr=0.02, momentum=0.9, nesterov=True)
+        >>> [g["use_muon"] for g in opt.param_groups]
+        [True, False, False]
+        >>> model(torch.randn(32, 8)).square().mean().backward()
+        >>> opt.step()
     """
 
-    rule = musgd_rule
+    _rule = musgd_rule
 
     def __init__(
         self,
@@ -118,7 +141,10 @@ class MuSGD(MatrixOptimizer):
         process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
+        cautious_weight_decay: bool = False,
     ):
+        if cautious_weight_decay is not False:
+            raise cautious_decay_refusal("the constructor's arguments")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -182,9 +208,14 @@ class MuSGD(MatrixOptimizer):
                 f"unknown adjust_lr_fn {group['adjust_lr_fn']!r} in {where}; choose one of {ADJUST_LR}"
             )
         if group.get("cautious_weight_decay", False) is not False:
-            raise ValueError(
-                f"cautious_weight_decay in {where}: MuSGD's weight decay is coupled (L2 inside the SGD "
-                "momentum), and cautious decay is defined for decoupled decay; use Muon, NorMuon or "
-                "AdaMuon for it, or leave cautious_weight_decay unset"
-            )
+            raise cautious_decay_refusal(where)
         self._check_matrix_maps(group, where)
+
+
+def cautious_decay_refusal(where: str) -> UnsupportedOptionError:
+    """Why MuSGD refuses ``cautious_weight_decay``, the same as a keyword and as a group key."""
+    return UnsupportedOptionError(
+        f"cautious_weight_decay in {where}: MuSGD does not take it, as its weight decay is coupled "
+        "(L2 inside the SGD momentum) and cautious decay is defined for decoupled decay; use Muon, "
+        "NorMuon or AdaMuon for it, or leave cautious_weight_decay unset (False)"
+    )

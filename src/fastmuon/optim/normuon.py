@@ -38,8 +38,8 @@ class _SecondMomentMuon(Muon):
         if rescale == "rms" and group["adjust_lr_fn"] not in (None, "none"):
             raise ValueError(
                 f"adjust_lr_fn={group['adjust_lr_fn']!r} in {where} has no effect with rescale='rms' "
-                "(the rescale sets every matrix's update RMS); set adjust_lr_fn=None, or rescale='norm' "
-                "to keep NS's norm and apply Muon's lr factor"
+                "(the rescale sets every matrix's update RMS); set adjust_lr_fn=None (or 'none'), or "
+                "rescale='norm' to keep NS's norm and apply Muon's lr factor"
             )
         for j, p in enumerate(group["params"]):
             if is_dtensor(p) and self.rule.is_matrix(group, p):
@@ -63,14 +63,29 @@ class NorMuon(_SecondMomentMuon):
         rescale: ``"norm"`` (default): keep the Frobenius norm NS gave and apply Muon's lr
             factor ``adjust_lr_fn`` (the authors' code, dion, modded-nanogpt: Muon's learning
             rates carry over); ``"rms"``: the paper's Algorithm 1, an update of RMS 0.2 (AdamW's),
-            with no lr factor (``adjust_lr_fn`` must stay None).
+            with no lr factor (``adjust_lr_fn`` must be None or ``"none"``).
 
     The state of a matrix parameter adds ``second_moment``: a 1-D tensor with one entry per row
     of each of its matrices (of each expert, fused part or head of a matrix map, in the map's
     order). FSDP2-sharded matrices are refused (use :class:`~fastmuon.Muon` there).
+
+    Examples:
+        Muon's param groups and learning rates carry over (``rescale="norm"``, the default):
+
+        >>> import torch, fastmuon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = fastmuon.NorMuon(fastmuon.param_groups(model), lr=0.02, beta2=0.95)
+        >>> model(torch.randn(32, 8)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.state[model[0].weight]["second_moment"].shape  # one entry per row (neuron)
+        torch.Size([16])
+
+        The paper's update of RMS 0.2, which takes no lr factor (``adjust_lr_fn`` left None):
+
+        >>> opt = fastmuon.NorMuon(fastmuon.param_groups(model), lr=0.02, rescale="rms")
     """
 
-    rule = normuon_rule
+    _rule = normuon_rule
 
     def __init__(
         self,
@@ -150,12 +165,24 @@ class AdaMuon(_SecondMomentMuon):
         sign_momentum: orthogonalise ``sign(M)`` (default True, the paper's sign-stabilised
             update); False orthogonalises ``M`` (the paper's first version, pytorch-optimizer's).
         rescale: ``"rms"`` (default): the paper's RMS-aligned rescale, ``0.2·√(mn)/‖Ô‖_F``, with
-            no lr factor; ``"norm"``: keep NS's Frobenius norm and apply ``adjust_lr_fn``.
+            no lr factor (``adjust_lr_fn`` must be None or ``"none"``); ``"norm"``: keep NS's
+            Frobenius norm and apply ``adjust_lr_fn``.
 
     The state of a matrix parameter adds ``second_moment``, of the parameter's shape.
+
+    Examples:
+        Muon's param groups, with a learning rate near AdamW's (the update has AdamW's RMS):
+
+        >>> import torch, fastmuon
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        >>> opt = fastmuon.AdaMuon(fastmuon.param_groups(model), lr=0.04, adamw_lr=3e-4)
+        >>> model(torch.randn(32, 8)).square().mean().backward()
+        >>> opt.step()
+        >>> opt.state[model[0].weight]["second_moment"].shape  # the parameter's shape
+        torch.Size([16, 8])
     """
 
-    rule = adamuon_rule
+    _rule = adamuon_rule
 
     def __init__(
         self,

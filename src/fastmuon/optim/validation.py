@@ -4,6 +4,7 @@ is wrong and the fix."""
 from __future__ import annotations
 
 import math
+from numbers import Integral
 from typing import Any
 
 from torch import Tensor
@@ -16,6 +17,21 @@ from ..step.elementwise import RMS_SCALE
 class ArgumentTypeError(TypeError, ValueError):
     """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
     torch's optimizers' checks, a ``ValueError``)."""
+
+
+class UnsupportedOptionError(TypeError, ValueError):
+    """An option this optimizer does not take: a ``TypeError`` as a constructor keyword (Python's
+    error for an unexpected keyword is one) and a ``ValueError`` as a group key (as other refused
+    group values are)."""
+
+
+def check_flag(name: str, value: Any, where: str) -> None:
+    """A switch such as ``nesterov``: True or False, or an integer read as its truth value, as
+    ``torch.optim``'s optimizers take it (a string is refused: ``"False"`` would read as True)."""
+    if not isinstance(value, (bool, Integral)):
+        raise ArgumentTypeError(
+            f"{name} in {where} must be True or False (or an integer, read as its truth value), got {value!r}"
+        )
 
 
 def check_nonnegative(name: str, value: Any, where: str) -> None:

@@ -1,6 +1,6 @@
 """Update rules: what each optimizer computes, one module per rule.
 
-A rule is a small object the optimizer class holds (``MatrixOptimizer.rule``). It says, for
+A rule is a small object each optimizer class names (read as ``opt.rule``). It says, for
 its family of optimizers:
 
 - ``family``: its name in checkpoints (see :mod:`fastmuon.optim.checkpoint`);

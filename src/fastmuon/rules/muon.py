@@ -118,7 +118,7 @@ def collect(
                     grad,
                     state,
                     beta=group["momentum"],
-                    nesterov=group["nesterov"],
+                    nesterov=bool(group["nesterov"]),
                     base=lr,
                     adjust=adjust,
                     rms_scale=rms_scale,
@@ -156,7 +156,7 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
     lr = [lr_value(g["lr"]) for g in groups]
     wd = [g["weight_decay"] for g in groups]
     beta = [g["momentum"] for g in groups]
-    nesterov = [g["nesterov"] for g in groups]
+    nesterov = [bool(g["nesterov"]) for g in groups]  # a group may hold an integer, as torch's do
     decay = [1 - r * w for r, w in zip(lr, wd)]
     betas = [tuple(g["betas"]) for g in groups]
     eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]  # as adamw_eps

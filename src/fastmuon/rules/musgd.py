@@ -79,7 +79,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
     elementwise: list[SGDItem] = []
     num_groups = len(groups)
     for gi, group, members in live_params(groups, grads, env):
-        lr, beta, nesterov = env.lr_value(group["lr"]), group["momentum"], group["nesterov"]
+        lr, beta, nesterov = env.lr_value(group["lr"]), group["momentum"], bool(group["nesterov"])
         muon_group = group["use_muon"]
         config = ns_config(group)
         adjust, rms_scale = lr_factor(group, gi, "ultralytics")
@@ -123,7 +123,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
 def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Scalars]:
     lr = [lr_value(g["lr"]) for g in groups]
     beta = [g["momentum"] for g in groups]
-    nesterov = [g["nesterov"] for g in groups]
+    nesterov = [bool(g["nesterov"]) for g in groups]  # a group may hold an integer, as torch's do
     wd = [g["weight_decay"] for g in groups]
     base = [r * g["muon"] for r, g in zip(lr, groups)]
     sgd_lr = [r * g["sgd"] for r, g in zip(lr, groups)] + [r * 1.0 for r in lr]

@@ -18,8 +18,9 @@ from ..cli import (
     require_packages,
     write_json_output,
 )
-from .contenders import WARMUP_FRACTION, parse_optimizers
+from .contenders import CONTENDERS, WARMUP_FRACTION, parse_optimizers
 from .loop import RunResult, train_run
+from .report import BAR_LOSS, LOSSES
 from .tasks import TASKS, make_task
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -30,13 +31,23 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+def description() -> str:
+    """``fastmuon train --help``'s description: every contender, as the registry holds them."""
+    *others, last = [c.label for c in CONTENDERS.values()]
+    return (
+        f"Train small models from scratch with each of {', '.join(others)} and {last}, with the same "
+        f"seed, batches and learning-rate schedule; compare their losses, curves and time. {LOSSES}"
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = description()
     p.add_argument("--model", default="all", choices=[*TASKS, "all"], help="which task(s) to train")
     p.add_argument(
         "--optimizer",
         action="append",
         metavar="NAME[,NAME]",
-        help="musgd, muon, normuon, adamuon, sgd, adamw or all (repeatable or comma list; default all)",
+        help=f"{', '.join(CONTENDERS)} or all (repeatable or comma list; default all)",
     )
     p.add_argument(
         "--steps", type=int, help="training steps per run (default: per model, 120 for both models)"
@@ -116,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         TextColumn("{task.description:34s}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn(f"{BAR_LOSS} {{task.fields[loss]:.3f}}"),
         TimeElapsedColumn(),
     )
     with Progress(*columns, console=console) as progress:

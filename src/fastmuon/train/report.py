@@ -49,10 +49,20 @@ def table_rows(results: Sequence[RunResult]) -> list[list[str]]:
 
 HEADERS = ["model", "optimizer", "train loss", "val loss", "val acc %", "wall s", "ms/step", "opt step share"]
 
+#: the progress bars' loss, as they label it: the loss of each step's training batch
+BAR_LOSS = "batch loss"
+
+#: what each loss shown is (the table's two and the bars'), printed under the table and in --help
+LOSSES = (
+    "Train loss and val loss are the final model's losses (in eval mode) on a fixed subset of the "
+    f"training data and on the validation set; the progress bars' {BAR_LOSS} is the loss of each "
+    "step's training batch, before that step's update."
+)
+
 
 def print_table(results: Sequence[RunResult], console: Any = None) -> None:
     """A rich table of the final figures (one block per run where the terminal is too narrow for
-    it), then each contender's hyperparameters."""
+    it), what its losses are, then each contender's hyperparameters."""
     from rich.console import Console
     from rich.table import Table
 
@@ -69,6 +79,8 @@ def print_table(results: Sequence[RunResult], console: Any = None) -> None:
     else:
         for line in [*wrapped(title, console.width), *stacked(HEADERS, body, console.width, name_columns=2)]:
             console.print(line, highlight=False, markup=False, soft_wrap=True)
+    for line in wrapped(LOSSES, console.width):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     seen = set()
     for r in results:
         if (r.task, r.optimizer) not in seen:
