@@ -25,7 +25,7 @@ from torch import Tensor
 from ..step.collecting import CollectEnv
 from . import muon as muon_rule
 from .muon import Items, is_matrix
-from .normuon import Variant, build, family, reference, state_roles, variant_scalars
+from .normuon import Variant, build, elementwise, family, reference, state_roles, variant_scalars
 
 __all__ = [
     "Items",
@@ -36,6 +36,7 @@ __all__ = [
     "build",
     "reference",
     "family",
+    "elementwise",
 ]
 
 VARIANT = Variant(per_row=False, sign_key="sign_momentum")

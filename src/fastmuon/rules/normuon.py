@@ -39,6 +39,7 @@ from .roles import MUON
 # its state dicts are Muon's (the same group keys and buffers) plus ``second_moment``, which
 # loading carries as saved (see fastmuon.optim.checkpoint) and a fresh step makes as zeros
 family = MUON
+elementwise = muon_rule.elementwise  # the parameters it does not orthogonalise take Muon's AdamW
 MOMENT = "second_moment"
 RESCALES = ("norm", "rms")
 
