@@ -3,6 +3,8 @@ their noun takes, and the update the parameters Muon leaves really get."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,3 +91,21 @@ def test_param_groups_of_a_model_still_say_which_update_each_part_takes():
     # the head (the last layer) and the biases take AdamW
     assert "Muon takes 2 of 6 parameters (2 matrices, 96 elements)" in note
     assert "the other 4 parameters (34 elements) take AdamW" in note
+
+
+def test_the_readme_says_why_its_quick_start_plan_may_pad_much():
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    quick_start = text[text.index("## Quick start") :]
+    after_code = quick_start[quick_start.index("```\n", quick_start.index("```python")) + 4 :]
+    paragraph = " ".join(after_code.strip().split("\n\n")[0].split())
+    assert "padding overhead" in paragraph and "kernel launches" in paragraph
+    # what it says holds: the quick start's convs as matrices, merged they pad the smaller to
+    # the larger's shape, and the exact policy keeps them apart, unpadded
+    convs = [torch.nn.Conv2d(3, 16, 3).weight, torch.nn.Conv2d(16, 32, 3).weight]
+    shapes = [(w.shape[0], w[0].numel()) for w in convs]
+    assert shapes == [(16, 27), (32, 144)] and "16×27 and a 32×144 matrix" in paragraph
+    specs = [MatrixSpec(*shape) for shape in shapes]
+    (merged,) = plan_buckets(specs, policy="min_launches").buckets
+    assert merged.shape == (2, 32, 144)
+    assert plan_buckets(specs, policy="exact").padding_overhead() == 0
