@@ -210,7 +210,7 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _accepted(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def accepted_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The manifest's optimizer kwargs that ``cls`` takes, and the names it does not.
 
     A subclass whose ``__init__`` forwards ``**kwargs`` takes what its first base with an explicit
@@ -251,7 +251,7 @@ def reference_contender(wb: Workbench) -> Contender:
 
 
 def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Contender:
-    kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
+    kwargs, dropped = accepted_kwargs(cls, wb.manifest.optimizer_kwargs)
     kwargs.update(extra)
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model
@@ -421,7 +421,7 @@ def ultralytics_fp32_contender(wb: Workbench) -> Contender:
 
 
 def _ultralytics(wb: Workbench, cls: type, version: str, dtype: torch.dtype, note: str) -> Contender:
-    kwargs, _ = _accepted(cls, wb.manifest.optimizer_kwargs)
+    kwargs, _ = accepted_kwargs(cls, wb.manifest.optimizer_kwargs)
     unmapped = as_2d_matrices(wb.groups(), wb.is_matrix)
     try:
         opt = cls(unmapped.groups, **kwargs)
