@@ -16,7 +16,6 @@ from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
 from ..tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
-from .cpuclass import cpu_facts, describe_cpu
 from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import ManifestError
 from .probe import choose_ns_dtype
@@ -76,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=int,
         default=2,
-        help="untimed steps per contender before measuring (the first builds state and plans; the "
-        "last one's time sets how many steps fit the budget)",
+        help="untimed steps per contender before measuring (the first builds state and plans, and runs "
+        "even with 0; the last one's time sets how many steps fit the budget)",
     )
     p.add_argument(
         "--budget", type=float, default=3.0, help="timed seconds per contender when --steps is unset"
@@ -262,8 +261,7 @@ def run(args: argparse.Namespace) -> int:
     # with --json -, standard output carries the JSON alone
     info = sys.stderr if args.json == STDOUT else sys.stdout
     say = lambda text: print("\n".join(wrapped(text, terminal_width())), file=info, flush=True)  # noqa: E731
-    say(f"threads: {threads} ({why_threads})")
-    say(describe_cpu(cpu_facts()))
+    say(f"threads: {threads} ({why_threads})")  # the CPU class is the report's (machine_facts)
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)
