@@ -1,5 +1,6 @@
 """What the plan, the optimizer's repr and the Muon-share notes print: counts in the number
-their noun takes, and the update the parameters Muon leaves really get."""
+their noun takes, and the update the parameters Muon leaves really get; and what the README
+says of the padding its quick start's plan shows."""
 
 from __future__ import annotations
 
