@@ -161,6 +161,85 @@ def test_bench_report_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
         assert any("speedup vs per-parameter MuSGD: " in line for line in block)
 
 
+def _tiny_bench(tmp_path, capsys, *options: str) -> tuple[list[str], dict]:
+    """The printed report's lines and the JSON of a one-step run on the tiny manifest."""
+    manifest, out = tmp_path / "tiny.json", tmp_path / "out.json"
+    manifest.write_text(json.dumps(_manifest_dict()))  # MuSGD's kwargs: muon=0.2, sgd=1.0
+    args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--rounds", "1", "--threads", "1"]
+    assert main([*args, "--json", str(out), "--quiet", *options]) == 0
+    return capsys.readouterr().out.splitlines(), json.loads(out.read_text())
+
+
+def test_bench_says_the_cpu_class_once_and_nothing_of_the_kwargs_musgd_takes(tmp_path, capsys):
+    lines, doc = _tiny_bench(tmp_path, capsys, "--steps", "1", "--contenders", "fastmuon,per-param")
+    (cpu_line,) = [line for line in lines if line.startswith("CPU class ")]
+    assert doc["machine"]["cpu_class"] in cpu_line
+    assert not [line for line in lines if "manifest optimizer kwargs" in line or "ignored" in line]
+    assert all("manifest_kwargs_not_taken" not in r["extra"] for r in doc["results"])
+
+
+def test_bench_report_counts_one_round_thread_and_step_in_the_singular(tmp_path, capsys):
+    lines, _ = _tiny_bench(tmp_path, capsys, "--steps", "1", "--contenders", "fastmuon")
+    text = "\n".join(lines)
+    assert ", 1 interleaved round\n" in text and " with 1 thread, fastmuon " in text
+    (note,) = [line for line in lines if line.startswith("fastmuon MuSGD: policy=")]
+    assert note.endswith("; 1 step timed")
+
+
+@pytest.mark.parametrize("optimizer, name", [("adamuon", "AdaMuon"), ("muon", "Muon")])
+def test_bench_says_once_that_its_contenders_run_without_musgds_manifest_kwargs(
+    tmp_path, capsys, optimizer, name
+):
+    options = ["--optimizer", optimizer, "--steps", "1", "--contenders", "fastmuon,per-param"]
+    lines, doc = _tiny_bench(tmp_path, capsys, *options)
+    (said,) = [line for line in lines if "muon=0.2, sgd=1.0" in line]
+    assert said == (
+        f"manifest optimizer kwargs muon=0.2, sgd=1.0 are MuSGD's, not {name}'s (the manifest was "
+        f"written for MuSGD): fastmuon {name} and per-parameter {name} run without them"
+    )
+    assert not [line for line in lines if "ignored manifest kwargs" in line]
+    for r in doc["results"]:  # the JSON keeps it per contender
+        assert r["extra"]["manifest_kwargs_not_taken"] == {"muon": 0.2, "sgd": 1.0}, r["name"]
+
+
+def test_a_manifest_kwarg_no_optimizer_takes_is_named_as_not_the_classes_argument():
+    from fastmuon.bench.contenders import unused_kwargs_line
+
+    assert unused_kwargs_line("muon", {"ns_stpes": 4}, ["fastmuon Muon"]) == (
+        "manifest optimizer kwargs ns_stpes=4 are not Muon's arguments: fastmuon Muon runs without them"
+    )
+    assert unused_kwargs_line("musgd", {"betas": (0.9, 0.95)}, ["fastmuon MuSGD", "per-parameter MuSGD"]) == (
+        "manifest optimizer kwargs betas=(0.9, 0.95) are not MuSGD's arguments: fastmuon MuSGD and "
+        "per-parameter MuSGD run without them"
+    )
+
+
+WARMUP_0 = (
+    "--warmup 0: each contender's first step, which builds its state and batching plans, ran all the "
+    "same before any figure was taken (the probes and the timed steps need a built step)"
+)
+
+
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        (["--warmup", "0", "--steps", "1"], WARMUP_0),
+        (
+            ["--warmup", "0", "--budget", "0.01"],
+            WARMUP_0 + "; its time, the building included, set how many steps fit --budget",
+        ),
+        (["--warmup", "1", "--steps", "1"], None),
+    ],
+)
+def test_bench_warmup_0_says_that_the_plan_building_step_ran_before_the_figures(
+    tmp_path, capsys, options, said
+):
+    lines, doc = _tiny_bench(tmp_path, capsys, "--contenders", "fastmuon", *options)
+    assert [line for line in lines if line.startswith("--warmup")] == ([said] if said else [])
+    (fast,) = doc["results"]
+    assert fast["steps_timed"] >= 1 and fast["kernels_per_step"] > 0
+
+
 def test_a_table_that_fits_stays_a_grid_and_one_that_does_not_is_stacked():
     header, body = (
         ["contender", "ms/step", "kernels/step"],
@@ -242,7 +321,7 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
         torch_muon = results["torch.optim.Muon"]
         if hasattr(torch.optim, "Muon"):
             assert torch_muon["extra"]["flattened_weights"] == 1
-            assert "1 >2D weights flattened" in torch_muon["note"]
+            assert "; 1 >2D weight flattened to (out, rest) views" in torch_muon["note"]
     else:
         # run, or listed as skipped with the reason
         assert any(r["name"].startswith("Ultralytics") for r in doc["results"])

@@ -80,7 +80,7 @@ def _distributed_figures(speedup: float) -> dict:
     rank = dict(flop_share=0.5, ns_seconds=0.01, comm_seconds=0.002, step_seconds=0.02)
     rank.update(bytes_sent=1.5e6, bytes_received=1.5e6)
     return dict(
-        model="yolo26n", mode="ddp", nproc=2, device="cpu", backend="gloo", ns_dtype="float32",
+        model="yolo26n", optimizer="MuSGD", mode="ddp", nproc=2, device="cpu", backend="gloo", ns_dtype="float32",
         threads_per_rank=1, steps=5, single_process_ns_seconds=0.029, ns_speedup=speedup,
         ideal_ns_speedup=2.0, bytes_per_step=3e6, ranks=[{"rank": k, **rank} for k in range(2)],
     )  # fmt: skip
@@ -95,6 +95,71 @@ def test_distributed_report_fits_80_columns_and_explains_a_speedup_above_its_bou
     flat = " ".join(text.split())
     assert f"NS speedup per rank: {speedup:.2f}x (FLOP-balance bound 2.00x)" in flat
     assert ("above the bound" in flat) == (speedup > 2.0)
+
+
+def test_distributed_report_counts_one_thread_and_one_step_in_the_singular():
+    from fastmuon.bench.multirank import format_table
+
+    first = " ".join(format_table(_distributed_figures(1.8), width=200).splitlines()[0].split())
+    assert first.startswith("yolo26n MuSGD, ddp: 2 ranks on cpu (gloo)")
+    assert first.endswith("ns_dtype=float32, 1 thread per rank, median of 5 steps")
+
+
+def test_bench_nproc_steps_the_optimizer_asked_for_on_every_rank():
+    """Each rank builds the optimizer of --optimizer (AdaMuon takes none of the yolo manifest's
+    MuSGD kwargs) and says which class it stepped; the report's first line names it."""
+    from fastmuon.bench.multirank import format_table, run_multirank_bench
+
+    figures = run_multirank_bench("yolo26n", 2, "cpu", torch.float32, steps=1, warmup=1, optimizer="adamuon")
+    assert figures["optimizer"] == "AdaMuon" and len(figures["ranks"]) == 2
+    assert all(r["ns_seconds"] > 0 and r["bytes_received"] > 0 for r in figures["ranks"])
+    assert format_table(figures, width=200).startswith("yolo26n AdaMuon, ddp: 2 ranks on cpu (gloo)")
+
+
+@pytest.mark.parametrize("optimizer", ["musgd", "muon", "normuon", "adamuon"])
+def test_bench_nproc_hands_the_optimizer_to_the_multirank_benchmark(monkeypatch, capsys, optimizer):
+    import fastmuon.bench.multirank
+
+    asked = {}
+
+    def run_multirank_bench(*args, **kwargs):
+        asked.update(kwargs)
+        return {**_distributed_figures(1.8), "optimizer": optimizer}
+
+    monkeypatch.setattr(fastmuon.bench.multirank, "run_multirank_bench", run_multirank_bench)
+    assert main(["bench", "--optimizer", optimizer, "--nproc", "2", "--quiet"]) == 0
+    assert asked["optimizer"] == optimizer
+    assert capsys.readouterr().out.startswith(f"yolo26n {optimizer}, ddp")
+
+
+@pytest.mark.parametrize("optimizer, name", [("normuon", "NorMuon"), ("adamuon", "AdaMuon")])
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_bench_nproc_refuses_sharding_for_an_optimizer_that_refuses_sharded_matrices(
+    monkeypatch, capsys, optimizer, name, mode
+):
+    import fastmuon.bench.multirank
+
+    monkeypatch.setattr(fastmuon.bench.multirank, "run_multirank_bench", refuse_work)
+    argv = ["bench", "--optimizer", optimizer, "--nproc", "2", "--dist-mode", mode, "--quiet"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(
+        f"fastmuon bench: error: --optimizer {optimizer} with --dist-mode {mode}: {name} refuses sharded"
+    )
+    assert "run it with --dist-mode ddp, or benchmark" in captured.err
+
+
+def test_bench_nproc_hsdp_on_an_odd_number_of_ranks_is_refused_before_anything_runs(monkeypatch, capsys):
+    import fastmuon.bench.multirank
+
+    monkeypatch.setattr(fastmuon.bench.multirank, "run_multirank_bench", refuse_work)
+    assert main(["bench", "--nproc", "3", "--dist-mode", "hsdp", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == "fastmuon bench: error: --dist-mode hsdp replicates over 2 groups: give an even --nproc, not 3\n"
+    )
 
 
 def _tiny_manifest(tmp_path) -> str:

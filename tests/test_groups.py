@@ -6,6 +6,7 @@ from torch import nn
 
 from fastmuon import Muon, MuSGD, param_groups
 from fastmuon.groups import output_layers
+from fastmuon.ns.planner import counted
 
 
 def names(groups):
@@ -246,8 +247,9 @@ def test_repr_shows_each_groups_settings_and_counts_not_names():
     assert text.startswith("MuSGD (\n") and text.endswith("\n)")
     assert text.count("Parameter Group ") == len(opt.param_groups)
     for group in opt.param_groups:
-        assert f"    params: {len(group['params'])} tensors" in text
-        assert f"    param_names: {len(group['param_names'])} names" in text
+        assert f"    params: {counted(len(group['params']), 'tensor')}\n" in text
+        assert f"    param_names: {counted(len(group['param_names']), 'name')}\n" in text
+    assert "    params: 1 tensor\n" in text  # the head's group
     assert "    lr: 0.02" in text and "    momentum: 0.9" in text
     assert "0.weight" not in text and "29.bias" not in text  # no parameter is listed by name
     small = MuSGD(param_groups(nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))), lr=0.02), momentum=0.9)

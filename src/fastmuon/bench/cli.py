@@ -16,7 +16,6 @@ from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
 from ..tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
-from .cpuclass import cpu_facts, describe_cpu
 from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import ManifestError
 from .probe import choose_ns_dtype
@@ -76,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup",
         type=int,
         default=2,
-        help="untimed steps per contender before measuring (the first builds state and plans; the "
-        "last one's time sets how many steps fit the budget)",
+        help="untimed steps per contender before measuring (the first builds state and plans, and runs "
+        "even with 0; the last one's time sets how many steps fit the budget)",
     )
     p.add_argument(
         "--budget", type=float, default=3.0, help="timed seconds per contender when --steps is unset"
@@ -120,7 +119,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--nproc",
         type=int,
         default=1,
-        help="ranks (N > 1: the multi-rank benchmark of fastmuon MuSGD, gloo on CPU, NCCL on CUDA): "
+        help="ranks (N > 1: the multi-rank benchmark of fastmuon's --optimizer, gloo on CPU, NCCL on CUDA): "
         "NS time per rank, bytes exchanged, NS speedup per rank against every rank doing every matrix",
     )
     p.add_argument(
@@ -128,7 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("ddp", "fsdp", "hsdp"),
         default="ddp",
         help="with --nproc: replicated params, Shard(0) DTensors on a 1-D mesh, or HSDP "
-        "(Replicate over 2 groups, Shard(0) within; an even --nproc)",
+        "(Replicate over 2 groups, Shard(0) within; an even --nproc); NorMuon and AdaMuon: ddp only",
     )
 
 
@@ -201,6 +200,12 @@ def usage_error(args: argparse.Namespace) -> str | None:
         return f"--budget must be a positive number of seconds, got {args.budget}"
     if args.max_step_seconds is not None and not args.max_step_seconds >= 0:
         return f"--max-step-seconds must be 0 or more, got {args.max_step_seconds}"
+    if args.nproc > 1:
+        from .multirank import setup_problem
+
+        problem = setup_problem(args.optimizer, args.dist_mode, args.nproc)
+        if problem:
+            return problem
     if args.device == "cuda" and not torch.cuda.is_available():
         return "--device cuda, but this torch sees no CUDA device (run on a GPU machine, or --device cpu)"
     for option in ("json", "markdown", "plot"):
@@ -256,8 +261,7 @@ def run(args: argparse.Namespace) -> int:
     # with --json -, standard output carries the JSON alone
     info = sys.stderr if args.json == STDOUT else sys.stdout
     say = lambda text: print("\n".join(wrapped(text, terminal_width())), file=info, flush=True)  # noqa: E731
-    say(f"threads: {threads} ({why_threads})")
-    say(describe_cpu(cpu_facts()))
+    say(f"threads: {threads} ({why_threads})")  # the CPU class is the report's (machine_facts)
     device = torch.device(args.device)
     try:
         manifest = resolve_workload(args.model)
@@ -300,13 +304,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_multirank(args: argparse.Namespace) -> int:
-    """``--nproc N``: spawn N ranks and report fastmuon's shared NS work (see fastmuon.bench.multirank)."""
+    """``--nproc N``: spawn N ranks and report the shared NS work of fastmuon's ``--optimizer``
+    (see fastmuon.bench.multirank)."""
     from .multirank import format_table, run_multirank_bench
 
     ns_dtype = NS_DTYPES.get(args.ns_dtype, torch.bfloat16 if args.device == "cuda" else torch.float32)
     try:
         figures = run_multirank_bench(
-            args.model, args.nproc, args.device, ns_dtype, args.steps or 5, args.dist_mode
+            args.model,
+            args.nproc,
+            args.device,
+            ns_dtype,
+            args.steps or 5,
+            args.dist_mode,
+            optimizer=args.optimizer,
         )
     except ValueError as e:
         print(f"fastmuon bench: {e}", file=sys.stderr)

@@ -28,11 +28,13 @@ from .. import AdaMuon, Muon, MuSGD, NorMuon
 from ..matrices import maps_of
 from ..ns.device import compute_dtype
 from ..ns.newton_schulz import newton_schulz
-from ..ns.planner import COST_MODELS, Plan, ns_flops
+from ..ns.planner import COST_MODELS, Plan, counted, ns_flops
 from ..optim.reference import ReferenceMuon, ReferenceMuSGD
 from .manifest import Manifest
 
 OPTIMIZERS = ("musgd", "muon", "normuon", "adamuon")
+#: ``Contender.extra`` key: the manifest's optimizer kwargs the contender's class does not take
+UNUSED_KWARGS = "manifest_kwargs_not_taken"
 #: each update rule's fastmuon class and its name in the report
 CLASSES = {
     "musgd": (MuSGD, "MuSGD"),
@@ -115,8 +117,8 @@ class Unmapped:
         if not self.tensors:
             return ""
         return (
-            f"; {self.tensors} mapped tensors given as {self.views} 2-D views, one per matrix of their maps "
-            "(transposed ones as (out, in))"
+            f"; {counted(self.tensors, 'mapped tensor')} given as {counted(self.views, '2-D view')}, "
+            "one per matrix of their maps (transposed ones as (out, in))"
         )
 
 
@@ -210,7 +212,7 @@ def _unique_bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def _accepted(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def accepted_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The manifest's optimizer kwargs that ``cls`` takes, and the names it does not.
 
     A subclass whose ``__init__`` forwards ``**kwargs`` takes what its first base with an explicit
@@ -251,7 +253,7 @@ def reference_contender(wb: Workbench) -> Contender:
 
 
 def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Contender:
-    kwargs, dropped = _accepted(cls, wb.manifest.optimizer_kwargs)
+    kwargs, dropped = accepted_kwargs(cls, wb.manifest.optimizer_kwargs)
     kwargs.update(extra)
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model
@@ -266,11 +268,10 @@ def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Cont
         cost_model=cost_model,
         **kwargs,
     )
-    if dropped:
-        note += f"; ignored manifest kwargs {dropped}"
     mapped = wb.manifest.ns_matrices()
     if mapped != len(wb.manifest.matrices()):
-        note += f"; the manifest's matrix maps: {len(wb.manifest.matrices())} tensors, {mapped} matrices"
+        tensors = counted(len(wb.manifest.matrices()), "tensor")
+        note += f"; the manifest's matrix maps: {tensors}, {counted(mapped, 'matrix', 'matrices')}"
 
     name = f"{label} {CLASSES[wb.optimizer][1]}"
     useful = wb.matrix_flops()
@@ -281,7 +282,24 @@ def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Cont
     # the tensors the cached NS executors keep between steps (bucket buffers, indices)
     contender.ns_flops, contender.workspaces = computed, opt.workspaces
     contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
+    if dropped:  # the report says it once for the run (see unused_kwargs_line)
+        contender.extra[UNUSED_KWARGS] = {k: wb.manifest.optimizer_kwargs[k] for k in dropped}
     return contender
+
+
+def unused_kwargs_line(optimizer: str, unused: dict[str, Any], contenders: list[str]) -> str:
+    """What the report says, once, of the manifest's optimizer kwargs that ``optimizer``'s
+    fastmuon class does not take and so ``contenders`` run without: a manifest written for
+    MuSGD (the bundled yolo26 ones) gives MuSGD's weights of its two halves, ``muon`` and ``sgd``."""
+    name = CLASSES[optimizer][1]
+    given = ", ".join(f"{k}={v!r}" for k, v in unused.items())
+    ran = f"{' and '.join(contenders)} {'runs' if len(contenders) == 1 else 'run'} without them"
+    if optimizer != "musgd" and not accepted_kwargs(MuSGD, unused)[1]:
+        return (
+            f"manifest optimizer kwargs {given} are MuSGD's, not {name}'s "
+            f"(the manifest was written for MuSGD): {ran}"
+        )
+    return f"manifest optimizer kwargs {given} are not {name}'s arguments: {ran}"
 
 
 def torch_muon_contender(wb: Workbench) -> Contender:
@@ -341,7 +359,11 @@ def _torch_muon(wb: Workbench, cls: type | None, dtype: torch.dtype) -> Contende
         optimizers.append(torch.optim.AdamW(others, betas=(0.9, 0.95), foreach=True))
     precision = "bfloat16 (fixed by torch)" if dtype == torch.bfloat16 else "float32 (torch's swapped)"
     note = f"NS in {precision}; rest: torch.optim.AdamW(foreach=True)"
-    note += f"; {flattened} >2D weights flattened to (out, rest) views" if flattened else "; all matrices 2D"
+    note += (
+        f"; {counted(flattened, '>2D weight')} flattened to (out, rest) views"
+        if flattened
+        else "; all matrices 2D"
+    )
     note += unmapped.note
     return Contender(
         f"torch.optim.Muon{_swapped_suffix(dtype)}",
@@ -421,7 +443,7 @@ def ultralytics_fp32_contender(wb: Workbench) -> Contender:
 
 
 def _ultralytics(wb: Workbench, cls: type, version: str, dtype: torch.dtype, note: str) -> Contender:
-    kwargs, _ = _accepted(cls, wb.manifest.optimizer_kwargs)
+    kwargs, _ = accepted_kwargs(cls, wb.manifest.optimizer_kwargs)
     unmapped = as_2d_matrices(wb.groups(), wb.is_matrix)
     try:
         opt = cls(unmapped.groups, **kwargs)

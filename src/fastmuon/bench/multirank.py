@@ -1,13 +1,16 @@
 """The multi-rank benchmark (``fastmuon bench --nproc N``): each rank's share of the NS work.
 
-Spawns ``nproc`` processes (gloo on CPU, nccl on CUDA), each holding a model's parameters
+Spawns ``nproc`` processes (gloo on CPU, nccl on CUDA), each stepping one fastmuon optimizer
+(MuSGD, Muon, NorMuon or AdaMuon: ``--optimizer``) on a model's parameters
 (from a bundled manifest: yolo26n..x) either replicated (``ddp``: every rank orthogonalises
 its share of the buckets and broadcasts the results) or sharded (``fsdp``: Shard(0) DTensors;
 ``hsdp``: replicated over two groups, Shard(0) within each, on a 2-D mesh; matrices gathered to
 their owners and scattered back). Every rank reports the seconds its NS
 share took, the seconds and bytes of the exchange per step; then every rank times the step
 without sharing (every rank orthogonalising every matrix, as a plain Muon does under DDP,
-same threads per process) for the speedup of NS work per rank.
+same threads per process) for the speedup of NS work per rank. NorMuon and AdaMuon refuse
+sharded matrices (their statistics of the whole update are not computed across shards), so
+they run replicated (``ddp``) only.
 """
 
 from __future__ import annotations
@@ -27,8 +30,31 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..ns.device import synchronize
+from ..ns.planner import counted
+from .contenders import CLASSES, accepted_kwargs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+MODES = ("ddp", "fsdp", "hsdp")
+#: the update rules whose optimizers refuse sharded (DTensor) matrices
+REPLICATED_ONLY = ("normuon", "adamuon")
+
+
+def setup_problem(optimizer: str, mode: str, nproc: int) -> str | None:
+    """Why the benchmark cannot run ``optimizer`` in ``mode`` on ``nproc`` ranks, as the command
+    line's options would fix it (None: it can)."""
+    if optimizer not in CLASSES:
+        return f"unknown optimizer {optimizer!r}; choose one of {', '.join(CLASSES)}"
+    if mode not in MODES:
+        return f"unknown mode {mode!r}; choose one of {', '.join(MODES)}"
+    if optimizer in REPLICATED_ONLY and mode != "ddp":
+        name = CLASSES[optimizer][1]
+        return (
+            f"--optimizer {optimizer} with --dist-mode {mode}: {name} refuses sharded (DTensor) matrices; "
+            f"run it with --dist-mode ddp, or benchmark {mode} with --optimizer muon or musgd"
+        )
+    if mode == "hsdp" and (nproc < 2 or nproc % 2):
+        return f"--dist-mode hsdp replicates over 2 groups: give an even --nproc, not {nproc}"
+    return None
 
 
 def load_manifest(model: str) -> dict[str, Any]:
@@ -55,12 +81,13 @@ def run_multirank_bench(
     steps: int = 5,
     mode: str = "ddp",
     warmup: int = 2,
+    optimizer: str = "musgd",
 ) -> dict[str, Any]:
-    """Run the benchmark; returns its figures (times in seconds, medians over ``steps`` steps)."""
-    if mode not in ("ddp", "fsdp", "hsdp"):
-        raise ValueError(f"unknown mode {mode!r}; choose 'ddp', 'fsdp' or 'hsdp'")
-    if mode == "hsdp" and (nproc < 2 or nproc % 2):
-        raise ValueError(f"--dist-mode hsdp replicates over 2 groups: give an even --nproc, not {nproc}")
+    """Run the benchmark of ``optimizer`` (a key of :data:`.contenders.CLASSES`); returns its
+    figures (times in seconds, medians over ``steps`` steps)."""
+    problem = setup_problem(optimizer, mode, nproc)
+    if problem:
+        raise ValueError(problem)
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be >= 1")
     if device == "cuda" and torch.cuda.device_count() < nproc:
@@ -72,7 +99,7 @@ def run_multirank_bench(
     with tempfile.TemporaryDirectory() as out:
         config = dict(
             model=model, device=device, ns_dtype=str(ns_dtype).removeprefix("torch."), steps=steps,
-            warmup=warmup, mode=mode, threads=threads, port=_free_port(), out=out,
+            warmup=warmup, mode=mode, threads=threads, port=_free_port(), out=out, optimizer=optimizer,
         )  # fmt: skip
         mp.start_processes(_worker, args=(nproc, config), nprocs=nproc, start_method="spawn")
         ranks = []
@@ -81,8 +108,10 @@ def run_multirank_bench(
                 ranks.append(json.load(f))
     single = max(r.pop("single_ns_seconds") for r in ranks)
     slowest = max(r["ns_seconds"] for r in ranks)
+    (stepped,) = {r.pop("optimizer") for r in ranks}  # the class every rank stepped
     return dict(
         model=model,
+        optimizer=stepped,
         mode=mode,
         nproc=nproc,
         device=device,
@@ -99,8 +128,6 @@ def run_multirank_bench(
 
 
 def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
-    from .. import MuSGD
-
     torch.set_num_threads(config["threads"])
     cuda = config["device"] == "cuda"
     if cuda:
@@ -130,18 +157,19 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
                 placements = [Replicate(), Shard(0)]
             params = [distribute_tensor(p, mesh, placements) for p in params]
             grads = [distribute_tensor(g, mesh, placements) for g in grads]
-        opt = MuSGD(
-            _groups(manifest, params),
-            ns_dtype=ns_dtype,
+        opt = _optimizer(
+            config["optimizer"],
+            manifest,
+            params,
+            ns_dtype,
             process_group=dist.group.WORLD if mesh is None else None,
-            **manifest["optimizer_kwargs"],
         )
         for p, g in zip(params, grads):
             p.grad = g
         # The baseline: the same step without sharing (every rank orthogonalises every matrix, as
         # a plain Muon under DDP does), interleaved step by step with the shared one so both see
         # the same contention for cores.
-        unshared, unshared_ns = _unshared_optimizer(manifest, device, ns_dtype)
+        unshared, unshared_ns = _unshared_optimizer(config["optimizer"], manifest, device, ns_dtype)
         figures: dict[str, list[float]] = {k: [] for k in ("ns", "comm", "step", "sent", "received")}
         for t in range(config["warmup"] + config["steps"]):
             for engine in opt.orthogonalizers():
@@ -166,6 +194,7 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
         stats = opt.orthogonalizers()[0].stats
         result = dict(
             rank=rank,
+            optimizer=type(opt).__name__,
             ns_seconds=statistics.median(figures["ns"]),
             comm_seconds=statistics.median(figures["comm"]),
             step_seconds=statistics.median(figures["step"]),
@@ -195,12 +224,20 @@ def _groups(manifest, params) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def _unshared_optimizer(manifest, device, ns_dtype) -> tuple[Any, list[float]]:
-    """A plain (unshared) MuSGD on a copy of the workload, and the list its NS seconds go to."""
-    from .. import MuSGD
+def _optimizer(
+    optimizer: str, manifest: dict[str, Any], params: list[torch.Tensor], ns_dtype: torch.dtype, **extra: Any
+) -> Any:
+    """The fastmuon optimizer of the update rule ``optimizer`` on the manifest's groups, with the
+    manifest's optimizer kwargs that it takes (MuSGD's ``muon`` and ``sgd`` mean nothing to the others)."""
+    cls = CLASSES[optimizer][0]
+    kwargs, _ = accepted_kwargs(cls, manifest["optimizer_kwargs"])
+    return cls(_groups(manifest, params), ns_dtype=ns_dtype, **kwargs, **extra)
 
+
+def _unshared_optimizer(optimizer: str, manifest, device, ns_dtype) -> tuple[Any, list[float]]:
+    """The same optimizer, unshared, on a copy of the workload, and the list its NS seconds go to."""
     params, grads = _tensors(manifest, device)
-    opt = MuSGD(_groups(manifest, params), ns_dtype=ns_dtype, **manifest["optimizer_kwargs"])
+    opt = _optimizer(optimizer, manifest, params, ns_dtype)
     for p, g in zip(params, grads):
         p.grad = g
     times: list[float] = []
@@ -224,8 +261,9 @@ def format_table(r: dict[str, Any], width: int | None = None) -> str:
 
     width = width or terminal_width()
     lines = wrapped(
-        f"{r['model']} MuSGD, {r['mode']}: {r['nproc']} ranks on {r['device']} ({r['backend']}), "
-        f"ns_dtype={r['ns_dtype']}, {r['threads_per_rank']} thread(s) per rank, median of {r['steps']} steps",
+        f"{r['model']} {r['optimizer']}, {r['mode']}: {r['nproc']} ranks on {r['device']} ({r['backend']}), "
+        f"ns_dtype={r['ns_dtype']}, {counted(r['threads_per_rank'], 'thread')} per rank, "
+        f"median of {counted(r['steps'], 'step')}",
         width,
     )
     lines.append(

@@ -18,7 +18,9 @@ import torch
 
 from .. import __version__
 from ..cli import write_json_output
+from ..ns.planner import counted
 from ..tables import grid_width, stacked, terminal_width, wrapped
+from .contenders import UNUSED_KWARGS, unused_kwargs_line
 from .cpuclass import cpu_facts, describe_cpu
 from .hosttime import HOW
 from .runner import HOST_STEPS, Progress, Result, speedups
@@ -139,14 +141,15 @@ def describe(document: dict[str, Any]) -> list[str]:
     """The lines around the table: workload, settings, machine, notes, skips, speedup matrix."""
     m, w, s = document["machine"], document["workload"], document["settings"]
     lines = [
-        f"workload {w['model']}: {w['params']} tensors, {w['numel'] / 1e6:.2f}M values, "
-        f"{w['matrices']} matrices ({w['matrices_over_2d']} with >2 dims)"
+        f"workload {w['model']}: {counted(w['params'], 'tensor')}, {w['numel'] / 1e6:.2f}M values, "
+        f"{counted(w['matrices'], 'matrix', 'matrices')} ({w['matrices_over_2d']} with >2 dims)"
         + _mapped_clause(w)
         + (f"; {w['source']}" if w.get("source") else ""),
         f"optimizer {s['optimizer']}, device {s['device']}, ns_dtype {s['ns_dtype']} ({s['ns_dtype_why']}), "
-        f"policy {s['policy']}, {s['rounds']} interleaved rounds"
+        f"policy {s['policy']}, {counted(s['rounds'], 'interleaved round')}"
         + (f", steps {s['step_mode']}" if s.get("step_mode", "eager") != "eager" else ""),
-        f"machine: {m['cpu']}, {m['cpu_count']} CPUs, torch {m['torch']} with {m['num_threads']} threads, "
+        f"machine: {m['cpu']}, {counted(m['cpu_count'], 'CPU')}, torch {m['torch']} with "
+        f"{counted(m['num_threads'], 'thread')}, "
         f"fastmuon {m['fastmuon']}" + (f", GPU {m['gpu']}" if "gpu" in m else ""),
     ]
     run = document["run"]
@@ -158,17 +161,21 @@ def describe(document: dict[str, Any]) -> list[str]:
     load, cpus = run.get("load_average_before"), m["cpu_count"]
     if load is not None and cpus and load + m["num_threads"] > cpus + 0.5 and s["device"] == "cpu":
         lines.append(
-            f"warning: other processes were using the CPUs (load {load:.1f} on {cpus} CPUs): CPU timings "
-            "are disturbed; compare ratios from one run"
+            f"warning: other processes were using the CPUs (load {load:.1f} on {counted(cpus, 'CPU')}): "
+            "CPU timings are disturbed; compare ratios from one run"
             + (", or try --threads 1" if m["num_threads"] > 1 else "")
         )
     for r in document["results"]:
         lines += _floor_lines(r)
+    warmup = _warmup_line(s)
+    if warmup:
+        lines.append(warmup)
     for r in document["results"]:
         if r["skipped"]:
             lines.append(f"skipped {r['name']}: {r['skipped']}")
         elif r["note"]:
-            lines.append(f"{r['name']}: {r['note']}; {r['steps_timed']} steps timed")
+            lines.append(f"{r['name']}: {r['note']}; {counted(r['steps_timed'], 'step')} timed")
+    lines += _unused_kwargs_lines(document)
     lines.append(HOW.format(n=HOST_STEPS))
     lines.append(
         "kernels/step: ATen ops dispatched in one step (views and allocations excluded); "
@@ -176,6 +183,28 @@ def describe(document: dict[str, Any]) -> list[str]:
         "allocates beyond what it started with"
     )
     return lines
+
+
+def _warmup_line(settings: dict[str, Any]) -> str | None:
+    """With ``--warmup 0``, what ran before the figures all the same (None: a warm-up was asked for)."""
+    if settings.get("warmup") != 0:
+        return None
+    line = (
+        "--warmup 0: each contender's first step, which builds its state and batching plans, ran all "
+        "the same before any figure was taken (the probes and the timed steps need a built step)"
+    )
+    if settings.get("steps") is None:
+        line += "; its time, the building included, set how many steps fit --budget"
+    return line
+
+
+def _unused_kwargs_lines(document: dict[str, Any]) -> list[str]:
+    """The manifest's optimizer kwargs fastmuon's contenders ran without, said once for the run."""
+    ran = [r for r in document["results"] if not r["skipped"] and UNUSED_KWARGS in r["extra"]]
+    if not ran:
+        return []
+    unused = {k: v for r in ran for k, v in r["extra"][UNUSED_KWARGS].items()}
+    return [unused_kwargs_line(document["settings"]["optimizer"], unused, [r["name"] for r in ran])]
 
 
 def _mapped_clause(workload: dict[str, Any]) -> str:

@@ -196,6 +196,12 @@ CPU_COST_MODELS: dict[str, CostModel] = {
 CPU_COST_MODELS["amx_bf16"] = CPU_COST_MODELS["avx512_bf16"]
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 bucket``, ``2 buckets``: a count and its noun in the number it takes, for the texts
+    that report counts (``plural`` for a noun that does not just add an s)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def default_cost_model(device: torch.device | str) -> CostModel:
     """The built-in constants for ``device``: per device type, and on CPUs per CPU class."""
     device = torch.device(device)
@@ -355,8 +361,12 @@ class Plan:
         return self.flops() / useful - 1.0 if useful else 0.0
 
     def describe(self) -> str:
+        matrices, buckets = (
+            counted(self.num_matrices, "matrix", "matrices"),
+            counted(len(self.buckets), "bucket"),
+        )
         lines = [
-            f"plan: {self.num_matrices} matrices in {len(self.buckets)} buckets "
+            f"plan: {matrices} in {buckets} "
             f"(policy={self.policy}, steps={self.steps}, "
             f"max_bucket_bytes={self.max_bucket_bytes / 2**20:.0f} MiB)"
             + (f": {self.note}" if self.note else ""),

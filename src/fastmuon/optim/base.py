@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from ..distributed.dtensor import local_shard as _local
 from ..matrices import MatrixMap, maps_of
 from ..ns import device
-from ..ns.planner import Plan
+from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv
 from ..step.elementwise import ADJUST_LR_ALIAS
@@ -429,13 +429,13 @@ class MatrixOptimizer(Optimizer):
         lines = [f"{type(self).__name__} ("]
         for i, group in enumerate(self.param_groups):
             lines.append(f"Parameter Group {i}")
-            lines.append(f"    params: {len(group['params'])} tensors")
+            lines.append(f"    params: {counted(len(group['params']), 'tensor')}")
             for key in sorted(group):
                 if key == "params":
                     continue
                 value = group[key]
                 if key == "param_names" and isinstance(value, (list, tuple)):
-                    value = f"{len(value)} names"
+                    value = counted(len(value), "name")
                 lines.append(f"    {key}: {value}")
         lines.append(")")
         return "\n".join(lines)

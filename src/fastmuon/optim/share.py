@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from ..ns.planner import counted
+
 #: how to get Muon where an optimizer orthogonalises nothing
 NO_MUON_FIX = (
     "To orthogonalise the matrices, put them in param groups with use_muon=True, or build the "
@@ -32,15 +34,14 @@ class MuonShare(NamedTuple):
     def describe(self) -> str:
         total = self.parameters + self.others
         rest = (
-            f"{'the other ' if self.parameters else ''}{self.others} "
-            f"parameter{'s' if self.others != 1 else ''} ({self.other_elements:,} elements) "
-            f"take {self.other_update}"
+            f"{'the other ' if self.parameters else ''}{counted(self.others, 'parameter')} "
+            f"({self.other_elements:,} elements) take {self.other_update}"
         )
         if not self.parameters:
             return rest
         muon = (
-            f"Muon takes {self.parameters} of {total} parameters ({self.matrices} "
-            f"matri{'ces' if self.matrices != 1 else 'x'}, {self.elements:,} elements)"
+            f"Muon takes {self.parameters} of {total} parameters "
+            f"({counted(self.matrices, 'matrix', 'matrices')}, {self.elements:,} elements)"
         )
         return f"{muon}; {rest}" if self.others else muon
 
@@ -50,7 +51,7 @@ def muon_share(
 ) -> MuonShare:
     """What ``rule`` orthogonalises among the groups' parameters and what takes its elementwise
     update: counts over every group, gradients or not (``maps_of(group, index)``: its maps)."""
-    other_update = getattr(rule, "elementwise", "the elementwise update")
+    other_update = rule.elementwise
     parameters = matrices = elements = others = other_elements = 0
     for index, group in enumerate(groups):
         maps = None
@@ -70,7 +71,7 @@ def muon_share(
 
 def steps_note(steps: int, has_state: bool) -> str:
     if steps:
-        return f"{steps} step{'s' if steps != 1 else ''} taken"
+        return f"{counted(steps, 'step')} taken"
     if has_state:
         return (
             "no step taken since this optimizer was made (its state was loaded, copied or made by init_state)"

@@ -26,7 +26,7 @@ from ..matrices import MatrixMap
 from ..step.collecting import CollectEnv
 from . import muon as muon_rule
 from .muon import Items, is_matrix
-from .normuon import Variant, build, family, reference, variant_scalars
+from .normuon import Variant, build, elementwise, family, reference, variant_scalars
 
 __all__ = [
     "Items",
@@ -38,6 +38,7 @@ __all__ = [
     "build",
     "reference",
     "family",
+    "elementwise",
 ]
 
 VARIANT = Variant(per_row=False, sign_key="sign_momentum")

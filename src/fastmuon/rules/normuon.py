@@ -40,6 +40,7 @@ from .roles import ELEMENT_MOMENT, MUON, ROW_MOMENT
 # loading carries from a state dict of the same variant only (see fastmuon.optim.checkpoint) and
 # a fresh step makes as zeros
 family = MUON
+elementwise = muon_rule.elementwise  # the parameters it does not orthogonalise take Muon's AdamW
 MOMENT = "second_moment"
 RESCALES = ("norm", "rms")
 
