@@ -33,11 +33,13 @@ def _tested_releases() -> list[str]:
 
 
 def _torch_requirement():
-    import tomllib
+    import ast
 
     from packaging.requirements import Requirement
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    text = (ROOT / "pyproject.toml").read_text()  # tomllib is 3.11+; the list is a Python literal
+    listed = "[" + text.split("\ndependencies = [", 1)[1].split("]", 1)[0] + "]"
+    deps = ast.literal_eval(listed)
     (torch_req,) = [r for r in map(Requirement, deps) if r.name == "torch"]
     return torch_req
 
