@@ -56,6 +56,8 @@ def test_yolo_without_an_importable_torchvision_says_so_in_one_line(tmp_path):
     traceback."""
     if importlib.util.find_spec("ultralytics") is None:
         pytest.skip("ultralytics is not installed (pip install --no-deps ultralytics)")
+    if importlib.util.find_spec("cv2") is None:
+        pytest.skip("Ultralytics' OpenCV is not installed: its import stops there, before torchvision")
     child = (
         "import importlib.metadata as m, sys\n"
         "sys.modules['torchvision'] = None\n"
