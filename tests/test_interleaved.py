@@ -1,0 +1,387 @@
+"""Interleaved parts: a tensor whose gate and up rows (or heads) alternate, as GPT-OSS stores its
+experts' ``gate_up_proj``, is orthogonalised part by part, each part a strided view.
+
+The reference de-interleaves every tensor (each part's rows together, ``reference_impl.py``),
+steps it with the per-matrix fp32 references on contiguous pieces written out by hand, and
+interleaves the result back: momentum and weight decay are elementwise, so only the NS of each
+de-interleaved part decides the update.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conftest import rel_err
+from helpers import clone_params, make_grads, make_params, run_checking_grads_untouched
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference_impl import (
+    deinterleaved,
+    interleaved,
+    muon_reference_pieces,
+    musgd_reference_pieces,
+    ns_reference,
+    variant_reference_step,
+)
+from torch import nn
+
+import fastmuon
+from fastmuon import Muon, MuSGD, newton_schulz, orthogonalize, param_groups
+from fastmuon.matrices import count, parse
+
+ALL = slice(None)
+F32 = torch.float32
+
+# name: (shape, spec, the interleaved dim of the tensor, its part count, the matrices of the
+# de-interleaved tensor by hand: (index, stored (in, out)?))
+LAYOUTS = {
+    "gpt_oss": (  # (E, H, 2I) stored (in, out), gate = columns 0::2, up = 1::2
+        (3, 8, 12),
+        {"batch_dims": 1, "split": [6, 6], "interleaved": True, "transposed": True},
+        2,
+        2,
+        [((e, ALL, slice(a, a + 6)), True) for e in range(3) for a in (0, 6)],
+    ),
+    "experts_rows": (  # (E, 2I, H): gate and up rows alternate
+        (2, 8, 6),
+        {"batch_dims": 1, "split": [4, 4], "interleaved": True},
+        1,
+        2,
+        [((e, slice(a, a + 4)), False) for e in range(2) for a in (0, 4)],
+    ),
+    "rows": (
+        (12, 5),
+        {"split": [6, 6], "interleaved": True},
+        0,
+        2,
+        [((slice(a, a + 6),), False) for a in (0, 6)],
+    ),
+    "three_heads": (
+        (9, 4),
+        {"heads": 3, "interleaved": True},
+        0,
+        3,
+        [((slice(a, a + 3),), False) for a in (0, 3, 6)],
+    ),
+    "columns": (
+        (5, 8),
+        {"heads": 2, "dim": 1, "interleaved": True},
+        1,
+        2,
+        [((ALL, slice(a, a + 4)), False) for a in (0, 4)],
+    ),
+    "conv1d_qkv": (  # (in, 3·out) stored transposed, q, k and v outputs alternating
+        (4, 12),
+        {"split": [4, 4, 4], "interleaved": True, "transposed": True},
+        1,
+        3,
+        [((ALL, slice(a, a + 4)), True) for a in (0, 4, 8)],
+    ),
+    "conv": (
+        (8, 3, 3, 3),
+        {"heads": 2, "interleaved": True},
+        0,
+        2,
+        [((slice(a, a + 4),), False) for a in (0, 4)],
+    ),
+}
+
+MUON_HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+MUSGD_HP = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2, muon=0.3, sgd=0.7)
+
+
+def layout_params(names=LAYOUTS):
+    names = list(names)
+    params = make_params([LAYOUTS[n][0] for n in names])
+    return names, params, [LAYOUTS[n][1] for n in names]
+
+
+def deinterleaved_reference(step, names, params, grads, **hyper):
+    """``step`` (a ``*_reference_pieces`` function) on every tensor de-interleaved, each with
+    the contiguous pieces of its layout; the results interleaved back."""
+    layouts = [LAYOUTS[n] for n in names]
+    ref = [deinterleaved(p.detach(), dim, n) for p, (_, _, dim, n, _) in zip(params, layouts)]
+    states = [{} for _ in ref]
+    for step_grads in grads:
+        for q, g, state, (_, _, dim, n, pieces) in zip(ref, step_grads, states, layouts):
+            step(q, deinterleaved(g, dim, n), state, pieces, **hyper)
+    return [interleaved(q, dim, n) for q, (_, _, dim, n, _) in zip(ref, layouts)]
+
+
+# ----- the maps' geometry ---------------------------------------------------------------------
+@st.composite
+def interleaved_maps(draw):
+    batch_dims = draw(st.integers(0, 2))
+    batch = draw(st.lists(st.integers(1, 3), min_size=batch_dims, max_size=batch_dims))
+    transposed = draw(st.booleans())
+    matrix = draw(st.lists(st.integers(1, 4), min_size=2, max_size=2 if transposed else 3))
+    dim = draw(st.integers(0, 1))
+    stored = batch_dims + (1 - dim if transposed else dim)
+    parts = draw(st.integers(1, 4))
+    matrix[stored - batch_dims] *= parts
+    shape = (*batch, *matrix)
+    spec: dict = {"batch_dims": batch_dims, "transposed": transposed, "dim": dim, "interleaved": True}
+    if draw(st.booleans()):
+        spec["heads"] = parts
+    else:
+        spec["split"] = [shape[stored] // parts] * parts
+    return shape, spec, stored, parts
+
+
+@settings(max_examples=150, deadline=None)
+@given(interleaved_maps())
+def test_interleaved_views_are_strided_views_of_every_nth_row(case):
+    shape, spec, stored, parts = case
+    m = parse(spec)
+    m.check(shape)
+    t = torch.arange(torch.Size(shape).numel(), dtype=F32).view(shape)
+    views, boxes, shapes = m.views(t), m.boxes(shape), m.shapes(shape)
+    assert len(views) == len(boxes) == len(shapes) == count(shape, m)
+    covered = torch.zeros(shape, dtype=torch.int64)
+    rows = shape[stored]
+    for j, (v, box, s) in enumerate(zip(views, boxes, shapes)):
+        k = j % parts  # boxes run batch-major: a matrix's parts together
+        assert box[stored] == slice(k, rows, parts)
+        by_hand = t.index_select(stored, torch.arange(k, rows, parts))[box[: m.batch_dims]]
+        assert torch.equal(v, by_hand) and torch.equal(v, t[box])
+        # a view of t, not a copy: it starts at row k and steps ``parts`` rows at a time
+        assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+        assert v.stride(stored - m.batch_dims) == parts * t.stride(stored)
+        assert v.storage_offset() == t[box].storage_offset()
+        covered[box] += 1
+        assert tuple(s) == (tuple(v.shape)[::-1] if m.transposed else tuple(v.shape))
+    assert bool((covered == 1).all())  # every element in exactly one matrix
+    assert parse(m.plain()) == m and m.plain()["interleaved"] is True
+
+
+def test_an_interleaved_map_differs_from_the_side_by_side_one():
+    side, strided = parse({"split": [2, 2]}), parse({"split": [2, 2], "interleaved": True})
+    assert side != strided and side.plain() == {"split": [2, 2]}
+    t = torch.arange(8.0).view(4, 2)
+    assert [v[:, 0].tolist() for v in strided.views(t)] == [[0.0, 4.0], [2.0, 6.0]]
+    assert [v[:, 0].tolist() for v in side.views(t)] == [[0.0, 2.0], [4.0, 6.0]]
+
+
+# ----- the optimizers against the de-interleaved references ---------------------------------------
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw", "spectral_unclamped"])
+def test_muon_matches_the_deinterleaved_reference(foreach, adjust_lr_fn):
+    names, params, specs = layout_params()
+    grads = make_grads(params, steps=3)
+    ref = deinterleaved_reference(
+        muon_reference_pieces, names, params, grads, adjust_lr_fn=adjust_lr_fn, **MUON_HP
+    )
+    ours = clone_params(params)
+    opt = Muon(
+        [{"params": ours, "matrices": specs}],
+        ns_dtype=F32,
+        adjust_lr_fn=adjust_lr_fn,
+        foreach=foreach,
+        **MUON_HP,
+    )
+    run_checking_grads_untouched(opt, ours, grads)
+    for name, p, r in zip(names, ours, ref):
+        assert rel_err(p.detach(), r) < 1e-5, name
+    if foreach is None:
+        assert opt.plan().num_matrices == sum(len(LAYOUTS[n][4]) for n in names)
+
+
+@pytest.mark.parametrize("policy", ["auto", "min_launches", "exact"])
+def test_musgd_matches_the_deinterleaved_reference(policy):
+    names, params, specs = layout_params()
+    grads = make_grads(params, steps=3)
+    ref = deinterleaved_reference(musgd_reference_pieces, names, params, grads, **MUSGD_HP)
+    ours = clone_params(params)
+    opt = MuSGD(
+        [{"params": ours, "use_muon": True, "matrices": specs}], ns_dtype=F32, policy=policy, **MUSGD_HP
+    )
+    run_checking_grads_untouched(opt, ours, grads)
+    for name, p, r in zip(names, ours, ref):
+        assert rel_err(p.detach(), r) < 1e-5, name
+
+
+VARIANTS = {
+    "normuon": (fastmuon.NorMuon, {}, dict(variant="normuon", nesterov=True)),
+    "adamuon": (fastmuon.AdaMuon, {}, dict(variant="adamuon", nesterov=False, sign_momentum=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("foreach", [None, False])
+def test_second_moment_variants_keep_statistics_per_interleaved_part(name, foreach):
+    cls, kwargs, ref_kw = VARIANTS[name]
+    names, params, specs = layout_params()
+    grads = make_grads(params, steps=3)
+    hp = dict(lr=0.02, momentum=0.95, weight_decay=0.1)
+
+    def step(p, g, state, pieces, **kw):
+        variant_reference_step(p, g, state, pieces=pieces, **kw)
+
+    ref = deinterleaved_reference(step, names, params, grads, **hp, **ref_kw)
+    ours = clone_params(params)
+    opt = cls(
+        [{"params": ours, "matrices": specs}],
+        ns_dtype=F32,
+        ns_method="standard",
+        foreach=foreach,
+        **hp,
+        **kwargs,
+    )
+    run_checking_grads_untouched(opt, ours, grads)
+    for n, p, r in zip(names, ours, ref):
+        assert rel_err(p.detach(), r) < 2e-5, n
+    if name == "normuon":  # one entry per neuron of each part: GPT-OSS's 3 experts × (6 + 6) outputs
+        assert opt.state[ours[0]]["second_moment"].shape == (36,)
+
+
+def test_orthogonalize_and_newton_schulz_take_interleaved_maps():
+    for name, (shape, spec, dim, n, pieces) in LAYOUTS.items():
+        x = torch.randn(shape)
+        want = torch.zeros(shape)
+        apart = deinterleaved(x, dim, n)
+        for box, transposed in pieces:
+            u = apart[box].T if transposed else apart[box]
+            o = ns_reference(u.reshape(u.shape[0], -1)).reshape(u.shape)
+            want[box] = o.T if transposed else o
+        want = interleaved(want, dim, n)
+        (got,) = orthogonalize([x], dtype=F32, matrices=spec)
+        assert rel_err(got, want) < 1e-5, name
+        assert rel_err(newton_schulz(x, dtype=F32, matrices=spec), want) < 1e-5, name
+
+
+def test_a_state_dict_keeps_the_interleaved_map_and_resumes_exactly():
+    names, params, specs = layout_params(["gpt_oss", "rows"])
+    grads = make_grads(params, steps=4)
+    a = clone_params(params)
+    opt_a = Muon([{"params": a, "matrices": specs}], ns_dtype=F32, **MUON_HP)
+    for step in grads[:2]:
+        for p, g in zip(a, step):
+            p.grad = g.clone()
+        opt_a.step()
+    buf = io.BytesIO()
+    torch.save(opt_a.state_dict(), buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    assert saved["param_groups"][0]["matrices"] == specs
+    b = clone_params(a)
+    opt_b = Muon(b, ns_dtype=F32, **MUON_HP)
+    opt_b.load_state_dict(saved)
+    for step in grads[2:]:
+        for pa, pb, g in zip(a, b, step):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))
+
+
+# ----- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, shape, words",
+    [
+        # malformed maps name their group; a map that does not fit a tensor names the parameter
+        ({"interleaved": True}, (6, 10), ["'split' or 'heads'", "param group"]),
+        ({"split": [3, 3], "interleaved": 1}, (6, 10), ["True or False", "param group"]),
+        (
+            {"split": [2, 4], "interleaved": True},
+            (6, 10),
+            ["equal sizes", "drop 'interleaved'", "param group"],
+        ),
+        ({"split": [3, 3], "interleaved": True}, (7, 10), ["2 does not divide 7", "shape (7, 10)"]),
+        ({"heads": 4, "interleaved": True}, (6, 10), ["4 does not divide 6", "shape (6, 10)"]),
+        (
+            {"split": [2, 2], "interleaved": True},
+            (6, 10),
+            ["split is [2, 2]", "give split [3, 3]", "shape (6, 10)"],
+        ),
+        (
+            {"batch_dims": 1, "split": [3, 3], "interleaved": True, "transposed": True},
+            (2, 4, 7),
+            ["dim 2 (size 7)", "2 does not divide 7", "shape (2, 4, 7)"],
+        ),
+    ],
+)
+def test_bad_interleaved_maps_are_refused_naming_the_parameter_and_the_fix(spec, shape, words):
+    (w,) = make_params([shape])
+    opt = Muon(make_params([(3, 3)]), **MUON_HP)
+    before = repr(opt.param_groups), opt.state_dict()
+    with pytest.raises(ValueError) as info:
+        opt.add_param_group({"params": [w], "matrices": spec})
+    message = str(info.value)
+    assert all(word in message for word in words), message
+    assert repr(opt.param_groups) == before[0] and opt.state_dict() == before[1]  # as it was
+    with pytest.raises(ValueError) as info:
+        Muon([("blocks.0.experts.gate_up_proj", w)], matrices=spec, **MUON_HP)
+    if "param group" not in words:
+        assert "'blocks.0.experts.gate_up_proj'" in str(info.value)
+
+
+def test_a_map_set_on_a_group_later_is_refused_at_the_step_and_changes_nothing():
+    (w,) = ours = make_params([(7, 4)])
+    opt = Muon([{"params": ours}], ns_dtype=F32, **MUON_HP)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    before = w.detach().clone(), opt.state[w]["momentum_buffer"].clone()
+    opt.param_groups[0]["matrices"] = {"split": [3, 4], "interleaved": True}
+    with pytest.raises(ValueError, match="equal sizes"):
+        opt.step()
+    opt.param_groups[0]["matrices"] = {"heads": 2, "interleaved": True}
+    with pytest.raises(ValueError, match="2 does not divide 7"):
+        opt.step()
+    assert torch.equal(w.detach(), before[0]) and torch.equal(opt.state[w]["momentum_buffer"], before[1])
+
+
+# ----- recognised by param_groups from a layer's flags --------------------------------------------
+class FlaggedExperts(nn.Module):
+    """Fused experts carrying Transformers' ``use_experts_implementation`` flags."""
+
+    def __init__(
+        self, transposed: bool, concatenated: bool, experts: int = 2, hidden: int = 6, inter: int = 4
+    ):
+        super().__init__()
+        self.is_transposed, self.is_concatenated, self.has_gate = transposed, concatenated, True
+        gate_up = (experts, hidden, 2 * inter) if transposed else (experts, 2 * inter, hidden)
+        down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
+        self.gate_up_proj = nn.Parameter(torch.randn(gate_up))
+        self.down_proj = nn.Parameter(torch.randn(down))
+
+
+class Block(nn.Module):
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.experts = experts
+
+
+@pytest.mark.parametrize(
+    "transposed, concatenated, want",
+    [
+        (True, False, {"batch_dims": 1, "split": [4, 4], "interleaved": True, "transposed": True}),
+        (False, False, {"batch_dims": 1, "split": [4, 4], "interleaved": True}),
+        (False, True, {"batch_dims": 1, "split": [4, 4]}),
+    ],
+)
+def test_fused_experts_flagged_not_concatenated_get_interleaved_parts(transposed, concatenated, want):
+    model = Block(FlaggedExperts(transposed, concatenated))
+    (muon,) = [g for g in param_groups(model, head=None) if g["use_muon"]]
+    maps = dict(zip(muon["param_names"], muon["matrices"]))
+    assert maps["experts.gate_up_proj"] == want
+    assert maps["experts.down_proj"] == ({"batch_dims": 1, "transposed": True} if transposed else "experts")
+
+
+def test_an_odd_gate_up_width_stays_one_matrix_per_expert():
+    model = Block(FlaggedExperts(True, False))
+    model.experts.gate_up_proj = nn.Parameter(torch.randn(2, 6, 7))
+    (muon,) = [g for g in param_groups(model, head=None) if g["use_muon"]]
+    maps = dict(zip(muon["param_names"], muon["matrices"]))
+    assert maps["experts.gate_up_proj"] == {"batch_dims": 1, "transposed": True}
+
+
+def test_param_groups_takes_an_interleaved_map_by_name_and_names_a_bad_one():
+    model = nn.Sequential(nn.Linear(5, 12), nn.Linear(12, 5))
+    groups = param_groups(model, head=None, matrices={"0.weight": {"split": [6, 6], "interleaved": True}})
+    (muon,) = [g for g in groups if g["use_muon"]]
+    assert muon["matrices"][muon["param_names"].index("0.weight")] == {"split": [6, 6], "interleaved": True}
+    with pytest.raises(ValueError, match=r"0\.weight.*5 does not divide 12|5 does not divide 12.*0\.weight"):
+        param_groups(model, head=None, matrices={"0.weight": {"heads": 5, "interleaved": True}})
