@@ -10,6 +10,8 @@ de-interleaved part decides the update.
 from __future__ import annotations
 
 import io
+import itertools
+import math
 
 import pytest
 import torch
@@ -29,6 +31,12 @@ from torch import nn
 
 import fastmuon
 from fastmuon import Muon, MuSGD, newton_schulz, orthogonalize, param_groups
+from fastmuon.bench.scale import parse_layout, rank_regions
+from fastmuon.bench.scale.figures import matrices as scale_matrices
+from fastmuon.bench.scale.models import COLWISE, ROWWISE, Workload
+from fastmuon.bench.scale.models import Tensor as ScaleTensor
+from fastmuon.distributed.parts import Parts, whole_region
+from fastmuon.distributed.sharded import held_pieces
 from fastmuon.matrices import count, parse
 
 ALL = slice(None)
@@ -298,7 +306,7 @@ def test_a_state_dict_keeps_the_interleaved_map_and_resumes_exactly():
         (
             {"batch_dims": 1, "split": [3, 3], "interleaved": True, "transposed": True},
             (2, 4, 7),
-            ["dim 2 (size 7)", "2 does not divide 7", "shape (2, 4, 7)"],
+            ["dim 2 (size 7;", "2 does not divide 7", "shape (2, 4, 7)"],
         ),
     ],
 )
@@ -385,3 +393,115 @@ def test_param_groups_takes_an_interleaved_map_by_name_and_names_a_bad_one():
     assert muon["matrices"][muon["param_names"].index("0.weight")] == {"split": [6, 6], "interleaved": True}
     with pytest.raises(ValueError, match=r"0\.weight.*5 does not divide 12|5 does not divide 12.*0\.weight"):
         param_groups(model, head=None, matrices={"0.weight": {"heads": 5, "interleaved": True}})
+
+
+# ----- held in parts across ranks ----------------------------------------------------------------
+@st.composite
+def sharded_interleaved(draw):
+    """A 3-D tensor, each rank's box (a grid of blocks over dims 0 and 1 with replicas, as any
+    mix of ``Shard`` and ``Replicate`` leaves them) and an interleaved map over dim 0, 1 or 2."""
+    spec = draw(
+        st.sampled_from(
+            [
+                {"heads": 2, "interleaved": True},  # dim 0 of (d0, d1·d2)
+                {"heads": 3, "interleaved": True},
+                {"batch_dims": 1, "heads": 2, "interleaved": True},  # dim 1, per expert
+                {"batch_dims": 1, "heads": 2, "interleaved": True, "transposed": True},  # dim 2
+                {"batch_dims": 1, "heads": 3, "dim": 1, "interleaved": True},  # dim 2
+            ]
+        )
+    )
+    m = parse(spec)
+    parts = len(m.part_sizes((6, 6, 6)))
+    shape = [draw(st.integers(1, 5)), draw(st.integers(1, 5)), draw(st.integers(1, 2))]
+    shape[m.stored_dim()] = parts * draw(st.integers(1, 3))
+    rows, cols = cuts(draw, shape[0], 3), cuts(draw, shape[1], 3)
+    regions = []
+    for _ in range(draw(st.integers(1, 2))):
+        for (a, b), (c, d) in itertools.product(rows, cols):
+            regions.append(((a, b), (c, d), (0, shape[2])) if a < b and c < d else None)
+    return tuple(shape), tuple(regions), m
+
+
+def cuts(draw, size: int, most: int) -> list[tuple[int, int]]:
+    """``size`` cut into at most ``most`` ranges (some maybe empty, as uneven shards leave them)."""
+    k = draw(st.integers(1, most))
+    points = sorted(draw(st.lists(st.integers(0, size), min_size=k - 1, max_size=k - 1)))
+    bounds = [0, *points, size]
+    return list(zip(bounds, bounds[1:]))
+
+
+def held_by_mask(whole: torch.Tensor, box, region):
+    """The part of ``whole[box]`` inside ``region``, in the matrix's coordinates, found by
+    marking the region's elements and reading the mark through the box: None where it holds
+    none; it must be a box of the matrix."""
+    if region is None:
+        return None
+    mark = torch.zeros(whole.shape, dtype=torch.bool)
+    mark[tuple(slice(a, b) for a, b in region)] = True
+    inside = mark[box]
+    if not inside.any():
+        return None
+    where = inside.nonzero()
+    bounds = tuple((int(lo), int(hi) + 1) for lo, hi in zip(where.min(0).values, where.max(0).values))
+    assert inside[tuple(slice(a, b) for a, b in bounds)].all(), "a rank's part of a matrix is a box of it"
+    assert int(inside.sum()) == math.prod(b - a for a, b in bounds)
+    return bounds
+
+
+@settings(max_examples=120, deadline=None)
+@given(sharded_interleaved())
+def test_each_rank_views_its_part_of_every_interleaved_matrix(case):
+    shape, regions, m = case
+    m.check(shape)
+    whole = torch.arange(math.prod(shape), dtype=F32).reshape(shape)
+    for rank, region in enumerate(regions):
+        index = tuple(slice(a, b) for a, b in region) if region else tuple(slice(0, 0) for _ in shape)
+        t = whole[index]  # this rank's local tensor
+        pieces = iter(held_pieces(m, t, t, t, Parts(shape, regions, rank)))
+        for box in m.boxes(shape):
+            matrix = whole[box]
+            held = tuple(held_by_mask(whole, box, r) for r in regions)
+            holders = [h for h in held if h is not None]
+            alone = len(holders) == 1 and holders[0] == whole_region(matrix.shape)
+            if held[rank] is None and alone:
+                continue  # another rank's alone: not in this rank's list
+            view, _grad, _buf, _shape, split, _k, described = next(pieces)
+            assert described.shape == tuple(matrix.shape) and described.held == held
+            assert described.exchanged == (not alone)
+            if held[rank] is None:
+                assert view.numel() == 0
+            else:
+                assert torch.equal(view, matrix[tuple(slice(a, b) for a, b in held[rank])])
+                assert view.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # a view
+        assert next(pieces, None) is None, "a matrix the rank should not hold"
+
+
+def test_the_scale_figures_count_an_interleaved_part_as_the_ranks_hold_it():
+    """``fastmuon plan``'s array arithmetic (bench/scale/figures.py) finds every interleaved
+    matrix's parts and their holders as marking each rank's box and reading it through the
+    matrix's box does, under FSDP, FSDP + TP and expert parallelism."""
+    tensors = (
+        ScaleTensor("e.gate_up_proj", (4, 6, 10), LAYOUTS["gpt_oss"][1], experts=True),
+        ScaleTensor("a.qkv", (12, 6), {"split": [4, 4, 4], "interleaved": True}, tp=COLWISE),
+        ScaleTensor("a.cols", (6, 12), {"heads": 3, "dim": 1, "interleaved": True}, tp=ROWWISE),
+    )
+    workload = Workload("interleaved", "by hand", tensors)
+    for spec, world in (("fsdp", 3), ("fsdp+tp:2x2", 4), ("ep:2", 4)):
+        layout = parse_layout(spec, world, workload.num_experts)
+        figures = iter(scale_matrices(workload, layout))
+        for tensor in tensors:
+            whole = torch.zeros(tensor.shape)
+            boxes = rank_regions(layout, tensor)
+            for box in parse(tensor.map).boxes(tensor.shape):
+                holders: dict = {}
+                for r, region in enumerate(boxes):
+                    part = held_by_mask(whole, box, region)
+                    if part is not None:
+                        holders.setdefault(part, []).append(r)
+                fig = next(figures)
+                assert fig.shape == tuple(whole[box].shape), (spec, tensor.name)
+                got = sorted(zip(fig.part_numel.tolist(), (sorted(r.tolist()) for r in fig.part_ranks)))
+                want = sorted((math.prod(b - a for a, b in part), ranks) for part, ranks in holders.items())
+                assert got == want, (spec, tensor.name, box)
+        assert next(figures, None) is None

@@ -102,17 +102,18 @@ class MatrixMap:
     def _check_interleaved(self, size: int, n: int) -> None:
         """Interleaved parts take every ``n``-th entry of the split dim: ``n`` must divide it, and
         a ``split`` must give each part its share."""
-        where = f"its matrix map {self.plain()!r} takes every {n}-th entry of dim {self.stored_dim()}"
+        where = (
+            f"its matrix map {self.plain()!r} interleaves {n} parts along dim {self.stored_dim()} "
+            f"(size {size}; part k takes entries k, k+{n}, k+{2 * n}, ...)"
+        )
         if size % n:
             raise ValueError(
-                f"{where} (size {size}) as one of {n} interleaved parts, and {n} does not divide "
-                f"{size}; give a part count that divides {size}, or a tensor whose dim {self.stored_dim()} "
-                f"holds {n} parts of equal size"
+                f"{where}, and {n} does not divide {size}; give a part count that divides {size}"
             )
         if self.split is not None and sum(self.split) != size:
             raise ValueError(
-                f"{where} (size {size}) as one of {n} interleaved parts of {size // n}, but split is "
-                f"{list(self.split)}; give split {[size // n] * n}"
+                f"{where}, {size // n} entries each, but split is {list(self.split)}; "
+                f"give split {[size // n] * n}"
             )
 
     def part_sizes(self, shape: Sequence[int]) -> tuple[int, ...] | None:
