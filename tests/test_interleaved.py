@@ -9,6 +9,7 @@ de-interleaved part decides the update.
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import math
@@ -31,10 +32,22 @@ from torch import nn
 
 import fastmuon
 from fastmuon import Muon, MuSGD, newton_schulz, orthogonalize, param_groups
+from fastmuon.bench import resolve_workload
+from fastmuon.bench.contenders import (
+    Unavailable,
+    Workbench,
+    fastmuon_contender,
+    reference_contender,
+    torch_muon_fp32_contender,
+    ultralytics_fp32_contender,
+)
+from fastmuon.bench.manifest import materialize
+from fastmuon.bench.mapped import gpt_oss_like_decoder, gpt_oss_like_groups
 from fastmuon.bench.scale import parse_layout, rank_regions
 from fastmuon.bench.scale.figures import matrices as scale_matrices
 from fastmuon.bench.scale.models import COLWISE, ROWWISE, Workload
 from fastmuon.bench.scale.models import Tensor as ScaleTensor
+from fastmuon.bench.workloads import Generated, manifest_of
 from fastmuon.distributed.parts import Parts, whole_region
 from fastmuon.distributed.sharded import held_pieces
 from fastmuon.matrices import count, parse
@@ -505,3 +518,54 @@ def test_the_scale_figures_count_an_interleaved_part_as_the_ranks_hold_it():
                 want = sorted((math.prod(b - a for a, b in part), ranks) for part, ranks in holders.items())
                 assert got == want, (spec, tensor.name, box)
         assert next(figures, None) is None
+
+
+# ----- the bench workload ------------------------------------------------------------------------
+TINY_GPT_OSS = Generated(
+    functools.partial(gpt_oss_like_decoder, layers=2, vocab=64, d=32, heads=4, kv_heads=2, experts=3, ffn=16),
+    "a small GPT-OSS-like decoder",
+    gpt_oss_like_groups,
+)
+
+
+def test_the_gpt_oss_like_workload_has_granite_moes_matrices_interleaved():
+    ours, theirs = resolve_workload("gpt-oss-like"), resolve_workload("granite-moe")
+    specs = {p.name: (p.shape, spec) for p, spec in zip(ours.params, ours.map_specs())}
+    experts = "model.layers.0.mlp.experts"
+    assert specs[f"{experts}.gate_up_proj"] == (
+        (32, 1024, 1024),
+        {"batch_dims": 1, "split": [512, 512], "interleaved": True, "transposed": True},
+    )
+    assert specs[f"{experts}.down_proj"] == ((32, 512, 1024), {"batch_dims": 1, "transposed": True})
+    assert ours.ns_matrices() == theirs.ns_matrices() == 4 + 1 + 2 * 32 + 32
+    assert "groups and matrix maps written out" in ours.source
+
+    def matrix_shapes(manifest):  # (out, in) of every matrix the maps make
+        return sorted(s for p, m in zip(manifest.matrices(), manifest.maps()) for s in m.shapes(p.shape))
+
+    assert matrix_shapes(ours) == matrix_shapes(theirs)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "musgd"])
+def test_every_bench_contender_steps_the_same_interleaved_matrices(optimizer):
+    """fastmuon with the maps, its per-matrix loop, and a peer given each gate and up as a 2-D
+    strided view take the same step (fp32 NS everywhere)."""
+    m = manifest_of(TINY_GPT_OSS, "tiny")
+    assert m.ns_matrices() == 2 * (5 + 2 * 3 + 3)
+    peer = torch_muon_fp32_contender if optimizer == "muon" else ultralytics_fp32_contender
+    steps = {}
+    for factory in (fastmuon_contender, reference_contender, peer):
+        params = materialize(m, torch.device("cpu"), 0)
+        wb = Workbench(m, params, torch.device("cpu"), optimizer, F32, "auto")
+        before = [p.detach().clone() for p in wb.params]
+        try:
+            contender = factory(wb)
+        except Unavailable as e:  # not installed here, or its fp32 row not shown on this CPU
+            assert factory is peer, e
+            continue
+        contender.step()
+        steps[factory] = torch.cat([(p.detach() - b).flatten() for p, b in zip(wb.params, before)])
+    ours = steps[fastmuon_contender]
+    assert ours.abs().sum() > 0 and len(steps) >= 2
+    for factory, step in steps.items():
+        assert rel_err(step, ours) <= 1e-5, factory.__name__
