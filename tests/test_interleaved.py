@@ -257,6 +257,65 @@ def test_second_moment_variants_keep_statistics_per_interleaved_part(name, forea
         assert opt.state[ours[0]]["second_moment"].shape == (36,)
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
+)
+def test_interleaved_step_on_the_device_matches_the_deinterleaved_reference(device):
+    """On a GPU the engine packs the strided parts itself (no NS input views)."""
+    names, params, specs = layout_params(["gpt_oss", "rows", "conv1d_qkv", "conv"])
+    grads = make_grads(params, steps=2)
+    ref = deinterleaved_reference(muon_reference_pieces, names, params, grads, **MUON_HP)
+    ours = [nn.Parameter(p.detach().to(device)) for p in params]
+    opt = Muon([{"params": ours, "matrices": specs}], ns_dtype=F32, **MUON_HP)
+    for step in grads:
+        for p, g in zip(ours, step):
+            p.grad = g.to(device)
+        opt.step()
+    for name, p, r in zip(names, ours, ref):
+        assert rel_err(p.detach().cpu(), r) < (1e-5 if device == "cpu" else 1e-4), name
+
+
+@pytest.mark.parametrize("cls, hp", [(Muon, MUON_HP), (MuSGD, MUSGD_HP)])
+def test_a_capturable_step_on_interleaved_parts_makes_no_host_sync(cls, hp):
+    from fastmuon.bench.hosttime import host_syncs
+
+    _, params, specs = layout_params(["gpt_oss", "columns"])
+    opt = cls(
+        [{"params": params, "use_muon": True, "matrices": specs}],
+        capturable=True,
+        nonfinite="skip",
+        lr=torch.tensor(hp["lr"]),
+        **{k: v for k, v in hp.items() if k != "lr"},
+    )
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # builds the step program
+    assert host_syncs(opt.step) == {}
+
+
+def test_a_nonfinite_gradient_in_one_interleaved_part_skips_the_tensor_and_spares_the_others():
+    names, params, specs = layout_params(["gpt_oss", "rows"])
+    grads = make_grads(params, steps=2)
+    ref = deinterleaved_reference(
+        muon_reference_pieces, names[1:], params[1:], [g[1:] for g in grads], **MUON_HP
+    )
+    opt = Muon([{"params": params, "matrices": specs}], ns_dtype=F32, nonfinite="skip", **MUON_HP)
+    w = params[0]
+    before = w.detach().clone()
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        w.grad[1, 0, 3] = float("nan")  # an "up" column of expert 1
+        opt.step()
+    assert torch.equal(w.detach(), before)
+    assert torch.equal(opt.state[w]["momentum_buffer"], torch.zeros_like(w))
+    assert rel_err(params[1].detach(), ref[0]) < 1e-5
+
+
 def test_orthogonalize_and_newton_schulz_take_interleaved_maps():
     for name, (shape, spec, dim, n, pieces) in LAYOUTS.items():
         x = torch.randn(shape)
