@@ -20,6 +20,7 @@ from conftest import rel_err
 from helpers import clone_params, make_grads, make_params, run_checking_grads_untouched
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from integration_support import import_offline
 from reference_impl import (
     deinterleaved,
     interleaved,
@@ -456,6 +457,54 @@ def test_an_odd_gate_up_width_stays_one_matrix_per_expert():
     (muon,) = [g for g in param_groups(model, head=None) if g["use_muon"]]
     maps = dict(zip(muon["param_names"], muon["matrices"]))
     assert maps["experts.gate_up_proj"] == {"batch_dims": 1, "transposed": True}
+
+
+@pytest.fixture(scope="module")
+def transformers(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        yield import_offline(mp, "transformers", str(tmp_path_factory.mktemp("hf_home")))
+
+
+def test_muon_on_a_tiny_gpt_oss_steps_gate_and_up_like_the_deinterleaved_reference(transformers):
+    """A training step of Transformers' GPT-OSS with ``param_groups``' groups: each expert's gate
+    (columns 0::2 of ``gate_up_proj``) and up (1::2) orthogonalised apart, as the reference does
+    on the de-interleaved tensor."""
+    hidden, inter, experts = 16, 8, 3
+    config = transformers.GptOssConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_local_experts=experts,
+        num_experts_per_tok=2,
+        vocab_size=50,
+    )
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    groups = param_groups(model)
+    (muon,) = [g for g in groups if g["use_muon"]]
+    names = muon["param_names"]
+    gate_up = names.index("model.layers.0.mlp.experts.gate_up_proj")
+    assert parse(muon["matrices"][gate_up]).interleaved
+    ids = torch.randint(0, 50, (2, 6))
+    model(input_ids=ids, labels=ids).loss.backward()
+    p = muon["params"][gate_up]
+    assert p.grad is not None and p.grad.abs().sum() > 0
+    hp = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+    ref = deinterleaved(p.detach(), 2, 2)
+    pieces = [((e, ALL, slice(a, a + inter)), True) for e in range(experts) for a in (0, inter)]
+    muon_reference_pieces(ref, deinterleaved(p.grad, 2, 2), {}, pieces, **hp)
+    opt = Muon(groups, ns_dtype=F32, **hp)
+    opt.step()
+    assert rel_err(p.detach(), interleaved(ref, 2, 2)) < 1e-5
+    assert opt.plan().num_matrices == sum(
+        count(q.shape, parse(m)) for q, m in zip(muon["params"], muon["matrices"])
+    )
 
 
 def test_param_groups_takes_an_interleaved_map_by_name_and_names_a_bad_one():

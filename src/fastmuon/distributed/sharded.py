@@ -126,8 +126,9 @@ def _local_box(ranges, kept, mine: Region | None) -> Box:
     if mine is None:
         return tuple(slice(0, 0) for _ in ranges)
     index: list[int | slice] = []
-    for (a, _, step), k, (s, e) in zip(ranges, kept, mine):
-        lo, hi = _meet((a, _, step), s, e)
+    for extent, k, (s, e) in zip(ranges, kept, mine):
+        lo, hi = _meet(extent, s, e)
+        a, _, step = extent
         if lo >= hi:
             return tuple(slice(0, 0) for _ in ranges)
         first, last = a + lo * step - s, a + (hi - 1) * step - s  # local positions of its entries
