@@ -255,3 +255,19 @@ def variant_reference_step(
     else:
         p.copy_(p * (1 - lr * weight_decay))
     p.copy_(p - lr * update.to(p.dtype))
+
+
+# ----- interleaved parts: the tensor de-interleaved, then contiguous pieces ----------------------
+def deinterleave_order(size: int, parts: int) -> torch.Tensor:
+    """The indices of a dim of ``size`` holding ``parts`` interleaved parts (part k: entries
+    k, k+parts, k+2·parts, ...), part by part: ``t.index_select(dim, order)`` puts each part's
+    entries together, ``t.index_select(dim, order.argsort())`` interleaves them back."""
+    return torch.arange(size).view(size // parts, parts).T.reshape(-1)
+
+
+def deinterleaved(t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    return t.index_select(dim, deinterleave_order(t.shape[dim], parts))
+
+
+def interleaved(t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    return t.index_select(dim, deinterleave_order(t.shape[dim], parts).argsort())

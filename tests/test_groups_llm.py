@@ -138,34 +138,41 @@ def test_fused_experts_are_one_matrix_per_expert_with_gate_and_up_apart(transfor
         assert rel_err(got, expected) < 1e-5, (which, e)
 
 
-def test_gpt_oss_experts_are_transposed_and_not_split_as_gate_and_up_alternate(transformers):
-    """GPT-OSS stores experts (in, out) and interleaves gate and up columns: each expert is one
-    matrix multiplied as ``x @ W``; cutting it into two contiguous halves would mix gate and up."""
+def test_gpt_oss_experts_are_transposed_with_gate_and_up_interleaved(transformers):
+    """GPT-OSS stores experts (in, out) and interleaves gate and up columns (gate 0::2, up 1::2):
+    each expert's gate and up are their own matrices, multiplied as ``x @ W``."""
     config = transformers.GptOssConfig(**SMALL, num_local_experts=E, head_dim=8)
     model = seeded(lambda: transformers.GptOssForCausalLM(config))
     groups = param_groups(model)
     maps = muon_maps(groups)
     prefix = "model.layers.0.mlp.experts."
-    assert maps[prefix + "gate_up_proj"] == {"batch_dims": 1, "transposed": True}
+    assert maps[prefix + "gate_up_proj"] == {
+        "batch_dims": 1,
+        "split": [I, I],
+        "interleaved": True,
+        "transposed": True,
+    }
     assert maps[prefix + "down_proj"] == {"batch_dims": 1, "transposed": True}
     experts = model.model.layers[0].mlp.experts
+    assert experts.is_concatenated is False  # the flag the rule reads
     gate_up = matrices_of(groups, prefix + "gate_up_proj")
     down = matrices_of(groups, prefix + "down_proj")
+    assert len(gate_up) == 2 * E
     x = torch.randn(TOKENS, H)
+    limit, alpha = experts.limit, experts.alpha
     for implementation in ("eager", "batched_mm"):
         experts.config._experts_implementation = implementation
         for e in range(E):
-            assert gate_up[e].shape == (2 * I, H) and down[e].shape == (H, I)
-            hidden = linear(x, gate_up[e]) + experts.gate_up_proj_bias[e]
-            # The model's own gating reads gate and up from alternating columns of ``hidden``.
-            expected = linear(experts._apply_gate(hidden), down[e]) + experts.down_proj_bias[e]
+            gate, up = gate_up[2 * e], gate_up[2 * e + 1]
+            assert gate.shape == up.shape == (I, H) and down[e].shape == (H, I)
+            bias = experts.gate_up_proj_bias[e]
+            # GPT-OSS's gated unit, written from its forward, on the two matrices the map cuts out
+            g = (linear(x, gate) + bias[0::2]).clamp(max=limit)
+            u = (linear(x, up) + bias[1::2]).clamp(-limit, limit)
+            expected = linear((u + 1) * g * torch.sigmoid(alpha * g), down[e]) + experts.down_proj_bias[e]
             with torch.no_grad():
                 got = experts(x, *all_to_expert(e))
             assert rel_err(got, expected) < 1e-5, (implementation, e)
-    # gate is column 0, 2, 4, ...: a contiguous [gate; up] split would put up columns in "gate"
-    probe = torch.zeros(1, 2 * I)
-    probe[0, 1::2] = 1.0  # every "up" column on, every "gate" column off
-    assert torch.all(experts._apply_gate(probe) == 0)
 
 
 def test_llama4_experts_stored_in_by_out_with_gate_and_up_halves(transformers):

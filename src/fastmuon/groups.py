@@ -130,8 +130,9 @@ def param_groups(
 
     - Transformers' fused Mixture-of-Experts stacks (Mixtral, Qwen-MoE, DeepSeek, OLMoE,
       GPT-OSS, Llama-4, DBRX, ...): one matrix per expert, ``gate_up_proj``'s gate and up
-      halves apart where the forward splits it in halves (not GPT-OSS, whose gate and up
-      columns alternate), ``transposed`` where experts are stored (in, out); the 3-D tensors of
+      apart: halves where the forward splits it in halves, interleaved parts where gate and up
+      alternate (GPT-OSS, or any layer flagged ``is_concatenated=False``), ``transposed`` where
+      experts are stored (in, out); the 3-D tensors of
       other modules whose class name ends in "Experts": one matrix per leading index;
     - GPT-2's ``Conv1D`` (also OpenAI GPT, ImageGPT): ``transposed``, with attention's fused
       ``c_attn`` split into query, key and value;

@@ -66,8 +66,9 @@ def fused_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     The classes decorated with ``use_experts_implementation`` carry its flags on every
     instance: ``is_transposed`` (weights stored (in, out), multiplied as ``x @ W``) and
     ``is_concatenated`` (``gate_up_proj``'s output is ``[gate; up]``, split by ``chunk(2)``;
-    otherwise gate and up columns alternate, as in GPT-OSS, and a contiguous split would mix
-    them, so such a tensor is split by expert only)."""
+    otherwise gate and up outputs alternate, ``[gate0, up0, gate1, up1, ...]`` as the flag's
+    documentation says and GPT-OSS's ``_apply_gate`` reads them (``[..., ::2]``, ``[..., 1::2]``),
+    so the two parts are interleaved)."""
     flags = experts_flags(module)
     if flags is None:
         return
@@ -76,9 +77,12 @@ def fused_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
         if p.ndim != 3:
             continue  # biases (E, out)
         out_size = p.shape[2] if transposed else p.shape[1]
-        if name == "gate_up_proj" and concatenated and out_size % 2 == 0:
+        if name == "gate_up_proj" and out_size % 2 == 0:
             half = out_size // 2
-            yield p, MatrixMap(batch_dims=1, split=(half, half), transposed=transposed)
+            parts = MatrixMap(
+                batch_dims=1, split=(half, half), transposed=transposed, interleaved=not concatenated
+            )
+            yield p, parts
         else:
             yield p, MatrixMap(batch_dims=1, transposed=transposed)
 

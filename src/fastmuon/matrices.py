@@ -12,6 +12,10 @@ slice as its own matrix. A *matrix map*, given per param group or per parameter 
 - ``{"split": [s1, s2, ...], "dim": d}``: each matrix is cut along its output (``d=0``, the
   default) or input (``d=1``) dim into parts of these sizes, each orthogonalised alone;
 - ``{"heads": n, "dim": d}``: the same cut into ``n`` equal parts;
+- ``"interleaved": True`` beside ``split`` or ``heads``: the ``n`` equal parts alternate along
+  that dim instead of lying side by side, part ``k`` taking rows ``k, k+n, k+2n, ...`` (GPT-OSS's
+  ``gate_up_proj``, whose gate and up columns alternate: ``{"batch_dims": 1, "split": [I, I],
+  "interleaved": True, "transposed": True}``); each part is a strided view, never a copy;
 - ``{"transposed": True}``: the tensor is stored ``(in, out)`` (GPT-2's ``Conv1D``), so ``d``
   and the learning-rate factor refer to its transpose.
 
@@ -37,10 +41,11 @@ from torch import Tensor
 #: What a group's ``matrices`` entry holds: a map (string or dict), or a list of maps, one per parameter.
 MatrixMapSpec = Union[str, dict, None]
 
-KEYS = ("batch_dims", "split", "heads", "dim", "transposed")
+KEYS = ("batch_dims", "split", "heads", "dim", "interleaved", "transposed")
 SHORTHANDS = {"flatten": {}, "experts": {"batch_dims": 1}, "transposed": {"transposed": True}}
 
-#: A piece of a tensor: an index (ints for batch dims, a slice for the split dim) into it.
+#: A piece of a tensor: an index (ints for batch dims, a slice for the split dim, with a step
+#: where the parts are interleaved) into it.
 Box = tuple[Union[int, slice], ...]
 
 
@@ -53,6 +58,7 @@ class MatrixMap:
     heads: int | None = None
     dim: int = 0
     transposed: bool = False
+    interleaved: bool = False
 
     @property
     def is_flatten(self) -> bool:
@@ -80,6 +86,8 @@ class MatrixMap:
         cut = self.part_sizes(shape)
         if cut is not None:
             size = shape[self.stored_dim()]
+            if self.interleaved:
+                self._check_interleaved(size, len(cut))
             if self.heads is not None and size % self.heads:
                 raise ValueError(
                     f"its matrix map {self.plain()!r} cuts dim {self.stored_dim()} (size {size}) into "
@@ -90,6 +98,23 @@ class MatrixMap:
                     f"its matrix map {self.plain()!r} cuts dim {self.stored_dim()} (size {size}) into "
                     f"sizes {list(cut)}, which add up to {sum(cut)}; give sizes that sum to {size}"
                 )
+
+    def _check_interleaved(self, size: int, n: int) -> None:
+        """Interleaved parts take every ``n``-th entry of the split dim: ``n`` must divide it, and
+        a ``split`` must give each part its share."""
+        where = (
+            f"its matrix map {self.plain()!r} interleaves {n} parts along dim {self.stored_dim()} "
+            f"(size {size}; part k takes entries k, k+{n}, k+{2 * n}, ...)"
+        )
+        if size % n:
+            raise ValueError(
+                f"{where}, and {n} does not divide {size}; give a part count that divides {size}"
+            )
+        if self.split is not None and sum(self.split) != size:
+            raise ValueError(
+                f"{where}, {size // n} entries each, but split is {list(self.split)}; "
+                f"give split {[size // n] * n}"
+            )
 
     def part_sizes(self, shape: Sequence[int]) -> tuple[int, ...] | None:
         """The sizes the split dim is cut into, or None when nothing is cut."""
@@ -107,8 +132,11 @@ class MatrixMap:
         if cut is None:
             return [tuple(index) for index in batch]
         rel = self.stored_dim() - self.batch_dims  # the split dim within each matrix
-        starts = [sum(cut[:k]) for k in range(len(cut))]
         fill = (slice(None),) * rel
+        if self.interleaved:  # part k: rows k, k + n, k + 2n, ... of the split dim
+            n, size = len(cut), shape[self.stored_dim()]
+            return [(*index, *fill, slice(k, size, n)) for index in batch for k in range(n)]
+        starts = [sum(cut[:k]) for k in range(len(cut))]
         return [(*index, *fill, slice(a, a + s)) for index in batch for a, s in zip(starts, cut)]
 
     def shapes(self, shape: Sequence[int]) -> list[tuple[int, ...]]:
@@ -136,8 +164,15 @@ class MatrixMap:
         cut = self.part_sizes(t.shape)
         if cut is None:
             return list(batched.unbind(0))
+        d = self.stored_dim() - b + 1  # the split dim of ``batched``
+        if self.interleaved:  # (…, rows, …) as (…, rows / n, n, …): part k is index k of the new dim
+            n = len(cut)
+            rows = batched.unflatten(d, (batched.shape[d] // n, n))
+            split = [rows.select(d + 1, k) for k in range(n)]
+        else:
+            split = list(batched.split(cut, dim=d))
         # parts[k][e]: part k of matrix e; boxes run batch-major (matrix e's parts together)
-        parts = [part.unbind(0) for part in batched.split(cut, dim=self.stored_dim() - b + 1)]
+        parts = [part.unbind(0) for part in split]
         return [part[e] for e in range(batched.shape[0]) for part in parts]
 
     def assemble(
@@ -161,6 +196,8 @@ class MatrixMap:
             spec["heads"] = self.heads
         if self.dim:
             spec["dim"] = self.dim
+        if self.interleaved:
+            spec["interleaved"] = True
         if self.transposed:
             spec["transposed"] = True
         for name, short in SHORTHANDS.items():
@@ -235,7 +272,21 @@ def _parse_items_uncached(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
     transposed = spec.get("transposed", False)
     if not isinstance(transposed, bool):
         raise ValueError(f"transposed of a matrix map must be True or False, got {transposed!r}")
-    return MatrixMap(int(batch_dims), split, None if heads is None else int(heads), dim, transposed)
+    interleaved = spec.get("interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"interleaved of a matrix map must be True or False, got {interleaved!r}")
+    if interleaved and split is None and heads is None:
+        raise ValueError(
+            "'interleaved' of a matrix map says the parts of 'split' or 'heads' alternate; give one "
+            "of them (e.g. {'split': [I, I], 'interleaved': True} for alternating gate and up rows)"
+        )
+    if interleaved and split is not None and len(set(split)) > 1:
+        raise ValueError(
+            f"interleaved parts of a matrix map take every n-th row, so they are equal, but split is "
+            f"{list(split)}; give equal sizes, or drop 'interleaved' for parts that lie side by side"
+        )
+    heads = None if heads is None else int(heads)
+    return MatrixMap(int(batch_dims), split, heads, dim, transposed, interleaved)
 
 
 def maps_of(spec: MatrixMapSpec | list, count: int) -> list[MatrixMap]:

@@ -5,6 +5,12 @@
   ``(E, 2·ffn, d)`` (gate and up stacked along the output dim) and ``down_proj`` ``(E, d, ffn)``;
   the router a plain ``(E, d)`` matrix; attention q/k/v/o as ``nn.Linear``. Mapped
   ``{"batch_dims": 1, "split": [ffn, ffn]}`` (2·E matrices) and ``"experts"`` (E matrices).
+- The same decoder with its experts as GPT-OSS stores them (Transformers' ``GptOssExperts``):
+  ``gate_up_proj`` ``(E, d, 2·ffn)`` stored (in, out) with gate and up columns interleaved,
+  ``down_proj`` ``(E, ffn, d)`` (in, out), a bias per expert output. Mapped ``{"batch_dims": 1,
+  "split": [ffn, ffn], "interleaved": True, "transposed": True}`` (2·E matrices, strided views)
+  and ``{"batch_dims": 1, "transposed": True}``: the same matrices as the first, so the two
+  workloads time contiguous against interleaved parts.
 - GPT-2 as its reference code stores it: ``Conv1D`` weights ``(in, out)``, the attention's
   q, k and v fused in ``c_attn`` ``(d, 3d)``. Mapped ``{"split": [d, d, d], "transposed": True}``
   (three matrices) and ``"transposed"``.
@@ -133,6 +139,101 @@ def moe_groups(model: MoEDecoder) -> list[dict[str, Any]]:
         {
             "params": [p for _, p in norms],
             "param_names": [n for n, _ in norms],
+            "use_muon": False,
+            "weight_decay": 0.0,
+        },
+    ]
+
+
+# ----- the same decoder with GPT-OSS's expert layout ---------------------------------------------
+class _GptOssExperts(nn.Module):
+    """Experts as Transformers' ``GptOssExperts`` keeps them: (in, out), gate and up columns
+    alternating (gate ``[..., 0::2]``, up ``[..., 1::2]``), biased."""
+
+    def __init__(self, d: int, experts: int, ffn: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, d, 2 * ffn))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * ffn))
+        self.down_proj = nn.Parameter(torch.empty(experts, ffn, d))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, d))
+
+
+class _GptOssMLP(nn.Module):
+    def __init__(self, d: int, experts: int, ffn: int):
+        super().__init__()
+        self.router = _Router(d, experts)
+        self.experts = _GptOssExperts(d, experts, ffn)
+
+
+class _GptOssLayer(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, experts: int, ffn: int):
+        super().__init__()
+        self.self_attn = _Attention(d, heads, kv_heads)
+        self.input_layernorm = nn.RMSNorm(d)
+        self.post_attention_layernorm = nn.RMSNorm(d)
+        self.mlp = _GptOssMLP(d, experts, ffn)
+
+
+class _GptOssBody(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, experts: int, ffn: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_GptOssLayer(d, heads, kv_heads, experts, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(d)
+
+
+class GptOssLikeDecoder(nn.Module):
+    """:class:`MoEDecoder`'s widths with its experts laid out as GPT-OSS lays them out, named as
+    Transformers names GPT-OSS's parameters (``model.layers.0.mlp.experts.gate_up_proj``)."""
+
+    def __init__(self, vocab, d, layers, heads, kv_heads, experts, ffn, tied=True):
+        super().__init__()
+        self.ffn = ffn
+        self.model = _GptOssBody(vocab, d, layers, heads, kv_heads, experts, ffn)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+
+def gpt_oss_like_decoder(layers: int = 1, **config: Any) -> GptOssLikeDecoder:
+    """granite-3.0-1b-a400m's widths (:data:`GRANITE_1B_A400M`), as :func:`moe_decoder`, with
+    GPT-OSS's expert layout; ``config`` overrides any of its values."""
+    return GptOssLikeDecoder(**{**GRANITE_1B_A400M, **config, "layers": layers})
+
+
+def gpt_oss_like_groups(model: GptOssLikeDecoder) -> list[dict[str, Any]]:
+    """As :func:`moe_groups`: Muon for attention, router and experts (each expert's gate, up and
+    down its own matrix, gate and up cut out of their interleaved columns); AdamW/SGD for the
+    embedding and, undecayed, for the norms and the experts' biases."""
+    ffn = model.ffn
+    matrices, maps, names = [], [], []
+    gate_up = {"batch_dims": 1, "split": [ffn, ffn], "interleaved": True, "transposed": True}
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        attn = layer.self_attn
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            matrices.append(getattr(attn, proj).weight)
+            maps.append("flatten")
+            names.append(f"{prefix}.self_attn.{proj}.weight")
+        mlp = layer.mlp
+        matrices += [mlp.router.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj]
+        maps += ["flatten", gate_up, {"batch_dims": 1, "transposed": True}]
+        names += [
+            f"{prefix}.mlp.router.weight",
+            f"{prefix}.mlp.experts.gate_up_proj",
+            f"{prefix}.mlp.experts.down_proj",
+        ]
+    undecayed = [(n, p) for n, p in model.named_parameters() if p.ndim == 1 or n.endswith("_bias")]
+    return [
+        {"params": matrices, "param_names": names, "use_muon": True, "matrices": maps},
+        {
+            "params": [model.model.embed_tokens.weight],
+            "param_names": ["model.embed_tokens.weight"],
+            "use_muon": False,
+        },
+        {
+            "params": [p for _, p in undecayed],
+            "param_names": [n for n, _ in undecayed],
             "use_muon": False,
             "weight_decay": 0.0,
         },

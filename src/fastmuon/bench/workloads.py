@@ -19,7 +19,14 @@ from torch import nn
 
 from ..groups import param_groups
 from .manifest import Manifest, ManifestError, load_manifest, manifest_from_dict, manifest_from_module
-from .mapped import GPT2Conv1D, gpt2_conv1d_groups, moe_decoder, moe_groups
+from .mapped import (
+    GPT2Conv1D,
+    gpt2_conv1d_groups,
+    gpt_oss_like_decoder,
+    gpt_oss_like_groups,
+    moe_decoder,
+    moe_groups,
+)
 
 YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 
@@ -144,6 +151,17 @@ GENERATED: dict[str, Generated] = {
         "split: [512, 512]} and down_proj (32, 1024, 512) mapped 'experts'; router (32, 1024) and "
         "attention q/k/v/o as plain matrices",
         moe_groups,
+        _WRITTEN_OUT,
+    ),
+    "gpt-oss-like": Generated(
+        gpt_oss_like_decoder,
+        "granite-moe's decoder layer (the same widths and matrices) with its experts laid out as "
+        "GPT-OSS lays them out (Transformers' GptOssExperts): gate_up_proj (32, 1024, 1024) stored "
+        "(in, out) with gate and up columns interleaved, mapped {batch_dims: 1, split: [512, 512], "
+        "interleaved, transposed}, so each expert's gate and up are strided views; down_proj "
+        "(32, 512, 1024) mapped {batch_dims: 1, transposed}; the experts' biases take the "
+        "elementwise update",
+        gpt_oss_like_groups,
         _WRITTEN_OUT,
     ),
     "llama-1b": Generated(

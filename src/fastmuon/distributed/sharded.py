@@ -55,6 +55,8 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
     A matrix is kept if this rank holds part of it, or if it is exchanged (every rank takes part
     in that, maybe with an empty part); one held whole by another rank alone is that rank's.
     Every rank computes every box from ``parts``, so all agree on which matrices are exchanged.
+    An interleaved part (a box with a step) meets a rank's box in a contiguous range of the
+    matrix's own rows, so its parts are boxes of the matrix like any other's.
     """
     shape, local, mine = parts.shape, (p, grad, buf), parts.mine
     boxes: list[Box] = []
@@ -63,7 +65,7 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
         ranges, kept = _box_ranges(box, shape)
         held = tuple(_within(ranges, kept, region) for region in parts.regions)
         matrix = ShardedMatrix(
-            tuple(b - a for (a, b), k in zip(ranges, kept) if k), held, local[0].dtype, local[0].device
+            tuple(len(range(*r)) for r, k in zip(ranges, kept) if k), held, local[0].dtype, local[0].device
         )
         if held[parts.rank] is None and not matrix.exchanged:
             continue
@@ -74,20 +76,34 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
     return [(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)]
 
 
-def _box_ranges(box: Box, shape: tuple[int, ...]) -> tuple[list[tuple[int, int]], list[bool]]:
-    """A box of a tensor as ``(start, stop)`` per dim, and which dims the matrix keeps (an
+#: A box's extent in one dim of the whole tensor: ``(start, stop, step)``, as ``range`` takes it.
+Extent = tuple[int, int, int]
+
+
+def _box_ranges(box: Box, shape: tuple[int, ...]) -> tuple[list[Extent], list[bool]]:
+    """A box of a tensor as ``(start, stop, step)`` per dim, and which dims the matrix keeps (an
     integer index drops its dim)."""
     ranges, kept = [], []
     for d, size in enumerate(shape):
         index = box[d] if d < len(box) else slice(None)
         if isinstance(index, slice):
-            a, b, _ = index.indices(size)
-            ranges.append((a, max(a, b)))
+            a, b, step = index.indices(size)
+            ranges.append((a, max(a, b), step))
             kept.append(True)
         else:
-            ranges.append((int(index), int(index) + 1))
+            ranges.append((int(index), int(index) + 1, 1))
             kept.append(False)
     return ranges, kept
+
+
+def _meet(extent: Extent, s: int, e: int) -> tuple[int, int]:
+    """Which of the extent's entries (counted from 0) lie in ``[s, e)``: ``(first, stop)``, empty
+    where ``first >= stop``. The entries are ``a, a+step, ...``, so those in a range are a run."""
+    a, b, step = extent
+    n = len(range(a, b, step))
+    first = max(0, -(-(s - a) // step))
+    stop = min(n, max(0, -(-(e - a) // step)))
+    return first, stop
 
 
 def _within(ranges, kept, region: Region | None) -> Region | None:
@@ -95,12 +111,12 @@ def _within(ranges, kept, region: Region | None) -> Region | None:
     if region is None:
         return None
     out = []
-    for (a, b), k, (s, e) in zip(ranges, kept, region):
-        lo, hi = max(a, s), min(b, e)
+    for extent, k, (s, e) in zip(ranges, kept, region):
+        lo, hi = _meet(extent, s, e)
         if lo >= hi:
             return None
         if k:
-            out.append((lo - a, hi - a))
+            out.append((lo, hi))
     return tuple(out)
 
 
@@ -110,13 +126,13 @@ def _local_box(ranges, kept, mine: Region | None) -> Box:
     if mine is None:
         return tuple(slice(0, 0) for _ in ranges)
     index: list[int | slice] = []
-    empty = False
-    for (a, b), k, (s, e) in zip(ranges, kept, mine):
-        lo, hi = max(a, s), min(b, e)
-        empty = empty or lo >= hi
-        index.append(slice(lo - s, max(lo, hi) - s) if k or lo >= hi else lo - s)
-    if empty:
-        return tuple(slice(0, 0) for _ in ranges)
+    for extent, k, (s, e) in zip(ranges, kept, mine):
+        lo, hi = _meet(extent, s, e)
+        a, _, step = extent
+        if lo >= hi:
+            return tuple(slice(0, 0) for _ in ranges)
+        first, last = a + lo * step - s, a + (hi - 1) * step - s  # local positions of its entries
+        index.append(slice(first, last + 1, step) if k else first)
     return tuple(index)
 
 

@@ -100,13 +100,17 @@ def matrices(workload: Workload, layout: Layout) -> list[Matrix]:
 def _tensor_matrices(tensor: Tensor, layout: Layout) -> list[Matrix]:
     shape = tensor.shape
     boxes = parse(tensor.map).boxes(shape)
-    lo, hi, kept = _box_arrays(boxes, shape)
+    lo, hi, step, kept = _box_arrays(boxes, shape)
     held = [(r, np.asarray(ranks)) for r, ranks in regions(layout, tensor) if r is not None]
     rlo = np.array([[a for a, _ in r] for r, _ in held], dtype=np.int64)
     rhi = np.array([[b for _, b in r] for r, _ in held], dtype=np.int64)
-    lengths = np.clip(np.minimum(hi[:, None], rhi[None]) - np.maximum(lo[:, None], rlo[None]), 0, None)
+    # a box's entries in a dim are lo, lo + step, ... below hi: those in [s, e) number
+    # ceil((e - lo) / step) - ceil((s - lo) / step) (an interleaved part has step > 1)
+    first, stop = np.maximum(lo[:, None], rlo[None]), np.minimum(hi[:, None], rhi[None])
+    base, every = lo[:, None], step[:, None]
+    lengths = np.clip(-((base - stop) // every) - -((base - first) // every), 0, None)
     numel = lengths.prod(axis=2)  # (matrices, regions); dropped dims count 1 where they overlap
-    mshape = tuple(int(n) for n, k in zip(hi[0] - lo[0], kept) if k)
+    mshape = tuple(int(n) for n, k in zip(-((lo[0] - hi[0]) // step[0]), kept) if k)
     whole = math.prod(mshape)
     ranks_of = [r for _, r in held]
     out = []
@@ -130,21 +134,22 @@ def _held(mats: Sequence[Matrix], world: int) -> np.ndarray:
     return held
 
 
-def _box_arrays(boxes, shape) -> tuple[np.ndarray, np.ndarray, list[bool]]:
-    """The boxes as ``(start, stop)`` arrays per dim, and the dims a matrix keeps (an integer
-    index drops its dim), as :func:`fastmuon.distributed.sharded.held_pieces` reads a box."""
+def _box_arrays(boxes, shape) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bool]]:
+    """The boxes as ``(start, stop, step)`` arrays per dim, and the dims a matrix keeps (an
+    integer index drops its dim), as :func:`fastmuon.distributed.sharded.held_pieces` reads a box."""
     lo = np.zeros((len(boxes), len(shape)), dtype=np.int64)
     hi = np.tile(np.asarray(shape, dtype=np.int64), (len(boxes), 1))
+    step = np.ones((len(boxes), len(shape)), dtype=np.int64)
     kept = [True] * len(shape)
     for i, box in enumerate(boxes):
         for d, index in enumerate(box):
             if isinstance(index, slice):
-                a, b, _ = index.indices(shape[d])
-                lo[i, d], hi[i, d] = a, max(a, b)
+                a, b, every = index.indices(shape[d])
+                lo[i, d], hi[i, d], step[i, d] = a, max(a, b), every
             else:
                 lo[i, d], hi[i, d] = int(index), int(index) + 1
                 kept[d] = False
-    return lo, hi, kept
+    return lo, hi, step, kept
 
 
 # ----- figures ------------------------------------------------------------------------------------
