@@ -377,7 +377,10 @@ def attention_entries(
                 try:
                     parse_part(entry).check(tuple(p.shape))  # type: ignore[union-attr]
                 except ValueError as e:
-                    raise ValueError(f"attention part of {name!r} {tuple(p.shape)}: {e}") from None
+                    raise ValueError(
+                        f"attention part of {name!r} {tuple(p.shape)}: {e}; give its part with "
+                        f"param_groups(..., attention={{{name!r}: ...}})"
+                    ) from None
         if any(e is not None for e in entries):
             group["attention"] = entries
 
