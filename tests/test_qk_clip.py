@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmuon import AdaMuon, Muon, MuSGD, NorMuon
+from fastmuon.bench.hosttime import host_syncs
 from fastmuon.qk_clip import head_maxima
 
 H, K, D, IN = 4, 2, 3, 10  # query heads, key heads, head dim, model width
@@ -131,6 +132,25 @@ def test_no_head_over_tau_changes_nothing_bitwise():
         clipped.step(logit_maxima={"attn": MAXIMA, "mla": MAXIMA})
         unclipped.step()
     assert all(torch.equal(a, b) for a, b in zip(params, plain))
+
+
+def test_a_capturable_clip_reads_nothing_on_the_host_and_clips_alike():
+    """With ``capturable=True`` the clip decides nothing on the host (every part is scaled, by 1
+    where no head is over τ), so a step with it can be captured; the weights are the same."""
+    params = attention_params()
+    twin = clone(params)
+    opt = Muon(groups_of(params), lr=0.02, qk_clip_tau=TAU, capturable=True, nonfinite="skip")
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(group["lr"])
+    plain = Muon(groups_of(twin), lr=0.02, qk_clip_tau=TAU, nonfinite="skip")
+    run(opt, params, range(1))
+    run(plain, twin, range(1))
+    set_grads(params, 1)
+    set_grads(twin, 1)
+    maxima = {"attn": MAXIMA, "mla": torch.zeros(H)}  # one layer clipped, one not
+    assert host_syncs(lambda: opt.step(logit_maxima=maxima)) == {}
+    plain.step(logit_maxima=maxima)
+    assert all(rel_err(a.detach(), b.detach()) < 1e-6 for a, b in zip(params, twin))
 
 
 def test_a_step_without_maxima_clips_nothing_and_says_so_once():

@@ -207,7 +207,9 @@ class MatrixOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        clip = self._qk_clip.prepare(self.param_groups, logit_maxima, self._param_name, self.process_group)
+        clip = self._qk_clip.prepare(
+            self.param_groups, logit_maxima, self._param_name, self.process_group, not self.options.capturable
+        )
         if self.options.foreach is False:
             self._driver.reference_step(self._step_env())
         else:

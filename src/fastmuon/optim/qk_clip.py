@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..distributed.dtensor import is_dtensor
+from ..ns import device
 from ..step.qk_clip import AttentionPart, clip_, clip_factors, is_number, parts_of
 
 TAU, ALPHA, ATTENTION = "qk_clip_tau", "qk_clip_alpha", "attention"
@@ -108,9 +109,11 @@ class QKClip:
         maxima: Any,
         param_name: Callable[[dict[str, Any], int], str],
         process_group: Any = None,
+        host_reads: bool = True,
     ) -> Callable[[], None]:
         """The clip of one step, to run after its update; raises (changing nothing) where the
-        maxima do not fit the groups' parts."""
+        maxima do not fit the groups' parts. ``host_reads=False`` (a capturable step) reads no
+        value: every part is scaled, by 1 where no head is over τ."""
         work = [(g, _parts(g)) for g in groups if g.get(TAU) is not None]
         work = [(g, items) for g, items in work if items]
         if not work:
@@ -130,14 +133,20 @@ class QKClip:
             layers = _agreed(layers, process_group)
 
         def clip() -> None:
-            factors: dict[tuple[str, float], Tensor] = {}
+            factors: dict[tuple[str, float], Tensor | None] = {}
             for group, items in work:
                 tau, alpha = float(group[TAU]), float(group.get(ALPHA, DEFAULT_ALPHA))
                 for _, p, part in items:
                     key = (part.layer, tau)
                     if key not in factors:
-                        factors[key] = clip_factors(layers[part.layer], tau)
-                    clip_(p, part, factors[key], alpha)
+                        gamma = clip_factors(layers[part.layer], tau)
+                        # where the maxima are on the host, reading them is free: a layer with no
+                        # head over τ is skipped (its factors are all 1, the product unchanged)
+                        idle = host_reads and device.is_host(gamma.device) and not bool((gamma < 1).any())
+                        factors[key] = None if idle else gamma
+                    gamma = factors[key]
+                    if gamma is not None:
+                        clip_(p, part, gamma, alpha)
 
         return clip
 
