@@ -293,8 +293,8 @@ def test_maxima_that_do_not_fit_are_refused_before_anything_changes(maxima, erro
     set_grads(params, 1)
     with pytest.raises(error, match=match):
         opt.step(logit_maxima=maxima)
-    after, now = state_of(opt)
-    assert all(torch.equal(a, b) for a, b in zip(weights, now))
+    after, current = state_of(opt)
+    assert all(torch.equal(a, b) for a, b in zip(weights, current))
     for pid, buffers in saved["state"].items():
         assert all(torch.equal(v, after["state"][pid][n]) for n, v in buffers.items())
 

@@ -90,7 +90,8 @@ class Muon(MatrixOptimizer):
             rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group;
             it acts on the parameters the group's ``attention`` entries name (see
             :func:`fastmuon.param_groups`'s ``attention=``), by the maxima ``step(logit_maxima=...)``
-            is given (:class:`fastmuon.qk_clip.LogitMaxRecorder` records and hands them in).
+            is given (:class:`fastmuon.qk_clip.LogitMaxRecorder` records and hands them in); see
+            "QK-clip (MuonClip)" in docs/optimizers.md.
         qk_clip_alpha: ``α`` in [0, 1], the queries' share of the clip (default 0.5).
 
     The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
