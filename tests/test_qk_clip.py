@@ -407,3 +407,23 @@ def test_head_maxima_hold_one_heads_logits_at_a_time():
         with LargestOutput() as seen:
             head_maxima(q, k, mask, 0.5, causal=True)
         assert seen.largest == B * LQ * LK  # one head's (batch, queries, keys) block, never all eight
+
+
+def test_an_fsdp2_sharded_attention_weight_is_refused_naming_the_fix(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        q = nn.Parameter(distribute_tensor(torch.randn(H * D, IN), mesh, [Shard(0)]))
+        with pytest.raises(
+            ValueError, match="FSDP2-sharded \\(DTensor\\) parameter with an attention part.*DDP"
+        ):
+            Muon([{"params": [q], "attention": [QUERY]}], qk_clip_tau=TAU)
+        Muon([{"params": [q]}])  # without a part it is Muon's as ever
+    finally:
+        dist.destroy_process_group()

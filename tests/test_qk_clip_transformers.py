@@ -53,7 +53,7 @@ def build(transformers, which, implementation="sdpa", **extra):
         "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", DEEPSEEK),
         "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", LLAMA),
     }[which]
-    config = getattr(transformers, config_class)(**sizes, **extra, num_hidden_layers=2, vocab_size=VOCAB)
+    config = getattr(transformers, config_class)(**{**sizes, **extra}, num_hidden_layers=2, vocab_size=VOCAB)
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():
@@ -252,14 +252,16 @@ def test_param_groups_names_the_queries_and_keys_of_llama_and_deepseek(transform
         fastmuon.param_groups(llama, attention={"*.k_proj": {"part": "key", "heads": 3}})
 
 
-@pytest.mark.parametrize("which", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("which", ["llama", "deepseek_v3", "deepseek_v3 without a query LoRA"])
 @pytest.mark.parametrize("clipped", [0, 1])
 def test_each_part_scales_its_own_heads_logits(transformers, which, clipped):
     """With the update a no-op (learning rates 0), clipping one layer scales each of its heads'
     logits by the product of its query and key factors: ``γ_h^α·(min γ of its key head's
-    queries)^(1−α)`` in GQA, ``γ_h`` in MLA (content and rotary logits alike). So the parts map
-    each row to the head whose logits it makes."""
-    model = build(transformers, which)
+    queries)^(1−α)`` in GQA, ``γ_h`` in MLA (content and rotary logits alike; its query
+    projection ``q_proj`` where there is no query LoRA). So the parts map each row to the head
+    whose logits it makes."""
+    extra = {"q_lora_rank": None} if "without" in which else {}
+    model = build(transformers, which.split()[0], **extra)
     recorder = LogitMaxRecorder(model)
     groups = fastmuon.param_groups(model, attention=True)
     opt = fastmuon.Muon(groups, lr=0.0, adamw_lr=0.0, weight_decay=0.0, qk_clip_tau=TAU, qk_clip_alpha=0.3)
@@ -426,3 +428,18 @@ def test_the_trainer_resumes_with_the_same_clipped_steps(transformers, trained, 
     assert_same_weights(resumed.model, trainer.model)
     assert resumed_opt.param_groups[0]["attention"] == opt.param_groups[0]["attention"]
     assert resumed_opt.param_groups[0]["qk_clip_tau"] == TAU
+
+
+def test_a_step_given_its_own_maxima_takes_those_and_drops_the_recorded(transformers):
+    model = build(transformers, "llama")
+    recorder = LogitMaxRecorder(model)
+    opt = fastmuon.Muon(
+        fastmuon.param_groups(model, attention=True), lr=0.0, adamw_lr=0.0, weight_decay=0.0, qk_clip_tau=TAU
+    )
+    recorder.attach(opt)
+    model(**batch(0)).loss.backward()
+    q = model.model.layers[0].self_attn.q_proj.weight
+    before = q.detach().clone()
+    low = {f"model.layers.{i}.self_attn": torch.zeros(4) for i in range(2)}
+    opt.step(logit_maxima=low)  # no head over τ: nothing scaled, whatever the recorder saw
+    assert torch.equal(q, before) and recorder.take() is None
