@@ -25,7 +25,6 @@ nothing on the shared ``k_R``. Parts are plain dicts, so they travel in ``state_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +161,3 @@ def clip_(param: Tensor, part: AttentionPart, gamma: Tensor, alpha: float) -> No
     an exact no-op, so the clip needs no host read to decide)."""
     factors = part.row_factors(gamma.to(param.device), alpha, param.shape[0])
     param.mul_(factors.view(-1, *([1] * (param.ndim - 1))))
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
