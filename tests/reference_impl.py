@@ -271,3 +271,49 @@ def deinterleaved(t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
 
 def interleaved(t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
     return t.index_select(dim, deinterleave_order(t.shape[dim], parts).argsort())
+
+
+# ----- QK-clip (MuonClip, Kimi K2 technical report, arXiv 2507.20534) ------------------------------
+def qk_gamma(maxima, tau):
+    """Per query head, ``τ / S`` where the head's largest logit ``S`` exceeded ``τ``, else 1."""
+    return [tau / s if s > tau else 1.0 for s in [float(v) for v in maxima]]
+
+
+def qk_clip_reference(query, key, maxima, *, heads, kv_heads, tau, alpha):
+    """A query and a key tensor (weights, or biases: rows on dim 0) after QK-clip, fp32: query
+    head ``h`` times ``γ_h^α``; key head ``j``, shared by query heads ``j·g … j·g+g−1``
+    (``g = heads/kv_heads``), times ``(min of their γ)^(1−α)``."""
+    gamma = qk_gamma(maxima, tau)
+    q, k = query.detach().to(torch.float32).clone(), key.detach().to(torch.float32).clone()
+    rows_q, rows_k = q.shape[0] // heads, k.shape[0] // kv_heads
+    group = heads // kv_heads
+    for h in range(heads):
+        q[h * rows_q : (h + 1) * rows_q] *= gamma[h] ** alpha
+    for j in range(kv_heads):
+        shared = min(gamma[j * group : (j + 1) * group])
+        k[j * rows_k : (j + 1) * rows_k] *= shared ** (1 - alpha)
+    return q, k
+
+
+def mla_qk_clip_reference(query, key_value, maxima, *, heads, nope, rope, v, tau, alpha):
+    """MLA's query up-projection (per head ``nope`` content rows, then ``rope`` rotary rows) and
+    key/value up-projection (per head ``nope`` key rows, then ``v`` value rows) after QK-clip:
+    ``q_C·γ^α``, ``q_R·γ``, ``k_C·γ^(1−α)``, values and the shared rotary key untouched."""
+    gamma = qk_gamma(maxima, tau)
+    q, kv = query.detach().to(torch.float32).clone(), key_value.detach().to(torch.float32).clone()
+    for h in range(heads):
+        start = h * (nope + rope)
+        q[start : start + nope] *= gamma[h] ** alpha
+        q[start + nope : start + nope + rope] *= gamma[h]
+        kv[h * (nope + v) : h * (nope + v) + nope] *= gamma[h] ** (1 - alpha)
+    return q, kv
+
+
+def logit_maxima_reference(query, key, scaling, keep):
+    """Each query head's largest pre-softmax logit, all heads' logits at once: ``query``
+    ``(B, H, Lq, d)``, ``key`` ``(B, K, Lk, d)`` (repeated to ``H`` heads), ``keep`` a boolean
+    ``(B, Lq, Lk)`` of the entries attention uses."""
+    key = key.to(torch.float64).repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    logits = query.to(torch.float64) @ key.transpose(-1, -2) * scaling
+    logits = logits.masked_fill(~keep[:, None], -math.inf)
+    return logits.amax(dim=(0, 2, 3))

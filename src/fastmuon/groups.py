@@ -16,8 +16,10 @@ from typing import Any, Literal, Union
 
 from torch import Tensor, nn
 
+from .attention_parts import detected_parts
 from .layer_maps import detected_maps, matrix_weights, router_weights
 from .matrices import FLATTEN, MatrixMapSpec, parse
+from .step.qk_clip import parse_part
 
 #: Attribute names of a model's output layer (Transformers' ``lm_head``, ``classifier``,
 #: ``score``, ``qa_outputs``; timm's ``head``; torchvision's ``fc``, ``classifier``, ``head``).
@@ -71,6 +73,7 @@ def param_groups(
     routers: Literal["other", "muon"] = "other",
     decay_vectors: bool = False,
     matrices: Mapping[Any, MatrixMapSpec] | None = None,
+    attention: bool | Mapping[Any, dict[str, Any] | None] = False,
     **overrides: Any,
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`~fastmuon.Muon` or :class:`~fastmuon.MuSGD`.
@@ -146,6 +149,16 @@ def param_groups(
     {"heads": 4}}`` (k with the key/value head count). A selector that names none of Muon's
     parameters, or a map that does not fit its tensor, is an error naming both.
 
+    ``attention=True`` also says which parameters are attention queries and keys, for QK-clip
+    (``Muon(..., qk_clip_tau=...)``): every group holding some gets an ``"attention"`` entry, one
+    part per parameter (None for the others; see :mod:`fastmuon.step.qk_clip`), recognised for
+    Llama-family and DeepSeek-V3 attention (:mod:`fastmuon.attention_parts`). A dict
+    ``{selector: part}`` names parts besides (or instead of, ``None``) the recognised ones, as
+    ``matrices=`` does maps, e.g. ``{"blocks.*.attn.wq": {"part": "query", "heads": 8}}``; a part
+    that gives no ``"layer"`` belongs to the module two levels above the parameter
+    (``blocks.3.attn`` for ``blocks.3.attn.wq.weight``). Without it (the default) no group has
+    the entry.
+
     Selectors given as names match the model's parameter and module names with or without the
     wrappers' prefixes (``head="fc"`` also on ``torch.compile(model)``). ``overrides`` (e.g.
     ``ns_dtype=torch.float32``) are set on every group, except that the no-decay group keeps
@@ -188,6 +201,8 @@ def param_groups(
     specs = muon_matrix_maps(model, muon["params"], muon["param_names"], matrices)
     if specs is not None:
         muon["matrices"] = specs
+    if attention is not False:
+        attention_entries(model, trainable, list(groups.values()), attention)
     return [{**g, **overrides, **dict(kind)} for kind, g in groups.items() if g["params"]]
 
 
@@ -323,6 +338,52 @@ def muon_matrix_maps(
     if all(m.is_flatten for m in specs):
         return None
     return [m.plain() for m in specs]
+
+
+def attention_entries(
+    model: nn.Module,
+    trainable: list[tuple[str, Tensor]],
+    groups: list[dict[str, Any]],
+    attention: bool | Mapping[Any, dict[str, Any] | None],
+) -> None:
+    """Set each group's ``"attention"`` parts (detected, then the caller's) where it holds any."""
+    if not (attention is True or isinstance(attention, Mapping)):
+        raise TypeError(
+            "attention= is True (the recognised attention layers' queries and keys) or a dict "
+            f"{{selector: part}}; got {attention!r}"
+        )
+    parts: dict[int, dict[str, Any] | None] = dict(detected_parts(model))
+    names = {id(p): n for n, p in trainable}
+    for selector, spec in attention.items() if isinstance(attention, Mapping) else ():
+        hits = selected(model, selector, "attention") & names.keys()
+        if not hits:
+            raise ValueError(f"attention= selector {describe(selector)} names no trainable parameter")
+        for i in hits:
+            part = None if spec is None else {"layer": names[i].rsplit(".", 2)[0], **spec}
+            try:
+                parse_part(part)
+            except ValueError as e:
+                raise ValueError(f"attention= entry for {describe(selector)}: {e}") from None
+            parts[i] = part
+    if not any(parts.get(i) for i in names):
+        raise ValueError(
+            "param_groups(attention=...) found no attention query or key parameter: no Llama-family "
+            "(q_proj/k_proj) or DeepSeek-V3 (q_b_proj/kv_b_proj) attention layer is recognised in the "
+            "model; name them with attention={'<q name or glob>': {'part': 'query', 'heads': H}, ...}"
+        )
+    for group in groups:
+        entries = [parts.get(id(p)) for p in group["params"]]
+        for name, p, entry in zip(group["param_names"], group["params"], entries):
+            if entry is not None:
+                try:
+                    parse_part(entry).check(tuple(p.shape))  # type: ignore[union-attr]
+                except ValueError as e:
+                    raise ValueError(
+                        f"attention part of {name!r} {tuple(p.shape)}: {e}; give its part with "
+                        f"param_groups(..., attention={{{name!r}: ...}})"
+                    ) from None
+        if any(e is not None for e in entries):
+            group["attention"] = entries
 
 
 def describe(selector: Any) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -29,6 +29,7 @@ from ..step.elementwise import ADJUST_LR_ALIAS
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
 from .param_names import agree_on_names, restore_names
+from .qk_clip import QKClip, refuse_unreached_default
 from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
     check_flag,
@@ -86,7 +87,9 @@ class MatrixOptimizer(Optimizer):
         self.options = options
         self.process_group = process_group  # DDP: ranks share the NS work (see fastmuon.distributed)
         self._driver = StepDriver()
+        self._qk_clip = QKClip()
         super().__init__(params, defaults)
+        refuse_unreached_default(self.defaults, self.param_groups, type(self).__name__)
         take = self.muon_takes()
         if not take.parameters:
             warnings.warn(
@@ -194,18 +197,24 @@ class MatrixOptimizer(Optimizer):
 
     # ----- the step ---------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, logit_maxima: Mapping[str, Tensor] | None = None):
         """One update of every parameter with a gradient: the batched program the driver
         prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
-        rule's per-parameter reference loop."""
+        rule's per-parameter reference loop. Then, in groups with ``qk_clip_tau``, QK-clip of
+        the attention parts by ``logit_maxima`` (``{layer: per-head maxima}``, checked first; see
+        :mod:`fastmuon.optim.qk_clip`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        clip = self._qk_clip.prepare(
+            self.param_groups, logit_maxima, self._param_name, self.process_group, not self.options.capturable
+        )
         if self.options.foreach is False:
             self._driver.reference_step(self._step_env())
         else:
             self._driver.step(self._step_env())
+        clip()
         return loss
 
     def _step_env(self) -> StepEnv:
@@ -413,6 +422,7 @@ class MatrixOptimizer(Optimizer):
         if "process_group" in extras:
             attributes["process_group"] = extras["process_group"]
         attributes.setdefault("process_group", None)
+        attributes.setdefault("_qk_clip", QKClip())
         driver = attributes.get("_driver")
         if driver is None:  # a copy holds no other optimizer's collectives, caches or hooks
             attributes["_driver"] = StepDriver(

@@ -127,6 +127,8 @@ FAMILY_KEYS = {
             "use_muon",
             "rms_scale",
             "cautious_weight_decay",
+            "qk_clip_tau",
+            "qk_clip_alpha",
             # NorMuon's and AdaMuon's, whose state dicts are Muon's with a second moment
             "beta2",
             "moment_eps",

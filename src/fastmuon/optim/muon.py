@@ -16,6 +16,8 @@ from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
+from .qk_clip import DEFAULT_ALPHA, refuse_settings_without_parts
+from .qk_clip import check_group as check_qk_clip
 from .validation import (
     ArgumentTypeError,
     check_foreach,
@@ -83,6 +85,14 @@ class Muon(MatrixOptimizer):
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
             computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
             that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
+        qk_clip_tau: QK-clip (MuonClip's, Kimi K2): after each step, every attention head whose
+            largest pre-softmax logit in the step exceeded ``qk_clip_tau`` has its query and key
+            rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group;
+            it acts on the parameters the group's ``attention`` entries name (see
+            :func:`fastmuon.param_groups`'s ``attention=``), by the maxima ``step(logit_maxima=...)``
+            is given (:class:`fastmuon.qk_clip.LogitMaxRecorder` records and hands them in); see
+            "QK-clip (MuonClip)" in docs/optimizers.md.
+        qk_clip_alpha: ``α`` in [0, 1], the queries' share of the clip (default 0.5).
 
     The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
 
@@ -133,6 +143,8 @@ class Muon(MatrixOptimizer):
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
         cautious_weight_decay: bool = False,
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = DEFAULT_ALPHA,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -159,6 +171,8 @@ class Muon(MatrixOptimizer):
             nonfinite=nonfinite,
             capturable=capturable,
             cautious_weight_decay=cautious_weight_decay,
+            qk_clip_tau=qk_clip_tau,
+            qk_clip_alpha=qk_clip_alpha,
         )
         super().__init__(params, defaults, options, process_group)
 
@@ -168,6 +182,8 @@ class Muon(MatrixOptimizer):
         return self.options.adamw_lr  # type: ignore[return-value]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict):
+            refuse_settings_without_parts(param_group, f"param group {len(self.param_groups)}")
         if isinstance(param_group, dict) and param_group.get("use_muon") is False:
             adamw_defaults = {"eps": ADAMW_EPS, "lr": self.adamw_lr}
             missing = {k: v for k, v in adamw_defaults.items() if k not in param_group}
@@ -200,6 +216,7 @@ class Muon(MatrixOptimizer):
                         "with use_muon=False (AdamW)"
                     )
         self._check_matrix_maps(group, where)
+        check_qk_clip(group, where, lambda j: self._param_name(group, j))
 
 
 def muon_settings(
@@ -228,6 +245,8 @@ def muon_settings(
     nonfinite: str,
     capturable: bool,
     cautious_weight_decay: bool,
+    qk_clip_tau: float | None,
+    qk_clip_alpha: float,
 ) -> tuple[dict[str, Any], Options]:
     """The group defaults and the optimizer-wide options of :class:`Muon`'s arguments.
 
@@ -250,6 +269,8 @@ def muon_settings(
         betas=betas,
         adamw_eps=adamw_eps,
         cautious_weight_decay=cautious_weight_decay,
+        qk_clip_tau=qk_clip_tau,
+        qk_clip_alpha=qk_clip_alpha,
     )
     check_foreach(foreach)
     check_nonnegative("adamw_lr", adamw_lr, "Muon")

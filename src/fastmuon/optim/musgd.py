@@ -209,6 +209,11 @@ class MuSGD(MatrixOptimizer):
             )
         if group.get("cautious_weight_decay", False) is not False:
             raise cautious_decay_refusal(where)
+        if group.get("qk_clip_tau") is not None:
+            raise UnsupportedOptionError(
+                f"qk_clip_tau in {where}: MuSGD does not take QK-clip; use Muon, NorMuon or AdaMuon "
+                "for it, or leave qk_clip_tau unset"
+            )
         self._check_matrix_maps(group, where)
 
 

@@ -19,6 +19,7 @@ from ..step.elementwise import RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .muon import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, Muon, muon_settings
+from .qk_clip import DEFAULT_ALPHA
 from .validation import ArgumentTypeError, check_fraction, check_nonnegative
 
 if TYPE_CHECKING:
@@ -119,6 +120,8 @@ class NorMuon(_SecondMomentMuon):
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
         cautious_weight_decay: bool = False,
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = DEFAULT_ALPHA,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -145,6 +148,8 @@ class NorMuon(_SecondMomentMuon):
             nonfinite=nonfinite,
             capturable=capturable,
             cautious_weight_decay=cautious_weight_decay,
+            qk_clip_tau=qk_clip_tau,
+            qk_clip_alpha=qk_clip_alpha,
         )
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
         # Muon's constructor does no more than build these two: the variant's group options join
@@ -217,6 +222,8 @@ class AdaMuon(_SecondMomentMuon):
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
         cautious_weight_decay: bool = False,
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = DEFAULT_ALPHA,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -243,6 +250,8 @@ class AdaMuon(_SecondMomentMuon):
             nonfinite=nonfinite,
             capturable=capturable,
             cautious_weight_decay=cautious_weight_decay,
+            qk_clip_tau=qk_clip_tau,
+            qk_clip_alpha=qk_clip_alpha,
         )
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)
         # Muon's constructor does no more than build these two: the variant's group options join

@@ -1,0 +1,68 @@
+"""One rank of the QK-clip DDP test (gloo on CPU); ``test_qk_clip_distributed.py`` launches two.
+
+Each rank holds the same replicated weights and gradients but saw other batches, so other logit
+maxima: the clip must use every rank's largest, and the replicas must stay equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+from reference_impl import qk_clip_reference
+from torch import nn
+
+import fastmuon
+
+H, K, D, IN, TAU = 4, 2, 3, 10, 1.0
+PARTS = [{"layer": "attn", "part": "query", "heads": H}, {"layer": "attn", "part": "key", "heads": K}]
+
+
+def replicated_params() -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(s, generator=g)) for s in ((H * D, IN), (K * D, IN))]
+
+
+def rank_maxima(rank: int) -> torch.Tensor:
+    return torch.tensor([[0.5, 3.0, 0.8, 1.5], [2.0, 0.7, 4.0, 0.9]][rank])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    for name in ("--rank", "--world", "--port"):
+        ap.add_argument(name, type=int, required=True)
+    ap.add_argument("--dir", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
+    try:
+        params = replicated_params()
+        opt = fastmuon.Muon(
+            [{"params": params, "attention": PARTS}],
+            lr=0.0,
+            weight_decay=0.0,
+            qk_clip_tau=TAU,
+            process_group=dist.group.WORLD,
+        )
+        for p in params:
+            p.grad = torch.zeros_like(p)  # lr 0: the clip alone changes the weights
+        opt.step(logit_maxima={"attn": rank_maxima(args.rank)})
+        largest = torch.maximum(rank_maxima(0), rank_maxima(1))
+        want_q, want_k = qk_clip_reference(
+            *replicated_params(), largest, heads=H, kv_heads=K, tau=TAU, alpha=0.5
+        )
+        assert torch.allclose(params[0], want_q, rtol=1e-6) and torch.allclose(params[1], want_k, rtol=1e-6)
+        gathered = [torch.empty_like(params[0]) for _ in range(2)]
+        dist.all_gather(gathered, params[0].detach().contiguous())
+        assert torch.equal(gathered[0], gathered[1])
+        print(f"[rank {args.rank}] QK-clip under DDP: the ranks' largest maxima, replicas equal", flush=True)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
