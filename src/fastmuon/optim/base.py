@@ -26,6 +26,7 @@ from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv
 from ..step.elementwise import ADJUST_LR_ALIAS
+from ..step.state_dtype import cast_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
 from .param_names import agree_on_names, restore_names
@@ -153,6 +154,7 @@ class MatrixOptimizer(Optimizer):
         check_nonnegative("weight_decay", group["weight_decay"], where)
         check_nonnegative("eps", group["eps"], where)
         check_rms_scale(group, where)
+        check_state_dtype(group.get("state_dtype"), where)
         use_muon = group.get("use_muon")
         if use_muon is not None and not isinstance(use_muon, bool):
             raise ValueError(f"use_muon in {where} must be True, False or absent, got {use_muon!r}")
@@ -346,12 +348,20 @@ class MatrixOptimizer(Optimizer):
 
     def _after_load(self) -> None:
         """AdamW's ``step`` as float32 on the host (read there every step) or, ``capturable``, on
-        its parameter's device (never read); the plans and step programs rebuilt."""
+        its parameter's device (never read); every other buffer in its group's ``state_dtype``
+        where the group sets one (torch's loader has cast it to the parameter's dtype); the plans
+        and step programs rebuilt."""
         for p, state in self.state.items():
             step = state.get("step") if isinstance(state, dict) else None
             where = _local(p).device if self.options.capturable else torch.device("cpu")
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != where):
                 state["step"] = step.to(where, torch.float32)
+        for group in self.param_groups:
+            dtype = group.get("state_dtype")
+            if dtype is not None:
+                for p in group["params"]:
+                    buffers = [name for name in self.rule.state_roles(group, p) if name != "step"]
+                    cast_state(self.state.get(p), buffers, dtype)
         self._driver.cache.clear()
 
     # ----- copies: copy.deepcopy and pickle ---------------------------------------------------

@@ -83,6 +83,11 @@ class Muon(MatrixOptimizer):
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
             computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
             that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
+        state_dtype: the dtype of every state buffer of a group's parameters (Muon's momentum,
+            AdamW's ``exp_avg`` and ``exp_avg_sq``; not AdamW's step count): ``None`` (the
+            default) each parameter's own, or e.g. ``torch.bfloat16`` to halve fp32 parameters'
+            state; the step computes in float32 and rounds each buffer once when storing it (see
+            "Low-memory state" in docs/optimizers.md). Per group; a loaded state dict is cast to it.
 
     The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
 
@@ -133,6 +138,7 @@ class Muon(MatrixOptimizer):
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
         cautious_weight_decay: bool = False,
+        state_dtype: torch.dtype | None = None,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -159,6 +165,7 @@ class Muon(MatrixOptimizer):
             nonfinite=nonfinite,
             capturable=capturable,
             cautious_weight_decay=cautious_weight_decay,
+            state_dtype=state_dtype,
         )
         super().__init__(params, defaults, options, process_group)
 
@@ -228,6 +235,7 @@ def muon_settings(
     nonfinite: str,
     capturable: bool,
     cautious_weight_decay: bool,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, Any], Options]:
     """The group defaults and the optimizer-wide options of :class:`Muon`'s arguments.
 
@@ -250,6 +258,7 @@ def muon_settings(
         betas=betas,
         adamw_eps=adamw_eps,
         cautious_weight_decay=cautious_weight_decay,
+        state_dtype=state_dtype,
     )
     check_foreach(foreach)
     check_nonnegative("adamw_lr", adamw_lr, "Muon")

@@ -2,7 +2,9 @@
 
 Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``):
 torch's fused AdamW kernel where it is exact (``transforms.fusable``), one pass per tensor,
-else a few foreach calls per set of shared hyperparameters.
+else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
+their parameter's are stepped in the arithmetic dtype and written back rounded once (see
+:mod:`fastmuon.step.state_dtype`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..ns import device as compute
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable, partition
 from .program import Scalar, strides_of
+from .state_dtype import arithmetic_dtype, store_, widened
 
 
 @dataclass
@@ -36,13 +39,16 @@ class AdamWItem:
     index: int = 0  # its position among the step's parameters with gradients
 
 
-def adamw_state(state: dict, p: Tensor, capturable: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """The state of ``p``, created on its first step. The step count is a float32 scalar on the
-    CPU (reading it never syncs a GPU) or, ``capturable``, on ``p``'s device (never read)."""
+def adamw_state(
+    state: dict, p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The state of ``p``, created on its first step, the moments in ``dtype`` (None: ``p``'s).
+    The step count is a float32 scalar on the CPU (reading it never syncs a GPU) or,
+    ``capturable``, on ``p``'s device (never read)."""
     if "exp_avg" not in state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if capturable else None)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return state["exp_avg"], state["exp_avg_sq"], state["step"]
 
 
@@ -51,11 +57,17 @@ def single_tensor_adamw(items: list[AdamWItem]) -> None:
         beta1, beta2 = it.betas
         it.step.add_(1.0)
         s = float(it.step)
+        dtype = arithmetic_dtype(it.param.dtype, it.exp_avg.dtype)
+        if dtype is None:
+            exp_avg, exp_avg_sq, grad = it.exp_avg, it.exp_avg_sq, it.grad
+        else:
+            exp_avg, exp_avg_sq, grad = (t.to(dtype) for t in (it.exp_avg, it.exp_avg_sq, it.grad))
         it.param.mul_(1 - it.lr * it.weight_decay)
-        it.exp_avg.lerp_(it.grad, 1 - beta1)
-        it.exp_avg_sq.mul_(beta2).addcmul_(it.grad, it.grad, value=1 - beta2)
-        denom = (it.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**s)).add_(it.eps)
-        it.param.addcdiv_(it.exp_avg, denom, value=-it.lr / (1 - beta1**s))
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        store_([it.exp_avg, it.exp_avg_sq], [exp_avg, exp_avg_sq])
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**s)).add_(it.eps)
+        it.param.addcdiv_(exp_avg, denom, value=-it.lr / (1 - beta1**s))
 
 
 @dataclass
@@ -82,7 +94,7 @@ class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
     (``transforms.fusable``: one pass per tensor instead of a foreach call per operation),
     fused parts per class of (lr, betas, eps, wd,
-    dtype), foreach parts per class of (betas, eps, wd, device, dtype).
+    dtype), foreach parts per class of (betas, eps, wd, device, dtypes of parameter and moments).
 
     With ``capturable`` no kernel reads a value on the host: the step counts live on the
     parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
@@ -116,7 +128,11 @@ class AdamWProgram:
         rest = by_kernel.get(False, [])
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            (*lists(part), compute.is_host(part[0].param.device))
+            (
+                *lists(part),
+                compute.is_host(part[0].param.device),
+                arithmetic_dtype(part[0].param.dtype, part[0].exp_avg.dtype),
+            )
             for part in partition(
                 rest,
                 lambda i: (
@@ -125,6 +141,7 @@ class AdamWProgram:
                     wd_c[i.group],
                     i.param.device,
                     i.param.dtype,
+                    i.exp_avg.dtype,
                     lr_c[i.group],
                 ),
             ).values()
@@ -156,13 +173,19 @@ class AdamWProgram:
                 amsgrad=False,
                 maximize=False,
             )
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, host in self.rest:
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, host, dtype in self.rest:
             lr = s.lr[g]
-            args = (params, pick(grads), exp_avgs, exp_avg_sqs, steps)
+            step_grads, avgs, avg_sqs = pick(grads), exp_avgs, exp_avg_sqs
+            if dtype is not None:  # moments stored narrower (or wider) than their parameters
+                step_grads = widened(step_grads, dtype)
+                avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
+            args = (params, step_grads, avgs, avg_sqs, steps)
             if self.capturable or isinstance(lr, Tensor):
                 _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g])
             else:
                 _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g], host)
+            if dtype is not None:
+                store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
 
 
 def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:

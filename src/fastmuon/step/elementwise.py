@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..ns import device as compute
+from .state_dtype import store_, widened
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 
@@ -60,6 +61,29 @@ def ema_momentum_cast_(
             torch.lerp(g, m, beta, out=o)
     else:
         torch._foreach_copy_(out, bufs)
+    return out
+
+
+def ema_momentum_widened_(
+    bufs: list[Tensor],
+    grads: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    out: list[Tensor] | None = None,
+    *,
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
+    (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
+    written back rounded once; the update (``out`` if given, else new tensors in ``dtype``) is
+    computed from the unrounded ``M``."""
+    m, g = widened(bufs, dtype), widened(grads, dtype)
+    torch._foreach_lerp_(m, g, 1 - beta)
+    store_(bufs, m)
+    update = torch._foreach_lerp(g, m, beta) if nesterov else m
+    if out is None:
+        return update
+    torch._foreach_copy_(out, update)
     return out
 
 

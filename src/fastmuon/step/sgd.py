@@ -2,7 +2,9 @@
 
 ``g' = g + wd·p``, ``B ← β·B + g'``, ``p ← p − lr·u`` with ``u = g' + β·B`` (Nesterov) or ``B``:
 torch's fused SGD kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else
-foreach calls with one scale class per learning rate.
+foreach calls with one scale class per learning rate. A buffer stored in another dtype than its
+parameter's is stepped in the arithmetic dtype and written back rounded once (see
+:mod:`fastmuon.step.state_dtype`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..ns import device as compute
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
+from .state_dtype import arithmetic_dtype, store_, widened
 
 
 @dataclass
@@ -47,18 +50,19 @@ class SGDScalars:
 
 
 class SGDProgram:
-    """The SGD step prepared once: per (β, nesterov, wd, device, dtype), torch's fused kernel
-    per learning rate where it is exact, else foreach calls with one scale class per learning
-    rate. ``lr_class``: the classes of the step's learning rates (one per ``lr_slot``)."""
+    """The SGD step prepared once: per (β, nesterov, wd, device, dtypes of parameter and
+    buffer), torch's fused kernel per learning rate where it is exact, else foreach calls with
+    one scale class per learning rate. ``lr_class``: the classes of the step's learning rates
+    (one per ``lr_slot``)."""
 
     def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool):
         def lr_key(i: SGDItem) -> int:
             return lr_class[i.lr_slot]
 
         self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
-        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list]] = []
+        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list, torch.dtype | None]] = []
         parts = partition(
-            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
+            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype, i.buf.dtype)
         )
         for part in parts.values():
             by_kernel = partition(
@@ -89,6 +93,7 @@ class SGDProgram:
                         [i.buf for i in rest],
                         [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
                         [lr_key(rest[idx[0]]) for idx in by_lr.values()],
+                        arithmetic_dtype(rest[0].param.dtype, rest[0].buf.dtype),
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
@@ -117,11 +122,14 @@ class SGDProgram:
                 maximize=False,
                 is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
             )
-        for g, params, pick, bufs, by_lr, lr_classes in self.rest:
+        for g, params, pick, bufs, by_lr, lr_classes, dtype in self.rest:
+            step_grads, work = pick(grads), bufs
+            if dtype is not None:  # buffers stored narrower (or wider) than their parameters
+                step_grads, work = widened(step_grads, dtype), widened(bufs, dtype)
             foreach_sgd_step_(
                 params,
-                pick(grads),
-                bufs,
+                step_grads,
+                work,
                 by_lr,
                 [lr_of[c] for c in lr_classes],
                 s.beta[g],
@@ -130,6 +138,8 @@ class SGDProgram:
                 self.limit,
                 self.host,
             )
+            if dtype is not None:
+                store_(bufs, work)
 
 
 def foreach_sgd_step_(
@@ -179,10 +189,14 @@ def foreach_sgd_step_(
 def single_tensor_sgd(items: list[SGDItem]) -> None:
     """The same update, one parameter at a time: the per-parameter reference path."""
     for it in items:
-        g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
+        dtype = arithmetic_dtype(it.param.dtype, it.buf.dtype)
+        buf, grad = (it.buf, it.grad) if dtype is None else (it.buf.to(dtype), it.grad.to(dtype))
+        g = grad + it.weight_decay * it.param if it.weight_decay else grad
         if it.beta == 0:
-            it.buf.copy_(g)
+            buf.copy_(g)
         else:
-            it.buf.mul_(it.beta).add_(g)
-        u = g + it.beta * it.buf if it.nesterov else it.buf
+            buf.mul_(it.beta).add_(g)
+        if buf is not it.buf:
+            it.buf.copy_(buf)
+        u = g + it.beta * buf if it.nesterov else buf
         it.param.sub_(u * it.lr)
