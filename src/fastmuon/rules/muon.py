@@ -110,7 +110,7 @@ def collect(
         cautious = group.get("cautious_weight_decay", False)
         eps = adamw_eps(group)
         maps = env.maps(group, gi)
-        state_dtype = group_state_dtype(group)
+        state_dtype = group_state_dtype(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):

@@ -86,7 +86,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         adjust, rms_scale = lr_factor(group, gi, "ultralytics")
         maps = env.maps(group, gi)
         key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
-        state_dtype = group_state_dtype(group)
+        state_dtype = group_state_dtype(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):

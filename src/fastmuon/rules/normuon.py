@@ -99,7 +99,7 @@ class Variant:
         wanted = (sum(rows),) if self.per_row else tuple(p.shape)
         buf = state.get(MOMENT)
         if buf is None:
-            dtype = group_state_dtype(group)
+            dtype = group_state_dtype(group, items[0].group)
             if self.per_row:
                 buf = state[MOMENT] = torch.zeros(wanted, dtype=dtype or p.dtype, device=p.device)
             else:

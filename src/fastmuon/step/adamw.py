@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..ns import device as compute
 from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable, partition
+from .elementwise import foreach_scalar, fusable, fusable_stored, partition
 from .program import Scalar, strides_of
 from .state_dtype import arithmetic_dtype, store_, widened
 
@@ -93,8 +93,9 @@ class AdamWClasses(NamedTuple):
 class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
     (``transforms.fusable``: one pass per tensor instead of a foreach call per operation),
-    fused parts per class of (lr, betas, eps, wd,
-    dtype), foreach parts per class of (betas, eps, wd, device, dtypes of parameter and moments).
+    fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
+    per class of (betas, eps, wd, device, dtypes of parameter and moments). Moments stored in
+    another dtype are stepped as working copies in the arithmetic dtype, by either kernel.
 
     With ``capturable`` no kernel reads a value on the host: the step counts live on the
     parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
@@ -103,9 +104,7 @@ class AdamWProgram:
     def __init__(self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool):
         lr_c, betas_c, eps_c, wd_c = classes.lr, classes.betas, classes.eps, classes.weight_decay
         self.capturable = capturable
-        by_kernel = partition(
-            items, lambda i: not capturable and fusable(i.param, i.grad, i.exp_avg, i.exp_avg_sq)
-        )
+        by_kernel = partition(items, lambda i: not capturable and _fusable(i))
 
         def lists(part: list[AdamWItem]):
             return (
@@ -115,6 +114,7 @@ class AdamWProgram:
                 [i.exp_avg for i in part],
                 [i.exp_avg_sq for i in part],
                 [i.step for i in part],
+                arithmetic_dtype(part[0].param.dtype, part[0].exp_avg.dtype),
             )
 
         fused = by_kernel.get(True, [])
@@ -122,17 +122,20 @@ class AdamWProgram:
             (*lists(part), [i.grad.stride() for i in part], [i.param.stride() for i in part])
             for part in partition(
                 fused,
-                lambda i: (lr_c[i.group], betas_c[i.group], eps_c[i.group], wd_c[i.group], i.param.dtype),
+                lambda i: (
+                    lr_c[i.group],
+                    betas_c[i.group],
+                    eps_c[i.group],
+                    wd_c[i.group],
+                    i.param.dtype,
+                    i.exp_avg.dtype,
+                ),
             ).values()
         ]
         rest = by_kernel.get(False, [])
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            (
-                *lists(part),
-                compute.is_host(part[0].param.device),
-                arithmetic_dtype(part[0].param.dtype, part[0].exp_avg.dtype),
-            )
+            (*lists(part), compute.is_host(part[0].param.device))
             for part in partition(
                 rest,
                 lambda i: (
@@ -149,20 +152,23 @@ class AdamWProgram:
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides (see ``transforms.fusable``)."""
-        for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
+        for _, params, pick, _, _, _, _, grad_strides, param_strides in self.fused:
             if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
         return True
 
     def run(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, _, _ in self.fused:
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, _, _ in self.fused:
             beta1, beta2 = s.betas[g]
+            avgs, avg_sqs = exp_avgs, exp_avg_sqs
+            if dtype is not None:  # working copies in the parameters' dtype (see _fusable)
+                avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
             torch._foreach_add_(steps, 1.0)
             torch._fused_adamw_(
                 params,
                 pick(grads),
-                exp_avgs,
-                exp_avg_sqs,
+                avgs,
+                avg_sqs,
                 [],  # no amsgrad
                 steps,
                 lr=s.lr[g],
@@ -173,7 +179,9 @@ class AdamWProgram:
                 amsgrad=False,
                 maximize=False,
             )
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, host, dtype in self.rest:
+            if dtype is not None:
+                store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, host in self.rest:
             lr = s.lr[g]
             step_grads, avgs, avg_sqs = pick(grads), exp_avgs, exp_avg_sqs
             if dtype is not None:  # moments stored narrower (or wider) than their parameters
@@ -186,6 +194,15 @@ class AdamWProgram:
                 _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g], host)
             if dtype is not None:
                 store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
+
+
+def _fusable(i: AdamWItem) -> bool:
+    """Whether torch's fused kernel steps ``i`` exactly: over its moments, or over their working
+    copies where they are stored in another dtype (see ``elementwise.fusable_stored``)."""
+    moments = (i.exp_avg, i.exp_avg_sq)
+    if arithmetic_dtype(i.param.dtype, i.exp_avg.dtype) is None:
+        return fusable(i.param, i.grad, *moments)
+    return fusable_stored(i.param, i.grad, moments)
 
 
 def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..ns import device as compute
-from .state_dtype import store_, widened
+from .state_dtype import arithmetic_dtype, store_, widened
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 
@@ -100,6 +100,17 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
         and not torch.compiler.is_compiling()
+    )
+
+
+def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor]) -> bool:
+    """:func:`fusable` for state kept in another dtype (see :mod:`fastmuon.step.state_dtype`):
+    the kernel then steps the buffers' working copies, which take the arithmetic dtype and the
+    buffers' strides, so that dtype must be ``p``'s (fp32 parameters, narrower state)."""
+    return (
+        all(arithmetic_dtype(p.dtype, b.dtype) == p.dtype for b in buffers)
+        and all(b.device == p.device and b.stride() == p.stride() for b in buffers)
+        and fusable(p, grad)
     )
 
 

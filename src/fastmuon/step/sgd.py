@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..ns import device as compute
 from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable, partition
+from .elementwise import foreach_scalar, fusable, fusable_stored, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
 from .state_dtype import arithmetic_dtype, store_, widened
 
@@ -59,15 +59,16 @@ class SGDProgram:
         def lr_key(i: SGDItem) -> int:
             return lr_class[i.lr_slot]
 
-        self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
+        self.fused: list[
+            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, list, list]
+        ] = []
         self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list, torch.dtype | None]] = []
         parts = partition(
             items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype, i.buf.dtype)
         )
         for part in parts.values():
-            by_kernel = partition(
-                part, lambda i: fused_ok and bool(i.beta) and fusable(i.param, i.grad, i.buf)
-            )
+            dtype = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one pair of dtypes per part
+            by_kernel = partition(part, lambda i: fused_ok and bool(i.beta) and _fusable(i))
             g = part[0].group
             for by_lr in partition(by_kernel.get(True, []), lr_key).values():
                 first = by_lr[0]
@@ -78,6 +79,7 @@ class SGDProgram:
                         Gather([i.index for i in by_lr]),
                         [i.buf for i in by_lr],
                         lr_key(first),
+                        dtype,
                         [i.grad.stride() for i in by_lr],
                         [i.param.stride() for i in by_lr],
                     )
@@ -93,7 +95,7 @@ class SGDProgram:
                         [i.buf for i in rest],
                         [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
                         [lr_key(rest[idx[0]]) for idx in by_lr.values()],
-                        arithmetic_dtype(rest[0].param.dtype, rest[0].buf.dtype),
+                        dtype,
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
@@ -102,18 +104,19 @@ class SGDProgram:
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
         must still have the layouts it was chosen for."""
-        for _, params, pick, _, _, grad_strides, param_strides in self.fused:
+        for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
             if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
         return True
 
     def run(self, grads: Sequence[Tensor], s: SGDScalars) -> None:
         lr_of = s.lr  # a class is the index of its first member's value
-        for g, params, pick, bufs, c, _, _ in self.fused:
+        for g, params, pick, bufs, c, dtype, _, _ in self.fused:
+            work = bufs if dtype is None else widened(bufs, dtype)
             torch._fused_sgd_(
                 params,
                 pick(grads),
-                bufs,
+                work,
                 weight_decay=s.weight_decay[g],
                 momentum=s.beta[g],
                 lr=lr_of[c],
@@ -122,6 +125,8 @@ class SGDProgram:
                 maximize=False,
                 is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
             )
+            if dtype is not None:
+                store_(bufs, work)
         for g, params, pick, bufs, by_lr, lr_classes, dtype in self.rest:
             step_grads, work = pick(grads), bufs
             if dtype is not None:  # buffers stored narrower (or wider) than their parameters
@@ -140,6 +145,14 @@ class SGDProgram:
             )
             if dtype is not None:
                 store_(bufs, work)
+
+
+def _fusable(i: SGDItem) -> bool:
+    """Whether torch's fused kernel steps ``i`` exactly: over its buffer, or over the buffer's
+    working copy where it is stored in another dtype (see ``elementwise.fusable_stored``)."""
+    if arithmetic_dtype(i.param.dtype, i.buf.dtype) is None:
+        return fusable(i.param, i.grad, i.buf)
+    return fusable_stored(i.param, i.grad, [i.buf])
 
 
 def foreach_sgd_step_(

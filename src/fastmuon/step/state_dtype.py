@@ -31,9 +31,12 @@ def check_state_dtype(value: Any, where: str) -> None:
     )
 
 
-def group_state_dtype(group: Mapping[str, Any]) -> torch.dtype | None:
-    """The dtype a group's new buffers are made in (None: each parameter's own)."""
-    return group.get("state_dtype")
+def group_state_dtype(group: Mapping[str, Any], index: int) -> torch.dtype | None:
+    """The dtype the new buffers of group ``index`` are made in (None: each parameter's own),
+    checked where a step reads it: a value may have been set on the group since it was added."""
+    value = group.get("state_dtype")
+    check_state_dtype(value, f"param group {index}")
+    return value
 
 
 def arithmetic_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.dtype | None:
