@@ -529,3 +529,33 @@ def test_a_bad_state_dtype_set_on_a_group_later_is_refused_by_the_step_leaving_n
         opt.state[ours[N]]["exp_avg"].dtype == BF16
         and opt.state[ours[0]]["momentum_buffer"].dtype == torch.float32
     )
+
+
+def test_a_beta_whose_decay_bf16_rounds_away_is_warned_and_the_buffer_indeed_stalls():
+    """AdamW's usual ``β₂ = 0.999`` with bf16 moments: ``0.999·v`` rounds to nearest back to ``v``
+    (1 − β₂ is below 2⁻⁸), so ``exp_avg_sq`` stops decaying: said once, when the group is added."""
+    w, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.ones(4))
+    groups = [{"params": [w]}, {"params": [b], "use_muon": False}]
+    with pytest.warns(
+        UserWarning, match=r"state_dtype=torch\.bfloat16 in param group 1 with betas\[1\]=0\.999: "
+    ) as caught:
+        opt = Muon(groups, betas=(0.9, 0.999), state_dtype=BF16)
+    assert len(caught) == 1 and "state_dtype=torch.float32 for this group" in str(caught[0].message)
+    b.grad = torch.ones(4)
+    opt.step()
+    b.grad = torch.zeros(4)
+    stuck = opt.state[b]["exp_avg_sq"].clone()
+    for _ in range(5):
+        opt.step()
+    assert torch.equal(opt.state[b]["exp_avg_sq"], stuck)  # what the warning says: no decay
+    with pytest.warns(UserWarning, match=r"in param group 0 with momentum=0\.999"):
+        MuSGD([w], use_muon=True, momentum=0.999, state_dtype=BF16)
+    with pytest.warns(UserWarning, match=r"with beta2=0\.999"):
+        NorMuon([w], beta2=0.999, state_dtype=BF16)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Muon(groups, betas=(0.9, 0.999))  # the parameter's own dtype: torch's arithmetic, as ever
+        Muon(groups, state_dtype=BF16)  # Muon's AdamW betas (0.9, 0.95) decay fine in bf16
+        MuSGD([w], use_muon=True, momentum=0.999, state_dtype=torch.float16)  # fp16: 2⁻¹¹

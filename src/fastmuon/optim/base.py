@@ -41,6 +41,7 @@ from .validation import (
     check_tensor_lr,
     group_without_alias,
     param_name,
+    warn_lost_decays,
     with_implied_ns_steps,
 )
 
@@ -139,9 +140,12 @@ class MatrixOptimizer(Optimizer):
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
             candidate["param_names"] = names
-        self._validate_group(candidate, f"param group {len(self.param_groups)}")
+        where = f"param group {len(self.param_groups)}"
+        self._validate_group(candidate, where)
         for j, p in enumerate(tensors):
             check_param(self._param_name(candidate, j), type(self).__name__, p)
+        roles = {role for p in tensors for role in self.rule.state_roles(candidate, p).values()}
+        warn_lost_decays(candidate, where, roles)
         return params
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:

@@ -70,3 +70,16 @@ def cast_state(state: Any, names: Sequence[str], dtype: torch.dtype) -> None:
         value = state.get(name)
         if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
             state[name] = value.to(dtype)
+
+
+def lost_decays(dtype: torch.dtype | None, betas: Mapping[str, Any]) -> list[str]:
+    """The coefficients among ``betas`` (name -> β of a recurrence ``x ← β·x + …``) whose decay
+    a buffer stored in ``dtype`` loses: where ``1 − β`` is below half of ``dtype``'s relative
+    precision, ``β·x`` rounds to nearest back to ``x`` for some values, so the buffer stops
+    decaying (bf16: ``β > 1 − 2⁻⁸ ≈ 0.996``, e.g. AdamW's usual ``β₂ = 0.999``)."""
+    if dtype is None:
+        return []
+    half_ulp = torch.finfo(dtype).eps / 2
+    return [
+        name for name, beta in betas.items() if isinstance(beta, (int, float)) and 0 < 1 - beta < half_ulp
+    ]
