@@ -80,10 +80,16 @@ def ema_momentum_widened_(
     m, g = widened(bufs, dtype), widened(grads, dtype)
     torch._foreach_lerp_(m, g, 1 - beta)
     store_(bufs, m)
-    update = torch._foreach_lerp(g, m, beta) if nesterov else m
     if out is None:
-        return update
-    torch._foreach_copy_(out, update)
+        return torch._foreach_lerp(g, m, beta) if nesterov else m
+    if not nesterov:
+        torch._foreach_copy_(out, m)
+    elif all(o.dtype == dtype for o in out):
+        torch._foreach_copy_(out, g)
+        torch._foreach_lerp_(out, m, beta)  # g + β·(M − g), as the out-of-place lerp computes it
+    else:
+        for gi, mi, o in zip(g, m, out):  # rounded once, on the store into the NS dtype
+            torch.lerp(gi, mi, beta, out=o)
     return out
 
 

@@ -48,9 +48,14 @@ def arithmetic_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.
 
 
 def widened(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """Each tensor in ``dtype``: itself where it is already, else a fresh copy (so a gradient
-    is never written through one)."""
-    return [t if t.dtype == dtype else t.to(dtype) for t in tensors]
+    """Each tensor in ``dtype``: itself where it is already, else a fresh copy in its memory
+    format (so a gradient is never written through one). The copies are made by one foreach
+    copy: one kernel on a GPU, not one per tensor."""
+    work = [t if t.dtype == dtype else torch.empty_like(t, dtype=dtype) for t in tensors]
+    fresh = [(w, t) for w, t in zip(work, tensors) if w is not t]
+    if fresh:
+        torch._foreach_copy_([w for w, _ in fresh], [t for _, t in fresh])
+    return work
 
 
 def store_(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
