@@ -463,7 +463,7 @@ def test_state_dicts_load_across_state_dtypes_into_the_loaders_own(cls):
 
 
 def test_a_group_set_to_another_state_dtype_casts_its_buffers_on_reload():
-    """``state_dtype`` makes new buffers; existing ones keep their dtype until a state dict is
+    """``state_dtype`` is the dtype buffers are made in; existing ones keep theirs until a state dict is
     loaded, which casts them (reloading the optimizer's own state dict does it in place)."""
     params = make_params(MATRICES + VECTORS)
     grads = make_grads(params, steps=2)

@@ -75,7 +75,7 @@ def ema_momentum_widened_(
 ) -> list[Tensor]:
     """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
     (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
-    written back rounded once; the update (``out`` if given, else new tensors in ``dtype``) is
+    written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
     computed from the unrounded ``M``."""
     m, g = widened(bufs, dtype), widened(grads, dtype)
     torch._foreach_lerp_(m, g, 1 - beta)

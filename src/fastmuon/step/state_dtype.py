@@ -32,7 +32,7 @@ def check_state_dtype(value: Any, where: str) -> None:
 
 
 def group_state_dtype(group: Mapping[str, Any], index: int) -> torch.dtype | None:
-    """The dtype the new buffers of group ``index`` are made in (None: each parameter's own),
+    """The dtype group ``index`` makes its buffers in (None: each parameter's own),
     checked where a step reads it: a value may have been set on the group since it was added."""
     value = group.get("state_dtype")
     check_state_dtype(value, f"param group {index}")
@@ -68,7 +68,7 @@ def store_(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
 
 def cast_state(state: Any, names: Sequence[str], dtype: torch.dtype) -> None:
     """The floating buffers ``names`` of one parameter's state (a dict, or None where it has
-    none) in ``dtype``, as new tensors where they are in another."""
+    none) in ``dtype``, as fresh tensors where they are in another."""
     if not isinstance(state, dict):
         return
     for name in names:
