@@ -556,6 +556,6 @@ def test_a_beta_whose_decay_bf16_rounds_away_is_warned_and_the_buffer_indeed_sta
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Muon(groups, betas=(0.9, 0.999))  # the parameter's own dtype: torch's arithmetic, as ever
+        Muon(groups, betas=(0.9, 0.999))  # the parameters' own dtype: torch's arithmetic
         Muon(groups, state_dtype=BF16)  # Muon's AdamW betas (0.9, 0.95) decay fine in bf16
         MuSGD([w], use_muon=True, momentum=0.999, state_dtype=torch.float16)  # fp16: 2⁻¹¹
