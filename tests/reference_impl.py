@@ -317,3 +317,137 @@ def logit_maxima_reference(query, key, scaling, keep):
     logits = query.to(torch.float64) @ key.transpose(-1, -2) * scaling
     logits = logits.masked_fill(~keep[:, None], -math.inf)
     return logits.amax(dim=(0, 2, 3))
+
+
+# ----- state stored in another dtype (state_dtype), the step's arithmetic in fp32 ----------------
+def load_stored(state, key, like):
+    """A stored buffer as the step computes with it: its value in fp32 (zeros before the first step)."""
+    value = state.get(key)
+    return torch.zeros(like.shape, dtype=torch.float32) if value is None else value.to(torch.float32)
+
+
+def ema(M, g, beta):
+    """``β·M + (1−β)·g`` in fp32 as ``torch.optim.Muon`` writes it (``M.lerp_(g, 1 − β)``): the
+    fp32 value a stored buffer is rounded from must be the one the optimizer computes, or a value
+    near a bf16 rounding boundary would round the other way."""
+    return torch.lerp(M, g.float(), 1 - beta)
+
+
+def muon_stored_reference_step(
+    p,
+    g,
+    state,
+    *,
+    state_dtype,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    adjust_lr_fn=None,
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One Muon step on one matrix with its momentum stored in ``state_dtype``: ``M`` read in
+    fp32, ``M ← β·M + (1−β)·g`` in fp32 (:func:`ema`), stored rounded to nearest; the update (Nesterov:
+    ``β·M + (1−β)·g``) from the unrounded fp32 ``M``."""
+    beta = momentum
+    M = ema(load_stored(state, "momentum_buffer", p), g, beta)
+    state["momentum_buffer"] = M.to(state_dtype)
+    U = beta * M + (1 - beta) * g.float() if nesterov else M
+    O = ns_reference(U.reshape(U.shape[0], -1), ns_steps, coefficients, eps).reshape(p.shape)
+    p.copy_(p * (1 - lr * weight_decay))
+    p.copy_(p - lr * adjust(adjust_lr_fn or "original", p.shape) * O.to(p.dtype))
+
+
+def adamw_stored_reference_step(
+    p, g, state, *, state_dtype, lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+):
+    """AdamW with ``exp_avg`` and ``exp_avg_sq`` stored in ``state_dtype``, computed in fp32 from
+    their stored values, the update from the unrounded moments."""
+    b1, b2 = betas
+    t = state["t"] = state.get("t", 0) + 1
+    g = g.float()
+    m = b1 * load_stored(state, "m", p) + (1 - b1) * g
+    v = b2 * load_stored(state, "v", p) + (1 - b2) * g * g
+    state["m"], state["v"] = m.to(state_dtype), v.to(state_dtype)
+    p.copy_(p * (1 - lr * weight_decay))
+    p.copy_(p - lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
+
+
+def musgd_stored_reference_step(
+    p,
+    g,
+    state,
+    *,
+    state_dtype,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    muon,
+    sgd,
+    use_muon,
+    adjust_lr="ultralytics",
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """One MuSGD step on one parameter with both momentum buffers stored in ``state_dtype``."""
+    beta = momentum
+    g32 = g.float()
+    muon_group = use_muon if use_muon is not None else p.ndim >= 2
+    if muon_group and p.ndim >= 2:
+        M = ema(load_stored(state, "momentum_buffer", p), g32, beta)
+        state["momentum_buffer"] = M.to(state_dtype)
+        U = beta * M + (1 - beta) * g32 if nesterov else M
+        O = ns_reference(U.reshape(U.shape[0], -1), ns_steps, coefficients, eps).reshape(p.shape)
+        p.copy_(p - lr * muon * O.to(p.dtype) * adjust(adjust_lr, p.shape))
+    key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
+    g2 = g32 + weight_decay * p.float()
+    B = beta * load_stored(state, key, p) + g2
+    state[key] = B.to(state_dtype)
+    upd = g2 + beta * B if nesterov else B
+    p.copy_(p - lr * (sgd if muon_group else 1.0) * upd)
+
+
+def variant_stored_reference_step(
+    p,
+    g,
+    state,
+    *,
+    variant,
+    state_dtype,
+    lr,
+    momentum,
+    nesterov,
+    weight_decay,
+    beta2=0.95,
+    moment_eps=1e-8,
+    rescale=None,
+    sign_momentum=False,
+    adjust_lr_fn=None,
+    ns_steps=5,
+    coefficients=JORDAN,
+    eps=1e-7,
+):
+    """NorMuon or AdaMuon on one 2-D matrix with ``M`` and ``v`` stored in ``state_dtype``: each
+    read in fp32, stepped in fp32, stored rounded; the update from the unrounded values."""
+    beta = momentum
+    M = ema(load_stored(state, "momentum_buffer", p), g, beta)
+    state["momentum_buffer"] = M.to(state_dtype)
+    U = beta * M + (1 - beta) * g.float() if nesterov else M
+    if sign_momentum:
+        U = U.sign()
+    rescale = rescale or ("rms" if variant == "adamuon" else "norm")
+    O = ns_reference(U, ns_steps, coefficients, eps)
+    if variant == "normuon":
+        v = load_stored(state, "v", torch.empty(O.shape[0]))
+        O = normuon_normalize(O, v, beta2=beta2, eps=moment_eps, rescale=rescale)
+    else:
+        v = load_stored(state, "v", O)
+        O = adamuon_normalize(O, v, beta2=beta2, eps=moment_eps, rescale=rescale)
+    state["v"] = v.to(state_dtype)
+    factor = 1.0 if rescale == "rms" else adjust(adjust_lr_fn or "original", p.shape)
+    p.copy_(p * (1 - lr * weight_decay))
+    p.copy_(p - lr * (O * factor).to(p.dtype))

@@ -534,3 +534,23 @@ def test_bench_runs_only_the_chosen_contenders(tmp_path):
     doc = json.loads(out.read_text())
     assert [r["name"] for r in doc["results"]] == ["fastmuon MuSGD", "torch.optim.SGD foreach"]
     assert doc["settings"]["contenders"] == ["FastMuon", "torch.optim.sgd"]
+
+
+@pytest.mark.parametrize("optimizer", ["musgd", "muon"])
+def test_bench_shows_the_bf16_state_row_at_half_the_state_bytes(tmp_path, optimizer):
+    """The ``bf16-state`` row steps the same tensors with ``state_dtype=torch.bfloat16``: its
+    state bytes are half of fastmuon's (AdamW's step counts aside) and its time is measured."""
+    manifest = tmp_path / "tiny.json"
+    manifest.write_text(json.dumps(_manifest_dict()))
+    out = tmp_path / "out.json"
+    args = ["bench", "--model", str(manifest), "--optimizer", optimizer, "--ns-dtype", "float32"]
+    args += ["--steps", "1", "--rounds", "1", "--contenders", "fastmuon,bf16-state"]
+    args += ["--json", str(out), "--quiet"]
+    assert main(args) == 0
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    name = "MuSGD" if optimizer == "musgd" else "Muon"
+    ours, narrow = results[f"fastmuon {name}"], results[f"bf16-state {name}"]
+    counts = 4 * 2 if optimizer == "muon" else 0  # two AdamW step counts, float32 scalars
+    assert 2 * (narrow["state_bytes"] - counts) == ours["state_bytes"] - counts > 0
+    assert narrow["median_ms"] > 0 and narrow["note"].startswith("state_dtype=torch.bfloat16")
+    assert narrow["ns_flops"] == ours["ns_flops"] and narrow["buckets"] == ours["buckets"]

@@ -182,3 +182,19 @@ def test_the_bar_and_the_table_say_which_loss_each_shows(tmp_path, capsys, monke
     table = " ".join(captured.out.split())
     assert f"{run['final']['train_loss']:.4f}" in table
     assert "Train loss and val loss are the final model's losses (in eval mode) on a fixed subset" in table
+
+
+@pytest.mark.parametrize("name, base", [("musgd-bf16", "musgd"), ("muon-bf16", "muon")])
+def test_bf16_state_contenders_are_their_optimizer_with_bf16_state(name, base):
+    """The same settings on every task as the contender they shadow, and state in bf16."""
+    assert CONTENDERS[name].hparams == {
+        task: {**hp, "state_dtype": torch.bfloat16} for task, hp in CONTENDERS[base].hparams.items()
+    }
+    corpus = load_char_corpus(max_chars=5_000)
+    model = CharTransformer(corpus.vocab_size, block=8, dim=16, layers=1, heads=2)
+    opt = CONTENDERS[name].build(model, "chars", torch.float32)
+    assert type(opt) is type(CONTENDERS[base].build(model, "chars", torch.float32))
+    assert {g["state_dtype"] for g in opt.param_groups} == {torch.bfloat16}
+    model(torch.zeros(2, 8, dtype=torch.long)).square().mean().backward()
+    opt.step()
+    assert {t.dtype for s in opt.state.values() for k, t in s.items() if k != "step"} == {torch.bfloat16}

@@ -244,6 +244,15 @@ def fastmuon_contender(wb: Workbench) -> Contender:
     return _ours(wb, CLASSES[wb.optimizer][0], "fastmuon", note)
 
 
+def bf16_state_contender(wb: Workbench) -> Contender:
+    """fastmuon with ``state_dtype=torch.bfloat16``: the same batched step, its state stored in
+    bf16 and stepped in fp32 (the cost of reading and rounding it; its state bytes)."""
+    if all(p.dtype == torch.bfloat16 for p in wb.params):
+        raise Unavailable("the parameters are bfloat16: their state is bfloat16 already")
+    note = "state_dtype=torch.bfloat16: buffers stored in bf16, each step's arithmetic in fp32"
+    return _ours(wb, CLASSES[wb.optimizer][0], "bf16-state", note, state_dtype=torch.bfloat16)
+
+
 def reference_contender(wb: Workbench) -> Contender:
     if wb.optimizer in ("musgd", "muon"):
         cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from .contenders import (
     Contender,
     Workbench,
+    bf16_state_contender,
     fastmuon_contender,
     reference_contender,
     sgd_contender,
@@ -22,6 +23,7 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
     "musgd": [
         fastmuon_contender,
         reference_contender,
+        bf16_state_contender,
         ultralytics_contender,
         ultralytics_fp32_contender,
         sgd_contender,
@@ -29,20 +31,32 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
     "muon": [
         fastmuon_contender,
         reference_contender,
+        bf16_state_contender,
         torch_muon_contender,
         torch_muon_fp32_contender,
         heavyball_contender,
         pytorch_optimizer_contender,
         sgd_contender,
     ],
-    "normuon": [fastmuon_contender, reference_contender, pytorch_optimizer_variant_contender],
-    "adamuon": [fastmuon_contender, reference_contender, pytorch_optimizer_variant_contender],
+    "normuon": [
+        fastmuon_contender,
+        reference_contender,
+        bf16_state_contender,
+        pytorch_optimizer_variant_contender,
+    ],
+    "adamuon": [
+        fastmuon_contender,
+        reference_contender,
+        bf16_state_contender,
+        pytorch_optimizer_variant_contender,
+    ],
 }
 
 #: what each factory is called when it is unavailable
 CONTENDER_LABELS = {
     fastmuon_contender: "fastmuon",
     reference_contender: "per-parameter",
+    bf16_state_contender: "bf16-state",
     torch_muon_contender: "torch.optim.Muon",
     torch_muon_fp32_contender: "torch.optim.Muon (NS in float32)",
     heavyball_contender: "heavyball Muon",

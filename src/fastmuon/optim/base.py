@@ -26,6 +26,7 @@ from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv
 from ..step.elementwise import ADJUST_LR_ALIAS
+from ..step.state_dtype import cast_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
 from .param_names import agree_on_names, restore_names
@@ -41,6 +42,7 @@ from .validation import (
     check_tensor_lr,
     group_without_alias,
     param_name,
+    warn_lost_decays,
     with_implied_ns_steps,
 )
 
@@ -141,9 +143,12 @@ class MatrixOptimizer(Optimizer):
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
             candidate["param_names"] = names
-        self._validate_group(candidate, f"param group {len(self.param_groups)}")
+        where = f"param group {len(self.param_groups)}"
+        self._validate_group(candidate, where)
         for j, p in enumerate(tensors):
             check_param(self._param_name(candidate, j), type(self).__name__, p)
+        roles = {role for p in tensors for role in self.rule.state_roles(candidate, p).values()}
+        warn_lost_decays(candidate, where, roles)
         return params
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
@@ -156,6 +161,7 @@ class MatrixOptimizer(Optimizer):
         check_nonnegative("weight_decay", group["weight_decay"], where)
         check_nonnegative("eps", group["eps"], where)
         check_rms_scale(group, where)
+        check_state_dtype(group.get("state_dtype"), where)
         use_muon = group.get("use_muon")
         if use_muon is not None and not isinstance(use_muon, bool):
             raise ValueError(f"use_muon in {where} must be True, False or absent, got {use_muon!r}")
@@ -355,12 +361,20 @@ class MatrixOptimizer(Optimizer):
 
     def _after_load(self) -> None:
         """AdamW's ``step`` as float32 on the host (read there every step) or, ``capturable``, on
-        its parameter's device (never read); the plans and step programs rebuilt."""
+        its parameter's device (never read); every other buffer in its group's ``state_dtype``
+        where the group sets one (torch's loader has cast it to the parameter's dtype); the plans
+        and step programs rebuilt."""
         for p, state in self.state.items():
             step = state.get("step") if isinstance(state, dict) else None
             where = _local(p).device if self.options.capturable else torch.device("cpu")
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != where):
                 state["step"] = step.to(where, torch.float32)
+        for group in self.param_groups:
+            dtype = group.get("state_dtype")
+            if dtype is not None:
+                for p in group["params"]:
+                    buffers = [name for name in self.rule.state_roles(group, p) if name != "step"]
+                    cast_state(self.state.get(p), buffers, dtype)
         self._driver.cache.clear()
 
     # ----- copies: copy.deepcopy and pickle ---------------------------------------------------

@@ -47,7 +47,9 @@ zeros, would have produced it, so the next step is the one the target would have
 
 Anything else restarts from zero on the next step: buffers of SGD with ``dampening`` or
 ``maximize``, of Adam with coupled weight decay, or with another ``β``. Tensors are cast to
-the parameter's dtype (Ultralytics saves buffers in fp16) by torch's loader, and AdamW's
+the parameter's dtype (Ultralytics saves buffers in fp16) by torch's loader, and then to the
+loading optimizer's ``state_dtype`` where its group sets one (that key is how this optimizer
+holds its state, so the loading group's own value is kept, not the saved one); AdamW's
 ``step`` becomes the float32 CPU scalar fastmuon keeps.
 
 What fastmuon's MuSGD saves has ``use_muon`` in every group and Ultralytics' buffer names, so
@@ -134,6 +136,7 @@ FAMILY_KEYS = {
             "moment_eps",
             "rescale",
             "sign_momentum",
+            "state_dtype",
         }
     ),
     MUSGD: frozenset(
@@ -153,10 +156,12 @@ FAMILY_KEYS = {
             "adjust_lr",  # the name fastmuon's MuSGD saved its lr factor under before adjust_lr_fn
             "adjust_lr_fn",
             "rms_scale",
+            "state_dtype",
         }
     ),
 }
 _LR_ALIAS = "adjust_lr"
+_STATE_DTYPE = "state_dtype"
 _LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
 _MOMENT = "second_moment"
 _MOMENT_ROLES = (ROW_MOMENT, ELEMENT_MOMENT)
@@ -238,6 +243,8 @@ def adapt_group(into: LoadTarget, saved: dict[str, Any], family: str, own: dict[
             group.setdefault(key, value)
     for key, value in into.defaults.items():
         group.setdefault(key, value)
+    if _STATE_DTYPE in keys:  # how this optimizer holds its state, not part of the saved run
+        group[_STATE_DTYPE] = own.get(_STATE_DTYPE, into.defaults[_STATE_DTYPE])
     return group
 
 

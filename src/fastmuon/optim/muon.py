@@ -93,6 +93,11 @@ class Muon(MatrixOptimizer):
             is given (:class:`fastmuon.qk_clip.LogitMaxRecorder` records and hands them in); see
             "QK-clip (MuonClip)" in docs/optimizers.md.
         qk_clip_alpha: ``α`` in [0, 1], the queries' share of the clip (default 0.5).
+        state_dtype: the dtype of every state buffer of a group's parameters (Muon's momentum,
+            AdamW's ``exp_avg`` and ``exp_avg_sq``; not AdamW's step count): ``None`` (the
+            default) each parameter's own, or e.g. ``torch.bfloat16`` to halve fp32 parameters'
+            state; the step computes in float32 and rounds each buffer once when storing it (see
+            "Low-memory state" in docs/optimizers.md). Per group; a loaded state dict is cast to it.
 
     The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
 
@@ -145,6 +150,7 @@ class Muon(MatrixOptimizer):
         cautious_weight_decay: bool = False,
         qk_clip_tau: float | None = None,
         qk_clip_alpha: float = DEFAULT_ALPHA,
+        state_dtype: torch.dtype | None = None,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -173,6 +179,7 @@ class Muon(MatrixOptimizer):
             cautious_weight_decay=cautious_weight_decay,
             qk_clip_tau=qk_clip_tau,
             qk_clip_alpha=qk_clip_alpha,
+            state_dtype=state_dtype,
         )
         super().__init__(params, defaults, options, process_group)
 
@@ -247,6 +254,7 @@ def muon_settings(
     cautious_weight_decay: bool,
     qk_clip_tau: float | None,
     qk_clip_alpha: float,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[dict[str, Any], Options]:
     """The group defaults and the optimizer-wide options of :class:`Muon`'s arguments.
 
@@ -271,6 +279,7 @@ def muon_settings(
         cautious_weight_decay=cautious_weight_decay,
         qk_clip_tau=qk_clip_tau,
         qk_clip_alpha=qk_clip_alpha,
+        state_dtype=state_dtype,
     )
     check_foreach(foreach)
     check_nonnegative("adamw_lr", adamw_lr, "Muon")

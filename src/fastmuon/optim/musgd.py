@@ -91,6 +91,11 @@ class MuSGD(MatrixOptimizer):
             decay is coupled, and cautious decay is defined for decoupled decay (use
             :class:`~fastmuon.Muon` for it). It is named here so that options shared with Muon
             are refused with that reason.
+        state_dtype: the dtype of the momentum buffers (``momentum_buffer``,
+            ``momentum_buffer_SGD``) of a group's parameters: ``None`` (the default) each
+            parameter's own, or e.g. ``torch.bfloat16`` to halve fp32 parameters' state; the step
+            computes in float32 and rounds each buffer once when storing it (see "Low-memory
+            state" in docs/optimizers.md). Per group; a loaded state dict is cast to it.
 
     The batched step runs a program built on the first step and reused while the parameters
     with gradients, their layouts and the equality classes of the groups' hyperparameters stay
@@ -142,6 +147,7 @@ class MuSGD(MatrixOptimizer):
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
         cautious_weight_decay: bool = False,
+        state_dtype: torch.dtype | None = None,
     ):
         if cautious_weight_decay is not False:
             raise cautious_decay_refusal("the constructor's arguments")
@@ -161,6 +167,7 @@ class MuSGD(MatrixOptimizer):
             eps=eps,
             adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", "ultralytics"),
             rms_scale=rms_scale,
+            state_dtype=state_dtype,
         )
         options = Options(
             foreach=check_foreach(foreach),

@@ -68,7 +68,8 @@ class NorMuon(_SecondMomentMuon):
 
     The state of a matrix parameter adds ``second_moment``: a 1-D tensor with one entry per row
     of each of its matrices (of each expert, fused part or head of a matrix map, in the map's
-    order). FSDP2-sharded matrices are refused (use :class:`~fastmuon.Muon` there).
+    order), in the group's ``state_dtype`` as Muon's buffers are. FSDP2-sharded matrices are
+    refused (use :class:`~fastmuon.Muon` there).
 
     Examples:
         Muon's param groups and learning rates carry over (``rescale="norm"``, the default):
@@ -122,6 +123,7 @@ class NorMuon(_SecondMomentMuon):
         cautious_weight_decay: bool = False,
         qk_clip_tau: float | None = None,
         qk_clip_alpha: float = DEFAULT_ALPHA,
+        state_dtype: torch.dtype | None = None,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -150,6 +152,7 @@ class NorMuon(_SecondMomentMuon):
             cautious_weight_decay=cautious_weight_decay,
             qk_clip_tau=qk_clip_tau,
             qk_clip_alpha=qk_clip_alpha,
+            state_dtype=state_dtype,
         )
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
         # Muon's constructor does no more than build these two: the variant's group options join
@@ -173,7 +176,8 @@ class AdaMuon(_SecondMomentMuon):
             no lr factor (``adjust_lr_fn`` must be None or ``"none"``); ``"norm"``: keep NS's
             Frobenius norm and apply ``adjust_lr_fn``.
 
-    The state of a matrix parameter adds ``second_moment``, of the parameter's shape.
+    The state of a matrix parameter adds ``second_moment``, of the parameter's shape, in the
+    group's ``state_dtype`` as Muon's buffers are.
 
     Examples:
         Muon's param groups, with a learning rate near AdamW's (the update has AdamW's RMS):
@@ -224,6 +228,7 @@ class AdaMuon(_SecondMomentMuon):
         cautious_weight_decay: bool = False,
         qk_clip_tau: float | None = None,
         qk_clip_alpha: float = DEFAULT_ALPHA,
+        state_dtype: torch.dtype | None = None,
     ):
         defaults, options = muon_settings(
             lr=lr,
@@ -252,6 +257,7 @@ class AdaMuon(_SecondMomentMuon):
             cautious_weight_decay=cautious_weight_decay,
             qk_clip_tau=qk_clip_tau,
             qk_clip_alpha=qk_clip_alpha,
+            state_dtype=state_dtype,
         )
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)
         # Muon's constructor does no more than build these two: the variant's group options join

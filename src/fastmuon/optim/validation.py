@@ -4,14 +4,19 @@ is wrong and the fix."""
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Collection
 from numbers import Integral
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..distributed.parts import check_placements
 from ..ns.newton_schulz import default_steps
+from ..rules.roles import ADAM_AVG, ADAM_AVG_SQ, ELEMENT_MOMENT, EMA, HEAVY_BALL, ROW_MOMENT
 from ..step.elementwise import RMS_SCALE
+from ..step.state_dtype import lost_decays
 
 
 class ArgumentTypeError(TypeError, ValueError):
@@ -157,3 +162,38 @@ def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
         coefficients = param_group.get("ns_coefficients", defaults.get("ns_coefficients"))
         return {**param_group, "ns_steps": default_steps(coefficients)}
     return param_group
+
+
+def state_betas(group: dict[str, Any], roles: Collection[str]) -> dict[str, Any]:
+    """The β of each recurrence among ``roles`` (the group's buffers: see
+    :mod:`fastmuon.rules.roles`), by the option that sets it."""
+    betas = group.get("betas")
+    pair = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (None, None)
+    named = {
+        EMA: ("momentum", group.get("momentum")),
+        HEAVY_BALL: ("momentum", group.get("momentum")),
+        ADAM_AVG: ("betas[0]", pair[0]),
+        ADAM_AVG_SQ: ("betas[1]", pair[1]),
+        ROW_MOMENT: ("beta2", group.get("beta2")),
+        ELEMENT_MOMENT: ("beta2", group.get("beta2")),
+    }
+    return dict(named[role] for role in sorted(roles) if role in named)
+
+
+def warn_lost_decays(group: dict[str, Any], where: str, roles: Collection[str]) -> None:
+    """A ``state_dtype`` too coarse for a β of the group's buffers (``roles``) loses their decay
+    in rounding (see :func:`fastmuon.step.state_dtype.lost_decays`): said when the group is added."""
+    dtype = group.get("state_dtype")
+    betas = state_betas(group, roles)
+    lost = lost_decays(dtype, betas)
+    if not lost:
+        return
+    u = torch.finfo(dtype).eps / 2
+    named = ", ".join(f"{name}={betas[name]!r}" for name in lost)
+    warnings.warn(
+        f"state_dtype={dtype} in {where} with {named}: 1 − β is below {dtype}'s relative rounding "
+        f"error ({u:.2g}), so rounding the buffer to nearest undoes its decay and it stops "
+        f"shrinking; use a β of at most {1 - u:.4g} or state_dtype=torch.float32 for this group",
+        UserWarning,
+        stacklevel=2,
+    )

@@ -32,6 +32,7 @@ from ..step.matrix import (
     single_tensor_matrix_update,
 )
 from ..step.program import TwoHalves, classes
+from ..step.state_dtype import group_state_dtype
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
@@ -109,6 +110,7 @@ def collect(
         cautious = group.get("cautious_weight_decay", False)
         eps = adamw_eps(group)
         maps = env.maps(group, gi)
+        state_dtype = group_state_dtype(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):
@@ -128,12 +130,13 @@ def collect(
                     decay=1 - lr * wd,
                     parts=env.parts_of(p),
                     cautious=cautious,
+                    state_dtype=state_dtype,
                 )
                 if variant is not None:
                     variant.attach(group, p, maps[j], state, made, env)
                 matrices += made
             elif use_muon is not True:
-                exp_avg, exp_avg_sq, step = adamw_state(state, p, env.capturable)
+                exp_avg, exp_avg_sq, step = adamw_state(state, p, env.capturable, state_dtype)
                 others.append(
                     AdamWItem(
                         p,

@@ -27,6 +27,7 @@ from ..step.matrix import (
 )
 from ..step.program import TwoHalves, classes
 from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
+from ..step.state_dtype import group_state_dtype
 from .roles import EMA, HEAVY_BALL, MUSGD
 
 family = MUSGD
@@ -85,6 +86,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
         adjust, rms_scale = lr_factor(group, gi, "ultralytics")
         maps = env.maps(group, gi)
         key = "momentum_buffer_SGD" if muon_group else "momentum_buffer"
+        state_dtype = group_state_dtype(group, gi)
         for j, p, grad, index in members:
             state = env.state[p]
             if is_matrix(group, p):
@@ -102,12 +104,13 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
                     group=gi,
                     index=index,
                     parts=env.parts_of(p),
+                    state_dtype=state_dtype,
                 )
             elementwise.append(
                 SGDItem(
                     p,
                     grad,
-                    state_buffer(state, key, p),
+                    state_buffer(state, key, p, state_dtype),
                     beta,
                     nesterov,
                     group["weight_decay"],

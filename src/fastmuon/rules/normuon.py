@@ -15,7 +15,8 @@ with no lr factor. ``β₂ = 0.95`` and ``ε = 1e-8`` are the paper's and dion's
 
 Each matrix of a matrix map (experts, fused parts, heads) has its own row statistics: the state
 ``second_moment`` of a parameter is one 1-D tensor holding each of its matrices' ``v`` in turn
-(``m`` entries per matrix, in the map's order), in the parameter's dtype.
+(``m`` entries per matrix, in the map's order), in the group's ``state_dtype`` (None: the
+parameter's dtype).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..step.collecting import CollectEnv
 from ..step.matrix import EngineFor, MatrixItem, MatrixProgram, single_tensor_matrix_update
 from ..step.moments import ADAMW_RMS, Moment, MomentScalars, MomentStage, reference_normalize
 from ..step.program import TwoHalves
+from ..step.state_dtype import group_state_dtype
 from . import muon as muon_rule
 from .muon import Items, is_matrix
 from .roles import ELEMENT_MOMENT, MUON, ROW_MOMENT
@@ -97,10 +99,11 @@ class Variant:
         wanted = (sum(rows),) if self.per_row else tuple(p.shape)
         buf = state.get(MOMENT)
         if buf is None:
+            dtype = group_state_dtype(group, items[0].group)
             if self.per_row:
-                buf = state[MOMENT] = torch.zeros(wanted, dtype=p.dtype, device=p.device)
+                buf = state[MOMENT] = torch.zeros(wanted, dtype=dtype or p.dtype, device=p.device)
             else:
-                buf = state[MOMENT] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                buf = state[MOMENT] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         elif not isinstance(buf, Tensor) or tuple(buf.shape) != wanted:
             got = tuple(buf.shape) if isinstance(buf, Tensor) else type(buf).__name__
             raise ValueError(

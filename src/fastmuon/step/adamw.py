@@ -2,7 +2,9 @@
 
 Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``):
 torch's fused AdamW kernel where it is exact (``transforms.fusable``), one pass per tensor,
-else a few foreach calls per set of shared hyperparameters.
+else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
+their parameter's are stepped in the arithmetic dtype and written back rounded once (see
+:mod:`fastmuon.step.state_dtype`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from torch import Tensor
 
 from ..ns import device as compute
 from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable, partition
+from .elementwise import foreach_scalar, fusable, fusable_stored, partition
 from .program import Scalar, strides_of
+from .state_dtype import arithmetic_dtype, store_, widened
 
 
 @dataclass
@@ -36,13 +39,16 @@ class AdamWItem:
     index: int = 0  # its position among the step's parameters with gradients
 
 
-def adamw_state(state: dict, p: Tensor, capturable: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """The state of ``p``, created on its first step. The step count is a float32 scalar on the
-    CPU (reading it never syncs a GPU) or, ``capturable``, on ``p``'s device (never read)."""
+def adamw_state(
+    state: dict, p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The state of ``p``, created on its first step, the moments in ``dtype`` (None: ``p``'s).
+    The step count is a float32 scalar on the CPU (reading it never syncs a GPU) or,
+    ``capturable``, on ``p``'s device (never read)."""
     if "exp_avg" not in state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if capturable else None)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return state["exp_avg"], state["exp_avg_sq"], state["step"]
 
 
@@ -51,11 +57,17 @@ def single_tensor_adamw(items: list[AdamWItem]) -> None:
         beta1, beta2 = it.betas
         it.step.add_(1.0)
         s = float(it.step)
+        dtype = arithmetic_dtype(it.param.dtype, it.exp_avg.dtype)
+        if dtype is None:
+            exp_avg, exp_avg_sq, grad = it.exp_avg, it.exp_avg_sq, it.grad
+        else:
+            exp_avg, exp_avg_sq, grad = (t.to(dtype) for t in (it.exp_avg, it.exp_avg_sq, it.grad))
         it.param.mul_(1 - it.lr * it.weight_decay)
-        it.exp_avg.lerp_(it.grad, 1 - beta1)
-        it.exp_avg_sq.mul_(beta2).addcmul_(it.grad, it.grad, value=1 - beta2)
-        denom = (it.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**s)).add_(it.eps)
-        it.param.addcdiv_(it.exp_avg, denom, value=-it.lr / (1 - beta1**s))
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        store_([it.exp_avg, it.exp_avg_sq], [exp_avg, exp_avg_sq])
+        denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**s)).add_(it.eps)
+        it.param.addcdiv_(exp_avg, denom, value=-it.lr / (1 - beta1**s))
 
 
 @dataclass
@@ -81,8 +93,9 @@ class AdamWClasses(NamedTuple):
 class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
     (``transforms.fusable``: one pass per tensor instead of a foreach call per operation),
-    fused parts per class of (lr, betas, eps, wd,
-    dtype), foreach parts per class of (betas, eps, wd, device, dtype).
+    fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
+    per class of (betas, eps, wd, device, dtypes of parameter and moments). Moments stored in
+    another dtype are stepped as working copies in the arithmetic dtype, by either kernel.
 
     With ``capturable`` no kernel reads a value on the host: the step counts live on the
     parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
@@ -91,9 +104,7 @@ class AdamWProgram:
     def __init__(self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool):
         lr_c, betas_c, eps_c, wd_c = classes.lr, classes.betas, classes.eps, classes.weight_decay
         self.capturable = capturable
-        by_kernel = partition(
-            items, lambda i: not capturable and fusable(i.param, i.grad, i.exp_avg, i.exp_avg_sq)
-        )
+        by_kernel = partition(items, lambda i: not capturable and _fusable(i))
 
         def lists(part: list[AdamWItem]):
             return (
@@ -103,6 +114,7 @@ class AdamWProgram:
                 [i.exp_avg for i in part],
                 [i.exp_avg_sq for i in part],
                 [i.step for i in part],
+                arithmetic_dtype(part[0].param.dtype, part[0].exp_avg.dtype),
             )
 
         fused = by_kernel.get(True, [])
@@ -110,7 +122,14 @@ class AdamWProgram:
             (*lists(part), [i.grad.stride() for i in part], [i.param.stride() for i in part])
             for part in partition(
                 fused,
-                lambda i: (lr_c[i.group], betas_c[i.group], eps_c[i.group], wd_c[i.group], i.param.dtype),
+                lambda i: (
+                    lr_c[i.group],
+                    betas_c[i.group],
+                    eps_c[i.group],
+                    wd_c[i.group],
+                    i.param.dtype,
+                    i.exp_avg.dtype,
+                ),
             ).values()
         ]
         rest = by_kernel.get(False, [])
@@ -125,6 +144,7 @@ class AdamWProgram:
                     wd_c[i.group],
                     i.param.device,
                     i.param.dtype,
+                    i.exp_avg.dtype,
                     lr_c[i.group],
                 ),
             ).values()
@@ -132,20 +152,23 @@ class AdamWProgram:
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides (see ``transforms.fusable``)."""
-        for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
+        for _, params, pick, _, _, _, _, grad_strides, param_strides in self.fused:
             if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
         return True
 
     def run(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, _, _ in self.fused:
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, _, _ in self.fused:
             beta1, beta2 = s.betas[g]
+            avgs, avg_sqs = exp_avgs, exp_avg_sqs
+            if dtype is not None:  # working copies in the parameters' dtype (see _fusable)
+                avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
             torch._foreach_add_(steps, 1.0)
             torch._fused_adamw_(
                 params,
                 pick(grads),
-                exp_avgs,
-                exp_avg_sqs,
+                avgs,
+                avg_sqs,
                 [],  # no amsgrad
                 steps,
                 lr=s.lr[g],
@@ -156,13 +179,30 @@ class AdamWProgram:
                 amsgrad=False,
                 maximize=False,
             )
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, host in self.rest:
+            if dtype is not None:
+                store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
+        for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, host in self.rest:
             lr = s.lr[g]
-            args = (params, pick(grads), exp_avgs, exp_avg_sqs, steps)
+            step_grads, avgs, avg_sqs = pick(grads), exp_avgs, exp_avg_sqs
+            if dtype is not None:  # moments stored narrower (or wider) than their parameters
+                step_grads = widened(step_grads, dtype)
+                avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
+            args = (params, step_grads, avgs, avg_sqs, steps)
             if self.capturable or isinstance(lr, Tensor):
                 _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g])
             else:
                 _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g], host)
+            if dtype is not None:
+                store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
+
+
+def _fusable(i: AdamWItem) -> bool:
+    """Whether torch's fused kernel steps ``i`` exactly: over its moments, or over their working
+    copies where they are stored in another dtype (see ``elementwise.fusable_stored``)."""
+    moments = (i.exp_avg, i.exp_avg_sq)
+    if arithmetic_dtype(i.param.dtype, i.exp_avg.dtype) is None:
+        return fusable(i.param, i.grad, *moments)
+    return fusable_stored(i.param, i.grad, moments)
 
 
 def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:

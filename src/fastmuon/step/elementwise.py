@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..ns import device as compute
+from .state_dtype import arithmetic_dtype, store_, widened
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 
@@ -63,6 +64,35 @@ def ema_momentum_cast_(
     return out
 
 
+def ema_momentum_widened_(
+    bufs: list[Tensor],
+    grads: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    out: list[Tensor] | None = None,
+    *,
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
+    (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
+    written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
+    computed from the unrounded ``M``."""
+    m, g = widened(bufs, dtype), widened(grads, dtype)
+    torch._foreach_lerp_(m, g, 1 - beta)
+    store_(bufs, m)
+    if out is None:
+        return torch._foreach_lerp(g, m, beta) if nesterov else m
+    if not nesterov:
+        torch._foreach_copy_(out, m)
+    elif all(o.dtype == dtype for o in out):
+        torch._foreach_copy_(out, g)
+        torch._foreach_lerp_(out, m, beta)  # g + β·(M − g), as the out-of-place lerp computes it
+    else:
+        for gi, mi, o in zip(g, m, out):  # rounded once, on the store into the NS dtype
+            torch.lerp(gi, mi, beta, out=o)
+    return out
+
+
 def fusable(p: Tensor, *others: Tensor) -> bool:
     """Whether torch's fused CPU optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
     and its gradient and state (``others``) right. They walk the tensors' memory in step without
@@ -76,6 +106,17 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
         and not torch.compiler.is_compiling()
+    )
+
+
+def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor]) -> bool:
+    """:func:`fusable` for state kept in another dtype (see :mod:`fastmuon.step.state_dtype`):
+    the kernel then steps the buffers' working copies, which take the arithmetic dtype and the
+    buffers' strides, so that dtype must be ``p``'s (fp32 parameters, narrower state)."""
+    return (
+        all(arithmetic_dtype(p.dtype, b.dtype) == p.dtype for b in buffers)
+        and all(b.device == p.device and b.stride() == p.stride() for b in buffers)
+        and fusable(p, grad)
     )
 
 

@@ -21,8 +21,16 @@ from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.gather import Gather
 from ..ns.newton_schulz import newton_schulz
-from .elementwise import RMS_SCALE, ema_momentum_, ema_momentum_cast_, lr_scale, partition
+from .elementwise import (
+    RMS_SCALE,
+    ema_momentum_,
+    ema_momentum_cast_,
+    ema_momentum_widened_,
+    lr_scale,
+    partition,
+)
 from .program import Scalar, apply_scaled_, scale_limit
+from .state_dtype import arithmetic_dtype
 
 
 @dataclass
@@ -53,11 +61,12 @@ class MatrixItem:
     moment: Any = None
 
 
-def state_buffer(state: dict[str, Any], key: str, p: Tensor) -> Tensor:
-    """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format."""
+def state_buffer(state: dict[str, Any], key: str, p: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format and in
+    ``dtype`` (None: ``p``'s)."""
     buf = state.get(key)
     if buf is None:
-        buf = state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return buf
 
 
@@ -78,13 +87,15 @@ def matrix_items(
     decay: Any = 1.0,
     cautious: bool = False,
     parts: Any = None,
+    state_dtype: torch.dtype | None = None,
 ) -> list[MatrixItem]:
     """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
     ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
     learning-rate factor of its own shape (``adjust``, with ``rms_scale`` for
     "match_rms_adamw"). Views of the tensors throughout. ``parts``: in a step over DTensors,
-    where each rank's part of ``p`` lies (the matrices are then this rank's parts of them)."""
-    buf = state_buffer(state, "momentum_buffer", p)
+    where each rank's part of ``p`` lies (the matrices are then this rank's parts of them).
+    ``state_dtype``: the dtype a missing buffer is made in (None: ``p``'s)."""
+    buf = state_buffer(state, "momentum_buffer", p, state_dtype)
     if parts is not None:
         pieces = held_pieces(m, *map(local_shard, (p, grad, buf)), parts)
     elif m.is_flatten:
@@ -121,9 +132,28 @@ def matrix_items(
 
 
 def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
-    """The matrices split by what their momentum step shares (β, Nesterov, device, dtype), in
-    the order the batched path hands them to the engine (and so to the planner)."""
-    return list(partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype)).values())
+    """The matrices split by what their momentum step shares (β, Nesterov, device, the dtypes
+    of parameter and buffer), in the order the batched path hands them to the engine (and so to
+    the planner)."""
+    return list(
+        partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype, i.buf.dtype)).values()
+    )
+
+
+def momentum_update(it: MatrixItem) -> Tensor:
+    """One matrix's EMA step ``M ← β·M + (1−β)·g`` in place, and the update NS takes (Nesterov:
+    ``β·M + (1−β)·g``, else ``M``). A buffer stored in another dtype than its parameter's is
+    read into the arithmetic dtype once and written back rounded once; the update is computed
+    from the unrounded ``M`` (see :mod:`fastmuon.step.state_dtype`)."""
+    dtype = arithmetic_dtype(it.param.dtype, it.buf.dtype)
+    if dtype is None:
+        it.buf.lerp_(it.grad, 1 - it.beta)
+        return it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
+    m, g = it.buf.to(dtype), it.grad.to(dtype)
+    m.lerp_(g, 1 - it.beta)
+    if m is not it.buf:
+        it.buf.copy_(m)
+    return g.lerp(m, it.beta) if it.nesterov else m
 
 
 def single_tensor_matrix_update(
@@ -136,8 +166,7 @@ def single_tensor_matrix_update(
     parameter's shape and dtype, to the update applied. A matrix whose ``moment`` says
     ``sign_input`` orthogonalises the sign of its momentum instead of the momentum."""
     for it in items:
-        it.buf.lerp_(it.grad, 1 - it.beta)
-        u = it.grad.lerp(it.buf, it.beta) if it.nesterov else it.buf
+        u = momentum_update(it)
         if getattr(it.moment, "sign_input", False):
             u = u.sign()
         c = it.config
@@ -255,8 +284,13 @@ class MatrixProgram:
         for part in parts:
             out = inputs[start : start + len(part)] if inputs is not None else None
             bufs = [i.buf for i in part]
-            casting = out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs))
-            momentum = ema_momentum_cast_ if casting else ema_momentum_
+            work = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one per part
+            if work is not None:
+                momentum = functools.partial(ema_momentum_widened_, dtype=work)
+            elif out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs)):
+                momentum = ema_momentum_cast_
+            else:
+                momentum = ema_momentum_
             self.parts.append((bufs, Gather([position[id(i)] for i in part]), part[0].group, out, momentum))
             start += len(part)
         self.item_groups = [i.group for i in ordered]

@@ -11,7 +11,8 @@ For each matrix ``O`` (the NS output, ``m×n`` as NS saw it: rows first, the oth
 Statistics are taken on each matrix's own update in its parameter's shape, as the engine
 returns it, so a padded bucket's padding never enters a mean. Matrices of one shape, dtype,
 device and group are stacked: a fixed number of calls per such class, not per matrix. The
-arithmetic runs in float32 (float64 for float64 updates); ``v`` is stored in its own dtype.
+arithmetic runs in float32 (float64 where the update or ``v`` is float64); ``v`` is stored in
+its own dtype (a group's ``state_dtype``), rounded once per step.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ class Moment:
     transposed: bool = False
 
 
-def stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the stage computes in: float64 for float64 updates, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def stat_dtype(dtype: torch.dtype, moment: torch.dtype | None = None) -> torch.dtype:
+    """The dtype the stage computes in: float64 where the update or the moment ``v`` is
+    float64, else float32."""
+    return torch.float64 if torch.float64 in (dtype, moment) else torch.float32
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -90,12 +92,20 @@ class MomentStage:
         for k, it in enumerate(items):
             m = it.moment
             per_row_t = m.transposed and m.v.ndim == 1
-            key = (tuple(it.param.shape), it.param.dtype, it.param.device, it.group, m.rms, per_row_t)
+            key = (
+                tuple(it.param.shape),
+                it.param.dtype,
+                it.param.device,
+                it.group,
+                m.rms,
+                per_row_t,
+                m.v.dtype,
+            )
             classes.setdefault(key, []).append(k)
         # per class: positions, parameter shape, group, target RMS, rows are columns, moment views
         self.classes = [
             (idx, shape, group, rms, t, [items[k].moment.v for k in idx])
-            for (shape, _dtype, _device, group, rms, t), idx in classes.items()
+            for (shape, _dtype, _device, group, rms, t, _v_dtype), idx in classes.items()
         ]
 
     def __call__(self, updates: Sequence[Tensor], scalars: MomentScalars) -> list[Tensor]:
@@ -104,7 +114,7 @@ class MomentStage:
             rows, cols = matrix_shape(shape)
             n = len(idx)
             u = torch.stack([updates[k] for k in idx])
-            dtype = stat_dtype(u.dtype)
+            dtype = stat_dtype(u.dtype, moments[0].dtype)
             o = u.to(dtype).reshape(n, rows, cols)
             v = torch.stack(moments).to(dtype)  # per row: (n, rows); elementwise: (n, *shape)
             v = v if moments[0].ndim == 1 else v.reshape(n, rows, cols)
@@ -122,8 +132,8 @@ class MomentStage:
 def reference_normalize(it: MatrixItem, o: Tensor) -> Tensor:
     """:class:`MomentStage` for one matrix (the per-parameter path)."""
     rows, cols = matrix_shape(o.shape)
-    dtype = stat_dtype(o.dtype)
     m = it.moment
+    dtype = stat_dtype(o.dtype, m.v.dtype)
     moment, beta2, eps, rms = m.v, m.beta2, m.eps, m.rms
     o32 = o.to(dtype).reshape(1, rows, cols)
     if moment.ndim == 1:

@@ -2,7 +2,9 @@
 
 ``g' = g + wd·p``, ``B ← β·B + g'``, ``p ← p − lr·u`` with ``u = g' + β·B`` (Nesterov) or ``B``:
 torch's fused SGD kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else
-foreach calls with one scale class per learning rate.
+foreach calls with one scale class per learning rate. A buffer stored in another dtype than its
+parameter's is stepped in the arithmetic dtype and written back rounded once (see
+:mod:`fastmuon.step.state_dtype`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from torch import Tensor
 
 from ..ns import device as compute
 from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable, partition
+from .elementwise import foreach_scalar, fusable, fusable_stored, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
+from .state_dtype import arithmetic_dtype, store_, widened
 
 
 @dataclass
@@ -47,23 +50,25 @@ class SGDScalars:
 
 
 class SGDProgram:
-    """The SGD step prepared once: per (β, nesterov, wd, device, dtype), torch's fused kernel
-    per learning rate where it is exact, else foreach calls with one scale class per learning
-    rate. ``lr_class``: the classes of the step's learning rates (one per ``lr_slot``)."""
+    """The SGD step prepared once: per (β, nesterov, wd, device, dtypes of parameter and
+    buffer), torch's fused kernel per learning rate where it is exact, else foreach calls with
+    one scale class per learning rate. ``lr_class``: the classes of the step's learning rates
+    (one per ``lr_slot``)."""
 
     def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool):
         def lr_key(i: SGDItem) -> int:
             return lr_class[i.lr_slot]
 
-        self.fused: list[tuple[int, list[Tensor], Gather, list[Tensor], int, list, list]] = []
-        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list]] = []
+        self.fused: list[
+            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, list, list]
+        ] = []
+        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list, torch.dtype | None]] = []
         parts = partition(
-            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype)
+            items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype, i.buf.dtype)
         )
         for part in parts.values():
-            by_kernel = partition(
-                part, lambda i: fused_ok and bool(i.beta) and fusable(i.param, i.grad, i.buf)
-            )
+            dtype = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one pair of dtypes per part
+            by_kernel = partition(part, lambda i: fused_ok and bool(i.beta) and _fusable(i))
             g = part[0].group
             for by_lr in partition(by_kernel.get(True, []), lr_key).values():
                 first = by_lr[0]
@@ -74,6 +79,7 @@ class SGDProgram:
                         Gather([i.index for i in by_lr]),
                         [i.buf for i in by_lr],
                         lr_key(first),
+                        dtype,
                         [i.grad.stride() for i in by_lr],
                         [i.param.stride() for i in by_lr],
                     )
@@ -89,6 +95,7 @@ class SGDProgram:
                         [i.buf for i in rest],
                         [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
                         [lr_key(rest[idx[0]]) for idx in by_lr.values()],
+                        dtype,
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
@@ -97,18 +104,19 @@ class SGDProgram:
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
         must still have the layouts it was chosen for."""
-        for _, params, pick, _, _, grad_strides, param_strides in self.fused:
+        for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
             if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
         return True
 
     def run(self, grads: Sequence[Tensor], s: SGDScalars) -> None:
         lr_of = s.lr  # a class is the index of its first member's value
-        for g, params, pick, bufs, c, _, _ in self.fused:
+        for g, params, pick, bufs, c, dtype, _, _ in self.fused:
+            work = bufs if dtype is None else widened(bufs, dtype)
             torch._fused_sgd_(
                 params,
                 pick(grads),
-                bufs,
+                work,
                 weight_decay=s.weight_decay[g],
                 momentum=s.beta[g],
                 lr=lr_of[c],
@@ -117,11 +125,16 @@ class SGDProgram:
                 maximize=False,
                 is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
             )
-        for g, params, pick, bufs, by_lr, lr_classes in self.rest:
+            if dtype is not None:
+                store_(bufs, work)
+        for g, params, pick, bufs, by_lr, lr_classes, dtype in self.rest:
+            step_grads, work = pick(grads), bufs
+            if dtype is not None:  # buffers stored narrower (or wider) than their parameters
+                step_grads, work = widened(step_grads, dtype), widened(bufs, dtype)
             foreach_sgd_step_(
                 params,
-                pick(grads),
-                bufs,
+                step_grads,
+                work,
                 by_lr,
                 [lr_of[c] for c in lr_classes],
                 s.beta[g],
@@ -130,6 +143,16 @@ class SGDProgram:
                 self.limit,
                 self.host,
             )
+            if dtype is not None:
+                store_(bufs, work)
+
+
+def _fusable(i: SGDItem) -> bool:
+    """Whether torch's fused kernel steps ``i`` exactly: over its buffer, or over the buffer's
+    working copy where it is stored in another dtype (see ``elementwise.fusable_stored``)."""
+    if arithmetic_dtype(i.param.dtype, i.buf.dtype) is None:
+        return fusable(i.param, i.grad, i.buf)
+    return fusable_stored(i.param, i.grad, [i.buf])
 
 
 def foreach_sgd_step_(
@@ -179,10 +202,14 @@ def foreach_sgd_step_(
 def single_tensor_sgd(items: list[SGDItem]) -> None:
     """The same update, one parameter at a time: the per-parameter reference path."""
     for it in items:
-        g = it.grad + it.weight_decay * it.param if it.weight_decay else it.grad
+        dtype = arithmetic_dtype(it.param.dtype, it.buf.dtype)
+        buf, grad = (it.buf, it.grad) if dtype is None else (it.buf.to(dtype), it.grad.to(dtype))
+        g = grad + it.weight_decay * it.param if it.weight_decay else grad
         if it.beta == 0:
-            it.buf.copy_(g)
+            buf.copy_(g)
         else:
-            it.buf.mul_(it.beta).add_(g)
-        u = g + it.beta * it.buf if it.nesterov else it.buf
+            buf.mul_(it.beta).add_(g)
+        if buf is not it.buf:
+            it.buf.copy_(buf)
+        u = g + it.beta * buf if it.nesterov else buf
         it.param.sub_(u * it.lr)

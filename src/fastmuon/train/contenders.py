@@ -6,8 +6,10 @@ docs/training.md). Everything else is the usual default for that optimizer: Nest
 momentum 0.9 and weight decay 5e-4 for the SGD family, betas (0.9, 0.95) for AdamW, momentum
 0.95 for Muon; NorMuon and AdaMuon keep Muon's settings and AdamW part (their own options at
 their defaults: NorMuon's Nesterov momentum and Muon's lr factor, AdaMuon's plain momentum of
-the sign and update RMS 0.2) and had only their learning rate swept. All contenders share the learning-rate schedule in :func:`lr_multiplier`, the
-seed and the step budget.
+the sign and update RMS 0.2) and had only their learning rate swept. The bf16-state contenders
+are MuSGD and Muon with the same settings and ``state_dtype=torch.bfloat16`` (not swept: the
+comparison is of the same run with its state stored in bf16). All contenders share the
+learning-rate schedule in :func:`lr_multiplier`, the seed and the step budget.
 """
 
 from __future__ import annotations
@@ -84,27 +86,26 @@ class Contender:
         return ", ".join(f"{k}={v}" for k, v in self.hparams[task].items())
 
 
+MUSGD_HPARAMS = {
+    "digits": dict(lr=0.05, momentum=0.9, weight_decay=5e-4, muon=0.5, sgd=0.5),
+    "chars": dict(lr=0.15, momentum=0.9, weight_decay=5e-4, muon=0.5, sgd=0.5),
+}
+MUON_HPARAMS = {
+    "digits": dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=0.01),
+    "chars": dict(lr=0.05, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
+}
+
+
+def bf16_state(hparams: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The same settings per task, every state buffer stored in bf16."""
+    return {task: {**hp, "state_dtype": torch.bfloat16} for task, hp in hparams.items()}
+
+
 CONTENDERS: dict[str, Contender] = {
     c.name: c
     for c in (
-        Contender(
-            "musgd",
-            "fastmuon MuSGD",
-            _musgd,
-            {
-                "digits": dict(lr=0.05, momentum=0.9, weight_decay=5e-4, muon=0.5, sgd=0.5),
-                "chars": dict(lr=0.15, momentum=0.9, weight_decay=5e-4, muon=0.5, sgd=0.5),
-            },
-        ),
-        Contender(
-            "muon",
-            "fastmuon Muon",
-            _muon,
-            {
-                "digits": dict(lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=0.01),
-                "chars": dict(lr=0.05, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
-            },
-        ),
+        Contender("musgd", "fastmuon MuSGD", _musgd, MUSGD_HPARAMS),
+        Contender("muon", "fastmuon Muon", _muon, MUON_HPARAMS),
         Contender(
             "normuon",
             "fastmuon NorMuon",
@@ -123,6 +124,8 @@ CONTENDERS: dict[str, Contender] = {
                 "chars": dict(lr=0.04, momentum=0.95, weight_decay=0.01, adamw_lr=0.02),
             },
         ),
+        Contender("musgd-bf16", "fastmuon MuSGD (bf16 state)", _musgd, bf16_state(MUSGD_HPARAMS)),
+        Contender("muon-bf16", "fastmuon Muon (bf16 state)", _muon, bf16_state(MUON_HPARAMS)),
         Contender(
             "sgd",
             "torch SGD (Nesterov)",

@@ -19,7 +19,11 @@ COLOURS = {
     "adamuon": "tab:brown",
     "sgd": "tab:blue",
     "adamw": "tab:green",
+    # the same optimizer with its state in bf16: its colour, dashed
+    "musgd-bf16": "tab:red",
+    "muon-bf16": "tab:orange",
 }
+DASHED = frozenset({"musgd-bf16", "muon-bf16"})
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -137,6 +141,7 @@ def plot(results: Sequence[RunResult], path: str | Path, title: str = "") -> Non
                     marker="o",
                     markersize=3,
                     linewidth=2,
+                    linestyle="--" if r.optimizer in DASHED else "-",
                     label=r.label,
                 )
             losses = [v for r in results if r.task == task for v in r.step_loss if math.isfinite(v) and v > 0]
