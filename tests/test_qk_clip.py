@@ -236,6 +236,11 @@ def test_clip_settings_on_a_group_without_attention_weights_are_refused():
     assert opt.param_groups[1]["qk_clip_tau"] == 1.0 and "attention" not in opt.param_groups[1]
     # a group that turns the clip off explicitly needs no parts
     Muon([groups_of(params)[0], {**plain[1], "qk_clip_tau": None}], qk_clip_tau=1.0)
+    # torch fills each group dict with the defaults: the same dicts build a second optimizer
+    reused = [groups_of(params)[0], {"params": plain[1]["params"]}]
+    Muon(reused, qk_clip_tau=1.0)
+    assert reused[1]["qk_clip_tau"] == 1.0 and reused[1]["qk_clip_alpha"] == 0.5
+    Muon(reused, qk_clip_tau=1.0)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv
 from ..step.elementwise import ADJUST_LR_ALIAS
-from ..step.state_dtype import cast_state, check_state_dtype
+from ..step.state_dtype import cast_groups_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
 from .param_names import agree_on_names, restore_names
@@ -369,12 +369,7 @@ class MatrixOptimizer(Optimizer):
             where = _local(p).device if self.options.capturable else torch.device("cpu")
             if isinstance(step, Tensor) and (step.dtype != torch.float32 or step.device != where):
                 state["step"] = step.to(where, torch.float32)
-        for group in self.param_groups:
-            dtype = group.get("state_dtype")
-            if dtype is not None:
-                for p in group["params"]:
-                    buffers = [name for name in self.rule.state_roles(group, p) if name != "step"]
-                    cast_state(self.state.get(p), buffers, dtype)
+        cast_groups_state(self.param_groups, self.state, self.rule.state_roles)
         self._driver.cache.clear()
 
     # ----- copies: copy.deepcopy and pickle ---------------------------------------------------
@@ -448,18 +443,22 @@ class MatrixOptimizer(Optimizer):
                 driver.initialised = extras["state_initialised"]
 
     def __repr__(self) -> str:
-        """torch's layout (class, then each group's hyperparameters), with the per-parameter lists
-        summarised as counts: a model's hundreds of parameter names would bury the settings."""
-        lines = [f"{type(self).__name__} ("]
-        for i, group in enumerate(self.param_groups):
-            lines.append(f"Parameter Group {i}")
-            lines.append(f"    params: {counted(len(group['params']), 'tensor')}")
-            for key in sorted(group):
-                if key == "params":
-                    continue
-                value = group[key]
-                if key == "param_names" and isinstance(value, (list, tuple)):
-                    value = counted(len(value), "name")
-                lines.append(f"    {key}: {value}")
-        lines.append(")")
-        return "\n".join(lines)
+        return groups_repr(type(self).__name__, self.param_groups)
+
+
+def groups_repr(name: str, param_groups: list[dict[str, Any]]) -> str:
+    """torch's layout (class, then each group's hyperparameters), with the per-parameter lists
+    summarised as counts: a model's hundreds of parameter names would bury the settings."""
+    lines = [f"{name} ("]
+    for i, group in enumerate(param_groups):
+        lines.append(f"Parameter Group {i}")
+        lines.append(f"    params: {counted(len(group['params']), 'tensor')}")
+        for key in sorted(group):
+            if key == "params":
+                continue
+            value = group[key]
+            if key == "param_names" and isinstance(value, (list, tuple)):
+                value = counted(len(value), "name")
+            lines.append(f"    {key}: {value}")
+    lines.append(")")
+    return "\n".join(lines)

@@ -190,7 +190,7 @@ class Muon(MatrixOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if isinstance(param_group, dict):
-            refuse_settings_without_parts(param_group, f"param group {len(self.param_groups)}")
+            refuse_settings_without_parts(param_group, self.defaults, f"param group {len(self.param_groups)}")
         if isinstance(param_group, dict) and param_group.get("use_muon") is False:
             adamw_defaults = {"eps": ADAMW_EPS, "lr": self.adamw_lr}
             missing = {k: v for k, v in adamw_defaults.items() if k not in param_group}

@@ -79,10 +79,20 @@ def has_parts(group: Mapping[str, Any]) -> bool:
     return isinstance(entries, (list, tuple)) and any(e is not None for e in entries)
 
 
-def refuse_settings_without_parts(param_group: Mapping[str, Any], where: str) -> None:
+def refuse_settings_without_parts(
+    param_group: Mapping[str, Any], defaults: Mapping[str, Any], where: str
+) -> None:
     """A group that sets QK-clip itself must hold attention parts (the constructor's setting
-    applies to the groups that do)."""
-    given = [k for k in (TAU, ALPHA) if k in param_group and not (k == TAU and param_group[k] is None)]
+    applies to the groups that do). A value equal to the optimizer's default is no setting of the
+    group's own: torch fills every stored group dict with the defaults, and the same dicts may be
+    handed to another optimizer."""
+    given = [
+        k
+        for k in (TAU, ALPHA)
+        if k in param_group
+        and not (k == TAU and param_group[k] is None)
+        and not _same(param_group[k], defaults.get(k))
+    ]
     if given and not has_parts(param_group):
         raise ValueError(
             f"{given[0]}={param_group[given[0]]!r} in {where}: this group holds no attention query or "
@@ -90,6 +100,13 @@ def refuse_settings_without_parts(param_group: Mapping[str, Any], where: str) ->
             f"optimizer (it applies to the groups with attention parts) or on those groups, and "
             f"{GROUPS_FIX}"
         )
+
+
+def _same(value: Any, default: Any) -> bool:
+    try:
+        return bool(value == default)
+    except (TypeError, RuntimeError):  # a tensor of several values: never a default
+        return False
 
 
 def refuse_unreached_default(defaults: Mapping[str, Any], groups: list[dict[str, Any]], name: str) -> None:

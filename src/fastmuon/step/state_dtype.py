@@ -8,7 +8,7 @@ parameter's dtype takes the arithmetic torch's optimizers use, untouched by any 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -75,6 +75,22 @@ def cast_state(state: Any, names: Sequence[str], dtype: torch.dtype) -> None:
         value = state.get(name)
         if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
             state[name] = value.to(dtype)
+
+
+def cast_groups_state(
+    groups: Sequence[Mapping[str, Any]],
+    state: Mapping[Any, Any],
+    state_roles: Callable[[Any, Tensor], Mapping[str, str]],
+) -> None:
+    """Every buffer (``state_roles``' names but AdamW's ``step`` count) of each group that sets a
+    ``state_dtype`` in that dtype: torch's loader casts saved state to the parameter's dtype."""
+    for group in groups:
+        dtype = group.get("state_dtype")
+        if dtype is None:
+            continue
+        for p in group["params"]:
+            buffers = [name for name in state_roles(group, p) if name != "step"]
+            cast_state(state.get(p), buffers, dtype)
 
 
 def lost_decays(dtype: torch.dtype | None, betas: Mapping[str, Any]) -> list[str]:
