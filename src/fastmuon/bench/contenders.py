@@ -167,6 +167,8 @@ class Contender:
     extra: dict[str, Any] = field(default_factory=dict)
     #: what each step runs inside (e.g. a peer's switch to eager execution)
     step_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    #: what each ``opt.step`` is called with (made once, so that the timed step does not make it)
+    step_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.compute_dtype is None:
@@ -175,7 +177,7 @@ class Contender:
     def step(self) -> None:
         with self.step_context():
             for opt in self.optimizers:
-                opt.step()
+                opt.step(**self.step_kwargs)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (momentum buffers and the like), each storage counted once."""
@@ -261,7 +263,10 @@ def reference_contender(wb: Workbench) -> Contender:
     return _ours(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
 
 
-def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Contender:
+def _ours(
+    wb: Workbench, cls: type, label: str, note: str, groups: list[dict] | None = None, **extra: Any
+) -> Contender:
+    """fastmuon's ``cls`` on ``groups`` (default: the workbench's), with ``extra`` keywords."""
     kwargs, dropped = accepted_kwargs(cls, wb.manifest.optimizer_kwargs)
     kwargs.update(extra)
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
@@ -270,7 +275,7 @@ def _ours(wb: Workbench, cls: type, label: str, note: str, **extra: Any) -> Cont
     if wb.step_mode == "compiled" and "capturable" in inspect.signature(cls).parameters:
         kwargs["capturable"] = True  # the step's graph-capture-safe form, where the class offers one
     opt = cls(
-        wb.groups(),
+        wb.groups() if groups is None else groups,
         ns_dtype=wb.ns_dtype,
         policy=wb.policy,
         ns_method=wb.ns_method,

@@ -17,6 +17,7 @@ from .contenders import (
     ultralytics_fp32_contender,
 )
 from .peers import heavyball_contender, pytorch_optimizer_contender, pytorch_optimizer_variant_contender
+from .qk_clip import qk_clip_contender
 
 #: update rule -> contender factories, in report order (the first is the one the others are compared to)
 CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
@@ -32,6 +33,7 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
         fastmuon_contender,
         reference_contender,
         bf16_state_contender,
+        qk_clip_contender,
         torch_muon_contender,
         torch_muon_fp32_contender,
         heavyball_contender,
@@ -42,12 +44,14 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
         fastmuon_contender,
         reference_contender,
         bf16_state_contender,
+        qk_clip_contender,
         pytorch_optimizer_variant_contender,
     ],
     "adamuon": [
         fastmuon_contender,
         reference_contender,
         bf16_state_contender,
+        qk_clip_contender,
         pytorch_optimizer_variant_contender,
     ],
 }
@@ -57,6 +61,7 @@ CONTENDER_LABELS = {
     fastmuon_contender: "fastmuon",
     reference_contender: "per-parameter",
     bf16_state_contender: "bf16-state",
+    qk_clip_contender: "qk-clip",
     torch_muon_contender: "torch.optim.Muon",
     torch_muon_fp32_contender: "torch.optim.Muon (NS in float32)",
     heavyball_contender: "heavyball Muon",

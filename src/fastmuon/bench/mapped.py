@@ -44,6 +44,7 @@ class _Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int):
         super().__init__()
         head_dim = d // heads
+        self.heads, self.kv_heads = heads, kv_heads  # for the qk-clip contender (.qk_clip)
         self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)

@@ -65,6 +65,7 @@ class _LlamaBlock(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, hidden: int):
         super().__init__()
         head_dim = d // heads
+        self.heads, self.kv_heads = heads, kv_heads  # for the qk-clip contender (.qk_clip)
         self.input_norm = nn.RMSNorm(d)
         self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
