@@ -243,7 +243,7 @@ def dtype_label(c: Contender) -> str:
 # ----- the contenders --------------------------------------------------------------------------
 def fastmuon_contender(wb: Workbench) -> Contender:
     note = f"policy={wb.policy}, ns_method={wb.ns_method}, cost_model={wb.cost_model}"
-    return _ours(wb, CLASSES[wb.optimizer][0], "fastmuon", note)
+    return fastmuon_variant(wb, CLASSES[wb.optimizer][0], "fastmuon", note)
 
 
 def bf16_state_contender(wb: Workbench) -> Contender:
@@ -252,18 +252,18 @@ def bf16_state_contender(wb: Workbench) -> Contender:
     if all(p.dtype == torch.bfloat16 for p in wb.params):
         raise Unavailable("the parameters are bfloat16: their state is bfloat16 already")
     note = "state_dtype=torch.bfloat16: buffers stored in bf16, each step's arithmetic in fp32"
-    return _ours(wb, CLASSES[wb.optimizer][0], "bf16-state", note, state_dtype=torch.bfloat16)
+    return fastmuon_variant(wb, CLASSES[wb.optimizer][0], "bf16-state", note, state_dtype=torch.bfloat16)
 
 
 def reference_contender(wb: Workbench) -> Contender:
     if wb.optimizer in ("musgd", "muon"):
         cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
-        return _ours(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
+        return fastmuon_variant(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
     cls = CLASSES[wb.optimizer][0]
-    return _ours(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
+    return fastmuon_variant(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
 
 
-def _ours(
+def fastmuon_variant(
     wb: Workbench, cls: type, label: str, note: str, groups: list[dict] | None = None, **extra: Any
 ) -> Contender:
     """fastmuon's ``cls`` on ``groups`` (default: the workbench's), with ``extra`` keywords."""

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from ..step.qk_clip import parse_part
-from .contenders import CLASSES, Contender, Unavailable, Workbench, _ours
+from .contenders import CLASSES, Contender, Unavailable, Workbench, fastmuon_variant
 from .manifest import Manifest
 from .workloads import GENERATED
 
@@ -108,6 +108,6 @@ def qk_clip_contender(wb: Workbench) -> Contender:
         f"{len(maxima)} layers (every head clipped, γ = 1/{OVER:g}), made once outside the timed step"
     )
     cls = CLASSES[wb.optimizer][0]
-    contender = _ours(wb, cls, "qk-clip", note, groups=groups, qk_clip_tau=TAU)
+    contender = fastmuon_variant(wb, cls, "qk-clip", note, groups=groups, qk_clip_tau=TAU)
     contender.step_kwargs = {"logit_maxima": maxima}
     return contender
