@@ -132,3 +132,25 @@ def test_the_row_is_unavailable_for_musgd():
     wb = _workbench(manifest_of(TINY_LLAMA, "llama-1b"), "musgd")
     with pytest.raises(Unavailable, match="MuSGD takes no QK-clip: run with --optimizer muon"):
         qk_clip_contender(wb)
+
+
+def test_a_manifest_part_that_does_not_fit_is_refused_naming_the_parameter(tmp_path):
+    """The optimizer's refusal of a part (its heads do not tile the rows) becomes the reason of
+    every row that steps the manifest's groups as given, fastmuon's too."""
+    model = TINY_LLAMA.build()
+    given = {"*.q_proj.weight": {"part": "query", "heads": 4}, "*.k_proj.weight": {"part": "key", "heads": 2}}
+    doc = manifest_from_module(model, param_groups(model, attention=given), name="my-llama").to_dict()
+    (matrices,) = [g for g in doc["param_groups"] if "attention" in g]
+    matrices["attention"][0] = {**matrices["attention"][0], "heads": 3}  # 32 rows: not 3 heads
+    path, out = tmp_path / "bad.json", tmp_path / "out.json"
+    path.write_text(json.dumps(doc))
+    args = ["bench", "--model", str(path), "--optimizer", "muon", "--contenders", "fastmuon,qk-clip"]
+    assert (
+        main([*args, "--ns-dtype", "float32", "--steps", "1", "--rounds", "1", "--json", str(out), "--quiet"])
+        == 0
+    )
+    results = {r["name"]: r["skipped"] for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"fastmuon", "qk-clip"}
+    for reason in results.values():
+        assert reason.startswith("failed to build: ValueError: parameter 'layers.0.q_proj.weight'"), reason
+        assert "its 32 rows do not split into 3 heads of equal size" in reason
