@@ -27,9 +27,8 @@ def test_ships_type_marker_and_licence():
 
 
 def _tested_releases() -> list[str]:
-    script = (ROOT / "test.sh").read_text()
-    default = script.split('releases="${FASTMUON_TEST_TORCH:-', 1)[1].split("}", 1)[0]
-    return default.split()
+    listed = (ROOT / "scripts" / "requirements-torch-tested.txt").read_text().splitlines()
+    return [line.removeprefix("torch==") for line in listed if line.startswith("torch==")]
 
 
 def _torch_requirement():
