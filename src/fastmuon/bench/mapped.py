@@ -67,26 +67,28 @@ class _Experts(nn.Module):
 
 
 class _SparseMoE(nn.Module):
-    def __init__(self, d: int, experts: int, ffn: int):
+    def __init__(self, d: int, experts: int, ffn: int, experts_layer: type[nn.Module] = _Experts):
         super().__init__()
         self.router = _Router(d, experts)
-        self.experts = _Experts(d, experts, ffn)
+        self.experts = experts_layer(d, experts, ffn)
 
 
 class _MoELayer(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, experts: int, ffn: int):
+    """Attention, its norms, and the expert block under the name its model gives it."""
+
+    def __init__(self, d: int, heads: int, kv_heads: int, block_name: str, block: nn.Module):
         super().__init__()
         self.self_attn = _Attention(d, heads, kv_heads)
         self.input_layernorm = nn.RMSNorm(d)
         self.post_attention_layernorm = nn.RMSNorm(d)
-        self.block_sparse_moe = _SparseMoE(d, experts, ffn)
+        self.add_module(block_name, block)
 
 
 class _MoEBody(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, experts: int, ffn: int):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, block_name: str, block):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(_MoELayer(d, heads, kv_heads, experts, ffn) for _ in range(layers))
+        self.layers = nn.ModuleList(_MoELayer(d, heads, kv_heads, block_name, block()) for _ in range(layers))
         self.norm = nn.RMSNorm(d)
 
 
@@ -94,10 +96,15 @@ class MoEDecoder(nn.Module):
     """A MoE causal LM's parameters, named as Transformers names GraniteMoe's
     (``model.layers.0.block_sparse_moe.experts.gate_up_proj``)."""
 
+    #: the expert block's name in each layer, and the experts' layout
+    block_name = "block_sparse_moe"
+    experts_layer: type[nn.Module] = _Experts
+
     def __init__(self, vocab, d, layers, heads, kv_heads, experts, ffn, tied=True):
         super().__init__()
         self.ffn = ffn
-        self.model = _MoEBody(vocab, d, layers, heads, kv_heads, experts, ffn)
+        make = lambda: _SparseMoE(d, experts, ffn, self.experts_layer)  # noqa: E731
+        self.model = _MoEBody(vocab, d, layers, heads, kv_heads, self.block_name, make)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -113,6 +120,12 @@ def moe_groups(model: MoEDecoder) -> list[dict[str, Any]]:
     """Muon for attention, router and experts (each expert's gate, up and down its own matrix);
     AdamW/SGD for the embedding (tied to the head) and, undecayed, for the norms."""
     ffn = model.ffn
+    return _decoder_groups(model, [{"batch_dims": 1, "split": [ffn, ffn]}, "experts"])
+
+
+def _decoder_groups(model: MoEDecoder, expert_maps: list[Any]) -> list[dict[str, Any]]:
+    """Muon for attention, router and the experts (``gate_up_proj`` and ``down_proj`` mapped by
+    ``expert_maps``); AdamW/SGD for the embedding and, undecayed, for the norms and biases."""
     matrices, maps, names = [], [], []
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}"
@@ -121,15 +134,12 @@ def moe_groups(model: MoEDecoder) -> list[dict[str, Any]]:
             matrices.append(getattr(attn, proj).weight)
             maps.append("flatten")
             names.append(f"{prefix}.self_attn.{proj}.weight")
-        moe = layer.block_sparse_moe
-        matrices += [moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj]
-        maps += ["flatten", {"batch_dims": 1, "split": [ffn, ffn]}, "experts"]
-        names += [
-            f"{prefix}.block_sparse_moe.router.weight",
-            f"{prefix}.block_sparse_moe.experts.gate_up_proj",
-            f"{prefix}.block_sparse_moe.experts.down_proj",
-        ]
-    norms = [(n, p) for n, p in model.named_parameters() if p.ndim == 1]
+        block = getattr(layer, model.block_name)
+        matrices += [block.router.weight, block.experts.gate_up_proj, block.experts.down_proj]
+        maps += ["flatten", *expert_maps]
+        names += [f"{prefix}.{model.block_name}.{n}" for n in ("router.weight", "experts.gate_up_proj")]
+        names.append(f"{prefix}.{model.block_name}.experts.down_proj")
+    undecayed = [(n, p) for n, p in model.named_parameters() if p.ndim == 1 or n.endswith("_bias")]
     return [
         {"params": matrices, "param_names": names, "use_muon": True, "matrices": maps},
         {
@@ -138,8 +148,8 @@ def moe_groups(model: MoEDecoder) -> list[dict[str, Any]]:
             "use_muon": False,
         },
         {
-            "params": [p for _, p in norms],
-            "param_names": [n for n, _ in norms],
+            "params": [p for _, p in undecayed],
+            "param_names": [n for n, _ in undecayed],
             "use_muon": False,
             "weight_decay": 0.0,
         },
@@ -159,41 +169,12 @@ class _GptOssExperts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(experts, d))
 
 
-class _GptOssMLP(nn.Module):
-    def __init__(self, d: int, experts: int, ffn: int):
-        super().__init__()
-        self.router = _Router(d, experts)
-        self.experts = _GptOssExperts(d, experts, ffn)
-
-
-class _GptOssLayer(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, experts: int, ffn: int):
-        super().__init__()
-        self.self_attn = _Attention(d, heads, kv_heads)
-        self.input_layernorm = nn.RMSNorm(d)
-        self.post_attention_layernorm = nn.RMSNorm(d)
-        self.mlp = _GptOssMLP(d, experts, ffn)
-
-
-class _GptOssBody(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, experts: int, ffn: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(_GptOssLayer(d, heads, kv_heads, experts, ffn) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-
-
-class GptOssLikeDecoder(nn.Module):
+class GptOssLikeDecoder(MoEDecoder):
     """:class:`MoEDecoder`'s widths with its experts laid out as GPT-OSS lays them out, named as
     Transformers names GPT-OSS's parameters (``model.layers.0.mlp.experts.gate_up_proj``)."""
 
-    def __init__(self, vocab, d, layers, heads, kv_heads, experts, ffn, tied=True):
-        super().__init__()
-        self.ffn = ffn
-        self.model = _GptOssBody(vocab, d, layers, heads, kv_heads, experts, ffn)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    block_name = "mlp"
+    experts_layer = _GptOssExperts
 
 
 def gpt_oss_like_decoder(layers: int = 1, **config: Any) -> GptOssLikeDecoder:
@@ -207,38 +188,8 @@ def gpt_oss_like_groups(model: GptOssLikeDecoder) -> list[dict[str, Any]]:
     down its own matrix, gate and up cut out of their interleaved columns); AdamW/SGD for the
     embedding and, undecayed, for the norms and the experts' biases."""
     ffn = model.ffn
-    matrices, maps, names = [], [], []
     gate_up = {"batch_dims": 1, "split": [ffn, ffn], "interleaved": True, "transposed": True}
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}"
-        attn = layer.self_attn
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            matrices.append(getattr(attn, proj).weight)
-            maps.append("flatten")
-            names.append(f"{prefix}.self_attn.{proj}.weight")
-        mlp = layer.mlp
-        matrices += [mlp.router.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj]
-        maps += ["flatten", gate_up, {"batch_dims": 1, "transposed": True}]
-        names += [
-            f"{prefix}.mlp.router.weight",
-            f"{prefix}.mlp.experts.gate_up_proj",
-            f"{prefix}.mlp.experts.down_proj",
-        ]
-    undecayed = [(n, p) for n, p in model.named_parameters() if p.ndim == 1 or n.endswith("_bias")]
-    return [
-        {"params": matrices, "param_names": names, "use_muon": True, "matrices": maps},
-        {
-            "params": [model.model.embed_tokens.weight],
-            "param_names": ["model.embed_tokens.weight"],
-            "use_muon": False,
-        },
-        {
-            "params": [p for _, p in undecayed],
-            "param_names": [n for n, _ in undecayed],
-            "use_muon": False,
-            "weight_decay": 0.0,
-        },
-    ]
+    return _decoder_groups(model, [gate_up, {"batch_dims": 1, "transposed": True}])
 
 
 # ----- GPT-2 with its Conv1D layout ----------------------------------------------------------
