@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..ns import device as compute
 from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable, fusable_stored, partition
+from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, strides_of
 from .state_dtype import arithmetic_dtype, store_, widened
 
@@ -104,7 +104,9 @@ class AdamWProgram:
     def __init__(self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool):
         lr_c, betas_c, eps_c, wd_c = classes.lr, classes.betas, classes.eps, classes.weight_decay
         self.capturable = capturable
-        by_kernel = partition(items, lambda i: not capturable and _fusable(i))
+        by_kernel = partition(
+            items, lambda i: not capturable and fusable_stored(i.param, i.grad, [i.exp_avg, i.exp_avg_sq])
+        )
 
         def lists(part: list[AdamWItem]):
             return (
@@ -161,7 +163,7 @@ class AdamWProgram:
         for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, _, _ in self.fused:
             beta1, beta2 = s.betas[g]
             avgs, avg_sqs = exp_avgs, exp_avg_sqs
-            if dtype is not None:  # working copies in the parameters' dtype (see _fusable)
+            if dtype is not None:  # working copies in the parameters' dtype (see fusable_stored)
                 avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
             torch._foreach_add_(steps, 1.0)
             torch._fused_adamw_(
@@ -194,15 +196,6 @@ class AdamWProgram:
                 _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g], host)
             if dtype is not None:
                 store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
-
-
-def _fusable(i: AdamWItem) -> bool:
-    """Whether torch's fused kernel steps ``i`` exactly: over its moments, or over their working
-    copies where they are stored in another dtype (see ``elementwise.fusable_stored``)."""
-    moments = (i.exp_avg, i.exp_avg_sq)
-    if arithmetic_dtype(i.param.dtype, i.exp_avg.dtype) is None:
-        return fusable(i.param, i.grad, *moments)
-    return fusable_stored(i.param, i.grad, moments)
 
 
 def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:

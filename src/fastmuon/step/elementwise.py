@@ -76,21 +76,14 @@ def ema_momentum_widened_(
     """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
     (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
     written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
-    computed from the unrounded ``M``."""
+    computed from the unrounded ``M``, rounded once on the store into an ``out`` of another dtype."""
     m, g = widened(bufs, dtype), widened(grads, dtype)
-    torch._foreach_lerp_(m, g, 1 - beta)
+    casting = out is not None and any(o.dtype != dtype for o in out)
+    update = (
+        ema_momentum_cast_(m, g, beta, nesterov, out) if casting else ema_momentum_(m, g, beta, nesterov, out)
+    )
     store_(bufs, m)
-    if out is None:
-        return torch._foreach_lerp(g, m, beta) if nesterov else m
-    if not nesterov:
-        torch._foreach_copy_(out, m)
-    elif all(o.dtype == dtype for o in out):
-        torch._foreach_copy_(out, g)
-        torch._foreach_lerp_(out, m, beta)  # g + β·(M − g), as the out-of-place lerp computes it
-    else:
-        for gi, mi, o in zip(g, m, out):  # rounded once, on the store into the NS dtype
-            torch.lerp(gi, mi, beta, out=o)
-    return out
+    return update
 
 
 def fusable(p: Tensor, *others: Tensor) -> bool:
@@ -110,9 +103,12 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
 
 
 def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor]) -> bool:
-    """:func:`fusable` for state kept in another dtype (see :mod:`fastmuon.step.state_dtype`):
-    the kernel then steps the buffers' working copies, which take the arithmetic dtype and the
-    buffers' strides, so that dtype must be ``p``'s (fp32 parameters, narrower state)."""
+    """:func:`fusable` for ``p``'s state ``buffers`` wherever they are stored (see
+    :mod:`fastmuon.step.state_dtype`): in ``p``'s dtype the kernel steps them as they are; in
+    another it steps their working copies, which take the arithmetic dtype and the buffers'
+    strides, so that dtype must be ``p``'s (fp32 parameters, narrower state)."""
+    if all(b.dtype == p.dtype for b in buffers):
+        return fusable(p, grad, *buffers)
     return (
         all(arithmetic_dtype(p.dtype, b.dtype) == p.dtype for b in buffers)
         and all(b.device == p.device and b.stride() == p.stride() for b in buffers)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..ns import device as compute
 from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable, fusable_stored, partition
+from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
 from .state_dtype import arithmetic_dtype, store_, widened
 
@@ -68,7 +68,9 @@ class SGDProgram:
         )
         for part in parts.values():
             dtype = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one pair of dtypes per part
-            by_kernel = partition(part, lambda i: fused_ok and bool(i.beta) and _fusable(i))
+            by_kernel = partition(
+                part, lambda i: fused_ok and bool(i.beta) and fusable_stored(i.param, i.grad, [i.buf])
+            )
             g = part[0].group
             for by_lr in partition(by_kernel.get(True, []), lr_key).values():
                 first = by_lr[0]
@@ -145,14 +147,6 @@ class SGDProgram:
             )
             if dtype is not None:
                 store_(bufs, work)
-
-
-def _fusable(i: SGDItem) -> bool:
-    """Whether torch's fused kernel steps ``i`` exactly: over its buffer, or over the buffer's
-    working copy where it is stored in another dtype (see ``elementwise.fusable_stored``)."""
-    if arithmetic_dtype(i.param.dtype, i.buf.dtype) is None:
-        return fusable(i.param, i.grad, i.buf)
-    return fusable_stored(i.param, i.grad, [i.buf])
 
 
 def foreach_sgd_step_(
