@@ -58,7 +58,6 @@ Ultralytics' MuSGD loads it and steps.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -79,6 +78,7 @@ from ..rules.roles import (
     SGD,
 )
 from .state import check_state_layout
+from .validation import is_number
 
 _ADAM_ROLES = (ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP)
 
@@ -416,9 +416,9 @@ def _check_buffers(owner: str, buffers: dict[str, Any], roles) -> None:
             continue
         where = f"{owner}: saved state {name!r}"
         if name == "step":
-            ok = (
-                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            ) or (isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex())
+            ok = is_number(value) or (
+                isinstance(value, Tensor) and value.numel() == 1 and not value.is_complex()
+            )
             if not ok:
                 raise ValueError(f"{where} is {value!r}, not a step count; drop it to restart AdamW's count")
         elif not (isinstance(value, Tensor) and value.is_floating_point()):

@@ -10,7 +10,6 @@ as usual, clips nothing, and says so once.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,6 +20,7 @@ from torch import Tensor
 from ..distributed.dtensor import is_dtensor
 from ..ns import device
 from ..step.qk_clip import AttentionPart, clip_, clip_factors, parts_of
+from .validation import is_number
 
 TAU, ALPHA, ATTENTION = "qk_clip_tau", "qk_clip_alpha", "attention"
 DEFAULT_ALPHA = 0.5
@@ -34,11 +34,6 @@ GROUPS_FIX = (
     "build the groups with fastmuon.param_groups(model, attention=True) (Llama-family and "
     "DeepSeek-V3 attention), or give each query/key parameter's part in the group's 'attention' list"
 )
-
-
-def is_number(value: Any) -> bool:
-    """A finite int or float (a bool is no number here: ``True`` would read as 1)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_group(group: dict[str, Any], where: str, param_name: Callable[[int], str]) -> None:

@@ -39,6 +39,11 @@ def check_flag(name: str, value: Any, where: str) -> None:
         )
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float (a bool is no number here: ``True`` would read as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_nonnegative(name: str, value: Any, where: str) -> None:
     if isinstance(value, Tensor):
         value = value.item() if value.numel() == 1 else math.nan
