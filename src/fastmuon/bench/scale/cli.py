@@ -20,7 +20,7 @@ from ...cli import (
 )
 from .devices import DEVICE_NAMES, device
 from .figures import DESIGNS, Figures, Settings, figures
-from .layouts import INNER_DIM, LAYOUT_HELP, NODE, Layout, check_fits, mesh_world, parse_layout
+from .layouts import INNER_DIM, LAYOUT_HELP, NODE, Layout, check_fits, given_mesh, mesh_world, parse_layout
 from .measure import ROUNDS, busiest_rank, predicted_measure_seconds
 from .models import WORKLOADS, Workload, workload
 
@@ -120,8 +120,8 @@ def compute(args: argparse.Namespace, lay: Layout) -> dict[str, Figures | str]:
 # ----- the --plot sweep ---------------------------------------------------------------------------
 def _given_inner(spec: str) -> int | None:
     """The inner dim of a mesh ``spec`` names (``hsdp:2x4``: 4); None where it names none."""
-    kind, _, mesh = spec.partition(":")
-    return int(mesh.lower().split("x")[1]) if kind in INNER_DIM and mesh else None
+    dims = given_mesh(spec)
+    return None if dims is None else dims[1]
 
 
 def _kept_dim(spec: str) -> tuple[str, int] | None:

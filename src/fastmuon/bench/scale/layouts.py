@@ -142,17 +142,23 @@ def _ep_size(spec: str, mesh: str) -> int:
     return ep
 
 
-def mesh_world(spec: str) -> int | None:
-    """The ranks a mesh naming both its dims (``hsdp:RxS``, ``fsdp+tp:DxT``) makes, ``R·S``;
-    None for any other spec (one :func:`parse_layout` then reports, where malformed)."""
+def given_mesh(spec: str) -> tuple[int, int] | None:
+    """The two dims of a mesh ``spec`` names (``hsdp:2x4``: ``(2, 4)``); None for any other spec
+    (one :func:`parse_layout` then reports, where malformed)."""
     kind, _, mesh = spec.partition(":")
     if kind not in INNER_DIM or not mesh:
         return None
     try:
-        rows, cols = _mesh_dims(spec, kind, mesh)
+        return _mesh_dims(spec, kind, mesh)
     except ValueError:
         return None
-    return rows * cols
+
+
+def mesh_world(spec: str) -> int | None:
+    """The ranks a mesh naming both its dims (``hsdp:RxS``, ``fsdp+tp:DxT``) makes, ``R·S``;
+    None for any other spec."""
+    dims = given_mesh(spec)
+    return None if dims is None else dims[0] * dims[1]
 
 
 def _rows_of(rows: int, parts: int) -> list[tuple[int, int] | None]:
