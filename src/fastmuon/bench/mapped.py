@@ -21,6 +21,7 @@ matrices it benchmarks.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -39,12 +40,18 @@ GRANITE_1B_A400M = {
 }
 
 
+def attention_config(heads: int, kv_heads: int) -> SimpleNamespace:
+    """The head counts a Transformers attention layer reads from its ``config``, where
+    :mod:`fastmuon.attention_parts` finds them (the qk-clip contender's queries and keys)."""
+    return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
+
+
 # ----- a MoE decoder (Transformers' GraniteMoe parameter layout) -----------------------------
 class _Attention(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int):
         super().__init__()
         head_dim = d // heads
-        self.heads, self.kv_heads = heads, kv_heads  # for the qk-clip contender (.qk_clip)
+        self.head_dim, self.config = head_dim, attention_config(heads, kv_heads)  # as Transformers' layers
         self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)

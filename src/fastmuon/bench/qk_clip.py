@@ -5,9 +5,9 @@ shows what the clip costs at most (every query and key row scaled).
 The queries and keys are named in the group key ``attention`` (one part per parameter, see
 :mod:`fastmuon.step.qk_clip`), taken from the manifest's groups where they carry that key (a
 manifest written from ``fastmuon.param_groups(model, attention=True)``), else, for a generated
-workload (:data:`.workloads.GENERATED`), from its attention modules: a module holding ``q_proj``
-and ``k_proj`` with ``heads`` and ``kv_heads`` attributes, the Llama layout (rows per head on
-dim 0, grouped-query keys).
+workload (:data:`.workloads.GENERATED`), from its attention modules as
+:mod:`fastmuon.attention_parts` recognises Llama-family ones (``q_proj``/``k_proj`` with the
+head counts in the layer's ``config``: rows per head on dim 0, grouped-query keys).
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from ..attention_parts import detected_parts
 from ..step.qk_clip import parse_part
 from .contenders import CLASSES, Contender, Unavailable, Workbench, fastmuon_variant
 from .manifest import Manifest
@@ -41,24 +42,6 @@ def manifest_parts(manifest: Manifest) -> dict[str, dict[str, Any]]:
     return parts
 
 
-def declared_parts(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """``param name -> part`` for every module with ``q_proj``/``k_proj`` linears and declared
-    ``heads``/``kv_heads``; the layer is the module's name."""
-    parts: dict[str, dict[str, Any]] = {}
-    for name, module in model.named_modules():
-        heads, kv_heads = getattr(module, "heads", None), getattr(module, "kv_heads", None)
-        linears = [getattr(module, n, None) for n in ("q_proj", "k_proj")]
-        if not (all(isinstance(m, nn.Linear) for m in linears) and isinstance(heads, int)):
-            continue
-        if not isinstance(kv_heads, int):
-            continue
-        for proj, (side, count) in zip(("q_proj", "k_proj"), (("query", heads), ("key", kv_heads))):
-            prefix = f"{name}.{proj}" if name else proj
-            for leaf, _ in getattr(module, proj).named_parameters(recurse=False):
-                parts[f"{prefix}.{leaf}"] = {"layer": name, "part": side, "heads": count}
-    return parts
-
-
 def workload_parts(manifest: Manifest) -> dict[str, dict[str, Any]]:
     """The attention parts of ``manifest``'s parameters, by name (empty: none are known)."""
     parts = manifest_parts(manifest)
@@ -67,8 +50,8 @@ def workload_parts(manifest: Manifest) -> dict[str, dict[str, Any]]:
         return parts
     with torch.device("meta"):
         model = workload.build()
-    names = {p.name for p in manifest.params}
-    return {name: part for name, part in declared_parts(model).items() if name in names}
+    found, names = detected_parts(model), {p.name for p in manifest.params}
+    return {name: found[id(p)] for name, p in model.named_parameters() if id(p) in found and name in names}
 
 
 def synthetic_maxima(parts: dict[str, dict[str, Any]], device: torch.device) -> dict[str, Tensor]:

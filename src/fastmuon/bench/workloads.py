@@ -21,6 +21,7 @@ from ..groups import param_groups
 from .manifest import Manifest, ManifestError, load_manifest, manifest_from_dict, manifest_from_module
 from .mapped import (
     GPT2Conv1D,
+    attention_config,
     gpt2_conv1d_groups,
     gpt_oss_like_decoder,
     gpt_oss_like_groups,
@@ -65,7 +66,7 @@ class _LlamaBlock(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, hidden: int):
         super().__init__()
         head_dim = d // heads
-        self.heads, self.kv_heads = heads, kv_heads  # for the qk-clip contender (.qk_clip)
+        self.head_dim, self.config = head_dim, attention_config(heads, kv_heads)  # as Transformers' layers
         self.input_norm = nn.RMSNorm(d)
         self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
