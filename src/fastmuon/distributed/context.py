@@ -21,10 +21,11 @@ from torch import Tensor
 
 from ..ns.build import plan_for, resolve_cost_model
 from ..ns.engine import NSConfig, TensorLayout, spec_of
-from ..ns.planner import Plan
+from ..ns.planner import CostModel, Plan, default_cost_model
 from .dtensor import local_shard
-from .exchange import ShardedOrthogonalizer, contiguous_layout
+from .exchange import ShardedOrthogonalizer, contiguous_layout, exchange_caps
 from .inflight import InFlight, collective_device
+from .placement import default_links, holding_of, place, ranks_per_node
 from .replicated import ReplicatedOrthogonalizer
 from .sharded import ShardedMatrix, SplitShardedOrthogonalizer
 
@@ -73,16 +74,37 @@ def build_distributed(
                 )
                 for i in spread
             ]
-            plan = _plan(ctx, specs, [configs[i] for i in spread], policy, group)
+            plan, cost_model, threads = _plan(ctx, specs, [configs[i] for i in spread], policy, group)
             configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
+            world = dist.get_world_size(group)
+            ns_items = [configs[i].dtype.itemsize for i in spread]
+            holdings = [holding_of(matrices[i], item) for i, item in zip(spread, ns_items)]
+            device_type = params[spread[0]].device.type
+            links = default_links(device_type, world, ranks_per_node())
+            model = cost_model if isinstance(cost_model, CostModel) else default_cost_model(device_type)
+            units = place(
+                plan,
+                world,
+                holdings,
+                model,
+                links,
+                ctx.options.owner_group_size,
+                threads,
+                splittable=[len(matrices[i].shape) == 2 for i in spread],
+            )
+            held = [matrices[i].held for i in spread]
+            caps = exchange_caps(ctx.options.max_exchange_bytes, held, ns_items, world)
             exchanged = ShardedOrthogonalizer(
                 plan,
                 [matrices[i].shape for i in spread],
-                [matrices[i].held for i in spread],
+                held,
                 configs_by_key,
                 group,
                 compile=ctx.options.compile,
                 host_reads=not ctx.options.capturable,
+                units=units,
+                caps=caps,
+                cap_given=ctx.options.max_exchange_bytes is not None,
             )
             if len(spread) == len(params):
                 return exchanged
@@ -92,7 +114,7 @@ def build_distributed(
         return SplitShardedOrthogonalizer(exchanged, spread, local, mine, len(params))
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
-    plan = _plan(ctx, specs, configs, policy, ctx.process_group)
+    plan, _, _ = _plan(ctx, specs, configs, policy, ctx.process_group)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
     return ReplicatedOrthogonalizer(
         plan,
@@ -104,15 +126,19 @@ def build_distributed(
     )
 
 
-def _plan(ctx: DistContext, specs, configs, policy, group) -> Plan:
-    """The plan every rank builds alike: what varies by rank and steers the planner (a
-    calibrated cost model, the thread count that prices eigendecompositions) is rank 0's,
-    sent to all."""
+def _plan(ctx: DistContext, specs, configs, policy, group) -> tuple[Plan, Any, int]:
+    """The plan every rank builds alike, with the cost model and thread count it was made with:
+    what varies by rank and steers the planner (a calibrated cost model, the thread count that
+    prices eigendecompositions) is rank 0's, sent to all."""
     box: list[Any] = [resolve_cost_model(ctx.options.cost_model, specs), torch.get_num_threads()]
     src = 0 if group is None else dist.get_global_rank(group, 0)
     device = specs[0].device if specs else torch.device("cpu")
     cost_model, threads = _broadcast_object(box, src, group, ctx.inflight, device)
-    return plan_for(specs, configs, policy, cost_model, ctx.options.max_bucket_bytes, threads)
+    return (
+        plan_for(specs, configs, policy, cost_model, ctx.options.max_bucket_bytes, threads),
+        cost_model,
+        threads,
+    )
 
 
 def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: torch.device) -> Any:

@@ -12,18 +12,23 @@ every box's size from the boxes of :mod:`.parts`), so uneven and empty shards ne
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout
 from ..ns.planner import Plan
+from .group_ns import group_newton_schulz, group_reduce_elements
 from .inflight import InFlight
 from .parts import Region, region_numel, region_sizes, whole_region
-from .replicated import CommStats, Timer, assign_work, sub_plan
+from .replicated import CommStats, Timer, WorkUnit, assign_work, sub_plan
 
 
 def contiguous_layout(shape: Sequence[int]) -> TensorLayout:
@@ -39,13 +44,104 @@ def source_of(holders: Sequence[int], owner: int) -> int:
     return min(holders, key=lambda r: (abs(r - owner), r))
 
 
-class Routes:
-    """Who sends which part of which matrix to whom: a pure function of the plan, the matrices'
-    boxes on every rank, and the world size (so every rank computes the same, and a planner can
-    compute it for any world size without running one).
+#: The exchange buffers' default cap per rank where the step is not given one: the rank's own
+#: shard in the NS dtype, or this, whichever is larger (then results plus round buffers stay
+#: within max(2x the shard, 2 GiB)).
+DEFAULT_MIN_EXCHANGE_BYTES = 2**30
 
-    ``owner[i]`` orthogonalises matrix ``i``; ``order[o]`` lists the matrices rank ``o`` owns in
-    bucket-slot order; ``sources[i]`` the ``(rank, region)`` pairs it is assembled from.
+
+def exchange_caps(
+    given: int | None, held: Sequence[Sequence[Region | None]], itemsizes: Sequence[int], world: int
+) -> list[int]:
+    """Every rank's cap on its round buffers: ``given`` for all, else the rank's own shard of the
+    exchanged matrices in the NS dtype or :data:`DEFAULT_MIN_EXCHANGE_BYTES`, whichever is
+    larger (its results take one shard more: within max(2x the shard, 2 GiB) in all)."""
+    if given is not None:
+        return [int(given)] * world
+    shard = [0] * world
+    for regions, item in zip(held, itemsizes):
+        for r, region in enumerate(regions):
+            shard[r] += region_numel(region) * item
+    return [max(s, DEFAULT_MIN_EXCHANGE_BYTES) for s in shard]
+
+
+def pack_rounds(
+    needs: Sequence[tuple[np.ndarray, np.ndarray]],
+    dtypes: Sequence[torch.dtype],
+    caps: Sequence[int] | None,
+    world: int,
+) -> dict[torch.dtype, list[list[int]]]:
+    """Units per NS dtype, in order, packed greedily into rounds: a unit joins the current round
+    unless some rank it needs bytes on (``needs[k]``: ranks and their round-buffer bytes) would
+    pass its cap; a unit larger than a cap on its own gets a round of its own (the caller refuses
+    that where the cap was given). ``caps`` None: one round per dtype."""
+    rounds: dict[torch.dtype, list[list[int]]] = {}
+    cap = None if caps is None else np.asarray(caps, dtype=np.int64)
+    for dtype in dict.fromkeys(dtypes):
+        out: list[list[int]] = []
+        used = np.zeros(world, dtype=np.int64)
+        for k, d in enumerate(dtypes):
+            if d != dtype:
+                continue
+            ranks, need = needs[k]
+            busy = need > 0
+            fits = cap is None or bool(np.all(used[ranks[busy]] + need[busy] <= cap[ranks[busy]]))
+            if not out or not fits:
+                out.append([])
+                used[:] = 0
+            out[-1].append(k)
+            np.add.at(used, ranks, need)
+        rounds[dtype] = out
+    return rounds
+
+
+def block_region(shape: Sequence[int], k: int, g: int) -> Region:
+    """Block ``k`` of ``g`` of a matrix split along its long side (the columns of its wide
+    orientation: a tall matrix's rows, a wide one's columns), in the matrix's coordinates."""
+    rows, cols = shape[0], math.prod(shape[1:])
+    d = 0 if rows > cols else 1
+    n = shape[d]
+    step = n // g
+    out = [(0, int(x)) for x in shape]
+    out[d] = (k * step, (k + 1) * step)
+    return tuple(out)
+
+
+def _meet(a: Region, b: Region) -> Region | None:
+    """The overlap of two boxes of one matrix, or None."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return out if all(lo < hi for lo, hi in out) else None
+
+
+def _within(inner: Region, outer: Region) -> Region:
+    """``inner`` in ``outer``'s own coordinates."""
+    return tuple((a - o, b - o) for (a, b), (o, _) in zip(inner, outer))
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one rank orthogonalises of a matrix: the whole of it (a single owner), or block
+    ``member`` of an owner group's split (``region``, in the matrix's coordinates)."""
+
+    matrix: int
+    region: Region
+    owner: int
+    unit: int
+    member: int = 0
+
+
+class Routes:
+    """Who sends which part of which matrix to whom, in which round: a pure function of the
+    plan's work units, the matrices' boxes on every rank, the world size and the buffer caps
+    (so every rank computes the same, and a planner can compute it without running one).
+
+    A matrix with one owner is one target; an owner group's matrix is one target per member
+    (its column block). ``sources[t]`` lists the ``(rank, region)`` pairs target ``t`` is
+    assembled from (each distinct part's nearest holder, see :func:`source_of`), and every
+    holder of a part of the target gets that part of the result back. ``rounds[dtype]`` splits
+    the units of each NS dtype, in order, into rounds whose gather and scatter-send buffers stay
+    within every rank's cap (``caps[r]`` bytes); the results a rank receives are kept for the
+    step (its shard in the NS dtype).
     """
 
     def __init__(
@@ -54,69 +150,157 @@ class Routes:
         shapes: Sequence[tuple[int, ...]],
         held: Sequence[Sequence[Region | None]],
         world: int,
+        units: Sequence[WorkUnit] | None = None,
+        caps: Sequence[int] | None = None,
     ):
-        self.world = world
+        self.world, self.plan = world, plan
         self.shapes, self.held = list(shapes), [tuple(h) for h in held]
-        # a matrix some ranks hold whole is owned by one of them: nothing to gather
-        wholes = [whole_region(s) for s in self.shapes]
-        candidates = [
-            [r for r, reg in enumerate(h) if reg == whole] or None for h, whole in zip(self.held, wholes)
-        ]
-        self.units = assign_work(plan, world, candidates)
-        self.order: dict[torch.dtype, list[list[int]]] = {}
+        if units is None:  # a matrix some ranks hold whole is owned by one of them: nothing to gather
+            wholes = [whole_region(s) for s in self.shapes]
+            candidates = [
+                [r for r, reg in enumerate(h) if reg == whole] or None for h, whole in zip(self.held, wholes)
+            ]
+            units = assign_work(plan, world, candidates)
+        self.units = list(units)
+        self.targets: list[Target] = []
+        self.unit_targets: list[list[int]] = []
+        self.dtype_of_unit = [plan.buckets[u.bucket].dtype for u in self.units]
         self.owner: dict[int, int] = {}
-        for u in self.units:
-            bucket = plan.buckets[u.bucket]
-            order = self.order.setdefault(bucket.dtype, [[] for _ in range(world)])
-            for m in bucket.members[u.start : u.stop]:
-                order[u.owner].append(m.index)
+        for k, u in enumerate(self.units):
+            ids = []
+            for m in plan.buckets[u.bucket].members[u.start : u.stop]:
+                shape = self.shapes[m.index]
+                if u.group:
+                    for j, r in enumerate(u.group):
+                        ids.append(len(self.targets))
+                        self.targets.append(Target(m.index, block_region(shape, j, len(u.group)), r, k, j))
+                else:
+                    ids.append(len(self.targets))
+                    self.targets.append(Target(m.index, whole_region(shape), u.owner, k))
                 self.owner[m.index] = u.owner
+            self.unit_targets.append(ids)
         self.sources: list[list[tuple[int, Region]]] = []
-        for i, regions in enumerate(self.held):
-            holders: dict[Region, list[int]] = {}
-            for r, region in enumerate(regions):
-                if region is not None:
-                    holders.setdefault(region, []).append(r)
-            owner = self.owner.get(i, 0)
-            picked = [(source_of(ranks, owner), region) for region, ranks in holders.items()]
+        self.pieces: list[list[tuple[int, Region]]] = []  # (holder, region in the matrix) per target
+        parts_of: dict[int, dict[Region, list[int]]] = {}
+        for t in self.targets:
+            holders = parts_of.get(t.matrix)
+            if holders is None:
+                holders = parts_of[t.matrix] = {}
+                for r, region in enumerate(self.held[t.matrix]):
+                    if region is not None:
+                        holders.setdefault(region, []).append(r)
+            picked, back = [], []
+            for region, ranks in holders.items():
+                cut = _meet(region, t.region)
+                if cut is None:
+                    continue
+                picked.append((source_of(ranks, t.owner), cut))
+                back += [(r, cut) for r in ranks]
             self.sources.append(sorted(picked, key=lambda sr: sr[1]))
+            self.pieces.append(sorted(back))
+        self.rounds = self._rounds(caps)
 
-    def gather_sizes(self, dtype: torch.dtype, rank: int) -> tuple[list[int], list[int]]:
-        """Elements ``rank`` sends each owner, and receives as owner from each rank."""
-        order = self.order[dtype]
-        send = [0] * self.world
+    # ----- sizes ------------------------------------------------------------------------------
+    def unit_bytes(self, k: int, rank: int) -> int:
+        """Round-buffer bytes unit ``k`` needs on ``rank``: what it sends to owners, receives as
+        an owner, and sends back as an owner (what it receives back lands in its results)."""
+        item = self.dtype_of_unit[k].itemsize
+        n = 0
+        for t in self.unit_targets[k]:
+            target = self.targets[t]
+            n += sum(region_numel(reg) for s, reg in self.sources[t] if s == rank)
+            if target.owner == rank:
+                n += sum(region_numel(reg) for _, reg in self.sources[t])
+                n += sum(region_numel(reg) for _, reg in self.pieces[t])
+        return n * item
+
+    def _rounds(self, caps: Sequence[int] | None) -> dict[torch.dtype, list[list[int]]]:
+        needs = []
+        for k in range(len(self.units)):
+            touched = self._unit_ranks(k)
+            needs.append(
+                (np.fromiter(touched, dtype=np.int64), np.fromiter(touched.values(), dtype=np.int64))
+            )
+        return pack_rounds(needs, self.dtype_of_unit, caps, self.world)
+
+    def check_caps(self, caps: Sequence[int]) -> None:
+        """Refuse a cap some unit cannot fit in on its own, naming the bytes it needs."""
+        for k in range(len(self.units)):
+            for r, need in self._unit_ranks(k).items():
+                if need > caps[r]:
+                    t = self.targets[self.unit_targets[k][0]]
+                    shape = "x".join(map(str, self.shapes[t.matrix]))
+                    raise ValueError(
+                        f"max_exchange_bytes={caps[r]} is too small: rank {r}'s share of the exchange of "
+                        f"a {shape} matrix needs {need} bytes of round buffers on its own; give "
+                        f"max_exchange_bytes >= {need}, or None for the default cap"
+                    )
+
+    def _unit_ranks(self, k: int) -> dict[int, int]:
+        """Round-buffer bytes of unit ``k`` on every rank it touches."""
+        ranks: set[int] = set()
+        for t in self.unit_targets[k]:
+            ranks.add(self.targets[t].owner)
+            ranks.update(s for s, _ in self.sources[t])
+        return {r: self.unit_bytes(k, r) for r in sorted(ranks)}
+
+    def owned(self, units: Sequence[int], rank: int) -> list[list[int]]:
+        """Per owner, the targets of ``units`` it orthogonalises, in unit order."""
+        order: list[list[int]] = [[] for _ in range(self.world)]
+        for k in units:
+            for t in self.unit_targets[k]:
+                order[self.targets[t].owner].append(t)
+        return order
+
+    def round_sizes(self, units: Sequence[int], rank: int):
+        """``rank``'s gather sizes ``(send to each owner, receive as owner from each rank)`` and
+        scatter sizes ``(send as owner to each rank, receive from each owner)``, in elements."""
+        order = self.owned(units, rank)
+        g_send, g_recv = [0] * self.world, [0] * self.world
+        s_send, s_recv = [0] * self.world, [0] * self.world
         for o in range(self.world):
-            for i in order[o]:
-                send[o] += sum(region_numel(reg) for s, reg in self.sources[i] if s == rank)
-        recv = [0] * self.world
-        for i in order[rank]:
-            for s, reg in self.sources[i]:
-                recv[s] += region_numel(reg)
-        return send, recv
+            for t in order[o]:
+                for s, reg in self.sources[t]:
+                    if s == rank:
+                        g_send[o] += region_numel(reg)
+                    if o == rank:
+                        g_recv[s] += region_numel(reg)
+                for r, reg in self.pieces[t]:
+                    if o == rank:
+                        s_send[r] += region_numel(reg)
+                    if r == rank:
+                        s_recv[o] += region_numel(reg)
+        return (g_send, g_recv), (s_send, s_recv)
 
-    def sizes(
-        self, rank: int
-    ) -> dict[torch.dtype, tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]]:
-        """Per NS dtype, ``rank``'s gather sizes and scatter sizes (see those methods)."""
-        return {
-            dtype: (self.gather_sizes(dtype, rank), self.scatter_sizes(dtype, rank)) for dtype in self.order
-        }
+    def sizes(self, rank: int) -> dict[torch.dtype, list[tuple]]:
+        """Per NS dtype, ``rank``'s :meth:`round_sizes` for each round."""
+        return {d: [self.round_sizes(units, rank) for units in rs] for d, rs in self.rounds.items()}
 
-    def scatter_sizes(self, dtype: torch.dtype, rank: int) -> tuple[list[int], list[int]]:
-        """Elements ``rank`` sends each rank as owner, and receives from each owner."""
-        order = self.order[dtype]
-        send = [sum(region_numel(self.held[i][r]) for i in order[rank]) for r in range(self.world)]
-        recv = [sum(region_numel(self.held[i][rank]) for i in order[o]) for o in range(self.world)]
-        return send, recv
+    def buffer_bytes(self, rank: int) -> int:
+        """Exchange buffers ``rank`` keeps between steps: per NS dtype the largest round's gather
+        send, gather receive and scatter send, and every round's results."""
+        total = 0
+        for dtype, per_round in self.sizes(rank).items():
+            item = dtype.itemsize
+            total += item * max(sum(gs) for (gs, _), _ in per_round)
+            total += item * max(sum(gr) for (_, gr), _ in per_round)
+            total += item * max(sum(ss) for _, (ss, _) in per_round)
+            total += item * sum(sum(sr) for _, (_, sr) in per_round)
+        return total
+
+    def group_reduce_bytes(self, rank: int) -> int:
+        """Bytes ``rank`` moves each way in its owner groups' Gram all-reduces per step."""
+        return _group_reduce_bytes(self, self.plan, rank)
 
 
 class ShardedOrthogonalizer:
-    """Gather each matrix to its owner, orthogonalise there in buckets, scatter the parts back.
+    """Gather each target to its owner, orthogonalise there (in buckets, or with its owner
+    group), scatter the parts back; in rounds whose buffers stay within the caps.
 
-    Two ``all_to_all_single`` calls per NS dtype and step (see the module docstring); parts
-    travel cast to the NS dtype, as the single-process engine casts when packing. The four
-    exchange buffers per NS dtype persist between steps, and the results are views of the last
-    one: valid until the next call.
+    Two ``all_to_all_single`` calls per round and NS dtype (see the module docstring); parts
+    travel cast to the NS dtype, as the single-process engine casts when packing. The round
+    buffers persist between steps, sized for the largest round, and so does every round's
+    results buffer: the results are views of it, valid until the next call.
     """
 
     def __init__(
@@ -128,35 +312,39 @@ class ShardedOrthogonalizer:
         group: Any,
         compile: bool = False,
         host_reads: bool = True,
+        units: Sequence[WorkUnit] | None = None,
+        caps: Sequence[int] | None = None,
+        cap_given: bool = False,
     ):
         self.plan, self.shapes, self.group = plan, [tuple(s) for s in shapes], group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        routes = self.routes = Routes(plan, self.shapes, held, self.world)
+        routes = self.routes = Routes(plan, self.shapes, held, self.world, units, caps)
+        if cap_given and caps is not None:
+            routes.check_caps(caps)
         self.units = routes.units
         me = self.rank
-        layouts = [contiguous_layout(s) for s in self.shapes]
-        owned = [u for u in self.units if u.owner == me]
-        # one engine per NS dtype (each dtype is exchanged apart), over this rank's units
-        self._engines: dict[torch.dtype, Orthogonalizer] = {}
-        for dtype in dict.fromkeys(plan.buckets[u.bucket].dtype for u in owned):
-            local_plan, index = sub_plan(plan, [u for u in owned if plan.buckets[u.bucket].dtype == dtype])
-            self._engines[dtype] = Orthogonalizer(
-                local_plan, [layouts[i] for i in index], configs, compile=compile, host_reads=host_reads
-            )
+        self.configs = configs
+        # per NS dtype and round: an engine over this rank's single-owner units of the round
+        self._engines: dict[tuple[torch.dtype, int], tuple[Orthogonalizer, list[int]]] = {}
+        for dtype, rounds in routes.rounds.items():
+            for r, ks in enumerate(rounds):
+                mine = [self.units[k] for k in ks if self.units[k].owner == me and not self.units[k].group]
+                if not mine:
+                    continue
+                local_plan, index = sub_plan(plan, mine)
+                layouts = [contiguous_layout(self.shapes[i]) for i in index]
+                engine = Orthogonalizer(local_plan, layouts, configs, compile=compile, host_reads=host_reads)
+                self._engines[(dtype, r)] = (engine, index)
+        self._groups = _owner_groups(self.units, me, group)
         self._mine = [h[me] for h in routes.held]
-        # what this rank sends each owner, in the order owners expect it
-        self._send_order = {
-            dtype: [
-                i for o in range(self.world) for i in order[o] if any(s == me for s, _ in routes.sources[i])
-            ]
-            for dtype, order in routes.order.items()
-        }
         self._sizes = routes.sizes(me)
         self._bytes = moved_bytes(self._sizes, me)
+        self._reduce_bytes = routes.group_reduce_bytes(me)
         self._buffers: dict[tuple[torch.dtype, str], Tensor] = {}
         self._inflight = InFlight()
         self.profile = False
-        self.stats = CommStats(total_flops=plan.flops(), owned_flops=sum(u.flops for u in owned))
+        owned_flops = sum(u.flops for u in self.units if me in u.owners)
+        self.stats = CommStats(total_flops=plan.flops(), owned_flops=owned_flops)
 
     def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]:
         """``sources`` are this rank's parts (empty where it holds none); so are the results."""
@@ -164,59 +352,113 @@ class ShardedOrthogonalizer:
         device = sources[0].device
         timer = Timer(self.profile, device)
         results: list[Tensor | None] = [None] * len(sources)
+        pieces: dict[int, list[tuple[Region, Tensor]]] = {}
         stats = CommStats(total_flops=self.stats.total_flops, owned_flops=self.stats.owned_flops)
         me, world, routes = self.rank, self.world, self.routes
-        for dtype, order in routes.order.items():
-            (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype]
-            t0 = timer.now()
-            # 1. every part to its matrix's owner, cast to NS dtype on the way
-            send = self._buffer(dtype, "gather send", sum(to_owner), device)
-            blocks = [sources[i].reshape(-1) for i in self._send_order[dtype]]
-            if blocks:
-                torch.cat(blocks, out=send)
-            recv = self._buffer(dtype, "gather recv", sum(from_rank), device)
-            self._inflight.issue(dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group)
-            self._inflight.wait()
-            t1 = timer.now()
-            # 2. whole matrices on the owner, NS over its buckets
-            full = self._assemble(recv, from_rank, order[me])
-            owned = self._engines[dtype](full, [dtype] * len(full)) if full else []
-            t2 = timer.now()
-            # 3. every holder's part of each result back to it
-            send = self._buffer(dtype, "scatter send", sum(to_rank), device)
-            parts = [
-                _part(out, routes.held[i][r]).reshape(-1)
-                for r in range(world)
-                for i, out in zip(order[me], owned)
-                if routes.held[i][r] is not None
-            ]
-            if parts:
-                torch.cat(parts, out=send)
-            recv = self._buffer(dtype, "scatter recv", sum(from_owner), device)
-            self._inflight.issue(dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group)
-            self._inflight.wait()
-            casts: dict[torch.dtype, Tensor] = {}
-            offset = 0
-            for o in range(world):
-                for i in order[o]:
-                    region = self._mine[i]
-                    if region is None:
-                        continue
-                    out_dtype = out_dtypes[i]
-                    if out_dtype not in casts:
-                        casts[out_dtype] = recv if recv.dtype == out_dtype else recv.to(out_dtype)
-                    size = region_numel(region)
-                    results[i] = casts[out_dtype][offset : offset + size].view(region_sizes(region))
-                    offset += size
-            t3 = timer.now()
-            stats.ns_seconds += t2 - t1
-            stats.comm_seconds += (t1 - t0) + (t3 - t2)
+        for dtype, rounds in routes.rounds.items():
+            kept = self._buffer(dtype, "results", sum(sum(sr) for _, (_, sr) in self._sizes[dtype]), device)
+            kept_at = 0
+            for r, ks in enumerate(rounds):
+                (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype][r]
+                order = routes.owned(ks, me)
+                t0 = timer.now()
+                # 1. every part to its target's owner, cast to NS dtype on the way
+                send = self._buffer(dtype, "gather send", _largest(self._sizes[dtype], 0, 0), device)[
+                    : sum(to_owner)
+                ]
+                blocks = [
+                    _part(
+                        sources[routes.targets[t].matrix], _within(reg, self._mine[routes.targets[t].matrix])
+                    ).reshape(-1)
+                    for o in range(world)
+                    for t in order[o]
+                    for s, reg in routes.sources[t]
+                    if s == me
+                ]
+                if blocks:
+                    torch.cat(blocks, out=send)
+                recv = self._buffer(dtype, "gather recv", _largest(self._sizes[dtype], 0, 1), device)[
+                    : sum(from_rank)
+                ]
+                self._inflight.issue(
+                    dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group
+                )
+                self._inflight.wait()
+                t1 = timer.now()
+                # 2. the owner's targets whole, NS in buckets or with the owner group
+                inputs = self._assemble(recv, from_rank, order[me])
+                outs = self._orthogonalise(dtype, r, ks, order[me], inputs)
+                t2 = timer.now()
+                # 3. every holder's piece of each result back to it
+                send = self._buffer(dtype, "scatter send", _largest(self._sizes[dtype], 1, 0), device)[
+                    : sum(to_rank)
+                ]
+                parts = [
+                    _part(out, _within(reg, routes.targets[t].region)).reshape(-1)
+                    for q in range(world)
+                    for t, out in zip(order[me], outs)
+                    for h, reg in routes.pieces[t]
+                    if h == q
+                ]
+                if parts:
+                    torch.cat(parts, out=send)
+                size = sum(from_owner)
+                recv = kept[kept_at : kept_at + size]
+                kept_at += size
+                self._inflight.issue(
+                    dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group
+                )
+                self._inflight.wait()
+                offset = 0
+                for o in range(world):
+                    for t in order[o]:
+                        for h, reg in routes.pieces[t]:
+                            if h != me:
+                                continue
+                            n = region_numel(reg)
+                            pieces.setdefault(routes.targets[t].matrix, []).append(
+                                (reg, recv[offset : offset + n].view(region_sizes(reg)))
+                            )
+                            offset += n
+                t3 = timer.now()
+                stats.ns_seconds += t2 - t1
+                stats.comm_seconds += (t1 - t0) + (t3 - t2)
+        for i, got in pieces.items():
+            results[i] = _my_part(got, self._mine[i], out_dtypes[i])
         stats.bytes_sent, stats.bytes_received = self._bytes
+        stats.bytes_sent += self._reduce_bytes
+        stats.bytes_received += self._reduce_bytes
         self.stats = stats
-        for i, r in enumerate(results):
-            if r is None:  # this rank holds no part of it
+        for i, res in enumerate(results):
+            if res is None:  # this rank holds no part of it
                 results[i] = sources[i].new_empty(sources[i].shape, dtype=out_dtypes[i])
         return results  # type: ignore[return-value]
+
+    def _orthogonalise(self, dtype, r, ks, mine: list[int], inputs: list[Tensor]) -> list[Tensor]:
+        """NS of this rank's targets of round ``r``: single-owner ones through the round's
+        engine, owner-group blocks with their groups (in unit order, as every member calls)."""
+        routes = self.routes
+        outs: list[Tensor | None] = [None] * len(mine)
+        single = [j for j, t in enumerate(mine) if not self.units[routes.targets[t].unit].group]
+        if single:
+            engine, index = self._engines[(dtype, r)]
+            got = engine([inputs[j] for j in single], [dtype] * len(single))
+            for j, out in zip(single, got):
+                outs[j] = out
+        for j, t in enumerate(mine):
+            if outs[j] is not None:
+                continue
+            target = routes.targets[t]
+            unit = self.units[target.unit]
+            bucket = self.plan.buckets[unit.bucket]
+            config = self.configs[bucket.key]
+            block = inputs[j].reshape(inputs[j].shape[0], -1)
+            tall = block.shape[0] > block.shape[1] or _is_tall(self.shapes[target.matrix])
+            wide = block.mT if tall else block
+            reduce = functools.partial(dist.all_reduce, group=self._groups[unit.group])
+            out = group_newton_schulz(wide.unsqueeze(0), config, reduce)[0]
+            outs[j] = (out.mT if tall else out).reshape(inputs[j].shape)
+        return outs  # type: ignore[return-value]
 
     def _buffer(self, dtype: torch.dtype, role: str, numel: int, device: torch.device) -> Tensor:
         """The persistent exchange buffer for ``role`` in ``dtype`` (its size never changes)."""
@@ -227,34 +469,75 @@ class ShardedOrthogonalizer:
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor kept between steps: exchange buffers and the local engines'."""
-        return list(self._buffers.values()) + [t for e in self._engines.values() for t in e.workspaces()]
+        kept = list(self._buffers.values())
+        return kept + [t for e, _ in self._engines.values() for t in e.workspaces()]
 
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
-        """Whole matrices from the parts every rank sent, a run of matrices with equal shapes
-        and equal boxes at a time: a view where one part is the whole, one ``cat`` where the
-        parts are row blocks, else copies into the whole."""
+        """Each owned target whole from the parts every rank sent: a view where one part is the
+        whole, one ``cat`` where the parts are row blocks, else copies into the whole."""
         chunks = list(recv.split(recv_sizes))
         offsets = [0] * self.world
         routes = self.routes
         full: list[Tensor] = []
-        k = 0
-        while k < len(owned):
-            first = owned[k]
-            shape, held = self.shapes[first], routes.held[first]
-            end = k
-            while end < len(owned) and self.shapes[owned[end]] == shape and routes.held[owned[end]] == held:
-                end += 1
-            count = end - k
+        for t in owned:
+            target = routes.targets[t]
+            shape = region_sizes(target.region)
             blocks = []
-            for s, region in routes.sources[first]:
-                size = count * region_numel(region)
+            for s, region in routes.sources[t]:
+                size = region_numel(region)
+                local = _within(region, target.region)
                 blocks.append(
-                    (region, chunks[s][offsets[s] : offsets[s] + size].view(count, *region_sizes(region)))
+                    (local, chunks[s][offsets[s] : offsets[s] + size].view(1, *region_sizes(region)))
                 )
                 offsets[s] += size
-            full += list(_whole(blocks, shape, count))
-            k = end
+            full.append(_whole(blocks, shape, 1)[0])
         return full
+
+
+def _is_tall(shape: Sequence[int]) -> bool:
+    return shape[0] > math.prod(shape[1:])
+
+
+def _largest(per_round: list[tuple], phase: int, side: int) -> int:
+    """The largest round's total for one buffer (``phase`` 0 gather / 1 scatter, ``side`` 0
+    send / 1 receive)."""
+    return max(sum(sizes[phase][side]) for sizes in per_round)
+
+
+def _my_part(got: list[tuple[Region, Tensor]], region: Region, dtype: torch.dtype) -> Tensor:
+    """This rank's part of a result from the pieces its targets' owners sent (a view where one
+    piece is all of it), in ``dtype``."""
+    if len(got) == 1:
+        out = got[0][1]
+    else:
+        out = got[0][1].new_empty(region_sizes(region))
+        for reg, piece in got:
+            out[tuple(slice(a, b) for a, b in _within(reg, region))] = piece
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _owner_groups(units: Sequence[WorkUnit], rank: int, group: Any) -> dict[tuple[int, ...], Any]:
+    """A process group for each owner group this rank belongs to (only members create it)."""
+    out: dict[tuple[int, ...], Any] = {}
+    for u in units:
+        if rank in u.group and u.group not in out:
+            ranks = [r if group is None else dist.get_global_rank(group, r) for r in u.group]
+            out[u.group] = dist.new_group(ranks, use_local_synchronization=True)
+    return out
+
+
+def _group_reduce_bytes(routes: Routes, plan: Plan, rank: int) -> int:
+    """Bytes ``rank`` moves each way in its owner groups' Gram all-reduces per step (a ring
+    all-reduce moves ``2(g-1)/g`` of the tensor)."""
+    total = 0
+    for u in routes.units:
+        if rank not in u.group:
+            continue
+        g, bucket = len(u.group), plan.buckets[u.bucket]
+        m = bucket.members[u.start]
+        n = group_reduce_elements(1, min(m.rows, m.cols), plan.steps, bucket.preconditioning)
+        total += 2 * (g - 1) * n * bucket.dtype.itemsize // g
+    return total
 
 
 def _part(t: Tensor, region: Region) -> Tensor:
@@ -274,15 +557,19 @@ def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: i
 
 
 def exchange_bytes(routes: Routes, rank: int) -> tuple[int, int]:
-    """Bytes ``rank`` sends and receives per step under ``routes`` (its own parts excluded)."""
-    return moved_bytes(routes.sizes(rank), rank)
+    """Bytes ``rank`` sends and receives per step under ``routes`` (its own parts excluded;
+    owner groups' all-reduces included)."""
+    sent, received = moved_bytes(routes.sizes(rank), rank)
+    reduced = routes.group_reduce_bytes(rank)
+    return sent + reduced, received + reduced
 
 
 def moved_bytes(sizes: dict, rank: int) -> tuple[int, int]:
     """Bytes sent and received given ``rank``'s :meth:`Routes.sizes` (its own parts excluded)."""
     sent = received = 0
-    for dtype, ((to_owner, from_rank), (to_rank, from_owner)) in sizes.items():
-        item = torch.empty((), dtype=dtype).element_size()
-        sent += item * (sum(to_owner) - to_owner[rank] + sum(to_rank) - to_rank[rank])
-        received += item * (sum(from_rank) - from_rank[rank] + sum(from_owner) - from_owner[rank])
+    for dtype, per_round in sizes.items():
+        item = dtype.itemsize
+        for (to_owner, from_rank), (to_rank, from_owner) in per_round:
+            sent += item * (sum(to_owner) - to_owner[rank] + sum(to_rank) - to_rank[rank])
+            received += item * (sum(from_rank) - from_rank[rank] + sum(from_owner) - from_owner[rank])
     return sent, received

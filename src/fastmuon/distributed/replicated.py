@@ -26,13 +26,21 @@ from .inflight import InFlight
 # ----- who orthogonalises what ----------------------------------------------------------------
 @dataclass(frozen=True)
 class WorkUnit:
-    """Slots ``start:stop`` of bucket ``bucket``, orthogonalised by rank ``owner``."""
+    """Slots ``start:stop`` of bucket ``bucket``, orthogonalised by rank ``owner``, or, where
+    ``group`` names ranks, by that owner group together (one matrix, split in column blocks of
+    its wide orientation, member ``k`` of ``group`` holding block ``k``; ``owner`` is the first
+    member and ``flops`` what each member computes)."""
 
     bucket: int
     start: int
     stop: int
     flops: int
     owner: int
+    group: tuple[int, ...] = ()
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        return self.group or (self.owner,)
 
 
 def assign_work(

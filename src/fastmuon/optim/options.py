@@ -22,7 +22,9 @@ class Options:
     ``max_bucket_bytes`` and ``cost_model`` steer the planner; ``compile`` runs each bucket's
     NS through ``torch.compile``; ``nonfinite`` says what a NaN/Inf gradient does;
     ``capturable`` keeps every step free of host reads; ``adamw_lr`` (Muon) is AdamW's learning
-    rate in ``use_muon=False`` groups that set none.
+    rate in ``use_muon=False`` groups that set none; ``owner_group_size`` and
+    ``max_exchange_bytes`` steer the distributed step over DTensors (see
+    :mod:`fastmuon.distributed.placement` and :class:`fastmuon.distributed.exchange.Routes`).
     """
 
     foreach: bool | None = None
@@ -33,6 +35,8 @@ class Options:
     nonfinite: str = DEFAULT_NONFINITE
     capturable: bool = False
     adamw_lr: float | None = None
+    owner_group_size: int | None = None
+    max_exchange_bytes: int | None = None
 
     def __post_init__(self) -> None:
         check_foreach(self.foreach)
@@ -44,6 +48,12 @@ class Options:
         if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
             raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
         check_mode(self.nonfinite)
+        for name in ("owner_group_size", "max_exchange_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"{name} must be None (the step chooses) or a positive integer, got {value!r}"
+                )
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "max_bucket_bytes", int(self.max_bucket_bytes))
         object.__setattr__(self, "capturable", bool(self.capturable))

@@ -42,12 +42,14 @@ import numpy as np
 import torch
 
 from ...distributed import assign_work, shard_rows
-from ...distributed.exchange import contiguous_layout
+from ...distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
+from ...distributed.group_ns import group_reduce_calls, group_reduce_elements
+from ...distributed.placement import Holding, Links, place
 from ...matrices import parse
 from ...ns.build import plan_for
 from ...ns.engine import NSConfig, spec_of
 from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost, ns_flops
-from .layouts import Layout, regions
+from .layouts import NODE, Layout, regions
 from .models import Tensor, Workload
 
 DESIGNS = ("fastmuon", "keller", "dion", "plain")
@@ -64,6 +66,7 @@ class Matrix:
     numel: int
     part_numel: np.ndarray
     part_ranks: list[np.ndarray]
+    part_regions: np.ndarray  # (parts, kept dims, 2): each part's box in the matrix's coordinates
 
     @property
     def rows_cols(self) -> tuple[int, int]:
@@ -110,13 +113,15 @@ def _tensor_matrices(tensor: Tensor, layout: Layout) -> list[Matrix]:
     base, every = lo[:, None], step[:, None]
     lengths = np.clip(-((base - stop) // every) - -((base - first) // every), 0, None)
     numel = lengths.prod(axis=2)  # (matrices, regions); dropped dims count 1 where they overlap
+    start = np.clip(-((base - first) // every), 0, None)  # the part's first entry, counted in the box
+    boxes_in = np.stack([start, start + lengths], axis=-1)[:, :, kept, :]
     mshape = tuple(int(n) for n, k in zip(-((lo[0] - hi[0]) // step[0]), kept) if k)
     whole = math.prod(mshape)
     ranks_of = [r for _, r in held]
     out = []
     for i in range(len(boxes)):
         (js,) = np.nonzero(numel[i])
-        out.append(Matrix(mshape, whole, numel[i, js], [ranks_of[j] for j in js]))
+        out.append(Matrix(mshape, whole, numel[i, js], [ranks_of[j] for j in js], boxes_in[i, js]))
     return out
 
 
@@ -165,6 +170,8 @@ class Settings:
     policy: str = "auto"
     max_bucket_bytes: int = 512 * 2**20
     threads: int | None = None
+    owner_group_size: int | None = None
+    max_exchange_bytes: int | None = None
 
     def config(self) -> NSConfig:
         return NSConfig.make(NS_STEPS, NS_COEFFICIENTS, NS_EPS, self.ns_dtype)
@@ -296,7 +303,12 @@ def _nearest(ranks: np.ndarray, owner: int) -> int:
 
 
 def fastmuon_figures(
-    workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+    workload: Workload,
+    layout: Layout,
+    settings: Settings,
+    model: CostModel,
+    link: float,
+    group_link: float | None = None,
 ) -> Figures:
     """fastmuon's step: the exchange (two all_to_all per NS dtype) for sharded layouts, one
     broadcast per work unit under DDP; ``model`` prices NS, ``link`` (bytes/s each way) the bytes."""
@@ -328,53 +340,71 @@ def fastmuon_figures(
         )  # fmt: skip
     spread = [i for i, m in enumerate(mats) if m.exchanged]
     plan = settings.plan([mats[i].shape for i in spread])
-    cands = [mats[i].candidates for i in spread]
-    units = assign_work(plan, world, cands)
-    dtype_of: dict[int, torch.dtype] = {}
-    for b in plan.buckets:
-        for mem in b.members:
-            dtype_of[mem.index] = b.dtype
-    owner: dict[int, int] = {}
-    for u in units:
-        for mem in plan.buckets[u.bucket].members[u.start : u.stop]:
-            owner[mem.index] = u.owner
-        flops[u.owner] += u.flops
-        seconds[u.owner] += _bucket_seconds(plan, u.bucket, u.stop - u.start, model, threads)
-    gather_send, gather_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
-    scatter_send, scatter_recv = np.zeros(world, dtype=np.int64), np.zeros(world, dtype=np.int64)
-    # parts held by one rank each (FSDP's row blocks), all at once
-    one = [(k, i) for k, i in enumerate(spread) if all(len(r) == 1 for r in mats[i].part_ranks)]
-    if one:
-        n = np.concatenate([mats[i].part_numel * _itemsize(dtype_of[k]) for k, i in one])
-        src = np.concatenate([np.concatenate(mats[i].part_ranks) for _, i in one])
-        o = np.concatenate([np.full(len(mats[i].part_numel), owner[k]) for k, i in one])
-        away = src != o
-        for arr, idx, w in (
-            (gather_send, src, n), (gather_recv, o, n), (scatter_send, o, n), (scatter_recv, src, n),
-            (sent, src[away], n[away]), (received, o[away], n[away]),
-            (sent, o[away], n[away]), (received, src[away], n[away]),
-        ):  # fmt: skip
-            np.add.at(arr, idx, w)
-    done = {k for k, _ in one}
-    for k, i in enumerate(spread):
-        if k in done:
-            continue
-        m, o, item = mats[i], owner[k], _itemsize(dtype_of[k])
-        for n, ranks in zip(m.part_numel.tolist(), m.part_ranks):
-            src = _nearest(ranks, o)
-            gather_send[src] += n * item
-            gather_recv[o] += n * item
-            if src != o:
-                sent[src] += n * item
-                received[o] += n * item
-            scatter_send[o] += n * item * len(ranks)
-            scatter_recv[ranks] += n * item
-            has_owner = bool(np.any(ranks == o))
-            sent[o] += n * item * (len(ranks) - has_owner)
-            received[ranks] += n * item
-            if has_owner:
-                received[o] -= n * item
-    buffers[:] = gather_send + gather_recv + scatter_send + scatter_recv
+    item = _itemsize(settings.ns_dtype)
+    node = min(NODE, world) if settings.plan_device == "cuda" else world
+    links = Links(link, group_link or link, node)
+    holdings = [Holding(mats[i].numel, mats[i].part_numel, mats[i].part_ranks, item) for i in spread]
+    units = place(
+        plan, world, holdings, model, links, settings.owner_group_size, threads,
+        splittable=[len(mats[i].shape) == 2 for i in spread],
+    )  # fmt: skip
+    reduce_bytes = np.zeros(world, dtype=np.int64)
+    needs, phases = [], []
+    reduces = 0
+    for k, u in enumerate(units):
+        bucket = plan.buckets[u.bucket]
+        per = [np.zeros(world, dtype=np.int64) for _ in range(4)]  # gather send/recv, scatter send/recv
+        for mem in bucket.members[u.start : u.stop]:
+            m = mats[spread[mem.index]]
+            if u.group:
+                for j, o in enumerate(u.group):
+                    block = block_region(m.shape, j, len(u.group))
+                    _target_bytes(m, o, np.asarray(block), per, sent, received)
+            else:
+                _target_bytes(m, u.owner, None, per, sent, received)
+        for r in u.owners:
+            flops[r] += u.flops
+        if u.group:
+            g = len(u.group)
+            mem = bucket.members[u.start]
+            n = group_reduce_elements(1, min(mem.rows, mem.cols), plan.steps, bucket.preconditioning)
+            moved = 2 * (g - 1) * n * _itemsize(bucket.dtype) // g
+            idx = list(u.group)
+            reduce_bytes[idx] += moved
+            launch = kernels_per_bucket(plan.steps) * model.launch_cost(bucket.dtype)
+            seconds[idx] += u.flops * model.flop_seconds(bucket.dtype) + launch
+            reduces += group_reduce_calls(plan.steps, bucket.preconditioning)
+        else:
+            seconds[u.owner] += _bucket_seconds(plan, u.bucket, u.stop - u.start, model, threads)
+        itemsize = _itemsize(bucket.dtype)
+        per = [p * itemsize for p in per]
+        phases.append(per)
+        need = per[0] + per[1] + per[2]
+        (touched,) = np.nonzero(need)
+        needs.append((touched, need[touched]))
+    held_ex = np.zeros(world, dtype=np.int64)
+    for i in spread:
+        m = mats[i]
+        for n, ranks in zip(m.part_numel, m.part_ranks):
+            held_ex[ranks] += n * item
+    caps = (
+        [settings.max_exchange_bytes] * world
+        if settings.max_exchange_bytes is not None
+        else np.maximum(held_ex, DEFAULT_MIN_EXCHANGE_BYTES).tolist()
+    )
+    rounds = pack_rounds(needs, [plan.buckets[u.bucket].dtype for u in units], caps, world)
+    count = 0
+    for rs in rounds.values():
+        biggest = [np.zeros(world, dtype=np.int64) for _ in range(3)]
+        for ks in rs:
+            count += 1
+            for phase in range(3):
+                total = sum((phases[k][phase] for k in ks), np.zeros(world, dtype=np.int64))
+                biggest[phase] = np.maximum(biggest[phase], total)
+        buffers += biggest[0] + biggest[1] + biggest[2]
+        buffers += sum((phases[k][3] for ks in rs for k in ks), np.zeros(world, dtype=np.int64))
+    sent += reduce_bytes
+    received += reduce_bytes
     # what each rank holds whole alone runs in a local engine, its own plan
     local: dict[int, list[tuple[int, ...]]] = {}
     for m in mats:
@@ -390,14 +420,65 @@ def fastmuon_figures(
         local_plans[r], f, s = by_shapes[key]
         flops[r] += f
         seconds[r] += s
-    comm = np.maximum(sent, received) / link
-    dtypes = {b.dtype for b in plan.buckets}
-    note = f"{len(spread)} of {len(mats)} matrices exchanged, {len(mats) - len(spread)} orthogonalised where they lie"
+    comm = (
+        np.maximum(sent - reduce_bytes, received - reduce_bytes) / link
+        + reduce_bytes / links.group_bytes_per_s
+    )
+    groups = sum(1 for u in units if u.group)
+    note = (
+        f"{len(spread)} of {len(mats)} matrices exchanged ({groups} by owner groups) in {count} "
+        f"round{'s' if count != 1 else ''}, {len(mats) - len(spread)} orthogonalised where they lie"
+    )
+    kinds = {"all_to_all": 2 * count} if spread else {}
+    if reduces:
+        kinds["all_reduce"] = reduces
     return Figures(
         "fastmuon", str(layout), world, flops, sent, received, buffers, held, seconds, comm,
-        {"all_to_all": 2 * len(dtypes)} if spread else {}, _itemsize(settings.ns_dtype), note,
-        (plan, units, local_plans),
+        kinds, item, note, (plan, units, local_plans),
     )  # fmt: skip
+
+
+def _target_bytes(m: Matrix, owner: int, block, per, sent, received) -> None:
+    """Add one target's exchange to the per-rank arrays: each part's nearest holder sends the
+    part (its overlap with ``block``, a ``(dims, 2)`` box; None: the whole matrix) to ``owner``,
+    and every holder of it gets that piece of the result back (``exchange.Routes``' rule)."""
+    gsend, grecv, ssend, srecv = per
+    if block is None:
+        n_parts = m.part_numel
+    else:
+        lo = np.maximum(m.part_regions[:, :, 0], block[None, :, 0])
+        hi = np.minimum(m.part_regions[:, :, 1], block[None, :, 1])
+        n_parts = np.clip(hi - lo, 0, None).prod(axis=1)
+    single = all(len(r) == 1 for r in m.part_ranks)
+    if single and block is None:  # every part one holder's (FSDP row blocks): all at once
+        src = np.concatenate(m.part_ranks)
+        np.add.at(gsend, src, n_parts)
+        grecv[owner] += int(n_parts.sum())
+        ssend[owner] += int(n_parts.sum())
+        np.add.at(srecv, src, n_parts)
+        away = src != owner
+        np.add.at(sent, src[away], n_parts[away])
+        np.add.at(received, src[away], n_parts[away])
+        moved = int(n_parts[away].sum())
+        sent[owner] += moved
+        received[owner] += moved
+        return
+    for n, ranks in zip(n_parts.tolist(), m.part_ranks):
+        if n <= 0:
+            continue
+        src = _nearest(ranks, owner)
+        gsend[src] += n
+        grecv[owner] += n
+        ssend[owner] += n * len(ranks)
+        srecv[ranks] += n
+        if src != owner:
+            sent[src] += n
+            received[owner] += n
+        has_owner = bool(np.any(ranks == owner))
+        sent[owner] += n * (len(ranks) - has_owner)
+        received[ranks] += n
+        if has_owner:
+            received[owner] -= n
 
 
 def _alone_seconds(shape: tuple[int, int], settings: Settings, model: CostModel) -> tuple[int, float]:

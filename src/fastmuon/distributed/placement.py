@@ -1,0 +1,294 @@
+"""Where each matrix's Newton–Schulz runs: one decision per matrix, by predicted time.
+
+For every piece of the plan (a run of a bucket's slots, cut to at most one rank's fair share of
+NS FLOPs, as :func:`fastmuon.distributed.replicated.assign_work` cuts) the placement chooses
+among:
+
+- **where it lies**: a rank that holds the matrices whole (no bytes move to it);
+- **one owner** elsewhere: the parts travel to it and the results back (bytes at the link rate);
+- **an owner group** of ``g`` ranks (an aligned block of ``g`` consecutive ranks, inside a node
+  where the world has nodes): a single matrix costing more than a fair share is split into ``g``
+  column blocks of its wide orientation, and the members orthogonalise it together, summing the
+  Gram matrix over the group each iteration (:mod:`fastmuon.distributed.group_ns`).
+
+Each option is priced as what it adds to the ranks it touches: NS seconds at the cost model's
+rate plus the larger of bytes sent and received over the link (an ``all_to_all`` moves both at
+once), and the Gram all-reduces at the group's link rate. Pieces are placed largest first on the
+option that leaves the busiest touched rank least loaded (LPT over predicted time). Pure and
+deterministic: every rank computes the same placement from the same plan, and ``fastmuon plan``
+computes it for any world size without running one.
+
+Owner groups are our design; the Gram all-reduce per iteration is what NVIDIA's
+Emerging-Optimizers does for tensor-parallel shards (its ``tp_mode="distributed"``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
+from .group_ns import group_form, group_ns_flops, group_reduce_elements
+from .replicated import WorkUnit, _runs
+
+
+@dataclass(frozen=True)
+class Links:
+    """The link rates the placement prices bytes at (bytes per second each way, per rank): the
+    exchange's (across the whole group of ranks) and an owner group's Gram all-reduce (inside
+    a node), and how many consecutive ranks share a node (owner groups never cross one)."""
+
+    exchange_bytes_per_s: float
+    group_bytes_per_s: float
+    ranks_per_node: int
+
+
+#: The step's own assumption where no plan gave it one: NVLink-class inside a node of 8 and a
+#: 400 Gb/s NIC per GPU beyond it on CUDA (the H100 figures of ``fastmuon plan``); a CPU process
+#: group (gloo over loopback or Ethernet) at 1 GB/s, its node being every rank.
+def default_links(device_type: str, world: int, ranks_per_node: int | None = None) -> Links:
+    if device_type == "cuda":
+        node = min(ranks_per_node or 8, world)
+        return Links(450e9 if world <= node else 50e9, 450e9, node)
+    node = min(ranks_per_node or world, world)
+    return Links(1e9, 1e9, node)
+
+
+class Holding:
+    """How a matrix lies over the ranks: its elements, each distinct part's elements and the
+    ranks holding it (ascending), and the bytes per element it travels in (the NS dtype)."""
+
+    def __init__(
+        self, numel: int, part_numel: Sequence[int], part_ranks: Sequence[Sequence[int]], itemsize: int
+    ):
+        self.numel, self.itemsize = int(numel), int(itemsize)
+        self.part_numel = np.asarray(part_numel, dtype=np.int64)
+        self.part_ranks = [np.asarray(r, dtype=np.int64) for r in part_ranks]
+        counts = [len(r) for r in self.part_ranks]
+        # every (rank, elements) pair, flat: the arrays the per-rank sums index with
+        self.ranks = np.concatenate(self.part_ranks) if self.part_ranks else np.zeros(0, dtype=np.int64)
+        self.numels = np.repeat(self.part_numel, counts)
+        held = int(self.numels.sum())
+        self.copies = max(1, held // max(self.numel, 1))
+        whole = len(self.part_numel) == 1 and int(self.part_numel[0]) == self.numel
+        self.candidates: tuple[int, ...] | None = tuple(self.part_ranks[0].tolist()) if whole else None
+
+
+def _valid_group_sizes(long_side: int, world: int, node: int, fixed: int | None) -> list[int]:
+    """Owner-group sizes a matrix may take: a fixed size where given, else every power of two
+    from 2 up to the node that divides both the world and the matrix's long side."""
+    if fixed is not None:
+        return [fixed] if fixed > 1 else []
+    sizes, g = [], 2
+    while g <= node:
+        if world % g == 0 and long_side % g == 0:
+            sizes.append(g)
+        g *= 2
+    return sizes
+
+
+def holding_of(matrix, itemsize: int) -> Holding:
+    """The :class:`Holding` of a :class:`~fastmuon.distributed.sharded.ShardedMatrix`."""
+    parts: dict[tuple, list[int]] = {}
+    for r, region in enumerate(matrix.held):
+        if region is not None:
+            parts.setdefault(region, []).append(r)
+    numel = math.prod(matrix.shape)
+    sizes = [math.prod(b - a for a, b in region) for region in parts]
+    return Holding(numel, sizes, list(parts.values()), itemsize)
+
+
+def ranks_per_node() -> int | None:
+    """Ranks per node as the launcher says (torchrun's ``LOCAL_WORLD_SIZE``), else None."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+class _Loads:
+    """Every rank's predicted NS seconds and bytes sent and received so far."""
+
+    def __init__(self, world: int, link: float):
+        self.ns = np.zeros(world)
+        self.sent = np.zeros(world)
+        self.received = np.zeros(world)
+        self.link = link
+
+    def finish(self) -> np.ndarray:
+        return self.ns + np.maximum(self.sent, self.received) / self.link
+
+
+def place(
+    plan: Plan,
+    world: int,
+    holdings: Sequence[Holding] | None,
+    model: CostModel,
+    links: Links,
+    owner_group_size: int | None = None,
+    threads: int = 1,
+    splittable: Sequence[bool] | None = None,
+) -> list[WorkUnit]:
+    """The plan's work units with their owners (see the module docstring).
+
+    ``holdings[i]`` says how matrix ``i`` of the plan lies; None: every rank holds every matrix
+    whole (DDP). ``owner_group_size``: None chooses per matrix (sizes 2, 4, ... up to the node
+    that divide it), 1 never splits a matrix, ``g`` splits every matrix costing more than a fair
+    share over ``g`` ranks (the caller has checked that ``g`` divides them).
+    """
+    steps = plan.steps
+    per_slot_s: list[float] = []
+    for bucket in plan.buckets:
+        _, r, c = bucket.shape
+        cost = ns_cost(r, c, steps, bucket.method, bucket.dtype, model.eigh, threads, bucket.preconditioning)
+        per_slot_s.append(cost * model.flop_seconds(bucket.dtype))
+    total = sum(s * b.shape[0] for s, b in zip(per_slot_s, plan.buckets))
+    share = total / max(world, 1)
+    if owner_group_size is not None and owner_group_size > 1 and world % owner_group_size:
+        raise ValueError(
+            f"owner_group_size={owner_group_size} must divide the {world} ranks the step runs on; "
+            f"give a divisor of {world}, or None to let the step choose, or 1 for whole-matrix owners"
+        )
+    candidates = None if holdings is None else [h.candidates for h in holdings]
+    pieces: list[tuple[int, int, int, float]] = []  # (bucket, start, stop, seconds)
+    for b, bucket in enumerate(plan.buckets):
+        for lo, hi, _ in _runs(bucket, candidates):
+            run_s = per_slot_s[b] * (hi - lo)
+            n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_s / share)))
+            bounds = [lo + round(k * (hi - lo) / n) for k in range(n + 1)]
+            pieces += [(b, a, z, per_slot_s[b] * (z - a)) for a, z in zip(bounds, bounds[1:])]
+    loads = _Loads(world, links.exchange_bytes_per_s)
+    owners: dict[tuple[int, int], tuple[int, ...]] = {}
+    for b, lo, hi, seconds in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
+        bucket = plan.buckets[b]
+        members = bucket.members[lo:hi]
+        launch = kernels_per_bucket(steps, bucket.method, bucket.preconditioning) * model.launch_cost(
+            bucket.dtype
+        )
+        ns_s = seconds + launch
+        finish = loads.finish()
+        # one owner: where it lies costs no bytes; elsewhere its parts come in, results go out
+        recv_b, send_b, cand = _move_bytes(members, holdings, world)
+        link = links.exchange_bytes_per_s
+        after = loads.ns + ns_s + np.maximum(loads.sent + send_b, loads.received + recv_b) / link
+        if cand is not None:
+            c = np.asarray(cand)
+            after[c] = loads.ns[c] + ns_s + np.maximum(loads.sent[c], loads.received[c]) / link
+        best = int(np.argmin(after))
+        choice: tuple[int, ...] = (best,)
+        best_time = float(after[best])
+        m = members[0]
+        split_ok = splittable is None or splittable[m.index]
+        if hi - lo == 1 and seconds > share and world > 1 and split_ok:
+            short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
+            if owner_group_size is not None and owner_group_size > 1 and long_side % owner_group_size:
+                raise ValueError(
+                    f"owner_group_size={owner_group_size} cannot split a {m.rows}x{m.cols} matrix "
+                    f"(its long side {long_side} is not a multiple of {owner_group_size}); give a size "
+                    "dividing every matrix larger than a rank's share, or None to let the step choose"
+                )
+            for g in _valid_group_sizes(long_side, world, links.ranks_per_node, owner_group_size):
+                if world % g:
+                    continue
+                t, block = _group_option(m, g, bucket, steps, model, links, loads, holdings, finish)
+                if owner_group_size is not None or t < best_time:
+                    best_time, choice = t, tuple(range(block * g, block * g + g))
+                    if owner_group_size is not None:
+                        break
+        _charge(loads, choice, ns_s, members, bucket, steps, model, links, holdings, recv_b, send_b, cand)
+        owners[(b, lo)] = choice
+    units = []
+    for b, lo, hi, _ in pieces:
+        who = owners[(b, lo)]
+        bucket = plan.buckets[b]
+        if len(who) == 1:
+            flops = bucket.flops(steps) // bucket.shape[0] * (hi - lo)
+        else:
+            m = bucket.members[lo]
+            short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
+            nj = long_side // len(who)
+            flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
+        units.append(WorkUnit(b, lo, hi, flops, who[0], who if len(who) > 1 else ()))
+    return units
+
+
+def _move_bytes(members, holdings, world: int):
+    """Bytes an owner at each rank would receive and send for these matrices (per-rank arrays,
+    its own parts excluded), and the ranks holding them all whole (None if any lacks one)."""
+    recv = np.zeros(world)
+    send = np.zeros(world)
+    if holdings is None:  # replicated: every rank holds it, the broadcast is the same from any
+        return recv, send, tuple(range(world))
+    cand: set[int] | None = None
+    for m in members:
+        h = holdings[m.index]
+        item = h.itemsize
+        recv += h.numel * item
+        send += h.numel * h.copies * item
+        np.subtract.at(recv, h.ranks, h.numels * item)
+        np.subtract.at(send, h.ranks, h.numels * item)
+        c = h.candidates
+        cand = (set(c) if cand is None else cand & set(c)) if c is not None else set()
+    if not cand:
+        return recv, send, None
+    return recv, send, tuple(sorted(cand))
+
+
+def _group_option(m, g, bucket, steps, model, links, loads, holdings, finish):
+    """The finish time of the busiest member of the best aligned block of ``g`` ranks, and the
+    block's number, for orthogonalising matrix ``m`` as an owner group."""
+    short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
+    nj = long_side // g
+    flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
+    item = torch.empty((), dtype=bucket.dtype).element_size()
+    reduce_s = group_reduce_elements(1, short, steps, bucket.preconditioning) * item * 2 * (g - 1) / g
+    ns_s = flops * model.flop_seconds(bucket.dtype) + reduce_s / links.group_bytes_per_s
+    moved = 0.0 if holdings is None else holdings[m.index].numel * item / g
+    fan = 1 if holdings is None else holdings[m.index].copies
+    link = links.exchange_bytes_per_s
+    after = loads.ns + ns_s + np.maximum(loads.sent + moved * fan, loads.received + moved) / link
+    per_block = after.reshape(-1, g).max(axis=1)
+    block = int(np.argmin(per_block))
+    return float(per_block[block]), block
+
+
+def _charge(loads, choice, ns_s, members, bucket, steps, model, links, holdings, recv_b, send_b, cand):
+    """Add a placed piece's predicted cost to the ranks it touches."""
+    if len(choice) == 1:
+        r = choice[0]
+        loads.ns[r] += ns_s
+        if cand is None or r not in cand:
+            loads.sent[r] += send_b[r]
+            loads.received[r] += recv_b[r]
+            if holdings is not None:  # each part's nearest holder sends it and takes its result
+                for mem in members:
+                    h = holdings[mem.index]
+                    if len(h.ranks) == len(h.part_ranks):  # one holder per part: it is the source
+                        away = h.ranks != r
+                        np.add.at(loads.sent, h.ranks[away], h.numels[away] * h.itemsize)
+                        np.add.at(loads.received, h.ranks[away], h.numels[away] * h.itemsize)
+                        continue
+                    for n, ranks in zip(h.part_numel.tolist(), h.part_ranks):
+                        if len(ranks) == 1 or r not in ranks:
+                            src = int(ranks[np.argmin(np.abs(ranks - r))])
+                            if src != r:
+                                loads.sent[src] += n * h.itemsize
+                                loads.received[src] += n * h.itemsize
+        return
+    g = len(choice)
+    m = members[0]
+    short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
+    nj = long_side // g
+    flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
+    item = torch.empty((), dtype=bucket.dtype).element_size()
+    reduce_b = group_reduce_elements(1, short, steps, bucket.preconditioning) * item * 2 * (g - 1) / g
+    idx = list(choice)
+    loads.ns[idx] += flops * model.flop_seconds(bucket.dtype) + reduce_b / links.group_bytes_per_s
+    if holdings is not None:
+        h = holdings[m.index]
+        moved = h.numel * h.itemsize / g
+        loads.received[idx] += moved
+        loads.sent[idx] += moved * h.copies
