@@ -8,6 +8,7 @@ optimizer hands the layer a context, never itself.
 - :mod:`.sharded`: the matrices a rank takes part in, and which move;
 - :mod:`.exchange`: gather-to-owner and scatter-back over those boxes (``Routes``: who sends what);
 - :mod:`.dtensor`: DTensor facts and local shards;
+- :mod:`.group_ns`: NS of one matrix split by columns over an owner group (Gram all-reduces);
 - :mod:`.inflight`: keeping every collective's tensors alive until it is done.
 """
 
