@@ -15,7 +15,7 @@ from fastmuon.bench.scale import parse_layout, rank_regions, workload
 from fastmuon.bench.scale.figures import Settings, fastmuon_figures, figures, matrices
 from fastmuon.bench.scale.models import COLWISE, ROWWISE, Tensor, Workload
 from fastmuon.cli import main
-from fastmuon.distributed.exchange import Routes, exchange_bytes
+from fastmuon.distributed.exchange import Routes, exchange_bytes, exchange_caps
 
 # the model of scale_worker.py, as the plan sees it
 NET = Workload(
@@ -66,8 +66,9 @@ def _cpu_model():
     return default_cost_model("cpu")
 
 
-def _routes_bytes(w: Workload, lay, settings: Settings) -> list[tuple[int, int]]:
-    """Bytes per rank from the exchange's own ``Routes`` over every rank's box of every matrix."""
+def _routes_bytes(w: Workload, lay, settings: Settings, units) -> tuple[list[tuple[int, int]], list[int]]:
+    """Bytes per rank and exchange buffers per rank from the exchange's own ``Routes`` over every
+    rank's box of every matrix, for the plan's work units."""
     from fastmuon.matrices import parse
 
     shapes, helds = [], []
@@ -95,20 +96,47 @@ def _routes_bytes(w: Workload, lay, settings: Settings) -> list[tuple[int, int]]
             if not (len(holders) == 1 and holders[0] == whole):
                 shapes.append(shape)
                 helds.append(held)
-    routes = Routes(settings.plan(shapes), shapes, helds, lay.world)
-    return [exchange_bytes(routes, r) for r in range(lay.world)]
+    caps = exchange_caps(settings.max_exchange_bytes, helds, [_item(settings)] * len(shapes), lay.world)
+    routes = Routes(settings.plan(shapes), shapes, helds, lay.world, units, caps)
+    bytes_ = [exchange_bytes(routes, r) for r in range(lay.world)]
+    return bytes_, [routes.buffer_bytes(r) for r in range(lay.world)]
+
+
+def _item(settings: Settings) -> int:
+    return torch.empty((), dtype=settings.ns_dtype).element_size()
+
+
+GROUPS, ROUNDS = {"owner_group_size": 2}, {"max_exchange_bytes": 12 * 2**20}
 
 
 @pytest.mark.parametrize(
-    "model, spec, world",
-    [("gpt2", "fsdp", 6), ("gpt2", "hsdp:2x3", 6), ("gpt2", "fsdp+tp:2x2", 4), ("mixtral-8x7b", "ep:4", 8)],
+    "model, spec, world, steer",
+    [
+        ("gpt2", "fsdp", 6, {}),
+        ("gpt2", "hsdp:2x3", 6, {}),
+        ("gpt2", "fsdp+tp:2x2", 4, {}),
+        ("mixtral-8x7b", "ep:4", 8, {}),
+        ("gpt2", "fsdp", 6, ROUNDS),
+        ("gpt2", "hsdp:2x3", 6, ROUNDS),
+        ("gpt2", "fsdp", 64, {}),
+        ("gpt2", "fsdp", 64, GROUPS),
+        ("gpt2", "hsdp:8x8", 64, GROUPS | {"max_exchange_bytes": 2**24}),
+        ("gpt2", "fsdp+tp:8x8", 64, {}),
+    ],
 )
-def test_bytes_equal_the_exchange_routes(model, spec, world):
+def test_bytes_and_buffers_equal_the_exchange_routes(model, spec, world, steer):
     w = workload(model)
     lay = parse_layout(spec, world, w.num_experts)
-    settings = Settings(plan_device="cuda")
+    settings = Settings(plan_device="cuda", **steer)
     fig = fastmuon_figures(w, lay, settings, _cpu_model(), 1e9)
-    assert list(zip(fig.sent.tolist(), fig.received.tolist())) == _routes_bytes(w, lay, settings)
+    plan, units, _ = fig.work
+    if world == 64:
+        assert any(u.group for u in units), "the case must split some matrix over an owner group"
+    routes_bytes, routes_buffers = _routes_bytes(w, lay, settings, units)
+    assert list(zip(fig.sent.tolist(), fig.received.tolist())) == routes_bytes
+    assert fig.buffers.tolist() == routes_buffers
+    if "max_exchange_bytes" in steer:
+        assert int(fig.collectives["all_to_all"]) > 2, "the cap must split the exchange into rounds"
 
 
 def test_every_element_is_in_one_box_and_every_rank_has_one():

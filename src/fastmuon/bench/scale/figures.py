@@ -359,9 +359,9 @@ def fastmuon_figures(
             if u.group:
                 for j, o in enumerate(u.group):
                     block = block_region(m.shape, j, len(u.group))
-                    _target_bytes(m, o, np.asarray(block), per, sent, received)
+                    _target_bytes(m, o, np.asarray(block), per, sent, received, item)
             else:
-                _target_bytes(m, u.owner, None, per, sent, received)
+                _target_bytes(m, u.owner, None, per, sent, received, item)
         for r in u.owners:
             flops[r] += u.flops
         if u.group:
@@ -438,10 +438,11 @@ def fastmuon_figures(
     )  # fmt: skip
 
 
-def _target_bytes(m: Matrix, owner: int, block, per, sent, received) -> None:
-    """Add one target's exchange to the per-rank arrays: each part's nearest holder sends the
-    part (its overlap with ``block``, a ``(dims, 2)`` box; None: the whole matrix) to ``owner``,
-    and every holder of it gets that piece of the result back (``exchange.Routes``' rule)."""
+def _target_bytes(m: Matrix, owner: int, block, per, sent, received, item: int) -> None:
+    """Add one target's exchange to the per-rank arrays (``per``: elements in each buffer;
+    ``sent``, ``received``: bytes of ``item`` each): each part's nearest holder sends the part
+    (its overlap with ``block``, a ``(dims, 2)`` box; None: the whole matrix) to ``owner``, and
+    every holder of it gets that piece of the result back (``exchange.Routes``' rule)."""
     gsend, grecv, ssend, srecv = per
     if block is None:
         n_parts = m.part_numel
@@ -457,9 +458,9 @@ def _target_bytes(m: Matrix, owner: int, block, per, sent, received) -> None:
         ssend[owner] += int(n_parts.sum())
         np.add.at(srecv, src, n_parts)
         away = src != owner
-        np.add.at(sent, src[away], n_parts[away])
-        np.add.at(received, src[away], n_parts[away])
-        moved = int(n_parts[away].sum())
+        np.add.at(sent, src[away], n_parts[away] * item)
+        np.add.at(received, src[away], n_parts[away] * item)
+        moved = int(n_parts[away].sum()) * item
         sent[owner] += moved
         received[owner] += moved
         return
@@ -472,13 +473,13 @@ def _target_bytes(m: Matrix, owner: int, block, per, sent, received) -> None:
         ssend[owner] += n * len(ranks)
         srecv[ranks] += n
         if src != owner:
-            sent[src] += n
-            received[owner] += n
+            sent[src] += n * item
+            received[owner] += n * item
         has_owner = bool(np.any(ranks == owner))
-        sent[owner] += n * (len(ranks) - has_owner)
-        received[ranks] += n
+        sent[owner] += n * item * (len(ranks) - has_owner)
+        received[ranks] += n * item
         if has_owner:
-            received[owner] -= n
+            received[owner] -= n * item
 
 
 def _alone_seconds(shape: tuple[int, int], settings: Settings, model: CostModel) -> tuple[int, float]:
