@@ -6,8 +6,8 @@ buffers stay within bound: the measures ``fastmuon plan`` prints and its targets
 - The **balanced ideal**: the mean rank's NS seconds (its FLOPs at the device's rate for the NS
   dtype, plus its kernel launches, as the figures price them) plus the largest shard (in the
   dtype the design moves) once over the link: the step with its NS work spread evenly and the
-  largest shard crossing the link once. A design that orthogonalises whole matrices falls short
-  of its NS term where one matrix outweighs the mean share; a rank that orthogonalises its shard
+  largest shard crossing the link once. A design that orthogonalises whole matrices cannot reach
+  its NS term where one matrix outweighs the mean share; a rank that orthogonalises its shard
   where it lies moves less than the shard, so a step may come in under the ideal.
 - The **buffer bound**: twice the rank's own shard, or :data:`BUFFER_FLOOR_BYTES`, whichever is
   larger; a floor, since an exchange needs room for its largest message however small the shard.
