@@ -31,10 +31,11 @@ DEFAULT_WORLD = 1024
 DEFAULT_MAX_MEASURE_SECONDS = 120.0
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 SHOWN_CLASSES = 6
+DEFAULT_MODEL, DEFAULT_LAYOUT = "llama3-70b", "fsdp"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama3-70b", choices=list(WORKLOADS), help="the workload")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=list(WORKLOADS), help="the workload")
     p.add_argument(
         "--world",
         type=int,
@@ -42,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="ranks (default: R·S where --layout names both mesh dims, as hsdp:RxS or fsdp+tp:DxT; "
         f"else {DEFAULT_WORLD})",
     )
-    p.add_argument("--layout", default="fsdp", help=f"how parameters lie on the ranks: {LAYOUT_HELP}")
+    p.add_argument("--layout", default=DEFAULT_LAYOUT, help=f"how parameters lie on the ranks: {LAYOUT_HELP}")
     p.add_argument("--design", default="all", choices=("all", *DESIGNS), help="whose step to compute")
     p.add_argument(
         "--device", default="h100", choices=DEVICE_NAMES, help="the device times are predicted for"
@@ -65,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--measure", action="store_true",
         help="with --device cpu-measured: run the busiest rank's NS here and print measured against predicted",
+    )  # fmt: skip
+    p.add_argument(
+        "--targets", action="store_true",
+        help="compute the at-scale targets instead: 33 configurations of llama3-8b, llama3-70b, mixtral-8x7b "
+        "and deepseek-v3 at 8, 64 and 1,024 ranks, fastmuon against the balanced ideal, the peers and its "
+        "buffer bound, as one table (see docs/scale.md)",
     )  # fmt: skip
     p.add_argument(
         "--max-measure-seconds",
@@ -226,6 +233,11 @@ def _text(args, lay: Layout, results: dict[str, Figures | str], dev) -> str:
             + (f"; {s['note']}" if s["note"] else "")
         )
         lines.append(
+            f"  optimizer step (NS + exchange, busiest rank) {1e3 * s['optimizer_seconds_max']:,.1f} ms; balanced "
+            f"ideal of its own work {1e3 * s['ideal_seconds']:,.1f} ms (its mean NS + largest shard once over the link): "
+            f"{s['ideal_ratio']:.2f}x"
+        )
+        lines.append(
             f"  {'ranks':<22} {'n':>5} {'NS TFLOP':>9} {'sent':>11} {'received':>11} {'shard':>11} "
             f"{'buffers':>11} {'NS ms':>9} {'comm ms':>9}"
         )
@@ -321,6 +333,13 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:
             check_output_file(flag, path)
+    if args.targets:
+        from . import targets
+
+        problem = targets.usage_problem(args, DEFAULT_MODEL, DEFAULT_LAYOUT)
+        if problem:
+            raise UsageError(problem)
+        return targets.run(args, *_settings(args))
     if args.plot:
         require_packages("matplotlib")
         problem = plot_format_problem(args.plot)

@@ -49,6 +49,7 @@ from ...matrices import parse
 from ...ns.build import plan_for
 from ...ns.engine import NSConfig, spec_of
 from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost, ns_flops
+from .balance import balance_summary, priced
 from .layouts import NODE, Layout, regions
 from .models import Tensor, Workload
 
@@ -205,6 +206,7 @@ class Figures:
     itemsize: int = 2  # bytes per element moved
     note: str = ""
     work: Any = None  # fastmuon's: (plan, units, local plans by rank) of the exchange, for measuring
+    link_bytes_per_s: float = 0.0  # each way, the link the exchange crosses (0: unpriced; balance.priced)
 
     @property
     def imbalance(self) -> float:
@@ -264,6 +266,7 @@ class Figures:
             "comm_seconds_max": float(self.comm_seconds.max()),
             "collectives": dict(self.collectives),
             "rank_classes": len(self.classes()),
+            **balance_summary(self),
             "note": self.note,
         }
 
@@ -351,7 +354,7 @@ def fastmuon_figures(
     reduce_bytes = np.zeros(world, dtype=np.int64)
     needs, phases = [], []
     reduces = 0
-    for k, u in enumerate(units):
+    for u in units:
         bucket = plan.buckets[u.bucket]
         per = [np.zeros(world, dtype=np.int64) for _ in range(4)]  # gather send/recv, scatter send/recv
         for mem in bucket.members[u.start : u.stop]:
@@ -585,6 +588,14 @@ def peer_figures(
 
 
 def figures(
+    design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+) -> Figures | str:
+    """``design``'s figures, priced for the balanced ideal, or why it does not apply to ``layout``."""
+    fig = _design_figures(design, workload, layout, settings, model, link)
+    return fig if isinstance(fig, str) else priced(fig, link)
+
+
+def _design_figures(
     design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
 ) -> Figures | str:
     if design == "fastmuon":
