@@ -32,7 +32,7 @@ def table(model: str, dev: str = "h100") -> str:
         for spec in layouts(world, w.num_experts):
             lay = parse_layout(spec, world, w.num_experts)
             for design in DESIGNS:
-                f = figures(design, w, lay, settings, d.cost_model, d.link_bytes_per_s(world))
+                f = figures(design, w, lay, settings, d.cost_model, d.link_bytes_per_s(world), d.intra_node_bytes_per_s)
                 if isinstance(f, str):
                     rows.append(f"| {world} | {lay} | {design} | n/a: {f} | | | | | | |")
                     continue

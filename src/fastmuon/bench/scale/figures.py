@@ -588,16 +588,30 @@ def peer_figures(
 
 
 def figures(
-    design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+    design: str,
+    workload: Workload,
+    layout: Layout,
+    settings: Settings,
+    model: CostModel,
+    link: float,
+    group_link: float | None = None,
 ) -> Figures | str:
-    """``design``'s figures, priced for the balanced ideal, or why it does not apply to ``layout``."""
-    fig = _design_figures(design, workload, layout, settings, model, link)
+    """``design``'s figures, priced for the balanced ideal, or why it does not apply to ``layout``
+    (``link``: the exchange's bytes per second each way; ``group_link``: inside a node, where
+    fastmuon's owner groups sum their Gram matrices; None: ``link``)."""
+    fig = _design_figures(design, workload, layout, settings, model, link, group_link)
     return fig if isinstance(fig, str) else priced(fig, link)
 
 
 def _design_figures(
-    design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
+    design: str,
+    workload: Workload,
+    layout: Layout,
+    settings: Settings,
+    model: CostModel,
+    link: float,
+    group_link: float | None,
 ) -> Figures | str:
     if design == "fastmuon":
-        return fastmuon_figures(workload, layout, settings, model, link)
+        return fastmuon_figures(workload, layout, settings, model, link, group_link)
     return peer_figures(design, workload, layout, settings, model, link)
