@@ -82,6 +82,8 @@ def build_distributed(
             device_type = params[spread[0]].device.type
             links = default_links(device_type, world, ranks_per_node())
             model = cost_model if isinstance(cost_model, CostModel) else default_cost_model(device_type)
+            held = [matrices[i].held for i in spread]
+            caps = exchange_caps(ctx.options.max_exchange_bytes, held, ns_items, world)
             units = place(
                 plan,
                 world,
@@ -91,9 +93,8 @@ def build_distributed(
                 ctx.options.owner_group_size,
                 threads,
                 splittable=[len(matrices[i].shape) == 2 for i in spread],
+                max_piece_bytes=min(caps),
             )
-            held = [matrices[i].held for i in spread]
-            caps = exchange_caps(ctx.options.max_exchange_bytes, held, ns_items, world)
             exchanged = ShardedOrthogonalizer(
                 plan,
                 [matrices[i].shape for i in spread],

@@ -45,24 +45,24 @@ def source_of(holders: Sequence[int], owner: int) -> int:
 
 
 #: The exchange buffers' default cap per rank where the step is not given one: the rank's own
-#: shard in the NS dtype, or this, whichever is larger (then results plus round buffers stay
-#: within max(2x the shard, 2 GiB)).
+#: shard in the NS dtype, or twice this less the shard, whichever is larger (then its results,
+#: one shard, plus its round buffers stay within max(2x the shard, 2 GiB)).
 DEFAULT_MIN_EXCHANGE_BYTES = 2**30
 
 
 def exchange_caps(
     given: int | None, held: Sequence[Sequence[Region | None]], itemsizes: Sequence[int], world: int
 ) -> list[int]:
-    """Every rank's cap on its round buffers: ``given`` for all, else the rank's own shard of the
-    exchanged matrices in the NS dtype or :data:`DEFAULT_MIN_EXCHANGE_BYTES`, whichever is
-    larger (its results take one shard more: within max(2x the shard, 2 GiB) in all)."""
+    """Every rank's cap on its round buffers: ``given`` for all, else (see
+    :data:`DEFAULT_MIN_EXCHANGE_BYTES`) what keeps them and its results, one shard of the
+    exchanged matrices in the NS dtype, within max(2x the shard, 2 GiB)."""
     if given is not None:
         return [int(given)] * world
     shard = [0] * world
     for regions, item in zip(held, itemsizes):
         for r, region in enumerate(regions):
             shard[r] += region_numel(region) * item
-    return [max(s, DEFAULT_MIN_EXCHANGE_BYTES) for s in shard]
+    return [max(s, 2 * DEFAULT_MIN_EXCHANGE_BYTES - s) for s in shard]
 
 
 def pack_rounds(
@@ -277,15 +277,12 @@ class Routes:
         return {d: [self.round_sizes(units, rank) for units in rs] for d, rs in self.rounds.items()}
 
     def buffer_bytes(self, rank: int) -> int:
-        """Exchange buffers ``rank`` keeps between steps: per NS dtype the largest round's gather
-        send, gather receive and scatter send, and every round's results."""
+        """Exchange buffers ``rank`` keeps between steps: per NS dtype one round buffer, sized
+        for the largest round's gather send, gather receive and scatter send together (a round
+        uses it for all three), and every round's results."""
         total = 0
         for dtype, per_round in self.sizes(rank).items():
-            item = dtype.itemsize
-            total += item * max(sum(gs) for (gs, _), _ in per_round)
-            total += item * max(sum(gr) for (_, gr), _ in per_round)
-            total += item * max(sum(ss) for _, (ss, _) in per_round)
-            total += item * sum(sum(sr) for _, (_, sr) in per_round)
+            total += dtype.itemsize * (_round_numel(per_round) + _results_numel(per_round))
         return total
 
     def group_reduce_bytes(self, rank: int) -> int:
@@ -356,16 +353,16 @@ class ShardedOrthogonalizer:
         stats = CommStats(total_flops=self.stats.total_flops, owned_flops=self.stats.owned_flops)
         me, world, routes = self.rank, self.world, self.routes
         for dtype, rounds in routes.rounds.items():
-            kept = self._buffer(dtype, "results", sum(sum(sr) for _, (_, sr) in self._sizes[dtype]), device)
+            kept = self._buffer(dtype, "results", _results_numel(self._sizes[dtype]), device)
+            arena = self._buffer(dtype, "round", _round_numel(self._sizes[dtype]), device)
             kept_at = 0
             for r, ks in enumerate(rounds):
                 (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype][r]
                 order = routes.owned(ks, me)
                 t0 = timer.now()
                 # 1. every part to its target's owner, cast to NS dtype on the way
-                send = self._buffer(dtype, "gather send", _largest(self._sizes[dtype], 0, 0), device)[
-                    : sum(to_owner)
-                ]
+                n_send, n_recv = sum(to_owner), sum(from_rank)
+                send = arena[:n_send]
                 blocks = [
                     _part(
                         sources[routes.targets[t].matrix], _within(reg, self._mine[routes.targets[t].matrix])
@@ -377,9 +374,7 @@ class ShardedOrthogonalizer:
                 ]
                 if blocks:
                     torch.cat(blocks, out=send)
-                recv = self._buffer(dtype, "gather recv", _largest(self._sizes[dtype], 0, 1), device)[
-                    : sum(from_rank)
-                ]
+                recv = arena[n_send : n_send + n_recv]
                 self._inflight.issue(
                     dist.all_to_all_single, recv, send, from_rank, to_owner, group=self.group
                 )
@@ -390,9 +385,7 @@ class ShardedOrthogonalizer:
                 outs = self._orthogonalise(dtype, r, ks, order[me], inputs)
                 t2 = timer.now()
                 # 3. every holder's piece of each result back to it
-                send = self._buffer(dtype, "scatter send", _largest(self._sizes[dtype], 1, 0), device)[
-                    : sum(to_rank)
-                ]
+                send = arena[n_send + n_recv : n_send + n_recv + sum(to_rank)]
                 parts = [
                     _part(out, _within(reg, routes.targets[t].region)).reshape(-1)
                     for q in range(world)
@@ -498,10 +491,15 @@ def _is_tall(shape: Sequence[int]) -> bool:
     return shape[0] > math.prod(shape[1:])
 
 
-def _largest(per_round: list[tuple], phase: int, side: int) -> int:
-    """The largest round's total for one buffer (``phase`` 0 gather / 1 scatter, ``side`` 0
-    send / 1 receive)."""
-    return max(sum(sizes[phase][side]) for sizes in per_round)
+def _round_numel(per_round: list[tuple]) -> int:
+    """Elements of the round buffer: the largest round's gather send, gather receive and
+    scatter send together."""
+    return max(sum(gs) + sum(gr) + sum(ss) for (gs, gr), (ss, _) in per_round)
+
+
+def _results_numel(per_round: list[tuple]) -> int:
+    """Elements of every round's results together: this rank's parts of every result."""
+    return sum(sum(sr) for _, (_, sr) in per_round)
 
 
 def _my_part(got: list[tuple[Region, Tensor]], region: Region, dtype: torch.dtype) -> Tensor:

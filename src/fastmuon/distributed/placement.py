@@ -131,6 +131,7 @@ def place(
     owner_group_size: int | None = None,
     threads: int = 1,
     splittable: Sequence[bool] | None = None,
+    max_piece_bytes: int | None = None,
 ) -> list[WorkUnit]:
     """The plan's work units with their owners (see the module docstring).
 
@@ -138,6 +139,9 @@ def place(
     whole (DDP). ``owner_group_size``: None chooses per matrix (sizes 2, 4, ... up to the node
     that divide it), 1 never splits a matrix, ``g`` splits every matrix costing more than a fair
     share over ``g`` ranks (the caller has checked that ``g`` divides them).
+    ``max_piece_bytes``: a piece's matrices also stay within this many bytes of round buffer on
+    their owner (their parts in and their results out to every holder), so that the exchange's
+    rounds can keep to their caps.
     """
     steps = plan.steps
     per_slot_s: list[float] = []
@@ -145,24 +149,50 @@ def place(
         _, r, c = bucket.shape
         cost = ns_cost(r, c, steps, bucket.method, bucket.dtype, model.eigh, threads, bucket.preconditioning)
         per_slot_s.append(cost * model.flop_seconds(bucket.dtype))
-    total = sum(s * b.shape[0] for s, b in zip(per_slot_s, plan.buckets))
+    candidates = None if holdings is None else [h.candidates for h in holdings]
+    # what moving a slot's matrix costs where no rank holds it whole: its results fanned out to
+    # every holder, at the link rate (pieces are cut by NS and these seconds together)
+    link = links.exchange_bytes_per_s
+    moved_s: list[list[float]] = []
+    for bucket in plan.buckets:
+        per = [0.0] * bucket.shape[0]
+        if holdings is not None:
+            for m in bucket.members:
+                h = holdings[m.index]
+                fan = h.copies if h.candidates is None else h.copies - 1
+                per[m.slot] = h.numel * fan * h.itemsize / link
+        moved_s.append(per)
+    total = sum(s * b.shape[0] + sum(mv) for s, b, mv in zip(per_slot_s, plan.buckets, moved_s))
     share = total / max(world, 1)
+    ns_share = sum(s * b.shape[0] for s, b in zip(per_slot_s, plan.buckets)) / max(world, 1)
     if owner_group_size is not None and owner_group_size > 1 and world % owner_group_size:
         raise ValueError(
             f"owner_group_size={owner_group_size} must divide the {world} ranks the step runs on; "
             f"give a divisor of {world}, or None to let the step choose, or 1 for whole-matrix owners"
         )
-    candidates = None if holdings is None else [h.candidates for h in holdings]
-    pieces: list[tuple[int, int, int, float]] = []  # (bucket, start, stop, seconds)
+    pieces: list[tuple[int, int, int, float, float]] = []  # (bucket, start, stop, NS seconds, cost)
     for b, bucket in enumerate(plan.buckets):
+        mv = moved_s[b]
+        slot_bytes = [0] * bucket.shape[0]
+        if holdings is not None:
+            for m in bucket.members:
+                h = holdings[m.index]
+                slot_bytes[m.slot] = h.numel * (h.copies + 1) * h.itemsize
         for lo, hi, _ in _runs(bucket, candidates):
-            run_s = per_slot_s[b] * (hi - lo)
-            n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_s / share)))
+            run_cost = per_slot_s[b] * (hi - lo) + sum(mv[lo:hi])
+            n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_cost / share)))
+            widest = max(slot_bytes[lo:hi])
+            if max_piece_bytes and widest:  # slots of a run are alike: as many as fit per piece
+                per_piece = max(1, max_piece_bytes // widest)
+                n = max(n, min(hi - lo, math.ceil((hi - lo) / per_piece)))
             bounds = [lo + round(k * (hi - lo) / n) for k in range(n + 1)]
-            pieces += [(b, a, z, per_slot_s[b] * (z - a)) for a, z in zip(bounds, bounds[1:])]
+            pieces += [
+                (b, a, z, per_slot_s[b] * (z - a), per_slot_s[b] * (z - a) + sum(mv[a:z]))
+                for a, z in zip(bounds, bounds[1:])
+            ]
     loads = _Loads(world, links.exchange_bytes_per_s)
     owners: dict[tuple[int, int], tuple[int, ...]] = {}
-    for b, lo, hi, seconds in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
+    for b, lo, hi, seconds, cost in sorted(pieces, key=lambda p: (-p[4], p[0], p[1])):
         bucket = plan.buckets[b]
         members = bucket.members[lo:hi]
         launch = kernels_per_bucket(steps, bucket.method, bucket.preconditioning) * model.launch_cost(
@@ -174,15 +204,16 @@ def place(
         recv_b, send_b, cand = _move_bytes(members, holdings, world)
         link = links.exchange_bytes_per_s
         after = loads.ns + ns_s + np.maximum(loads.sent + send_b, loads.received + recv_b) / link
-        if cand is not None:
+        if cand is not None:  # a holder owns it: it sends the result to the other holders only
             c = np.asarray(cand)
-            after[c] = loads.ns[c] + ns_s + np.maximum(loads.sent[c], loads.received[c]) / link
+            fan = _fan_out_bytes(members, holdings)
+            after[c] = loads.ns[c] + ns_s + np.maximum(loads.sent[c] + fan, loads.received[c]) / link
         best = int(np.argmin(after))
         choice: tuple[int, ...] = (best,)
         best_time = float(after[best])
         m = members[0]
         split_ok = splittable is None or splittable[m.index]
-        if hi - lo == 1 and seconds > share and world > 1 and split_ok:
+        if hi - lo == 1 and (seconds > ns_share or cost > share) and world > 1 and split_ok:
             short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
             if owner_group_size is not None and owner_group_size > 1 and long_side % owner_group_size:
                 raise ValueError(
@@ -201,7 +232,7 @@ def place(
         _charge(loads, choice, ns_s, members, bucket, steps, model, links, holdings, recv_b, send_b, cand)
         owners[(b, lo)] = choice
     units = []
-    for b, lo, hi, _ in pieces:
+    for b, lo, hi, _, _ in pieces:
         who = owners[(b, lo)]
         bucket = plan.buckets[b]
         if len(who) == 1:
@@ -237,6 +268,18 @@ def _move_bytes(members, holdings, world: int):
     return recv, send, tuple(sorted(cand))
 
 
+def _fan_out_bytes(members, holdings) -> float:
+    """Bytes a holder that owns these matrices sends the other holders of them (replicas)."""
+    if holdings is None:
+        return 0.0
+    return float(
+        sum(
+            holdings[m.index].numel * (holdings[m.index].copies - 1) * holdings[m.index].itemsize
+            for m in members
+        )
+    )
+
+
 def _group_option(m, g, bucket, steps, model, links, loads, holdings, finish):
     """The finish time of the busiest member of the best aligned block of ``g`` ranks, and the
     block's number, for orthogonalising matrix ``m`` as an owner group."""
@@ -260,7 +303,14 @@ def _charge(loads, choice, ns_s, members, bucket, steps, model, links, holdings,
     if len(choice) == 1:
         r = choice[0]
         loads.ns[r] += ns_s
-        if cand is None or r not in cand:
+        if cand is not None and r in cand:
+            loads.sent[r] += _fan_out_bytes(members, holdings)
+            if holdings is not None:
+                for mem in members:
+                    h = holdings[mem.index]
+                    others = h.ranks[h.ranks != r]
+                    loads.received[others] += h.numel * h.itemsize
+        else:
             loads.sent[r] += send_b[r]
             loads.received[r] += recv_b[r]
             if holdings is not None:  # each part's nearest holder sends it and takes its result

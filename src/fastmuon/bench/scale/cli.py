@@ -121,7 +121,9 @@ def compute(args: argparse.Namespace, lay: Layout) -> dict[str, Figures | str]:
     settings, dev = _settings(args)
     link = dev.link_bytes_per_s(lay.world)
     designs = DESIGNS if args.design == "all" else (args.design,)
-    return {d: figures(d, w, lay, settings, dev.cost_model, link, dev.intra_node_bytes_per_s) for d in designs}
+    return {
+        d: figures(d, w, lay, settings, dev.cost_model, link, dev.intra_node_bytes_per_s) for d in designs
+    }
 
 
 # ----- the --plot sweep ---------------------------------------------------------------------------

@@ -347,9 +347,19 @@ def fastmuon_figures(
     node = min(NODE, world) if settings.plan_device == "cuda" else world
     links = Links(link, group_link or link, node)
     holdings = [Holding(mats[i].numel, mats[i].part_numel, mats[i].part_ranks, item) for i in spread]
+    held_ex = np.zeros(world, dtype=np.int64)
+    for i in spread:
+        m = mats[i]
+        for n, ranks in zip(m.part_numel, m.part_ranks):
+            held_ex[ranks] += n * item
+    caps = (
+        [settings.max_exchange_bytes] * world
+        if settings.max_exchange_bytes is not None
+        else np.maximum(held_ex, 2 * DEFAULT_MIN_EXCHANGE_BYTES - held_ex).tolist()
+    )
     units = place(
         plan, world, holdings, model, links, settings.owner_group_size, threads,
-        splittable=[len(mats[i].shape) == 2 for i in spread],
+        splittable=[len(mats[i].shape) == 2 for i in spread], max_piece_bytes=int(min(caps)) if spread else None,
     )  # fmt: skip
     reduce_bytes = np.zeros(world, dtype=np.int64)
     needs, phases = [], []
@@ -385,26 +395,17 @@ def fastmuon_figures(
         need = per[0] + per[1] + per[2]
         (touched,) = np.nonzero(need)
         needs.append((touched, need[touched]))
-    held_ex = np.zeros(world, dtype=np.int64)
-    for i in spread:
-        m = mats[i]
-        for n, ranks in zip(m.part_numel, m.part_ranks):
-            held_ex[ranks] += n * item
-    caps = (
-        [settings.max_exchange_bytes] * world
-        if settings.max_exchange_bytes is not None
-        else np.maximum(held_ex, DEFAULT_MIN_EXCHANGE_BYTES).tolist()
-    )
     rounds = pack_rounds(needs, [plan.buckets[u.bucket].dtype for u in units], caps, world)
     count = 0
     for rs in rounds.values():
-        biggest = [np.zeros(world, dtype=np.int64) for _ in range(3)]
+        biggest = np.zeros(world, dtype=np.int64)
         for ks in rs:
             count += 1
-            for phase in range(3):
-                total = sum((phases[k][phase] for k in ks), np.zeros(world, dtype=np.int64))
-                biggest[phase] = np.maximum(biggest[phase], total)
-        buffers += biggest[0] + biggest[1] + biggest[2]
+            total = sum(
+                (phases[k][0] + phases[k][1] + phases[k][2] for k in ks), np.zeros(world, dtype=np.int64)
+            )
+            biggest = np.maximum(biggest, total)
+        buffers += biggest
         buffers += sum((phases[k][3] for ks in rs for k in ks), np.zeros(world, dtype=np.int64))
     sent += reduce_bytes
     received += reduce_bytes

@@ -101,7 +101,9 @@ def evaluate(w: Workload, spec: str, world: int, settings: Settings, dev: Device
     and its buffer bound."""
     lay = parse_layout(spec, world, w.num_experts)
     link = dev.link_bytes_per_s(world)
-    results = {d: figures(d, w, lay, settings, dev.cost_model, link, dev.intra_node_bytes_per_s) for d in DESIGNS}
+    results = {
+        d: figures(d, w, lay, settings, dev.cost_model, link, dev.intra_node_bytes_per_s) for d in DESIGNS
+    }
     fm = results["fastmuon"]
     assert not isinstance(fm, str)  # fastmuon's figures apply to every layout
     seconds, ideal = busiest_seconds(fm), ideal_seconds(fm)
