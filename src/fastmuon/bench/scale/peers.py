@@ -502,11 +502,11 @@ def megatron_tp(layout: Layout) -> bool:
     return layout.kind == "ddp" or (layout.kind == "fsdp+tp" and layout.rows == 1 and layout.cols > 1)
 
 
-def _megatron_refusal(layout: Layout) -> str:
+def _megatron_refusal(layout: Layout, ddp: bool = True) -> str:
     if layout.kind == "fsdp+tp":
         return (
             f"needs every TP shard whole on each data-parallel rank (Megatron's DDP): {layout} shards it over "
-            f"{layout.rows} ranks; give fsdp+tp:1x{layout.cols} or ddp"
+            f"{layout.rows} ranks; give fsdp+tp:1x{layout.cols}" + (" or ddp" if ddp else "")
         )
     return "needs every parameter whole on every data-parallel rank (Megatron's DDP): give ddp or fsdp+tp:1xT"
 
@@ -599,7 +599,7 @@ def emerging(w: Workload, layout: Layout, settings: Settings, model: CostModel, 
             "every rank orthogonalises its whole matrices (the megatron design); give fsdp+tp:1xT"
         )
     if layout.rows > 1:
-        return _megatron_refusal(layout)
+        return _megatron_refusal(layout, ddp=False)
     world = layout.world
     flops, calls, sent, received, buffers = _zeros(world, 5)
     reductions = 0
