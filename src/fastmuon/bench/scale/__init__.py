@@ -2,7 +2,8 @@
 
 - :mod:`.models`: the workloads' orthogonalised tensors (bundled and public configurations);
 - :mod:`.layouts`: every rank's box of every tensor under DDP, FSDP, HSDP, FSDP + TP and EP;
-- :mod:`.figures`: per-rank NS FLOPs, bytes, collectives and buffers for fastmuon and the peers;
+- :mod:`.figures`: per-rank NS FLOPs, bytes, collectives and buffers, fastmuon's and any design's;
+- :mod:`.peers`: the peers' designs, each modelled from its code;
 - :mod:`.balance`: a design's step against the balanced ideal, its buffers against their bound;
 - :mod:`.targets`: the at-scale targets' configurations, judged (``fastmuon plan --targets``);
 - :mod:`.devices`: the devices' constants and their sources; :mod:`.measure`: this CPU, timed.

@@ -10,20 +10,7 @@ arrays rather than through ``exchange.Routes``, which lists every rank's box of 
 would take minutes at 1,024 ranks on a model with tens of thousands of expert matrices; the tests
 hold the two equal on small worlds, and equal to what gloo runs count.
 
-Beside them, the peers' designs, computed from their published descriptions (not their code):
-
-- ``keller``: Keller Jordan's Muon (github.com/KellerJordan/Muon): parameters sorted by size,
-  largest first, taken W at a time; rank r orthogonalises the r-th of each round (one matrix per
-  NS call) and one ``all_gather`` per round hands every rank the updated parameters (in their
-  dtype; the last round padded with tensors of the smallest size). Needs every gradient whole on
-  every rank: DDP only.
-- ``dion``: microsoft/dion's Muon: matrices of one shape taken W (the shard group's size) at a
-  time as a mega-batch, padded with zero matrices, rank j orthogonalising the j-th; sharded
-  matrices are assembled by one ``all_to_all`` and returned by another, replicated ones handed on
-  by an ``all_gather``. Taken to move the NS dtype; pads compute and move like matrices. HSDP:
-  every replica group does its own (the shard group is the mesh); no tensor or expert parallelism.
-- ``plain``: every rank orthogonalises every matrix alone (plain DDP Muon; in a sharded layout
-  after an ``all_gather`` of each matrix's parts).
+Beside them, the peers' designs, modelled from their code in :mod:`.peers`.
 
 Bytes are payload: what a rank puts on or takes off the wire if every message went straight to
 its destination (as ``all_to_all`` sends; ring broadcasts and all-gathers forward as much as they
@@ -41,19 +28,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...distributed import assign_work, shard_rows
+from ...distributed import assign_work
 from ...distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
 from ...distributed.group_ns import group_reduce_calls, group_reduce_elements
 from ...distributed.placement import Holding, Links, place
 from ...matrices import parse
 from ...ns.build import plan_for
 from ...ns.engine import NSConfig, spec_of
-from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost, ns_flops
+from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
 from .balance import balance_summary, priced
 from .layouts import NODE, Layout, regions
 from .models import Tensor, Workload
 
-DESIGNS = ("fastmuon", "keller", "dion", "plain")
+#: every design the plan computes: fastmuon's, then the peers' (:data:`.peers.PEERS`)
+DESIGNS = ("fastmuon", "keller", "dion", "torchtitan", "megatron", "emerging", "plain")
 #: Muon's defaults (fastmuon.Muon): five steps of its quintic, eps 1e-7
 NS_STEPS, NS_COEFFICIENTS, NS_EPS = 5, (3.4445, -4.775, 2.0315), 1e-7
 
@@ -486,108 +474,6 @@ def _target_bytes(m: Matrix, owner: int, block, per, sent, received, item: int) 
             received[owner] -= n * item
 
 
-def _alone_seconds(shape: tuple[int, int], settings: Settings, model: CostModel) -> tuple[int, float]:
-    """FLOPs and seconds of standard NS on one matrix in one call (the peers' kernel)."""
-    r, c = shape
-    dtype = settings.ns_dtype if settings.plan_device == "cuda" else torch.float32
-    f = ns_flops(r, c, NS_STEPS, "standard", dtype)
-    return f, f * model.flop_seconds(dtype) + kernels_per_bucket(NS_STEPS) * model.launch_cost(dtype)
-
-
-def peer_figures(
-    design: str, workload: Workload, layout: Layout, settings: Settings, model: CostModel, link: float
-) -> Figures | str:
-    """A peer's figures, or why the design does not apply to ``layout``."""
-    world = layout.world
-    mats = matrices(workload, layout)
-    held = _held(mats, world)
-    z = [np.zeros(world, dtype=np.int64) for _ in range(4)]
-    flops, sent, received, buffers = z
-    seconds = np.zeros(world)
-    ns_item, param_item = _itemsize(settings.ns_dtype), _itemsize(settings.param_dtype)
-    cost = {m.rows_cols: _alone_seconds(m.rows_cols, settings, model) for m in mats}
-    if design == "plain":
-        total_f = sum(cost[m.rows_cols][0] for m in mats)
-        total_s = sum(cost[m.rows_cols][1] for m in mats)
-        flops[:], seconds[:] = total_f, total_s
-        gathers = 0
-        for m in mats:
-            if m.candidates is not None and len(m.candidates) == world:
-                continue  # whole everywhere already
-            gathers += 1
-            for n, ranks in zip(m.part_numel, m.part_ranks):
-                lacking = world - len(ranks)
-                received[ranks] += (m.numel - n) * ns_item
-                sent[ranks] += (n * ns_item * lacking) // len(ranks)
-            buffers[:] = np.maximum(buffers, m.numel * ns_item)
-        comm = received / link
-        return Figures(
-            design, str(layout), world, flops, sent, received, buffers, held, seconds, comm,
-            {"all_gather": gathers} if gathers else {}, ns_item,
-        )  # fmt: skip
-    if design == "keller":
-        if layout.sharded:
-            return "needs every gradient whole on every rank (DDP only)"
-        order = sorted(range(len(mats)), key=lambda i: mats[i].shape, reverse=True)
-        smallest = mats[order[-1]].numel
-        rounds = math.ceil(len(order) / world)
-        for k in range(rounds):
-            batch = order[k * world : (k + 1) * world]
-            sizes = [mats[i].numel for i in batch] + [smallest] * (world - len(batch))
-            total = sum(sizes)
-            for j, i in enumerate(batch):
-                f, s = cost[mats[i].rows_cols]
-                flops[j] += f
-                seconds[j] += s
-            for j, n in enumerate(sizes):
-                sent[j] += n * param_item * (world - 1)
-                received[j] += (total - n) * param_item
-        comm = received / link
-        return Figures(
-            design, str(layout), world, flops, sent, received, buffers, held, seconds, comm,
-            {"all_gather": rounds}, param_item, "each rank's item of a round gathered in the parameters' dtype",
-        )  # fmt: skip
-    if design == "dion":
-        if layout.kind not in ("ddp", "fsdp", "hsdp"):
-            return "no tensor or expert parallelism for Muon"
-        group = layout.cols  # the shard group: every rank (FSDP, DDP) or one replica group (HSDP)
-        shapes: dict[tuple[int, ...], list[int]] = {}
-        for i, m in enumerate(mats):
-            shapes.setdefault(m.shape, []).append(i)
-        batches = 0
-        for shape, members in shapes.items():
-            f, s = cost[mats[members[0]].rows_cols]
-            numel = mats[members[0]].numel
-            rows = shape[0]
-            for _ in range(math.ceil(len(members) / group)):
-                batches += 1
-                # every member of the shard group orthogonalises one (a pad where the batch is short)
-                for g in range(group):
-                    ranks = np.arange(layout.rows) * group + g
-                    flops[ranks] += f
-                    seconds[ranks] += s
-                if not layout.sharded:
-                    sent[:] += numel * ns_item * (world - 1)
-                    received[:] += numel * ns_item * (world - 1)
-                    continue
-                shard = np.array([n * numel // rows for n in shard_rows(rows, group)], dtype=np.int64)
-                for g in range(group):
-                    ranks = np.arange(layout.rows) * group + g
-                    # gather: my shard of each other member's matrix out, the others' of mine in; and back
-                    out = shard[g] * (group - 1) * ns_item
-                    into = (numel - shard[g]) * ns_item
-                    sent[ranks] += out + into
-                    received[ranks] += into + out
-                buffers[:] = np.maximum(buffers, 2 * (numel + shard.max() * group) * ns_item)
-        comm = np.maximum(sent, received) / link
-        kinds = {"all_to_all": 2 * batches} if layout.sharded else {"all_gather": batches}
-        return Figures(
-            design, str(layout), world, flops, sent, received, buffers, held, seconds, comm, kinds, ns_item,
-            "mega-batches of one shape, padded to the shard group",
-        )  # fmt: skip
-    raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
-
-
 def figures(
     design: str,
     workload: Workload,
@@ -613,6 +499,11 @@ def _design_figures(
     link: float,
     group_link: float | None,
 ) -> Figures | str:
+    """``design``'s figures, or why it does not apply to ``layout``."""
     if design == "fastmuon":
         return fastmuon_figures(workload, layout, settings, model, link, group_link)
-    return peer_figures(design, workload, layout, settings, model, link)
+    from .peers import PEERS  # the peers build on this module's Figures and matrices
+
+    if design not in PEERS:
+        raise ValueError(f"unknown design {design!r}; choose one of {', '.join(DESIGNS)}")
+    return PEERS[design](workload, layout, settings, model, link)
