@@ -87,7 +87,16 @@ def box(p) -> list | None:
     return [[int(o), int(o) + int(s)] for o, s in zip(chunks[0].offsets, chunks[0].sizes)]
 
 
-def check(layout: str, world: int) -> None:
+#: the step's settings each layout runs with: the defaults, and every matrix larger than a fair
+#: share split over owner groups of 2 with the exchange in rounds of at most 5.25 KiB
+STEERS = {"default": {}, "groups-rounds": {"owner_group_size": 2, "max_exchange_bytes": 5376}}
+
+
+def local_tensor(t) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def check(layout: str, world: int, steer: str, reference: dict | None) -> dict:
     torch.manual_seed(0)
     net = lay_out(Net(), layout, world)
     params = dict(net.named_parameters())
@@ -96,7 +105,7 @@ def check(layout: str, world: int) -> None:
         {"params": [params["experts"]], "matrices": "experts"},
     ]
     group = dist.group.WORLD if layout == "ddp" else None
-    opt = fastmuon.Muon(groups, ns_dtype=torch.float32, lr=0.02, process_group=group)
+    opt = fastmuon.Muon(groups, ns_dtype=torch.float32, lr=0.02, process_group=group, **STEERS[steer])
     x = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
     net(x).backward()
     opt.step()
@@ -104,8 +113,20 @@ def check(layout: str, world: int) -> None:
     exchanged = getattr(engine, "exchanged", engine)
     local = getattr(engine, "local", None)
     stats = exchanged.stats if exchanged is not None else None
+    after = {n: local_tensor(p).detach().clone() for n, p in params.items()}
+    diff = 0.0
+    if reference is not None:
+        diff = max(float((after[n] - reference[n]).abs().max()) if after[n].numel() else 0.0 for n in after)
+    units = getattr(exchanged, "units", [])
     out = {
         "layout": layout,
+        "steer": steer,
+        "diff": diff,
+        "groups": sum(1 for u in units if getattr(u, "group", ())),
+        "rounds": sum(len(r) for r in exchanged.routes.rounds.values())
+        if hasattr(exchanged, "routes")
+        else 0,
+        "buffers": exchanged.routes.buffer_bytes(dist.get_rank()) if hasattr(exchanged, "routes") else 0,
         "rank": dist.get_rank(),
         "boxes": {n: box(p) for n, p in params.items()},
         "sent": stats.bytes_sent if stats else 0,
@@ -113,6 +134,7 @@ def check(layout: str, world: int) -> None:
         "flops": (stats.owned_flops if stats else 0) + (local.plan.flops() if local is not None else 0),
     }
     print("SCALE " + json.dumps(out), flush=True)
+    return after
 
 
 def main() -> int:
@@ -127,7 +149,9 @@ def main() -> int:
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
         for layout in ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep"):
-            check(layout, args.world)
+            reference = check(layout, args.world, "default", None)
+            if layout != "ddp":  # DDP keeps whole-matrix owners and one round
+                check(layout, args.world, "groups-rounds", reference)
     finally:
         dist.destroy_process_group()
     return 0

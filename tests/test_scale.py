@@ -5,10 +5,12 @@ worlds, and the command's output and refusals."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
+from scale_worker import STEERS
 from test_distributed import launch
 
 from fastmuon.bench.scale import parse_layout, rank_regions, workload
@@ -44,20 +46,39 @@ def layout_of(name: str, world: int):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("world", [4, 2])
 def test_plan_equals_what_gloo_runs_hold_and_count(world, tmp_path):
+    """Every rank's boxes, bytes, NS FLOPs and exchange buffers equal the plan's, with the
+    step's defaults and with owner groups and rounds; those give the defaults' result."""
     report = launch(world, tmp_path, script="scale_worker.py")
     runs = [json.loads(line[6:]) for line in report.splitlines() if line.startswith("SCALE ")]
-    assert len(runs) == 5 * world, report
+    assert len(runs) == 9 * world, report
+    split: dict[str, int] = {}
+    grouped: dict[str, int] = {}
     for name in ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep"):
         lay = layout_of(name, world)
-        fig = fastmuon_figures(NET, lay, CPU, CPU.cost_model or _cpu_model(), 1e9)
-        for run in (r for r in runs if r["layout"] == name):
-            rank = run["rank"]
-            for t in NET.tensors:
-                want = rank_regions(lay, t)[rank]
-                got = run["boxes"][t.name]
-                assert (None if got is None else tuple(map(tuple, got))) == want, (name, rank, t.name)
-            figures_here = (int(fig.sent[rank]), int(fig.received[rank]), int(fig.flops[rank]))
-            assert figures_here == (run["sent"], run["received"], run["flops"]), (name, rank, run)
+        for steer, options in STEERS.items():
+            mine = [r for r in runs if r["layout"] == name and r["steer"] == steer]
+            if name == "ddp" and steer != "default":
+                continue
+            settings = replace(CPU, **options)
+            fig = fastmuon_figures(NET, lay, settings, settings.cost_model or _cpu_model(), 1e9)
+            assert len(mine) == world
+            for run in mine:
+                rank = run["rank"]
+                for t in NET.tensors:
+                    want = rank_regions(lay, t)[rank]
+                    got = run["boxes"][t.name]
+                    assert (None if got is None else tuple(map(tuple, got))) == want, (name, rank, t.name)
+                figures_here = (int(fig.sent[rank]), int(fig.received[rank]), int(fig.flops[rank]))
+                assert figures_here == (run["sent"], run["received"], run["flops"]), (name, steer, rank, run)
+                if name != "ddp":
+                    assert int(fig.buffers[rank]) == run["buffers"], (name, steer, rank, run)
+                assert run["diff"] <= 1e-5, (name, steer, rank, run["diff"])
+            if name != "ddp":
+                rounds = fig.collectives.get("all_to_all", 0) // 2
+                assert all(r["rounds"] == rounds for r in mine), (name, steer, rounds, mine)
+                split[steer] = max(split.get(steer, 0), rounds)
+                grouped[steer] = max([grouped.get(steer, 0)] + [r["groups"] for r in mine])
+    assert split["groups-rounds"] > 1 and grouped["groups-rounds"] > 0, (split, grouped)
 
 
 def _cpu_model():

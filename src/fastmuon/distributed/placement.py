@@ -177,7 +177,7 @@ def place(
         if holdings is not None:
             for m in bucket.members:
                 h = holdings[m.index]
-                slot_bytes[m.slot] = h.numel * (h.copies + 1) * h.itemsize
+                slot_bytes[m.slot] = h.numel * (h.copies + 2) * h.itemsize  # in, out, and its own part
         for lo, hi, _ in _runs(bucket, candidates):
             run_cost = per_slot_s[b] * (hi - lo) + sum(mv[lo:hi])
             n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_cost / share)))

@@ -85,6 +85,14 @@ class Muon(MatrixOptimizer):
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
             computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
             that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
+        owner_group_size, max_exchange_bytes: the distributed step over DTensors (FSDP2, HSDP,
+            tensor and expert parallel). A matrix costing more than a rank's fair share of NS
+            is orthogonalised by an owner group of ranks together: ``None`` (the default) lets
+            the step choose the size per matrix (2, 4, ... up to a node), ``1`` keeps whole-matrix
+            owners, ``g`` splits every such matrix over ``g`` ranks (it must divide them). The
+            exchange runs in rounds whose buffers stay within ``max_exchange_bytes`` per rank
+            (``None``: the rank's shard in the NS dtype, or enough to keep its buffers within
+            2 GiB, whichever is larger). See docs/distributed.md.
         qk_clip_tau: QK-clip (MuonClip's, Kimi K2): after each step, every attention head whose
             largest pre-softmax logit in the step exceeded ``qk_clip_tau`` has its query and key
             rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group;
@@ -147,6 +155,8 @@ class Muon(MatrixOptimizer):
         process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
+        owner_group_size: int | None = None,
+        max_exchange_bytes: int | None = None,
         cautious_weight_decay: bool = False,
         qk_clip_tau: float | None = None,
         qk_clip_alpha: float = DEFAULT_ALPHA,
@@ -176,6 +186,8 @@ class Muon(MatrixOptimizer):
             compile=compile,
             nonfinite=nonfinite,
             capturable=capturable,
+            owner_group_size=owner_group_size,
+            max_exchange_bytes=max_exchange_bytes,
             cautious_weight_decay=cautious_weight_decay,
             qk_clip_tau=qk_clip_tau,
             qk_clip_alpha=qk_clip_alpha,
@@ -255,6 +267,8 @@ def muon_settings(
     qk_clip_tau: float | None,
     qk_clip_alpha: float,
     state_dtype: torch.dtype | None = None,
+    owner_group_size: int | None = None,
+    max_exchange_bytes: int | None = None,
 ) -> tuple[dict[str, Any], Options]:
     """The group defaults and the optimizer-wide options of :class:`Muon`'s arguments.
 
@@ -291,6 +305,8 @@ def muon_settings(
         cost_model=cost_model,
         nonfinite=nonfinite,
         capturable=capturable,
+        owner_group_size=owner_group_size,
+        max_exchange_bytes=max_exchange_bytes,
         adamw_lr=adamw_lr,
     )
     return defaults, options

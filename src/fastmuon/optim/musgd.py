@@ -87,6 +87,14 @@ class MuSGD(MatrixOptimizer):
         capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
             fused CPU kernel, no host-side NS range check), so that with ``nonfinite`` "skip" or
             "ignore" a step can be captured in a CUDA graph (see "Host time" in docs/performance.md).
+        owner_group_size, max_exchange_bytes: the distributed step over DTensors (FSDP2, HSDP,
+            tensor and expert parallel). A matrix costing more than a rank's fair share of NS
+            is orthogonalised by an owner group of ranks together: ``None`` (the default) lets
+            the step choose the size per matrix (2, 4, ... up to a node), ``1`` keeps whole-matrix
+            owners, ``g`` splits every such matrix over ``g`` ranks (it must divide them). The
+            exchange runs in rounds whose buffers stay within ``max_exchange_bytes`` per rank
+            (``None``: the rank's shard in the NS dtype, or enough to keep its buffers within
+            2 GiB, whichever is larger). See docs/distributed.md.
         cautious_weight_decay: not taken (False only, as a keyword or a group key): MuSGD's weight
             decay is coupled, and cautious decay is defined for decoupled decay (use
             :class:`~fastmuon.Muon` for it). It is named here so that options shared with Muon
@@ -146,6 +154,8 @@ class MuSGD(MatrixOptimizer):
         process_group: ProcessGroup | None = None,
         nonfinite: str = DEFAULT_NONFINITE,
         capturable: bool = False,
+        owner_group_size: int | None = None,
+        max_exchange_bytes: int | None = None,
         cautious_weight_decay: bool = False,
         state_dtype: torch.dtype | None = None,
     ):
@@ -177,6 +187,8 @@ class MuSGD(MatrixOptimizer):
             cost_model=cost_model,
             nonfinite=nonfinite,
             capturable=capturable,
+            owner_group_size=owner_group_size,
+            max_exchange_bytes=max_exchange_bytes,
         )
         super().__init__(params, defaults, options, process_group)
 
