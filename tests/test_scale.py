@@ -9,55 +9,74 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from scale_worker import EXPERT_ROWS, UNEVEN_ROWS, cases
 from test_distributed import launch
 
 from fastmuon.bench.scale import parse_layout, rank_regions, workload
 from fastmuon.bench.scale.figures import Settings, fastmuon_figures, figures, matrices
+from fastmuon.bench.scale.layouts import layout_for
 from fastmuon.bench.scale.models import COLWISE, ROWWISE, Tensor, Workload
 from fastmuon.cli import main
 from fastmuon.distributed.exchange import Routes, exchange_bytes
 
-# the model of scale_worker.py, as the plan sees it
-NET = Workload(
-    "scale-worker",
-    "tests/scale_worker.py",
-    (
-        Tensor("q_proj.weight", (16, 16), tp=COLWISE),
-        Tensor("o_proj.weight", (16, 16), tp=ROWWISE),
-        Tensor("gate_proj.weight", (24, 16), tp=COLWISE),
-        Tensor("down_proj.weight", (16, 24), tp=ROWWISE),
-        Tensor("router.weight", (6, 16)),
-        Tensor("experts", (4, 8, 16), "experts", experts=True),
-    ),
-)
-MESH = {"ddp": "ddp", "fsdp": "fsdp", "hsdp": "hsdp:2x{half}", "ep": "ep:{world}"}
+
+def net(experts: int = 4, rows: int = EXPERT_ROWS) -> Workload:
+    """The model of scale_worker.py, as the plan sees it, with ``experts`` experts of ``rows``."""
+    return Workload(
+        "scale-worker",
+        "tests/scale_worker.py",
+        (
+            Tensor("q_proj.weight", (16, 16), tp=COLWISE),
+            Tensor("o_proj.weight", (16, 16), tp=ROWWISE),
+            Tensor("gate_proj.weight", (24, 16), tp=COLWISE),
+            Tensor("down_proj.weight", (16, 24), tp=ROWWISE),
+            Tensor("router.weight", (6, 16)),
+            Tensor("experts", (experts, rows, 16), "experts", experts=True),
+        ),
+    )
+
+
 CPU = Settings(ns_dtype=torch.float32, param_dtype=torch.float32, plan_device="cpu", threads=1)
 
 
-def layout_of(name: str, world: int):
-    if name == "fsdp+tp":
-        dp = 2 if world >= 4 else 1
-        return parse_layout(f"fsdp+tp:{dp}x{world // dp}", world)
-    return parse_layout(MESH[name].format(half=world // 2, world=world), world, 4)
+def layout_of(name: str, world: int, experts: int, expert_shard: str = "auto"):
+    """The plan's spec of scale_worker.py's layout ``name`` at ``world`` ranks."""
+    dp = 2 if world >= 4 else 1
+    spec = {"hsdp": f"hsdp:2x{world // 2}", "fsdp+tp": f"fsdp+tp:{dp}x{world // dp}"}.get(name, name)
+    return parse_layout(spec, world, experts, expert_shard)
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 @pytest.mark.parametrize("world", [4, 2])
 def test_plan_equals_what_gloo_runs_hold_and_count(world, tmp_path):
+    """Every case of scale_worker.py (expert stacks on dim 0 as FSDP2 leaves them, on dim 1 by
+    hand, and where torchtitan's rule picks it): the plan's boxes, bytes and FLOPs are the run's."""
     report = launch(world, tmp_path, script="scale_worker.py")
     runs = [json.loads(line[6:]) for line in report.splitlines() if line.startswith("SCALE ")]
-    assert len(runs) == 5 * world, report
-    for name in ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep"):
-        lay = layout_of(name, world)
-        fig = fastmuon_figures(NET, lay, CPU, CPU.cost_model or _cpu_model(), 1e9)
-        for run in (r for r in runs if r["layout"] == name):
+    assert len(runs) == len(cases(world)) * world, report
+    for name, experts, dim, by_rule in cases(world):
+        case = (name, experts, dim)
+        lay = layout_of(name, world, experts, "auto" if by_rule else str(dim))
+        assert lay.expert_dim == dim, case
+        w = net(experts)
+        fig = fastmuon_figures(w, lay, CPU, CPU.cost_model or _cpu_model(), 1e9)
+        here = [r for r in runs if (r["layout"], r["experts"], r["dim"]) == case]
+        assert sorted(r["rank"] for r in here) == list(range(world)), case
+        for run in here:
             rank = run["rank"]
-            for t in NET.tensors:
+            for t in w.tensors:
                 want = rank_regions(lay, t)[rank]
                 got = run["boxes"][t.name]
-                assert (None if got is None else tuple(map(tuple, got))) == want, (name, rank, t.name)
+                assert (None if got is None else tuple(map(tuple, got))) == want, (case, rank, t.name)
             figures_here = (int(fig.sent[rank]), int(fig.received[rank]), int(fig.flops[rank]))
-            assert figures_here == (run["sent"], run["received"], run["flops"]), (name, rank, run)
+            assert figures_here == (run["sent"], run["received"], run["flops"]), (case, rank, run)
+    # FSDP2 refuses a dim 1 the ranks do not divide, and so does the plan
+    uneven = [json.loads(line[13:]) for line in report.splitlines() if line.startswith("SCALE-UNEVEN ")]
+    assert len(uneven) == world, report
+    for u in uneven:
+        assert u["rows"] == UNEVEN_ROWS and u["what"].startswith("raised NotImplementedError"), u
+    with pytest.raises(ValueError, match=f"dim 1 \\({UNEVEN_ROWS}\\) does not divide over {world} ranks"):
+        layout_for("fsdp", world, net(4, UNEVEN_ROWS), "1")
 
 
 def _cpu_model():
