@@ -2,8 +2,10 @@
 
 Every layout a multi-node run uses, built with torch's own APIs on the same input on every rank:
 HSDP (``fully_shard`` on a 2-D mesh), tensor parallel alone (``ColwiseParallel`` /
-``RowwiseParallel``, the head left a plain tensor), FSDP + TP, and expert parallel (an expert
-stack sharded on its expert dim over its own mesh, beside dense layers on another). Each is
+``RowwiseParallel``, the head left a plain tensor), FSDP + TP, expert parallel (an expert
+stack sharded on its expert dim over its own mesh, beside dense layers on another), and an
+expert stack FSDP2-sharded on dim 1 (``fully_shard``'s ``shard_placement_fn``, as torchtitan
+shards experts its FSDP ranks outnumber), alone and over the dp dim of expert parallel. Each is
 compared after three steps with the same model stepped in one process (rel. 1e-6 at fp32 NS) and,
 for Muon, with the per-parameter reference; which matrices move and the bytes every rank sends
 are checked against counts worked out by hand from the layout. A checkpoint saved on one layout
@@ -155,6 +157,28 @@ def expert_parallel(net: MoE, mesh_shape) -> MoE:
     return net
 
 
+def experts_on(dim: int, net: MoE):
+    """``fully_shard``'s ``shard_placement_fn``: the experts on ``dim``, the rest FSDP2's Shard(0)."""
+    return lambda p: Shard(dim) if p is net.experts else None
+
+
+def fsdp_experts_dim1(net: MoE, mesh_shape) -> MoE:
+    """FSDP2 over every rank, the experts on dim 1: every rank holds its rows of every expert."""
+    fully_shard(net.dense)
+    fully_shard(net, shard_placement_fn=experts_on(1, net))
+    return net
+
+
+def ep_fsdp_experts_dim1(net: MoE, mesh_shape) -> MoE:
+    """The experts sharded on their expert dim over "ep" and FSDP2-sharded on dim 1 over "dp"
+    (``(Shard(1), Shard(0))``); the dense layer FSDP2 over every rank."""
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "ep"))
+    net.experts = nn.Parameter(distribute_tensor(net.experts.detach(), mesh["ep"], [Shard(0)]))
+    fully_shard(net.dense)
+    fully_shard(net, mesh=mesh["dp"], shard_placement_fn=experts_on(1, net))
+    return net
+
+
 def hsdp_ep(net: MoE, mesh_shape) -> MoE:
     """HSDP for the dense layer, the experts sharded over "ep" and replicated over "dp"."""
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "ep"))
@@ -167,10 +191,12 @@ def numel(*shapes) -> int:
     return sum(torch.Size(s).numel() for s in shapes)
 
 
-def expected_bytes(layout: str, world: int, rows: int) -> tuple[int, int]:
+def expected_bytes(layout: str, world: int, rows: int, apart: int = 0) -> tuple[int, int]:
     """(exchanged matrices, bytes all ranks send together per step) worked out from the layout:
     a matrix in ``k`` disjoint equal parts, each held by ``r`` ranks, costs its owner the parts
-    it lacks (``1 − 1/k`` of it) and every other holder its part (``r − 1/k`` of it)."""
+    it lacks (``1 − 1/k`` of it) and every other holder its part (``r − 1/k`` of it); ``apart``
+    of them have an owner holding no part (held whole by none, a matrix may go to any rank),
+    which lacks all of it and sends all of it back."""
     up, down, head = numel((16, 12)), numel((12, 16)), numel((6, 12))
 
     def cost(n: int, parts: int, replicas: int) -> float:
@@ -195,6 +221,12 @@ def expected_bytes(layout: str, world: int, rows: int) -> tuple[int, int]:
         dp, ep = rows, world // rows
         experts = EXPERTS * cost(numel((12, 12)), 1, dp)
         return 1 + EXPERTS, int(4 * (cost(numel((12, 12)), ep, dp) + experts))
+    if layout == "fsdp-experts-dim1":  # every expert in world row blocks, one rank each
+        return 1 + EXPERTS, int(4 * (1 + EXPERTS) * cost(numel((12, 12)), world, 1))
+    if layout == "ep+fsdp-experts-dim1":  # every expert in dp row blocks, one rank each
+        n = numel((12, 12))
+        experts = (EXPERTS - apart) * cost(n, rows, 1) + apart * 2 * n
+        return 1 + EXPERTS, int(4 * (cost(n, world, 1) + experts))
     raise AssertionError(layout)
 
 
@@ -205,6 +237,8 @@ LAYOUTS = {  # name: (model, how it is laid out, matrix maps)
     "fsdp+tp": (Dense, fsdp_tp, MAPS),
     "ep": (MoE, expert_parallel, MAPS),
     "hsdp+ep": (MoE, hsdp_ep, MAPS),
+    "fsdp-experts-dim1": (MoE, fsdp_experts_dim1, MAPS),
+    "ep+fsdp-experts-dim1": (MoE, ep_fsdp_experts_dim1, MAPS),
 }
 
 
@@ -255,7 +289,9 @@ def check_layout(layout: str, mesh_shape, opt_name: str) -> None:
             assert err <= 1e-5, f"{layout} Muon: {name} differs from the reference by {err:.2e}"
     engine = opt.orthogonalizers()[-1]
     exchanged = getattr(engine, "exchanged", engine)
-    count, total = expected_bytes(layout, dist.get_world_size(), mesh_shape[0])
+    routes = exchanged.routes
+    apart = sum(held[routes.owner.get(i, 0)] is None for i, held in enumerate(routes.held))
+    count, total = expected_bytes(layout, dist.get_world_size(), mesh_shape[0], apart)
     assert exchanged.plan.num_matrices == count, (layout, exchanged.plan.describe())
     sent = torch.tensor([exchanged.stats.bytes_sent, exchanged.stats.bytes_received], dtype=torch.int64)
     dist.all_reduce(sent)
@@ -269,7 +305,8 @@ def check_layout(layout: str, mesh_shape, opt_name: str) -> None:
             assert rel_err(full(p), w.detach()) <= 1e-6, (
                 f"{layout} {opt_name}: {name} after one rank's invalidate"
             )
-    mesh = tuple(mesh_shape) if layout in ("hsdp", "fsdp+tp", "hsdp+ep") else (dist.get_world_size(),)
+    meshes = ("hsdp", "fsdp+tp", "hsdp+ep", "ep+fsdp-experts-dim1")
+    mesh = tuple(mesh_shape) if layout in meshes else (dist.get_world_size(),)
     log(f"{layout} {mesh} {opt_name}: equal to one process; {count} exchanged matrices, {total} bytes sent")
 
 

@@ -1,7 +1,10 @@
 """One rank of the at-scale plan's check against real runs (gloo on CPU); ``test_scale.py``
-launches them. For each layout, torch's own APIs lay a small model out on the ranks, Muon takes
-one step at fp32 NS, and the rank prints (one ``SCALE`` JSON line per layout) every parameter's
-box as DCP's chunk protocol gives it, and the bytes and NS FLOPs its step counted."""
+launches them. For each case of :func:`cases`, torch's own APIs lay a small model out on the
+ranks (expert stacks sharded on the dim the case names, through ``fully_shard``'s
+``shard_placement_fn`` where that is 1), Muon takes one step at fp32 NS, and the rank prints (one
+``SCALE`` JSON line per case) every parameter's box as DCP's chunk protocol gives it, and the
+bytes and NS FLOPs its step counted. A ``SCALE-UNEVEN`` line says what ``fully_shard`` does with
+an expert dim 1 that does not divide over the ranks."""
 
 from __future__ import annotations
 
@@ -15,26 +18,43 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fastmuon
 
+UP = 128  # up_proj's rows
 D, FFN, EXPERTS, ROUTER = 16, 24, 4, 6  # the router's 6 rows leave a rank an empty shard at 4 ranks
+EXPERT_ROWS = 8  # dim 1 of the expert stack: FSDP2 shards it only evenly
+UNEVEN_ROWS = 7  # an expert dim 1 that 2 and 4 ranks do not divide
+
+
+def cases(world: int) -> list[tuple[str, int, int, bool]]:
+    """(layout, experts, the dim FSDP2 shards them on, whether torchtitan's rule picks that dim)
+    at ``world`` ranks: the layouts as plain FSDP2 leaves experts, then on dim 1 by hand (4
+    experts, which 2 or 4 ranks do not outnumber) and where the rule picks it (world / 2 experts);
+    ``ep:N`` FSDP2-shards the experts over the (world / N) dp dim, as torchtitan does."""
+    half = world // 2
+    plain = [(name, EXPERTS, 0, True) for name in ("ddp", "fsdp", "hsdp", "fsdp+tp", f"ep:{world}")]
+    forced = [(name, EXPERTS, 1, False) for name in ("fsdp", "hsdp", "fsdp+tp", f"ep:{half}")]
+    ruled = [("fsdp", half, 1, True), ("hsdp", half, 1, True)]  # hsdp: R·S weighed, not S
+    ruled += [(f"ep:{half}", EXPERTS, 0, True), (f"ep:{half}", half, 1, True)]
+    return plain + forced + ruled
 
 
 class Net(nn.Module):
     """Attention-like and MLP-like pairs (tensor parallel column- then row-wise), a router, and
-    a stack of experts."""
+    a stack of ``experts`` experts."""
 
-    def __init__(self):
+    def __init__(self, experts: int = EXPERTS):
         super().__init__()
         self.q_proj = nn.Linear(D, D, bias=False)
         self.o_proj = nn.Linear(D, D, bias=False)
         self.gate_proj = nn.Linear(D, FFN, bias=False)
         self.down_proj = nn.Linear(FFN, D, bias=False)
         self.router = nn.Linear(D, ROUTER, bias=False)
-        self.experts = nn.Parameter(torch.randn(EXPERTS, 8, D) * 0.3)
+        self.up_proj = nn.Linear(D, UP, bias=False)  # the one matrix above a rank's share of NS
+        self.experts = nn.Parameter(torch.randn(experts, EXPERT_ROWS, D) * 0.3)
 
     def forward(self, x):
         h = self.o_proj(torch.relu(self.q_proj(x))) + self.down_proj(torch.relu(self.gate_proj(x)))
@@ -42,22 +62,30 @@ class Net(nn.Module):
         if isinstance(w, DTensor):  # expert parallel: this rank's experts only
             w = w.to_local()
         experts = torch.tanh(torch.einsum("bi,eoi->ebo", x, w)).pow(2).sum()
-        return h.pow(2).sum() + self.router(x).pow(2).sum() + experts
+        return h.pow(2).sum() + self.router(x).pow(2).sum() + self.up_proj(x).pow(2).sum() + experts
 
 
-def lay_out(net: Net, layout: str, world: int) -> Net:
+def placement_fn(net: Net, dim: int):
+    """``fully_shard``'s ``shard_placement_fn``: the experts on ``dim`` (None: FSDP2's Shard(0))."""
+    if dim == 0:
+        return None
+    return lambda p: Shard(dim) if p is net.experts else None
+
+
+def lay_out(net: Net, layout: str, world: int, dim: int) -> Net:
+    dense = (net.q_proj, net.o_proj, net.gate_proj, net.down_proj, net.router, net.up_proj)
     if layout == "ddp":
         return net
     if layout == "fsdp":
-        for m in (net.q_proj, net.o_proj, net.gate_proj, net.down_proj, net.router):
+        for m in dense:
             fully_shard(m)
-        fully_shard(net)
+        fully_shard(net, shard_placement_fn=placement_fn(net, dim))
         return net
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        for m in (net.q_proj, net.o_proj, net.gate_proj, net.down_proj, net.router):
+        for m in dense:
             fully_shard(m, mesh=mesh)
-        fully_shard(net, mesh=mesh)
+        fully_shard(net, mesh=mesh, shard_placement_fn=placement_fn(net, dim))
         return net
     if layout == "fsdp+tp":
         dp = 2 if world >= 4 else 1
@@ -65,15 +93,17 @@ def lay_out(net: Net, layout: str, world: int) -> Net:
         plan = {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
         plan |= {"gate_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
         parallelize_module(net, mesh["tp"], plan)
-        for m in (net.q_proj, net.o_proj, net.gate_proj, net.down_proj, net.router):
+        for m in dense:
             fully_shard(m, mesh=mesh["dp"])
-        fully_shard(net, mesh=mesh["dp"])
+        fully_shard(net, mesh=mesh["dp"], shard_placement_fn=placement_fn(net, dim))
         return net
-    if layout == "ep":  # experts over "ep" (all ranks), replicated over nothing; the rest FSDP2
-        ep = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
-        net.experts = nn.Parameter(distribute_tensor(net.experts.detach(), ep, [Replicate(), Shard(0)]))
-        for m in (net.q_proj, net.o_proj, net.gate_proj, net.down_proj, net.router):
+    if layout.startswith("ep:"):  # experts over "ep", FSDP2 over "dp"; the rest FSDP2 over all
+        ep = int(layout[3:])
+        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
+        net.experts = nn.Parameter(distribute_tensor(net.experts.detach(), mesh["ep"], [Shard(0)]))
+        for m in dense:
             fully_shard(m)
+        fully_shard(net, mesh=mesh["dp"], shard_placement_fn=placement_fn(net, dim))
         return net
     raise AssertionError(layout)
 
@@ -87,18 +117,18 @@ def box(p) -> list | None:
     return [[int(o), int(o) + int(s)] for o, s in zip(chunks[0].offsets, chunks[0].sizes)]
 
 
-#: the step's settings each layout runs with: the defaults, and every matrix larger than a fair
-#: share split over owner groups of 2 with the exchange in rounds of at most 5.25 KiB
-STEERS = {"default": {}, "groups-rounds": {"owner_group_size": 2, "max_exchange_bytes": 5376}}
+#: the step's settings a case runs with: the defaults, and every matrix above a rank's share of
+#: NS split over owner groups of 2 with the exchange in rounds of at most 16 KiB per rank
+STEERS = {"default": {}, "groups-rounds": {"owner_group_size": 2, "max_exchange_bytes": 16384}}
 
 
 def local_tensor(t) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def check(layout: str, world: int, steer: str, reference: dict | None) -> dict:
+def check(layout: str, experts: int, dim: int, world: int, steer: str = "default", reference=None) -> dict:
     torch.manual_seed(0)
-    net = lay_out(Net(), layout, world)
+    net = lay_out(Net(experts), layout, world, dim)
     params = dict(net.named_parameters())
     groups = [
         {"params": [p for n, p in params.items() if n != "experts"]},
@@ -115,18 +145,18 @@ def check(layout: str, world: int, steer: str, reference: dict | None) -> dict:
     stats = exchanged.stats if exchanged is not None else None
     after = {n: local_tensor(p).detach().clone() for n, p in params.items()}
     diff = 0.0
-    if reference is not None:
+    if reference is not None:  # the same case with the defaults: same layout, same local shapes
         diff = max(float((after[n] - reference[n]).abs().max()) if after[n].numel() else 0.0 for n in after)
-    units = getattr(exchanged, "units", [])
+    routes = getattr(exchanged, "routes", None)
     out = {
         "layout": layout,
+        "experts": experts,
+        "dim": dim,
         "steer": steer,
         "diff": diff,
-        "groups": sum(1 for u in units if getattr(u, "group", ())),
-        "rounds": sum(len(r) for r in exchanged.routes.rounds.values())
-        if hasattr(exchanged, "routes")
-        else 0,
-        "buffers": exchanged.routes.buffer_bytes(dist.get_rank()) if hasattr(exchanged, "routes") else 0,
+        "groups": 0 if routes is None else sum(1 for u in routes.units if u.group),
+        "rounds": 0 if routes is None else sum(len(r) for r in routes.rounds.values()),
+        "buffers": 0 if routes is None else routes.buffer_bytes(dist.get_rank()),
         "rank": dist.get_rank(),
         "boxes": {n: box(p) for n, p in params.items()},
         "sent": stats.bytes_sent if stats else 0,
@@ -135,6 +165,18 @@ def check(layout: str, world: int, steer: str, reference: dict | None) -> dict:
     }
     print("SCALE " + json.dumps(out), flush=True)
     return after
+
+
+def check_uneven() -> None:
+    """What ``fully_shard`` does with experts on a dim 1 the ranks do not divide: it raises."""
+    holder = nn.Module()
+    holder.experts = nn.Parameter(torch.randn(EXPERTS, UNEVEN_ROWS, D))
+    try:
+        fully_shard(holder, shard_placement_fn=lambda p: Shard(1))
+        what = "sharded"
+    except NotImplementedError as e:
+        what = f"raised NotImplementedError: {e}"
+    print(f"SCALE-UNEVEN {json.dumps({'rows': UNEVEN_ROWS, 'what': what})}", flush=True)
 
 
 def main() -> int:
@@ -148,10 +190,11 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
-        for layout in ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep"):
-            reference = check(layout, args.world, "default", None)
-            if layout != "ddp":  # DDP keeps whole-matrix owners and one round
-                check(layout, args.world, "groups-rounds", reference)
+        for layout, experts, dim, _ in cases(args.world):
+            reference = check(layout, experts, dim, args.world)
+            if layout != "ddp" and experts == EXPERTS and dim == 0:  # DDP keeps whole-matrix owners
+                check(layout, experts, dim, args.world, "groups-rounds", reference)
+        check_uneven()
     finally:
         dist.destroy_process_group()
     return 0

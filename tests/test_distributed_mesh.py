@@ -1,7 +1,8 @@
-"""Device meshes on CPU with gloo: HSDP, tensor parallel, FSDP + TP and expert parallel, each
-against one process and the per-parameter reference, with the matrices exchanged and the bytes
-sent counted; a checkpoint saved on one layout resumed on another and on one process; the ways
-in of accelerate (FSDP2 preparation) and Transformers' Trainer (a param group per mesh).
+"""Device meshes on CPU with gloo: HSDP, tensor parallel, FSDP + TP, expert parallel and expert
+stacks FSDP2-sharded on dim 1, each against one process and the per-parameter reference, with
+the matrices exchanged and the bytes sent counted; a checkpoint saved on one layout resumed on
+another and on one process; the ways in of accelerate (FSDP2 preparation) and Transformers'
+Trainer (a param group per mesh).
 
 Each test launches one world of ``mesh_worker.py`` processes (4 ranks: 2×2 meshes; 2 ranks:
 2×1 and 1×2) that runs every check; see that file for what each compares.
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"
 )
 
-LAYOUTS = ("hsdp", "tp", "tp+heads", "fsdp+tp", "ep", "hsdp+ep")
+LAYOUTS = ("hsdp", "tp", "tp+heads", "fsdp+tp", "ep", "hsdp+ep", "fsdp-experts-dim1", "ep+fsdp-experts-dim1")
 
 
 @pytest.mark.parametrize("world", [4, 2])

@@ -119,6 +119,93 @@ def test_ep_size_zero_is_refused_as_below_one(capsys):
     assert "the ep size (ranks per expert stack) must be 1 or more" in err and "divide" not in err
 
 
+# ----- --expert-shard -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "spec, world, experts, dim",
+    [
+        ("fsdp", 8, 8, 0),
+        ("fsdp", 16, 8, 1),
+        ("hsdp:2x4", 8, 4, 1),  # torchtitan weighs its 2-D mesh whole: 8 ranks, though 4 shard
+        ("hsdp:2x4", 8, 8, 0),
+        ("fsdp+tp:2x8", 16, 4, 0),  # the tp dim apart: 2 dp ranks
+        ("fsdp+tp:8x2", 16, 4, 1),
+        ("ep:8", 8, 8, 0),
+        ("ep:8", 1024, 8, 1),  # (W/E)·E = W ranks weighed
+        ("ddp", 1024, 8, 0),
+        ("fsdp", 1024, 0, 0),
+    ],
+)
+def test_the_expert_dim_is_torchtitans_rule_by_default(spec, world, experts, dim):
+    from fastmuon.bench.scale.layouts import torchtitan_expert_dim
+
+    lay = parse_layout(spec, world, experts)
+    assert lay.expert_dim == lay.default_expert_dim == dim
+    assert torchtitan_expert_dim(lay.kind, lay.rows, lay.cols, experts) == dim
+    assert "experts dim" not in str(lay)
+
+
+def test_the_layout_names_an_expert_dim_other_than_the_rules():
+    assert str(parse_layout("fsdp", 1024, 8, "0")) == "fsdp (experts dim 0)"
+    assert str(parse_layout("fsdp", 8, 8, "1")) == "fsdp (experts dim 1)"
+    assert str(parse_layout("ep:8", 64, 8, "0")) == "ep:8 (experts dim 0)"
+    assert str(parse_layout("fsdp", 1024, 8, "1")) == "fsdp"
+
+
+def test_with_the_rule_every_fsdp_rank_holds_experts():
+    from fastmuon.bench.scale import rank_regions
+
+    for model, spec in (("mixtral-8x7b", "fsdp"), ("mixtral-8x7b", "ep:8"), ("deepseek-v3", "fsdp")):
+        w = workload(model)
+        stacks = [t for t in w.tensors if t.experts][:2]
+        for shard in ("auto", "0"):
+            lay = parse_layout(spec, 1024, w.num_experts, shard)
+            empty = sum(box is None for t in stacks for box in rank_regions(lay, t))
+            assert (empty == 0) == (shard == "auto"), (model, spec, shard, empty)
+
+
+def test_expert_shard_is_shown_and_kept_in_the_json(capsys):
+    argv = ["plan", "--model", "mixtral-8x7b", "--world", "16", "--layout", "fsdp", *FAST]
+    assert main([*argv, "--expert-shard", "0", "--json", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"] == "fsdp (experts dim 0)"
+    assert main([*argv, "--expert-shard", "1"]) == 0
+    assert "layout fsdp on 16 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--model", "mixtral-8x7b", "--layout", "ddp", "--expert-shard", "1"],
+            "--layout ddp shards nothing",
+        ),
+        (
+            ["--model", "gpt2", "--expert-shard", "0"],
+            "the model has no expert stacks; leave out --expert-shard",
+        ),
+        (
+            ["--model", "mixtral-8x7b", "--world", "24"],
+            "(torchtitan's rule: its 24 ranks outnumber the 8 experts), and FSDP2 shards a dim other than 0 "
+            "only evenly: model.layers.0.mlp.experts.gate_up_proj's dim 1 (28672) does not divide over 24",
+        ),
+        (
+            ["--model", "mixtral-8x7b", "--world", "6", "--expert-shard", "1"],
+            "--layout fsdp (experts dim 1) at --world 6: expert stacks are sharded on dim 1 (--expert-shard 1)",
+        ),
+    ],
+)
+def test_expert_shard_refusals(argv, message, capsys):
+    assert main(["plan", *argv, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "evenly" in err:
+        assert err.rstrip().endswith("give --expert-shard 0, or a world whose FSDP dim divides it")
+
+
+def test_expert_shard_takes_auto_0_or_1():
+    with pytest.raises(ValueError, match="--expert-shard '2': choose one of auto, 0, 1"):
+        parse_layout("fsdp", 8, 8, "2")
+
+
 # ----- --measure ----------------------------------------------------------------------------------
 MEASURE = ["--device", "cpu-measured", "--design", "fastmuon", "--classes", "1", "--measure"]
 

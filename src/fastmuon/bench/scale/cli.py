@@ -20,7 +20,7 @@ from ...cli import (
 )
 from .devices import DEVICE_NAMES, device
 from .figures import DESIGNS, Figures, Settings, figures
-from .layouts import INNER_DIM, LAYOUT_HELP, NODE, Layout, check_fits, given_mesh, mesh_world, parse_layout
+from .layouts import EXPERT_SHARDS, INNER_DIM, LAYOUT_HELP, NODE, Layout, given_mesh, layout_for, mesh_world
 from .measure import ROUNDS, busiest_rank, predicted_measure_seconds
 from .models import WORKLOADS, Workload, workload
 
@@ -44,6 +44,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"else {DEFAULT_WORLD})",
     )
     p.add_argument("--layout", default=DEFAULT_LAYOUT, help=f"how parameters lie on the ranks: {LAYOUT_HELP}")
+    p.add_argument(
+        "--expert-shard",
+        default="auto",
+        choices=EXPERT_SHARDS,
+        help="the dim FSDP2 shards expert stacks on: 0 (experts), 1 (their rows, as fully_shard's "
+        "shard_placement_fn gives), or auto (default): torchtitan's rule, 1 where the FSDP ranks "
+        "outnumber the experts",
+    )
     p.add_argument("--design", default="all", choices=("all", *DESIGNS), help="whose step to compute")
     p.add_argument(
         "--device", default="h100", choices=DEVICE_NAMES, help="the device times are predicted for"
@@ -106,11 +114,10 @@ def world_of(args: argparse.Namespace) -> int:
     return mesh_world(args.layout) or DEFAULT_WORLD
 
 
-def layout_of(spec: str, world: int, w: Workload) -> Layout:
+def layout_of(spec: str, world: int, w: Workload, expert_shard: str = "auto") -> Layout:
     """``spec`` at ``world`` ranks for ``w``, or the UsageError naming the fix."""
     try:
-        check_fits(spec, w)
-        return parse_layout(spec, world, w.num_experts)
+        return layout_for(spec, world, w, expert_shard)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -151,13 +158,13 @@ def sweep_spec(spec: str, world: int) -> str:
     return spec if inner is None else f"{spec.partition(':')[0]}:{world // inner}x{inner}"
 
 
-def sweep_worlds(spec: str, w: Workload) -> tuple[list[int], str]:
+def sweep_worlds(spec: str, w: Workload, expert_shard: str = "auto") -> tuple[list[int], str]:
     """The sweep's world sizes ``spec`` can take, and a note on those left out ('' if none);
     UsageError, naming the fix, where it takes none."""
     kept, left_out, problem = [], [], ""
     for world in SWEEP:
         try:
-            parse_layout(sweep_spec(spec, world), world, w.num_experts)
+            layout_for(sweep_spec(spec, world), world, w, expert_shard)
             kept.append(world)
         except ValueError as e:
             left_out.append(world)
@@ -265,7 +272,7 @@ def _plot(args, path: str, worlds: list[int]) -> None:
     w = workload(args.model)
     series: dict[str, dict[str, list]] = {}
     for world in worlds:
-        results = compute(args, layout_of(sweep_spec(args.layout, world), world, w))
+        results = compute(args, layout_of(sweep_spec(args.layout, world), world, w, args.expert_shard))
         for design, fig in results.items():
             if isinstance(fig, str):
                 continue
@@ -351,8 +358,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         raise UsageError(problem)
     w = workload(args.model)
-    lay = layout_of(args.layout, world_of(args), w)
-    worlds, sweep_note = sweep_worlds(args.layout, w) if args.plot else ([], "")
+    lay = layout_of(args.layout, world_of(args), w, args.expert_shard)
+    worlds, sweep_note = sweep_worlds(args.layout, w, args.expert_shard) if args.plot else ([], "")
     results = compute(args, lay)
     _, dev = _settings(args)
     payload: dict[str, Any] = {

@@ -11,13 +11,24 @@ the world size: what torch's own APIs (FSDP2's ``fully_shard``, ``parallelize_mo
   row block d of column block t (``(Shard(0), Shard(1))``); a weight tensor parallelism leaves
   alone holds row block d on every t (``Shard(0)`` over dp, replicated over tp);
 - ``ep:E`` (E dividing the experts; or ``ep``: E = the experts, or the world, whichever is
-  smaller): expert stacks ``(Replicate(), Shard(0))`` on a (W/E)×E mesh, ``Shard(0)`` of the
-  expert dim over E; every other weight FSDP2-sharded over every rank, on a 1-D mesh of its own.
+  smaller): on a (W/E)×E ("dp" × "ep") mesh, expert stacks ``Shard(0)`` of the expert dim over
+  ep and FSDP2-sharded over dp, rank ``d·E + e`` holding part d of expert block e; every other
+  weight FSDP2-sharded over every rank, on a 1-D mesh of its own.
+
+Expert stacks ``(E, out, in)`` take FSDP2's ``Shard(expert_dim)`` where the layouts above say
+``Shard(0)`` over their FSDP dim (every rank; S; D; dp under ``ep``). With ``expert_dim`` 1
+(``fully_shard(..., shard_placement_fn=...)`` returning ``Shard(1)``) a rank holds its
+``torch.chunk`` block of dim 1 of every expert it holds (under ``ep``, ``(Shard(1), Shard(0))``);
+with 0 under ``ep``, FSDP2 cuts the rank's expert block again (``(_StridedShard(0), Shard(0))``):
+sub-chunk d of block e. By default ``expert_dim`` is torchtitan's rule
+(:func:`torchtitan_expert_dim`): 1 where the ranks it weighs outnumber the experts per layer,
+so that no FSDP rank is left without experts. FSDP2 shards a dim other than 0 only evenly
+(it raises otherwise), so :func:`check_expert_dim` refuses a dim 1 that does not divide.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...distributed import shard_rows
 from .models import COLWISE, ROWWISE, Tensor, Workload
@@ -27,16 +38,22 @@ Region = tuple[tuple[int, int], ...]
 
 KINDS = ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep")
 LAYOUT_HELP = "ddp | fsdp | hsdp:RxS | fsdp+tp:DxT | ep[:E]"
+#: ``--expert-shard``'s choices: torchtitan's rule, or the dim FSDP2 shards expert stacks on
+EXPERT_SHARDS = ("auto", "0", "1")
 
 
 @dataclass(frozen=True)
 class Layout:
     """A parsed layout: its kind and mesh (``rows`` × ``cols``: replicas × shards for HSDP, dp ×
-    tp for FSDP + TP, dp × ep for expert parallel; 1 × W for FSDP and DDP)."""
+    tp for FSDP + TP, dp × ep for expert parallel; 1 × W for FSDP and DDP), the dim FSDP2 shards
+    expert stacks on, and the dim torchtitan's rule picks (``str`` names the first where they
+    differ)."""
 
     kind: str
     rows: int
     cols: int
+    expert_dim: int = 0
+    default_expert_dim: int = 0
 
     @property
     def world(self) -> int:
@@ -47,10 +64,20 @@ class Layout:
         """Whether parameters are DTensors (every layout but DDP)."""
         return self.kind != "ddp"
 
+    @property
+    def expert_shards(self) -> int:
+        """The ranks FSDP2 shards an expert stack over: every rank (FSDP), S (HSDP), D (FSDP +
+        TP), dp (EP); 1 under DDP."""
+        return {"ddp": 1, "fsdp": self.world, "hsdp": self.cols}.get(self.kind, self.rows)
+
     def __str__(self) -> str:
         if self.kind in ("ddp", "fsdp"):
-            return self.kind
-        return f"{self.kind}:{self.rows}x{self.cols}" if self.kind != "ep" else f"ep:{self.cols}"
+            name = self.kind
+        else:
+            name = f"{self.kind}:{self.rows}x{self.cols}" if self.kind != "ep" else f"ep:{self.cols}"
+        return (
+            name if self.expert_dim == self.default_expert_dim else f"{name} (experts dim {self.expert_dim})"
+        )
 
 
 #: ranks per node: the inner dim a mesh given without its size takes
@@ -59,11 +86,48 @@ NODE = 8
 INNER_DIM = {"hsdp": "shard", "fsdp+tp": "tp"}
 
 
-def parse_layout(spec: str, world: int, num_experts: int = 0) -> Layout:
+def torchtitan_expert_dim(kind: str, rows: int, cols: int, num_experts: int) -> int:
+    """The dim torchtitan's FSDP shards expert stacks on (its ``apply_fsdp``): 1 where the ranks
+    it weighs exceed ``num_experts``, else 0. It weighs the size of the mesh it hands FSDP2
+    (FSDP: W; HSDP: R·S, the replicate dim included, as that mesh is 2-D; FSDP + TP: D, the tp
+    dim apart) or, under EP, the experts' FSDP dim times the EP dim ((W/E)·E = W). 0 where
+    nothing is sharded (DDP) or there are no experts."""
+    if kind == "ddp" or not num_experts:
+        return 0
+    return 1 if _weighed(kind, rows, cols) > num_experts else 0
+
+
+def _weighed(kind: str, rows: int, cols: int) -> int:
+    """The ranks torchtitan's rule weighs against the experts (:func:`torchtitan_expert_dim`)."""
+    return rows if kind == "fsdp+tp" else rows * cols
+
+
+def parse_layout(spec: str, world: int, num_experts: int = 0, expert_shard: str = "auto") -> Layout:
     """``spec`` (:data:`LAYOUT_HELP`) at ``world`` ranks; ``ValueError`` naming the fix otherwise.
     A mesh given without its size (``hsdp``, ``fsdp+tp``) takes one node (:data:`NODE` ranks, or
     the world, where smaller) as the inner dim: one node's shards, one node's tensor-parallel
-    group. With ``num_experts`` (the workload's expert count, 0: none), ``ep``'s size must divide it."""
+    group. With ``num_experts`` (the workload's expert count, 0: none), ``ep``'s size must divide
+    it, and expert stacks are sharded on ``expert_shard`` (:data:`EXPERT_SHARDS`; ``auto``:
+    :func:`torchtitan_expert_dim`)."""
+    if expert_shard not in EXPERT_SHARDS:
+        raise ValueError(f"--expert-shard {expert_shard!r}: choose one of {', '.join(EXPERT_SHARDS)}")
+    layout = _parse_mesh(spec, world, num_experts)
+    if expert_shard != "auto" and layout.kind == "ddp":
+        raise ValueError(
+            f"--expert-shard {expert_shard}: --layout ddp shards nothing; leave out --expert-shard "
+            "or choose a sharded layout"
+        )
+    if expert_shard != "auto" and not num_experts:
+        raise ValueError(
+            f"--expert-shard {expert_shard}: the model has no expert stacks; leave out --expert-shard"
+        )
+    rule = torchtitan_expert_dim(layout.kind, layout.rows, layout.cols, num_experts)
+    dim = rule if expert_shard == "auto" else int(expert_shard)
+    return replace(layout, expert_dim=dim, default_expert_dim=rule)
+
+
+def _parse_mesh(spec: str, world: int, num_experts: int) -> Layout:
+    """``spec``'s kind and mesh at ``world`` ranks (expert stacks on dim 0)."""
     kind, _, mesh = spec.partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown layout {spec!r} for --layout; choose one of {LAYOUT_HELP}")
@@ -182,11 +246,17 @@ def _box(shape: tuple[int, ...], **dims: tuple[int, int] | None) -> Region | Non
     return tuple(out)
 
 
+def _cut(shape: tuple[int, ...], dim: int, block: tuple[int, int] | None) -> Region | None:
+    """The box of ``shape`` holding ``block`` of dim ``dim`` (None where the block is empty)."""
+    return _box(shape, **{f"d{dim}": block})
+
+
 def regions(layout: Layout, tensor: Tensor) -> list[tuple[Region | None, list[int]]]:
     """``tensor``'s distinct boxes under ``layout``, each with the ranks holding it (ascending);
     together they list every rank once."""
     shape, world = tensor.shape, layout.world
     held: dict[Region | None, list[int]] = {}
+    dim = layout.expert_dim if tensor.experts else 0  # the dim FSDP2 shards it on
 
     def put(rank: int, region: Region | None) -> None:
         held.setdefault(region, []).append(rank)
@@ -194,23 +264,19 @@ def regions(layout: Layout, tensor: Tensor) -> list[tuple[Region | None, list[in
     if layout.kind == "ddp":
         return [(_box(shape), list(range(world)))]
     if layout.kind == "fsdp" or (layout.kind == "ep" and not tensor.experts):
-        for r, rows in enumerate(_rows_of(shape[0], world)):
-            put(r, _box(shape, d0=rows))
+        for r, block in enumerate(_rows_of(shape[dim], world)):
+            put(r, _cut(shape, dim, block))
     elif layout.kind == "ep":
-        dp, ep = layout.rows, layout.cols
-        blocks = _rows_of(shape[0], ep)
-        for d in range(dp):
-            for e in range(ep):
-                put(d * ep + e, _box(shape, d0=blocks[e]))
+        _expert_parallel(layout, shape, put)
     elif layout.kind == "hsdp":
         reps, shards = layout.rows, layout.cols
-        blocks = _rows_of(shape[0], shards)
+        blocks = _rows_of(shape[dim], shards)
         for r in range(reps):
             for s in range(shards):
-                put(r * shards + s, _box(shape, d0=blocks[s]))
+                put(r * shards + s, _cut(shape, dim, blocks[s]))
     else:  # fsdp+tp
         dp, tp = layout.rows, layout.cols
-        row_blocks = _rows_of(shape[0], dp)
+        dp_blocks = _rows_of(shape[dim], dp)
         if tensor.tp == COLWISE and not tensor.experts:
             chunks = _rows_of(shape[0], tp)
             subs = [None if c is None else _rows_of(c[1] - c[0], dp) for c in chunks]
@@ -220,14 +286,35 @@ def regions(layout: Layout, tensor: Tensor) -> list[tuple[Region | None, list[in
             for t in range(tp):
                 rank = d * tp + t
                 if tensor.tp == COLWISE and not tensor.experts:
-                    chunk, sub = chunks[t], None if subs[t] is None else subs[t][d]
-                    rows = None if sub is None else (chunk[0] + sub[0], chunk[0] + sub[1])
-                    put(rank, _box(shape, d0=rows))
+                    put(rank, _box(shape, d0=_sub(chunks[t], subs[t], d)))
                 elif tensor.tp == ROWWISE and not tensor.experts:
-                    put(rank, _box(shape, d0=row_blocks[d], d1=col_blocks[t]))
+                    put(rank, _box(shape, d0=dp_blocks[d], d1=col_blocks[t]))
                 else:
-                    put(rank, _box(shape, d0=row_blocks[d]))
+                    put(rank, _cut(shape, dim, dp_blocks[d]))
     return list(held.items())
+
+
+def _sub(chunk: tuple[int, int] | None, subs: list | None, d: int) -> tuple[int, int] | None:
+    """Sub-chunk ``d`` of ``chunk`` (``subs``: its blocks, relative), in the tensor's rows."""
+    sub = None if subs is None else subs[d]
+    return None if chunk is None or sub is None else (chunk[0] + sub[0], chunk[0] + sub[1])
+
+
+def _expert_parallel(layout: Layout, shape: tuple[int, ...], put) -> None:
+    """An expert stack under ``ep``: expert block e over ep; over dp, FSDP2's block d of dim 1
+    of it, or (dim 0) sub-chunk d of the block (``_StridedShard``)."""
+    dp, ep = layout.rows, layout.cols
+    blocks = _rows_of(shape[0], ep)
+    if layout.expert_dim == 1:
+        rows = _rows_of(shape[1], dp)
+        for d in range(dp):
+            for e in range(ep):
+                put(d * ep + e, _box(shape, d0=blocks[e], d1=rows[d]))
+        return
+    subs = [None if b is None else _rows_of(b[1] - b[0], dp) for b in blocks]
+    for d in range(dp):
+        for e in range(ep):
+            put(d * ep + e, _box(shape, d0=_sub(blocks[e], subs[e], d)))
 
 
 def rank_regions(layout: Layout, tensor: Tensor) -> list[Region | None]:
@@ -246,3 +333,33 @@ def check_fits(spec: str, workload: Workload) -> None:
             f"--layout {spec}: {workload.name} has no expert stacks to shard; ep needs a MoE model "
             "(mixtral-8x7b, deepseek-v3), or choose another layout"
         )
+
+
+def check_expert_dim(layout: Layout, workload: Workload) -> None:
+    """Refuse expert stacks sharded on dim 1 where that dim does not divide over the ranks
+    sharding it: FSDP2 shards a dim other than 0 only evenly (``fully_shard`` raises)."""
+    if layout.expert_dim != 1:
+        return
+    k = layout.expert_shards
+    uneven = next((t for t in workload.tensors if t.experts and t.shape[1] % k), None)
+    if uneven is None:
+        return
+    why = (
+        f"torchtitan's rule: its {_weighed(layout.kind, layout.rows, layout.cols)} ranks outnumber the {workload.num_experts} experts"
+        if layout.expert_dim == layout.default_expert_dim
+        else "--expert-shard 1"
+    )
+    raise ValueError(
+        f"--layout {layout} at --world {layout.world}: expert stacks are sharded on dim 1 ({why}), "
+        f"and FSDP2 shards a dim other than 0 only evenly: {uneven.name}'s dim 1 ({uneven.shape[1]}) "
+        f"does not divide over {k} ranks; give --expert-shard 0, or a world whose FSDP dim divides it"
+    )
+
+
+def layout_for(spec: str, world: int, workload: Workload, expert_shard: str = "auto") -> Layout:
+    """``spec`` at ``world`` ranks for ``workload`` (:func:`parse_layout`, its experts' count),
+    refused (``ValueError`` naming the fix) where the workload cannot take it."""
+    check_fits(spec, workload)
+    layout = parse_layout(spec, world, workload.num_experts, expert_shard)
+    check_expert_dim(layout, workload)
+    return layout
