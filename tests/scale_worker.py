@@ -118,8 +118,17 @@ def box(p) -> list | None:
 
 
 #: the step's settings a case runs with: the defaults, and every matrix above a rank's share of
-#: NS split over owner groups of 2 with the exchange in rounds of at most 16 KiB per rank
-STEERS = {"default": {}, "groups-rounds": {"owner_group_size": 2, "max_exchange_bytes": 16384}}
+#: NS split over owner groups of 2 with the exchange in rounds of at most 32 KiB per rank (FSDP:
+#: the least its largest piece needs at 4 and 2 ranks, so that it takes several rounds)
+STEERS = {"default": {}, "groups-rounds": {"owner_group_size": 2, "max_exchange_bytes": 32768}}
+FSDP_CAP = {4: 12288, 2: 20480}
+
+
+def steer_options(steer: str, layout: str, world: int) -> dict:
+    options = dict(STEERS[steer])
+    if layout == "fsdp" and "max_exchange_bytes" in options:
+        options["max_exchange_bytes"] = FSDP_CAP[world]
+    return options
 
 
 def local_tensor(t) -> torch.Tensor:
@@ -135,7 +144,9 @@ def check(layout: str, experts: int, dim: int, world: int, steer: str = "default
         {"params": [params["experts"]], "matrices": "experts"},
     ]
     group = dist.group.WORLD if layout == "ddp" else None
-    opt = fastmuon.Muon(groups, ns_dtype=torch.float32, lr=0.02, process_group=group, **STEERS[steer])
+    opt = fastmuon.Muon(
+        groups, ns_dtype=torch.float32, lr=0.02, process_group=group, **steer_options(steer, layout, world)
+    )
     x = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
     net(x).backward()
     opt.step()
