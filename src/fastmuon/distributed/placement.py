@@ -34,7 +34,7 @@ import torch
 
 from ..ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
 from .group_ns import group_form, group_ns_flops, group_reduce_elements
-from .replicated import WorkUnit, _runs
+from .replicated import WorkUnit, candidate_runs
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def place(
             for m in bucket.members:
                 h = holdings[m.index]
                 slot_bytes[m.slot] = h.numel * (h.copies + 2) * h.itemsize  # in, out, and its own part
-        for lo, hi, _ in _runs(bucket, candidates):
+        for lo, hi, _ in candidate_runs(bucket, candidates):
             run_cost = per_slot_s[b] * (hi - lo) + sum(mv[lo:hi])
             n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_cost / share)))
             widest = max(slot_bytes[lo:hi])

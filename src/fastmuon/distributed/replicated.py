@@ -61,7 +61,7 @@ def assign_work(
     for b, bucket in enumerate(plan.buckets):
         slots = bucket.shape[0]
         per_slot = bucket.flops(steps) // slots
-        for lo, hi, who in _runs(bucket, candidates):
+        for lo, hi, who in candidate_runs(bucket, candidates):
             run_flops = per_slot * (hi - lo)
             n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_flops / share)))
             bounds = [lo + round(k * (hi - lo) / n) for k in range(n + 1)]
@@ -75,7 +75,7 @@ def assign_work(
     return [WorkUnit(b, lo, hi, flops, owners[(b, lo)]) for b, lo, hi, flops, _ in pieces]
 
 
-def _runs(bucket, candidates) -> list[tuple[int, int, tuple[int, ...] | None]]:
+def candidate_runs(bucket, candidates) -> list[tuple[int, int, tuple[int, ...] | None]]:
     """A bucket's slots as runs with the same owner candidates (one run where unrestricted)."""
     slots = bucket.shape[0]
     if candidates is None:
