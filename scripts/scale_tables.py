@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from fastmuon.bench.scale import DESIGNS, figures, parse_layout, workload
+from fastmuon.bench.scale.designs import summary
 from fastmuon.bench.scale.devices import device
 from fastmuon.bench.scale.figures import Settings
 
@@ -32,11 +33,19 @@ def table(model: str, dev: str = "h100") -> str:
         for spec in layouts(world, w.num_experts):
             lay = parse_layout(spec, world, w.num_experts)
             for design in DESIGNS:
-                f = figures(design, w, lay, settings, d.cost_model, d.link_bytes_per_s(world), d.intra_node_bytes_per_s)
+                f = figures(
+                    design,
+                    w,
+                    lay,
+                    settings,
+                    d.cost_model,
+                    d.link_bytes_per_s(world),
+                    d.intra_node_bytes_per_s,
+                )
                 if isinstance(f, str):
                     rows.append(f"| {world} | {lay} | {design} | n/a: {f} | | | | | | |")
                     continue
-                s = f.summary()
+                s = summary(f)
                 kinds = ", ".join(f"{n} {k}" for k, n in s["collectives"].items()) or "none"
                 rows.append(
                     f"| {world} | {lay} | {design} | {s['imbalance']:.2f} | {s['sent_per_shard_max']:.2f} "

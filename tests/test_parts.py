@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 
 from fastmuon.distributed.exchange import Routes, _whole, contiguous_layout, exchange_bytes
 from fastmuon.distributed.parts import Parts, region_numel, whole_region
-from fastmuon.distributed.sharded import held_pieces
+from fastmuon.distributed.placement import Links, holding_of, place
+from fastmuon.distributed.sharded import ShardedMatrix, held_pieces
 from fastmuon.matrices import parse
 from fastmuon.ns.build import plan_for
 from fastmuon.ns.engine import NSConfig, spec_of
+from fastmuon.ns.planner import default_cost_model
 
 
 def cuts(draw, size: int, most: int) -> list[tuple[int, int]]:
@@ -109,28 +111,45 @@ def test_a_matrix_is_put_back_together_from_its_parts(layout, count):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(layouts(), min_size=1, max_size=5))
-def test_routes_send_what_is_received_and_cover_each_matrix_once(matrices):
+@given(
+    st.lists(layouts(), min_size=1, max_size=5),
+    st.sampled_from([None, 1, 2]),
+    st.sampled_from([None, 64, 4096]),
+)
+def test_routes_send_what_is_received_and_cover_each_matrix_once(matrices, group_size, cap):
+    """Whatever the placement (owner groups of 2 or none, rounds under a cap or one round):
+    every matrix's targets' sources cover it exactly once, every holder gets back exactly its
+    part, and what each rank sends each other rank in a round is what that rank receives."""
     world = max(len(regions) for _, regions in matrices)
     shapes = [s for s, _ in matrices]
     held = [tuple(regions) + (None,) * (world - len(regions)) for _, regions in matrices]
     cfg = NSConfig.make(5, "jordan", 1e-7, torch.float32, "auto")
     specs = [spec_of(torch.empty(0), cfg, contiguous_layout(s)) for s in shapes]
     plan = plan_for(specs, [cfg] * len(specs), "auto", "cpu", 1 << 30, 1)
-    routes = Routes(plan, shapes, held, world)
+    holdings = [
+        holding_of(ShardedMatrix(s, h, torch.float32, torch.device("cpu")), 4) for s, h in zip(shapes, held)
+    ]
+    size = group_size if group_size is None or world % group_size == 0 else 1
+    splittable = [len(s) == 2 and (size is None or max(s[0], math.prod(s[1:])) % size == 0) for s in shapes]
+    units = place(
+        plan, world, holdings, default_cost_model("cpu"), Links(1e9, 1e9, world), size, 1, splittable
+    )
+    caps = None if cap is None else [cap] * world
+    routes = Routes(plan, shapes, held, world, units, caps)
     for i, shape in enumerate(shapes):
-        covered = sum(region_numel(reg) for _, reg in routes.sources[i])
+        targets = [t for t, target in enumerate(routes.targets) if target.matrix == i]
+        covered = sum(region_numel(reg) for t in targets for _, reg in routes.sources[t])
         assert covered == math.prod(shape), "a matrix's sources must cover it exactly once"
-        owner = routes.owner[i]
-        if whole_region(shape) in held[i]:
-            assert held[i][owner] == whole_region(shape), "a matrix held whole is owned by a holder"
-    for dtype in routes.order:
-        sends = [routes.gather_sizes(dtype, r)[0] for r in range(world)]
-        recvs = [routes.gather_sizes(dtype, r)[1] for r in range(world)]
-        assert all(sends[r][o] == recvs[o][r] for r in range(world) for o in range(world))
-        sends = [routes.scatter_sizes(dtype, r)[0] for r in range(world)]
-        recvs = [routes.scatter_sizes(dtype, r)[1] for r in range(world)]
-        assert all(sends[o][r] == recvs[r][o] for r in range(world) for o in range(world))
+        for r in range(world):
+            back = sum(region_numel(reg) for t in targets for h, reg in routes.pieces[t] if h == r)
+            assert back == region_numel(held[i][r]), "every holder gets back exactly its part"
+    for rounds in routes.rounds.values():
+        for units_of_round in rounds:
+            sizes = [routes.round_sizes(units_of_round, r) for r in range(world)]
+            for phase in (0, 1):
+                sends = [sizes[r][phase][0] for r in range(world)]
+                recvs = [sizes[r][phase][1] for r in range(world)]
+                assert all(sends[r][o] == recvs[o][r] for r in range(world) for o in range(world))
     sent = sum(exchange_bytes(routes, r)[0] for r in range(world))
     received = sum(exchange_bytes(routes, r)[1] for r in range(world))
     assert sent == received

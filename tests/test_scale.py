@@ -13,8 +13,8 @@ import torch.distributed as dist
 from scale_worker import EXPERT_ROWS, EXPERTS, STEERS, UNEVEN_ROWS, cases, steer_options
 from test_distributed import launch
 
-from fastmuon.bench.scale import parse_layout, rank_regions, workload
-from fastmuon.bench.scale.figures import Settings, fastmuon_figures, figures, matrices
+from fastmuon.bench.scale import figures, parse_layout, rank_regions, workload
+from fastmuon.bench.scale.figures import Settings, fastmuon_figures, matrices
 from fastmuon.bench.scale.layouts import layout_for
 from fastmuon.bench.scale.models import COLWISE, ROWWISE, Tensor, Workload
 from fastmuon.cli import main

@@ -19,6 +19,7 @@ from fastmuon.bench.scale.balance import (
     priced,
     tightest_rank,
 )
+from fastmuon.bench.scale.designs import summary
 from fastmuon.bench.scale.devices import GPU_EFFICIENCY, device
 from fastmuon.bench.scale.models import Tensor
 from fastmuon.cli import main
@@ -44,7 +45,7 @@ def test_ideal_of_hand_made_figures():
 def test_ideal_needs_the_link():
     with pytest.raises(ValueError, match="priced"):
         ideal_seconds(_figures())
-    assert _figures().summary()["ideal_seconds"] is None
+    assert summary(_figures())["ideal_seconds"] is None
 
 
 def test_ideal_of_one_matrix_by_hand():
@@ -75,7 +76,7 @@ def test_buffer_bound_is_the_rank_s_own():
 def test_summary_carries_the_measures():
     h100 = device("h100")
     fig = figures("fastmuon", workload("gpt2"), parse_layout("fsdp", 8), Settings(), h100.cost_model, 450e9)
-    s = fig.summary()
+    s = summary(fig)
     assert s["optimizer_seconds_max"] == pytest.approx(float((fig.ns_seconds + fig.comm_seconds).max()))
     assert s["ideal_seconds"] == pytest.approx(ideal_seconds(fig))
     assert s["ideal_ratio"] == pytest.approx(s["optimizer_seconds_max"] / s["ideal_seconds"])

@@ -446,7 +446,7 @@ class ShardedOrthogonalizer:
             bucket = self.plan.buckets[unit.bucket]
             config = self.configs[bucket.key]
             block = inputs[j].reshape(inputs[j].shape[0], -1)
-            tall = block.shape[0] > block.shape[1] or _is_tall(self.shapes[target.matrix])
+            tall = _is_tall(self.shapes[target.matrix])  # the whole matrix decides, not its block
             wide = block.mT if tall else block
             reduce = functools.partial(dist.all_reduce, group=self._groups[unit.group])
             out = group_newton_schulz(wide.unsqueeze(0), config, reduce)[0]

@@ -9,7 +9,8 @@
 - :mod:`.devices`: the devices' constants and their sources; :mod:`.measure`: this CPU, timed.
 """
 
-from .figures import DESIGNS, Figures, Settings, figures, matrices
+from .designs import DESIGNS, figures
+from .figures import Figures, Settings, matrices
 from .layouts import Layout, parse_layout, rank_regions, regions
 from .models import WORKLOADS, Workload, workload
 

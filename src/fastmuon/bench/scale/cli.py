@@ -18,8 +18,9 @@ from ...cli import (
     require_packages,
     write_json_output,
 )
+from .designs import DESIGNS, figures, summary
 from .devices import DEVICE_NAMES, device
-from .figures import DESIGNS, Figures, Settings, figures
+from .figures import Figures, Settings
 from .layouts import EXPERT_SHARDS, INNER_DIM, LAYOUT_HELP, NODE, Layout, given_mesh, layout_for, mesh_world
 from .measure import ROUNDS, busiest_rank, predicted_measure_seconds
 from .models import WORKLOADS, Workload, workload
@@ -233,7 +234,7 @@ def _text(args, lay: Layout, results: dict[str, Figures | str], dev) -> str:
         if isinstance(fig, str):
             lines.append(f"\n{design}: n/a — {fig}")
             continue
-        s = fig.summary()
+        s = summary(fig)
         kinds = ", ".join(f"{n} {k}" for k, n in s["collectives"].items()) or "none"
         lines.append(
             f"\n{design}: NS imbalance {s['imbalance']:.2f}x (max {s['ns_flops_max'] / 1e12:.2f} TFLOP, mean "
@@ -276,7 +277,7 @@ def _plot(args, path: str, worlds: list[int]) -> None:
         for design, fig in results.items():
             if isinstance(fig, str):
                 continue
-            s = fig.summary()
+            s = summary(fig)
             d = series.setdefault(design, {"world": [], "imbalance": [], "bytes": []})
             d["world"].append(world)
             d["imbalance"].append(s["imbalance"])
@@ -365,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {
         "model": args.model, "layout": str(lay), "world": lay.world, "device": dev.name, "device_source": dev.source,
         "designs": {
-            d: ({"not_applicable": f} if isinstance(f, str) else {**f.summary(), "classes": f.classes()})
+            d: ({"not_applicable": f} if isinstance(f, str) else {**summary(f), "classes": f.classes()})
             for d, f in results.items()
         },
     }  # fmt: skip

@@ -36,12 +36,9 @@ from ...matrices import parse
 from ...ns.build import plan_for
 from ...ns.engine import NSConfig, spec_of
 from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
-from .balance import balance_summary, priced
 from .layouts import NODE, Layout, regions
 from .models import Tensor, Workload
 
-#: every design the plan computes: fastmuon's, then the peers' (:data:`.peers.PEERS`)
-DESIGNS = ("fastmuon", "keller", "dion", "torchtitan", "megatron", "emerging", "plain")
 #: Muon's defaults (fastmuon.Muon): five steps of its quintic, eps 1e-7
 NS_STEPS, NS_COEFFICIENTS, NS_EPS = 5, (3.4445, -4.775, 2.0315), 1e-7
 
@@ -254,7 +251,6 @@ class Figures:
             "comm_seconds_max": float(self.comm_seconds.max()),
             "collectives": dict(self.collectives),
             "rank_classes": len(self.classes()),
-            **balance_summary(self),
             "note": self.note,
         }
 
@@ -472,38 +468,3 @@ def _target_bytes(m: Matrix, owner: int, block, per, sent, received, item: int) 
         received[ranks] += n * item
         if has_owner:
             received[owner] -= n * item
-
-
-def figures(
-    design: str,
-    workload: Workload,
-    layout: Layout,
-    settings: Settings,
-    model: CostModel,
-    link: float,
-    group_link: float | None = None,
-) -> Figures | str:
-    """``design``'s figures, priced for the balanced ideal, or why it does not apply to ``layout``
-    (``link``: the exchange's bytes per second each way; ``group_link``: inside a node, where
-    fastmuon's owner groups sum their Gram matrices; None: ``link``)."""
-    fig = _design_figures(design, workload, layout, settings, model, link, group_link)
-    return fig if isinstance(fig, str) else priced(fig, link)
-
-
-def _design_figures(
-    design: str,
-    workload: Workload,
-    layout: Layout,
-    settings: Settings,
-    model: CostModel,
-    link: float,
-    group_link: float | None,
-) -> Figures | str:
-    """``design``'s figures, or why it does not apply to ``layout``."""
-    if design == "fastmuon":
-        return fastmuon_figures(workload, layout, settings, model, link, group_link)
-    from .peers import PEERS  # the peers build on this module's Figures and matrices
-
-    if design not in PEERS:
-        raise ValueError(f"unknown design {design!r}; choose one of {', '.join(DESIGNS)}")
-    return PEERS[design](workload, layout, settings, model, link)

@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .balance import buffer_bounds, buffers_fit, busiest_seconds, ideal_seconds, tightest_rank
+from .designs import DESIGNS, figures
 from .devices import Device
-from .figures import DESIGNS, Settings, figures
+from .figures import Settings
 from .layouts import NODE, parse_layout
 from .models import Workload, workload
 
