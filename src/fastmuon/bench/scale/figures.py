@@ -112,17 +112,25 @@ def _tensor_matrices(tensor: Tensor, layout: Layout) -> list[Matrix]:
 
 
 def _held(mats: Sequence[Matrix], world: int) -> np.ndarray:
-    """Elements of the matrices each rank holds."""
+    """Elements of the matrices each rank holds (matrices alike share one description: each
+    description's sums are taken once)."""
     held = np.zeros(world, dtype=np.int64)
+    alike: dict[int, tuple[np.ndarray, int]] = {}
     for m in mats:
-        if len(m.part_ranks) > 1 and all(len(r) == 1 for r in m.part_ranks[:2]):
-            np.add.at(
-                held, np.concatenate(m.part_ranks), np.repeat(m.part_numel, [len(r) for r in m.part_ranks])
-            )
-            continue
-        for n, ranks in zip(m.part_numel, m.part_ranks):
-            held[ranks] += n
+        if id(m) not in alike:
+            alike[id(m)] = (per_rank_elements(m, world), 0)
+        sums, count = alike[id(m)]
+        alike[id(m)] = (sums, count + 1)
+    for sums, count in alike.values():
+        held += sums * count
     return held
+
+
+def per_rank_elements(m: Matrix, world: int) -> np.ndarray:
+    """Elements of matrix ``m`` each rank holds."""
+    ranks = np.concatenate(m.part_ranks) if m.part_ranks else np.zeros(0, dtype=np.int64)
+    numel = np.repeat(m.part_numel, [len(r) for r in m.part_ranks])
+    return np.bincount(ranks, weights=numel, minlength=world).astype(np.int64)
 
 
 def _box_arrays(boxes, shape) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[bool]]:
@@ -330,12 +338,18 @@ def fastmuon_figures(
     item = _itemsize(settings.ns_dtype)
     node = min(NODE, world) if settings.plan_device == "cuda" else world
     links = Links(link, group_link or link, node)
-    holdings = [Holding(mats[i].numel, mats[i].part_numel, mats[i].part_ranks, item) for i in spread]
+    # matrices alike (one per layer) share one description, and so one holding and its sums
+    alike: dict[int, tuple[Holding, np.ndarray]] = {}
     held_ex = np.zeros(world, dtype=np.int64)
+    holdings = []
     for i in spread:
         m = mats[i]
-        for n, ranks in zip(m.part_numel, m.part_ranks):
-            held_ex[ranks] += n * item
+        if id(m) not in alike:
+            h = Holding(m.numel, m.part_numel, m.part_ranks, item)
+            alike[id(m)] = (h, np.bincount(h.ranks, weights=h.numels, minlength=world).astype(np.int64))
+        h, per_rank = alike[id(m)]
+        holdings.append(h)
+        held_ex += per_rank * item
     caps = (
         [settings.max_exchange_bytes] * world
         if settings.max_exchange_bytes is not None
@@ -356,9 +370,9 @@ def fastmuon_figures(
             if u.group:
                 for j, o in enumerate(u.group):
                     block = block_region(m.shape, j, len(u.group))
-                    _target_bytes(m, o, np.asarray(block), per, sent, received, item)
+                    _target_bytes(m, holdings[mem.index], o, np.asarray(block), per, sent, received, item)
             else:
-                _target_bytes(m, u.owner, None, per, sent, received, item)
+                _target_bytes(m, holdings[mem.index], u.owner, None, per, sent, received, item)
         for r in u.owners:
             flops[r] += u.flops
         if u.group:
@@ -426,7 +440,7 @@ def fastmuon_figures(
     )  # fmt: skip
 
 
-def _target_bytes(m: Matrix, owner: int, block, per, sent, received, item: int) -> None:
+def _target_bytes(m: Matrix, h: Holding, owner: int, block, per, sent, received, item: int) -> None:
     """Add one target's exchange to the per-rank arrays (``per``: elements in each buffer;
     ``sent``, ``received``: bytes of ``item`` each): each part's nearest holder sends the part
     (its overlap with ``block``, a ``(dims, 2)`` box; None: the whole matrix) to ``owner``, and
@@ -438,9 +452,9 @@ def _target_bytes(m: Matrix, owner: int, block, per, sent, received, item: int) 
         lo = np.maximum(m.part_regions[:, :, 0], block[None, :, 0])
         hi = np.minimum(m.part_regions[:, :, 1], block[None, :, 1])
         n_parts = np.clip(hi - lo, 0, None).prod(axis=1)
-    single = all(len(r) == 1 for r in m.part_ranks)
+    single = len(h.ranks) == len(m.part_ranks)
     if single and block is None:  # every part one holder's (FSDP row blocks): all at once
-        src = np.concatenate(m.part_ranks)
+        src = h.ranks
         np.add.at(gsend, src, n_parts)
         grecv[owner] += int(n_parts.sum())
         ssend[owner] += int(n_parts.sum())

@@ -144,14 +144,25 @@ def plain(w: Workload, layout: Layout, settings: Settings, model: CostModel, lin
     flops[:] = sum(ns_flops(*m.rows_cols, NS_STEPS) for m in mats)
     calls[:] = len(mats)
     gathers = 0
+    alike: dict[int, list] = {}  # matrices alike (one per layer) share a description: summed once
     for m in mats:
         if m.candidates is not None and len(m.candidates) == world:
             continue  # whole everywhere already
         gathers += 1
-        for n, ranks in zip(m.part_numel, m.part_ranks):
-            received[ranks] += (m.numel - n) * item
-            sent[ranks] += (n * item * (world - len(ranks))) // len(ranks)
+        if id(m) in alike:
+            alike[id(m)][0] += 1
+            continue
+        counts = np.array([len(r) for r in m.part_ranks], dtype=np.int64)
+        ranks = np.concatenate(m.part_ranks)
+        parts = np.repeat(m.part_numel, counts)
+        per = np.repeat(counts, counts)
+        got = np.bincount(ranks, weights=(m.numel - parts) * item, minlength=world)
+        out = np.bincount(ranks, weights=(parts * item * (world - per)) // per, minlength=world)
+        alike[id(m)] = [1, got.astype(np.int64), out.astype(np.int64)]
         buffers[:] = np.maximum(buffers, m.numel * item)
+    for count, got, out in alike.values():
+        received += got * count
+        sent += out * count
     arrays = (flops, calls, sent, received, buffers)
     return _figures(
         "plain", layout, w, settings, model, link, arrays, True, {"all_gather": gathers}, item, ""
