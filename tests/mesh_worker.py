@@ -224,8 +224,11 @@ def expected_bytes(layout: str, world: int, rows: int, apart: int = 0) -> tuple[
         return 1, int(4 * cost(numel((12, 12)), world, 1))
     if layout == "hsdp+ep":
         dp, ep = rows, world // rows
-        experts = EXPERTS * cost(numel((12, 12)), 1, dp)
-        return 1 + EXPERTS, int(4 * (cost(numel((12, 12)), ep, dp) + experts))
+        n = numel((12, 12))
+        # an expert (held whole by its dp replicas) owned by one of them sends the others the
+        # result; one the placement moved to a rank holding none comes in once and goes to all dp
+        experts = (EXPERTS - apart) * cost(n, 1, dp) + apart * (n + dp * n)
+        return 1 + EXPERTS, int(4 * (cost(n, ep, dp) + experts))
     if layout == "fsdp-experts-dim1":  # every expert in world row blocks, one rank each
         return 1 + EXPERTS, int(4 * (1 + EXPERTS) * cost(numel((12, 12)), world, 1))
     if layout == "ep+fsdp-experts-dim1":  # every expert in dp row blocks, one rank each

@@ -28,7 +28,7 @@ from ..ns.planner import Plan
 from .group_ns import group_newton_schulz, group_reduce_elements
 from .inflight import InFlight
 from .parts import Region, region_numel, region_sizes, whole_region
-from .replicated import CommStats, Timer, WorkUnit, assign_work, sub_plan
+from .replicated import CommStats, Timer, WorkUnit, assign_work, owner_plan
 
 
 def contiguous_layout(shape: Sequence[int]) -> TensorLayout:
@@ -328,7 +328,7 @@ class ShardedOrthogonalizer:
                 mine = [self.units[k] for k in ks if self.units[k].owner == me and not self.units[k].group]
                 if not mine:
                     continue
-                local_plan, index = sub_plan(plan, mine)
+                local_plan, index = owner_plan(plan, mine)
                 layouts = [contiguous_layout(self.shapes[i]) for i in index]
                 engine = Orthogonalizer(local_plan, layouts, configs, compile=compile, host_reads=host_reads)
                 self._engines[(dtype, r)] = (engine, index)
@@ -433,11 +433,12 @@ class ShardedOrthogonalizer:
         routes = self.routes
         outs: list[Tensor | None] = [None] * len(mine)
         single = [j for j, t in enumerate(mine) if not self.units[routes.targets[t].unit].group]
-        if single:
+        if single:  # the engine takes its matrices in its own plan's order
             engine, index = self._engines[(dtype, r)]
-            got = engine([inputs[j] for j in single], [dtype] * len(single))
-            for j, out in zip(single, got):
-                outs[j] = out
+            at = {routes.targets[mine[j]].matrix: j for j in single}
+            got = engine([inputs[at[i]] for i in index], [dtype] * len(index))
+            for i, out in zip(index, got):
+                outs[at[i]] = out
         for j, t in enumerate(mine):
             if outs[j] is not None:
                 continue

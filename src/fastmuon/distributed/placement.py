@@ -109,6 +109,24 @@ def ranks_per_node() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
+#: pieces per fair share: a run of a bucket is cut into pieces of at most a quarter of one rank's
+#: share, and into at least one piece per rank where it has the slots (each rank then makes
+#: about one NS call of it, as it would of a bucket of its own), so that largest-first placement
+#: can even the ranks out: a larger piece leaves up to its size of imbalance
+PIECES_PER_SHARE = 4
+
+
+def _member_seconds(m, g: int, bucket, steps: int, model: CostModel, links: Links) -> float:
+    """What one member of an owner group of ``g`` spends on matrix ``m``: its NS FLOPs at the
+    device rate and its Gram all-reduces at the group's link rate."""
+    short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
+    nj = long_side // g
+    flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
+    item = torch.empty((), dtype=bucket.dtype).element_size()
+    reduce_b = group_reduce_elements(1, short, steps, bucket.preconditioning) * item * 2 * (g - 1) / g
+    return flops * model.flop_seconds(bucket.dtype) + reduce_b / links.group_bytes_per_s
+
+
 class _Loads:
     """Every rank's predicted NS seconds and bytes sent and received so far."""
 
@@ -180,7 +198,13 @@ def place(
                 slot_bytes[m.slot] = h.numel * (h.copies + 2) * h.itemsize  # in, out, and its own part
         for lo, hi, _ in candidate_runs(bucket, candidates):
             run_cost = per_slot_s[b] * (hi - lo) + sum(mv[lo:hi])
-            n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_cost / share)))
+            n = (
+                1
+                if world == 1 or share <= 0
+                else min(hi - lo, max(1, math.ceil(run_cost * PIECES_PER_SHARE / share)))
+            )
+            if world > 1:  # a piece per rank, slots allowing: every rank makes one NS call of it
+                n = max(n, min(hi - lo, world))
             widest = max(slot_bytes[lo:hi])
             if max_piece_bytes and widest:  # slots of a run are alike: as many as fit per piece
                 per_piece = max(1, max_piece_bytes // widest)
@@ -221,9 +245,14 @@ def place(
                     f"(its long side {long_side} is not a multiple of {owner_group_size}); give a size "
                     "dividing every matrix larger than a rank's share, or None to let the step choose"
                 )
-            for g in _valid_group_sizes(long_side, world, links.ranks_per_node, owner_group_size):
-                if world % g:
-                    continue
+            sizes = [g for g in _valid_group_sizes(long_side, world, links.ranks_per_node, owner_group_size)]
+            if owner_group_size is None and sizes:
+                # the smallest group whose member's work fits a fair share (a larger one adds
+                # redundant work and Gram bytes), else the one with the least work per member
+                work = {g: _member_seconds(m, g, bucket, steps, model, links) for g in sizes}
+                fitting = [g for g in sizes if work[g] <= ns_share]
+                sizes = [fitting[0] if fitting else min(sizes, key=lambda g: (work[g], g))]
+            for g in sizes:
                 t, block = _group_option(m, g, bucket, steps, model, links, loads, holdings, finish)
                 if owner_group_size is not None or t < best_time:
                     best_time, choice = t, tuple(range(block * g, block * g + g))
@@ -283,12 +312,8 @@ def _fan_out_bytes(members, holdings) -> float:
 def _group_option(m, g, bucket, steps, model, links, loads, holdings, finish):
     """The finish time of the busiest member of the best aligned block of ``g`` ranks, and the
     block's number, for orthogonalising matrix ``m`` as an owner group."""
-    short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
-    nj = long_side // g
-    flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
+    ns_s = _member_seconds(m, g, bucket, steps, model, links)
     item = torch.empty((), dtype=bucket.dtype).element_size()
-    reduce_s = group_reduce_elements(1, short, steps, bucket.preconditioning) * item * 2 * (g - 1) / g
-    ns_s = flops * model.flop_seconds(bucket.dtype) + reduce_s / links.group_bytes_per_s
     moved = 0.0 if holdings is None else holdings[m.index].numel * item / g
     fan = 1 if holdings is None else holdings[m.index].copies
     link = links.exchange_bytes_per_s
@@ -330,13 +355,8 @@ def _charge(loads, choice, ns_s, members, bucket, steps, model, links, holdings,
         return
     g = len(choice)
     m = members[0]
-    short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
-    nj = long_side // g
-    flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
-    item = torch.empty((), dtype=bucket.dtype).element_size()
-    reduce_b = group_reduce_elements(1, short, steps, bucket.preconditioning) * item * 2 * (g - 1) / g
     idx = list(choice)
-    loads.ns[idx] += flops * model.flop_seconds(bucket.dtype) + reduce_b / links.group_bytes_per_s
+    loads.ns[idx] += _member_seconds(m, g, bucket, steps, model, links)
     if holdings is not None:
         h = holdings[m.index]
         moved = h.numel * h.itemsize / g

@@ -110,6 +110,34 @@ def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
     return Plan(tuple(buckets), len(indices), plan.policy, plan.steps, plan.max_bucket_bytes), indices
 
 
+def owner_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
+    """A plan for one rank's ``units``: those cut from buckets alike (same padded shape, dtype,
+    device, settings) batched together again, up to the plan's bucket memory cap, so that a rank
+    owning many pieces of one shape makes as few NS calls as the planner would have.
+
+    Returns the plan and, for each new index, the matrix's index in ``plan``.
+    """
+    alike: dict[tuple, list[WorkUnit]] = {}
+    for u in units:
+        b = plan.buckets[u.bucket]
+        alike.setdefault((b.shape[1:], b.dtype, b.device, b.key, b.method, b.preconditioning), []).append(u)
+    buckets, indices = [], []
+    for group in alike.values():
+        first = plan.buckets[group[0].bucket]
+        _, rows, cols = first.shape
+        per_slot = rows * cols * torch.empty((), dtype=first.dtype).element_size()
+        room = max(1, plan.max_bucket_bytes // max(per_slot, 1))
+        slots = [m for u in group for m in plan.buckets[u.bucket].members[u.start : u.stop]]
+        for at in range(0, len(slots), room):
+            chunk = slots[at : at + room]
+            members = []
+            for k, m in enumerate(chunk):
+                members.append(Member(len(indices), k, m.rows, m.cols, m.transposed))
+                indices.append(m.index)
+            buckets.append(replace(first, shape=(len(chunk), rows, cols), members=tuple(members)))
+    return Plan(tuple(buckets), len(indices), plan.policy, plan.steps, plan.max_bucket_bytes), indices
+
+
 @dataclass
 class CommStats:
     """What the last step cost this rank: NS seconds, exchange seconds, bytes in and out."""

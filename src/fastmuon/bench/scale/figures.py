@@ -32,6 +32,7 @@ from ...distributed import assign_work
 from ...distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
 from ...distributed.group_ns import group_reduce_calls, group_reduce_elements
 from ...distributed.placement import Holding, Links, place
+from ...distributed.replicated import owner_plan
 from ...matrices import parse
 from ...ns.build import plan_for
 from ...ns.engine import NSConfig, spec_of
@@ -385,8 +386,6 @@ def fastmuon_figures(
             launch = kernels_per_bucket(plan.steps) * model.launch_cost(bucket.dtype)
             seconds[idx] += u.flops * model.flop_seconds(bucket.dtype) + launch
             reduces += group_reduce_calls(plan.steps, bucket.preconditioning)
-        else:
-            seconds[u.owner] += _bucket_seconds(plan, u.bucket, u.stop - u.start, model, threads)
         itemsize = _itemsize(bucket.dtype)
         per = [p * itemsize for p in per]
         phases.append(per)
@@ -399,6 +398,13 @@ def fastmuon_figures(
         biggest = np.zeros(world, dtype=np.int64)
         for ks in rs:
             count += 1
+            # each owner's single-owner units of a round run as one engine (exchange.owner_plan)
+            by_owner: dict[int, list] = {}
+            for k in ks:
+                if not units[k].group:
+                    by_owner.setdefault(units[k].owner, []).append(units[k])
+            for r, mine in by_owner.items():
+                seconds[r] += _plan_seconds(owner_plan(plan, mine)[0], model, threads)
             total = sum(
                 (phases[k][0] + phases[k][1] + phases[k][2] for k in ks), np.zeros(world, dtype=np.int64)
             )

@@ -13,14 +13,29 @@ from collections.abc import Callable
 
 import torch
 
-from ...distributed import sub_plan
 from ...distributed.exchange import contiguous_layout
+from ...distributed.group_ns import group_newton_schulz
+from ...distributed.replicated import owner_plan
 from ...ns.engine import Orthogonalizer
 from ...ns.planner import Plan
 from .figures import Figures, Settings
 
 #: timed runs of each NS call (after one warm-up), their median kept
 ROUNDS = 3
+
+
+def _member_seconds(m: int, n_j: int, settings: Settings, rounds: int) -> float:
+    """Median seconds of one owner-group member's NS on its ``m x n_j`` block (a group of one:
+    the reduce adds nothing, as the plan prices the Gram sums as exchange time)."""
+    config = settings.config()
+    block = torch.randn(1, m, n_j, generator=torch.Generator().manual_seed(0)).to(settings.param_dtype)
+    group_newton_schulz(block, config, lambda t: None)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        group_newton_schulz(block, config, lambda t: None)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _run_seconds(plan: Plan, settings: Settings, rounds: int) -> float:
@@ -67,7 +82,8 @@ def measure_busiest(
     ``progress(done, total)`` hears of the rank's matrices as each NS call is timed."""
     plan, units, local_plans = fig.work
     rank = busiest_rank(fig)
-    calls = [sub_plan(plan, [u])[0] for u in units if u.owner == rank]
+    calls = [owner_plan(plan, [u for u in units if u.owner == rank and not u.group])[0]]
+    groups = [u for u in units if rank in u.group]
     if rank in local_plans:
         calls.append(local_plans[rank])
     total = sum(len(b.members) for call in calls for b in call.buckets)
@@ -78,6 +94,11 @@ def measure_busiest(
             progress(done, total)
         measured += _run_seconds(call, settings, rounds)
         done += sum(len(b.members) for b in call.buckets)
+    for u in groups:  # its block of an owner group's matrix: the Gram sums are not timed here
+        m = plan.buckets[u.bucket].members[u.start]
+        measured += _member_seconds(
+            min(m.rows, m.cols), max(m.rows, m.cols) // len(u.group), settings, rounds
+        )
     if progress:
         progress(done, total)
     predicted = float(fig.ns_seconds[rank])
