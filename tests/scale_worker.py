@@ -1,14 +1,17 @@
 """One rank of the at-scale plan's check against real runs (gloo on CPU); ``test_scale.py``
 launches them. For each case of :func:`cases`, torch's own APIs lay a small model out on the
 ranks (expert stacks sharded on the dim the case names, through ``fully_shard``'s
-``shard_placement_fn`` where that is 1), Muon takes one step at fp32 NS, and the rank prints (one
-``SCALE`` JSON line per case) every parameter's box as DCP's chunk protocol gives it, and the
-bytes and NS FLOPs its step counted. A ``SCALE-UNEVEN`` line says what ``fully_shard`` does with
+``shard_placement_fn`` where that is 1), Muon takes one step at fp32 NS (with the defaults, and
+for the plain layouts again with owner groups and capped rounds), and the rank prints (one
+``SCALE`` JSON line per run) every parameter's box as DCP's chunk protocol gives it, the bytes,
+NS FLOPs and exchange buffers its step counted, and how far its parts are from the same model
+stepped in one process. A ``SCALE-UNEVEN`` line says what ``fully_shard`` does with
 an expert dim 1 that does not divide over the ranks."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -35,11 +38,20 @@ def cases(world: int) -> list[tuple[str, int, int, bool]]:
     experts, which 2 or 4 ranks do not outnumber) and where the rule picks it (world / 2 experts);
     ``ep:N`` FSDP2-shards the experts over the (world / N) dp dim, as torchtitan does."""
     half = world // 2
-    plain = [(name, EXPERTS, 0, True) for name in ("ddp", "fsdp", "hsdp", "fsdp+tp", f"ep:{world}")]
+    ep = min(world, EXPERTS)  # EP ranks beyond the experts would hold none (FSDP2 cannot run that)
+    # dim 0 is torchtitan's rule's choice while the ranks it weighs do not outnumber the experts
+    # (fsdp+tp weighs only its dp dim, 2): past that the plain layouts force it
+    plain = [
+        (name, EXPERTS, 0, world <= EXPERTS or name in ("ddp", "fsdp+tp"))
+        for name in ("ddp", "fsdp", "hsdp", "fsdp+tp", f"ep:{ep}")
+    ]
     forced = [(name, EXPERTS, 1, False) for name in ("fsdp", "hsdp", "fsdp+tp", f"ep:{half}")]
     ruled = [("fsdp", half, 1, True), ("hsdp", half, 1, True)]  # hsdp: R·S weighed, not S
     ruled += [(f"ep:{half}", EXPERTS, 0, True), (f"ep:{half}", half, 1, True)]
-    return plain + forced + ruled
+    unique: dict[tuple[str, int, int], bool] = {}
+    for name, experts, dim, by_rule in plain + forced + ruled:  # at 8 ranks ep:4 comes twice
+        unique.setdefault((name, experts, dim), by_rule)
+    return [(*case, by_rule) for case, by_rule in unique.items()]
 
 
 class Net(nn.Module):
@@ -119,9 +131,9 @@ def box(p) -> list | None:
 
 #: the step's settings a case runs with: the defaults, and every matrix above a rank's share of
 #: NS split over owner groups of 2 with the exchange in rounds of at most 32 KiB per rank (FSDP:
-#: the least its largest piece needs at 4 and 2 ranks, so that it takes several rounds)
+#: the least its largest piece needs at 8, 4 and 2 ranks, so that it takes several rounds)
 STEERS = {"default": {}, "groups-rounds": {"owner_group_size": 2, "max_exchange_bytes": 32768}}
-FSDP_CAP = {4: 12288, 2: 20480}
+FSDP_CAP = {8: 9216, 4: 12288, 2: 20480}
 
 
 def steer_options(steer: str, layout: str, world: int) -> dict:
@@ -135,29 +147,48 @@ def local_tensor(t) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def check(layout: str, experts: int, dim: int, world: int, steer: str = "default", reference=None) -> dict:
-    torch.manual_seed(0)
-    net = lay_out(Net(experts), layout, world, dim)
-    params = dict(net.named_parameters())
-    groups = [
+def groups_of(params: dict) -> list[dict]:
+    return [
         {"params": [p for n, p in params.items() if n != "experts"]},
         {"params": [params["experts"]], "matrices": "experts"},
     ]
+
+
+def one_process(net: Net, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same model stepped alone (no process group): what every layout must equal."""
+    opt = fastmuon.Muon(groups_of(dict(net.named_parameters())), ns_dtype=torch.float32, lr=0.02)
+    net(x).backward()
+    opt.step()
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+def check(layout: str, experts: int, dim: int, world: int, steer: str = "default") -> None:
+    torch.manual_seed(0)
+    whole = Net(experts)
+    x = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
+    alone = one_process(copy.deepcopy(whole), x)
+    net = lay_out(whole, layout, world, dim)
+    params = dict(net.named_parameters())
     group = dist.group.WORLD if layout == "ddp" else None
     opt = fastmuon.Muon(
-        groups, ns_dtype=torch.float32, lr=0.02, process_group=group, **steer_options(steer, layout, world)
+        groups_of(params),
+        ns_dtype=torch.float32,
+        lr=0.02,
+        process_group=group,
+        **steer_options(steer, layout, world),
     )
-    x = torch.randn(5, D, generator=torch.Generator().manual_seed(1))
     net(x).backward()
     opt.step()
     engine = opt.orthogonalizers()[-1]
     exchanged = getattr(engine, "exchanged", engine)
     local = getattr(engine, "local", None)
     stats = exchanged.stats if exchanged is not None else None
-    after = {n: local_tensor(p).detach().clone() for n, p in params.items()}
-    diff = 0.0
-    if reference is not None:  # the same case with the defaults: same layout, same local shapes
-        diff = max(float((after[n] - reference[n]).abs().max()) if after[n].numel() else 0.0 for n in after)
+    diff = 0.0  # this rank's part of every parameter against the one-process step's
+    for n, p in params.items():
+        region = box(p)
+        if region is not None:
+            want = alone[n][tuple(slice(a, b) for a, b in region)]
+            diff = max(diff, float((local_tensor(p).detach() - want).abs().max()))
     routes = getattr(exchanged, "routes", None)
     out = {
         "layout": layout,
@@ -175,7 +206,6 @@ def check(layout: str, experts: int, dim: int, world: int, steer: str = "default
         "flops": (stats.owned_flops if stats else 0) + (local.plan.flops() if local is not None else 0),
     }
     print("SCALE " + json.dumps(out), flush=True)
-    return after
 
 
 def check_uneven() -> None:
@@ -202,9 +232,9 @@ def main() -> int:
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
     try:
         for layout, experts, dim, _ in cases(args.world):
-            reference = check(layout, experts, dim, args.world)
+            check(layout, experts, dim, args.world)
             if layout != "ddp" and experts == EXPERTS and dim == 0:  # DDP keeps whole-matrix owners
-                check(layout, experts, dim, args.world, "groups-rounds", reference)
+                check(layout, experts, dim, args.world, "groups-rounds")
         check_uneven()
     finally:
         dist.destroy_process_group()

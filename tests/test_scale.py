@@ -1,6 +1,7 @@
-"""``fastmuon plan``'s figures: its boxes, bytes and per-rank NS FLOPs equal what real 2- and
-4-rank gloo runs hold and count, its exchange bytes equal the exchange's own routes on small
-worlds, and the command's output and refusals."""
+"""``fastmuon plan``'s figures: its boxes, bytes, per-rank NS FLOPs and exchange buffers equal
+what real 2-, 4- and 8-rank gloo runs hold and count (which step as one process does, with owner
+groups and rounds or not), its exchange bytes and buffers equal the exchange's own routes on
+small worlds, and the command's output and refusals."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def layout_of(name: str, world: int, experts: int, expert_shard: str = "auto"):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-@pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize("world", [8, 4, 2])
 def test_plan_equals_what_gloo_runs_hold_and_count(world, tmp_path):
     """Every case of scale_worker.py (expert stacks on dim 0 as FSDP2 leaves them, on dim 1 by
     hand, and where torchtitan's rule picks it): the plan's boxes, bytes and FLOPs are the run's."""
@@ -82,7 +83,7 @@ def test_plan_equals_what_gloo_runs_hold_and_count(world, tmp_path):
                 assert figures_here == (run["sent"], run["received"], run["flops"]), (case, rank, run)
                 if name != "ddp":
                     assert (int(fig.buffers[rank]), rounds) == (run["buffers"], run["rounds"]), (case, run)
-                # owner groups and rounds change the update by rounding only
+                # every layout, with owner groups and rounds or not, steps as one process does
                 assert run["diff"] <= 1e-5, (case, rank, run["diff"])
             if steer != "default":
                 split, grouped = max(split, rounds), max([grouped] + [r["groups"] for r in here])

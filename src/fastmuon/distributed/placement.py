@@ -79,17 +79,25 @@ class Holding:
         self.candidates: tuple[int, ...] | None = tuple(self.part_ranks[0].tolist()) if whole else None
 
 
-def _valid_group_sizes(long_side: int, world: int, node: int, fixed: int | None) -> list[int]:
+def _valid_group_sizes(
+    long_side: int, world: int, node: int, fixed: int | None, limit: int | None = None
+) -> list[int]:
     """Owner-group sizes a matrix may take: a fixed size where given, else every power of two
-    from 2 up to the node that divides both the world and the matrix's long side."""
+    from 2 up to ``limit`` (the node unless given) that divides both the world and the matrix's
+    long side."""
     if fixed is not None:
         return [fixed] if fixed > 1 else []
     sizes, g = [], 2
-    while g <= node:
+    while g <= (limit or node):
         if world % g == 0 and long_side % g == 0:
             sizes.append(g)
         g *= 2
     return sizes
+
+
+def group_link(g: int, links: Links) -> float:
+    """The rate an owner group of ``g`` sums its Gram matrices at: inside a node, or across."""
+    return links.group_bytes_per_s if g <= links.ranks_per_node else links.exchange_bytes_per_s
 
 
 def holding_of(matrix, itemsize: int) -> Holding:
@@ -124,7 +132,7 @@ def _member_seconds(m, g: int, bucket, steps: int, model: CostModel, links: Link
     flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
     item = torch.empty((), dtype=bucket.dtype).element_size()
     reduce_b = group_reduce_elements(1, short, steps, bucket.preconditioning) * item * 2 * (g - 1) / g
-    return flops * model.flop_seconds(bucket.dtype) + reduce_b / links.group_bytes_per_s
+    return flops * model.flop_seconds(bucket.dtype) + reduce_b / group_link(g, links)
 
 
 class _Loads:
@@ -251,7 +259,16 @@ def place(
                 # redundant work and Gram bytes), else the one with the least work per member
                 work = {g: _member_seconds(m, g, bucket, steps, model, links) for g in sizes}
                 fitting = [g for g in sizes if work[g] <= ns_share]
-                sizes = [fitting[0] if fitting else min(sizes, key=lambda g: (work[g], g))]
+                chosen = fitting[0] if fitting else min(sizes, key=lambda g: (work[g], g))
+                if max_piece_bytes and holdings is not None:  # a member's block must fit a round:
+                    h = holdings[m.index]  # past the node where the replicas' fan-out needs it
+                    wider = _valid_group_sizes(long_side, world, links.ranks_per_node, None, world)
+                    while h.numel // chosen * (h.copies + 2) * h.itemsize > max_piece_bytes:
+                        larger = [g for g in wider if g > chosen]
+                        if not larger:
+                            break
+                        chosen = larger[0]
+                sizes = [chosen]
             for g in sizes:
                 t, block = _group_option(m, g, bucket, steps, model, links, loads, holdings, finish)
                 if owner_group_size is not None or t < best_time:

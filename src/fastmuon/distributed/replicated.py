@@ -187,10 +187,12 @@ class ReplicatedOrthogonalizer:
         group: dist.ProcessGroup | None,
         compile: bool = False,
         host_reads: bool = True,
+        units: Sequence[WorkUnit] | None = None,
     ):
         self.plan, self.layouts, self.group = plan, list(layouts), group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.units = assign_work(plan, self.world)
+        self.units = list(units) if units is not None else assign_work(plan, self.world)
+        assert not any(u.group for u in self.units), "replicated NS keeps whole-matrix owners"
         self._unit_members: list[list[int]] = []
         self._engines: list[Orthogonalizer | None] = []  # one per owned unit, with its own buffers
         for u in self.units:

@@ -28,10 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...distributed import assign_work
 from ...distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
 from ...distributed.group_ns import group_reduce_calls, group_reduce_elements
 from ...distributed.placement import Holding, Links, place
+from ...distributed.placement import group_link as gram_link
 from ...distributed.replicated import owner_plan
 from ...matrices import parse
 from ...ns.build import plan_for
@@ -317,7 +317,8 @@ def fastmuon_figures(
     seconds = np.zeros(world)
     if not layout.sharded:  # DDP: ReplicatedOrthogonalizer
         plan = settings.plan([m.shape for m in mats])
-        units = assign_work(plan, world)
+        node = min(NODE, world) if settings.plan_device == "cuda" else world
+        units = place(plan, world, None, model, Links(link, group_link or link, node), 1, threads)
         flat_bytes = 0
         for u in units:
             bucket = plan.buckets[u.bucket]
@@ -361,6 +362,7 @@ def fastmuon_figures(
         splittable=[len(mats[i].shape) == 2 for i in spread], max_piece_bytes=int(min(caps)) if spread else None,
     )  # fmt: skip
     reduce_bytes = np.zeros(world, dtype=np.int64)
+    reduce_seconds = np.zeros(world)
     needs, phases = [], []
     reduces = 0
     for u in units:
@@ -383,6 +385,7 @@ def fastmuon_figures(
             moved = 2 * (g - 1) * n * _itemsize(bucket.dtype) // g
             idx = list(u.group)
             reduce_bytes[idx] += moved
+            reduce_seconds[idx] += moved / gram_link(g, links)
             launch = kernels_per_bucket(plan.steps) * model.launch_cost(bucket.dtype)
             seconds[idx] += u.flops * model.flop_seconds(bucket.dtype) + launch
             reduces += group_reduce_calls(plan.steps, bucket.preconditioning)
@@ -428,10 +431,7 @@ def fastmuon_figures(
         local_plans[r], f, s = by_shapes[key]
         flops[r] += f
         seconds[r] += s
-    comm = (
-        np.maximum(sent - reduce_bytes, received - reduce_bytes) / link
-        + reduce_bytes / links.group_bytes_per_s
-    )
+    comm = np.maximum(sent - reduce_bytes, received - reduce_bytes) / link + reduce_seconds
     groups = sum(1 for u in units if u.group)
     note = (
         f"{len(spread)} of {len(mats)} matrices exchanged ({groups} by owner groups) in {count} "
