@@ -115,13 +115,8 @@ def build_distributed(
         return SplitShardedOrthogonalizer(exchanged, spread, local, mine, len(params))
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
-    plan, cost_model, threads = _plan(ctx, specs, configs, policy, ctx.process_group)
+    plan, _, _ = _plan(ctx, specs, configs, policy, ctx.process_group)
     configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
-    world = dist.get_world_size(ctx.process_group)
-    device_type = params[0].device.type if params else "cpu"
-    model = cost_model if isinstance(cost_model, CostModel) else default_cost_model(device_type)
-    # every rank holds every matrix whole: the placement balances whole-matrix owners
-    units = place(plan, world, None, model, default_links(device_type, world, ranks_per_node()), 1, threads)
     return ReplicatedOrthogonalizer(
         plan,
         layouts,
@@ -129,7 +124,6 @@ def build_distributed(
         ctx.process_group,
         compile=ctx.options.compile,
         host_reads=not ctx.options.capturable,
-        units=units,
     )
 
 

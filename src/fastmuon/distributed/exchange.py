@@ -334,6 +334,11 @@ class ShardedOrthogonalizer:
                 self._engines[(dtype, r)] = (engine, index)
         self._groups = _owner_groups(self.units, me, group)
         self._mine = [h[me] for h in routes.held]
+        self._round_plans = {
+            (dtype, r): self._round_plan(ks)
+            for dtype, rounds in routes.rounds.items()
+            for r, ks in enumerate(rounds)
+        }
         self._sizes = routes.sizes(me)
         self._bytes = moved_bytes(self._sizes, me)
         self._reduce_bytes = routes.group_reduce_bytes(me)
@@ -351,27 +356,19 @@ class ShardedOrthogonalizer:
         results: list[Tensor | None] = [None] * len(sources)
         pieces: dict[int, list[tuple[Region, Tensor]]] = {}
         stats = CommStats(total_flops=self.stats.total_flops, owned_flops=self.stats.owned_flops)
-        me, world, routes = self.rank, self.world, self.routes
+        routes = self.routes
         for dtype, rounds in routes.rounds.items():
             kept = self._buffer(dtype, "results", _results_numel(self._sizes[dtype]), device)
             arena = self._buffer(dtype, "round", _round_numel(self._sizes[dtype]), device)
             kept_at = 0
             for r, ks in enumerate(rounds):
                 (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype][r]
-                order = routes.owned(ks, me)
+                gather, owned, scatter, back = self._round_plans[(dtype, r)]
                 t0 = timer.now()
                 # 1. every part to its target's owner, cast to NS dtype on the way
                 n_send, n_recv = sum(to_owner), sum(from_rank)
                 send = arena[:n_send]
-                blocks = [
-                    _part(
-                        sources[routes.targets[t].matrix], _within(reg, self._mine[routes.targets[t].matrix])
-                    ).reshape(-1)
-                    for o in range(world)
-                    for t in order[o]
-                    for s, reg in routes.sources[t]
-                    if s == me
-                ]
+                blocks = [sources[i][index].reshape(-1) for i, index in gather]
                 if blocks:
                     torch.cat(blocks, out=send)
                 recv = arena[n_send : n_send + n_recv]
@@ -381,18 +378,12 @@ class ShardedOrthogonalizer:
                 self._inflight.wait()
                 t1 = timer.now()
                 # 2. the owner's targets whole, NS in buckets or with the owner group
-                inputs = self._assemble(recv, from_rank, order[me])
-                outs = self._orthogonalise(dtype, r, ks, order[me], inputs)
+                inputs = self._assemble(recv, from_rank, owned)
+                outs = self._orthogonalise(dtype, r, ks, owned, inputs)
                 t2 = timer.now()
                 # 3. every holder's piece of each result back to it
                 send = arena[n_send + n_recv : n_send + n_recv + sum(to_rank)]
-                parts = [
-                    _part(out, _within(reg, routes.targets[t].region)).reshape(-1)
-                    for q in range(world)
-                    for t, out in zip(order[me], outs)
-                    for h, reg in routes.pieces[t]
-                    if h == q
-                ]
+                parts = [outs[j][index].reshape(-1) for j, index in scatter]
                 if parts:
                     torch.cat(parts, out=send)
                 size = sum(from_owner)
@@ -402,17 +393,8 @@ class ShardedOrthogonalizer:
                     dist.all_to_all_single, recv, send, from_owner, to_rank, group=self.group
                 )
                 self._inflight.wait()
-                offset = 0
-                for o in range(world):
-                    for t in order[o]:
-                        for h, reg in routes.pieces[t]:
-                            if h != me:
-                                continue
-                            n = region_numel(reg)
-                            pieces.setdefault(routes.targets[t].matrix, []).append(
-                                (reg, recv[offset : offset + n].view(region_sizes(reg)))
-                            )
-                            offset += n
+                for i, reg, offset, n, sizes in back:
+                    pieces.setdefault(i, []).append((reg, recv[offset : offset + n].view(sizes)))
                 t3 = timer.now()
                 stats.ns_seconds += t2 - t1
                 stats.comm_seconds += (t1 - t0) + (t3 - t2)
@@ -426,6 +408,37 @@ class ShardedOrthogonalizer:
             if res is None:  # this rank holds no part of it
                 results[i] = sources[i].new_empty(sources[i].shape, dtype=out_dtypes[i])
         return results  # type: ignore[return-value]
+
+    def _round_plan(self, ks: Sequence[int]) -> tuple[list, list[int], list, list]:
+        """What this rank does in the round of units ``ks``, worked out once: the parts it sends
+        (matrix, index into its local part), in the order owners expect them; the targets it
+        owns; the pieces of their results it sends back (target's position, index into the
+        result); and the pieces it receives (matrix, region, offset, numel, sizes)."""
+        me, routes = self.rank, self.routes
+        order = routes.owned(ks, me)
+        gather = [
+            (routes.targets[t].matrix, _index(_within(reg, self._mine[routes.targets[t].matrix])))
+            for o in range(self.world)
+            for t in order[o]
+            for s, reg in routes.sources[t]
+            if s == me
+        ]
+        scatter = [
+            (j, _index(_within(reg, routes.targets[t].region)))
+            for q in range(self.world)
+            for j, t in enumerate(order[me])
+            for h, reg in routes.pieces[t]
+            if h == q
+        ]
+        back, offset = [], 0
+        for o in range(self.world):
+            for t in order[o]:
+                for h, reg in routes.pieces[t]:
+                    if h == me:
+                        n = region_numel(reg)
+                        back.append((routes.targets[t].matrix, reg, offset, n, region_sizes(reg)))
+                        offset += n
+        return gather, order[me], scatter, back
 
     def _orthogonalise(self, dtype, r, ks, mine: list[int], inputs: list[Tensor]) -> list[Tensor]:
         """NS of this rank's targets of round ``r``: single-owner ones through the round's
@@ -539,8 +552,12 @@ def _group_reduce_bytes(routes: Routes, plan: Plan, rank: int) -> int:
     return total
 
 
+def _index(region: Region) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in region)
+
+
 def _part(t: Tensor, region: Region) -> Tensor:
-    return t[tuple(slice(a, b) for a, b in region)]
+    return t[_index(region)]
 
 
 def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: int) -> Tensor:

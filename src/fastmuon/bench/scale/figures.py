@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...distributed import assign_work
 from ...distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
 from ...distributed.group_ns import group_reduce_calls, group_reduce_elements
 from ...distributed.placement import Holding, Links, place
@@ -317,8 +318,7 @@ def fastmuon_figures(
     seconds = np.zeros(world)
     if not layout.sharded:  # DDP: ReplicatedOrthogonalizer
         plan = settings.plan([m.shape for m in mats])
-        node = min(NODE, world) if settings.plan_device == "cuda" else world
-        units = place(plan, world, None, model, Links(link, group_link or link, node), 1, threads)
+        units = assign_work(plan, world)  # whole-matrix owners, one broadcast each
         flat_bytes = 0
         for u in units:
             bucket = plan.buckets[u.bucket]
