@@ -85,14 +85,8 @@ class Muon(MatrixOptimizer):
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
             computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
             that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
-        owner_group_size, max_exchange_bytes: the distributed step over DTensors (FSDP2, HSDP,
-            tensor and expert parallel). A matrix costing more than a rank's fair share of NS
-            is orthogonalised by an owner group of ranks together: ``None`` (the default) lets
-            the step choose the size per matrix (2, 4, ... up to a node), ``1`` keeps whole-matrix
-            owners, ``g`` splits every such matrix over ``g`` ranks (it must divide them). The
-            exchange runs in rounds whose buffers stay within ``max_exchange_bytes`` per rank
-            (``None``: the rank's shard in the NS dtype, or enough to keep its buffers within
-            2 GiB, whichever is larger). See docs/distributed.md.
+        owner_group_size, max_exchange_bytes: the distributed step's owner groups and exchange
+            buffer cap, as in :class:`~fastmuon.MuSGD`.
         qk_clip_tau: QK-clip (MuonClip's, Kimi K2): after each step, every attention head whose
             largest pre-softmax logit in the step exceeded ``qk_clip_tau`` has its query and key
             rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group;
