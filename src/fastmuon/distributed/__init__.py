@@ -1,12 +1,15 @@
 """Newton–Schulz across ranks: DDP-replicated parameters share the work; DTensor parameters on
-any mesh (FSDP2, HSDP, tensor and expert parallel) are assembled at an owner and sent back; the
+any mesh (FSDP2, HSDP, tensor and expert parallel) are assembled at an owner (or an owner group)
+and sent back, in rounds within a buffer cap; the
 optimizer hands the layer a context, never itself.
 
 - :mod:`.context`: the :class:`DistContext`, agreeing on a step, building its executor;
-- :mod:`.replicated`: the FLOP-balanced shares and their broadcasts (DDP);
+- :mod:`.replicated`: the FLOP-balanced shares and their broadcasts (DDP), and the work units;
+- :mod:`.placement`: where each matrix's NS runs over DTensors, by predicted time;
 - :mod:`.parts`: every rank's box of every parameter, gathered once;
 - :mod:`.sharded`: the matrices a rank takes part in, and which move;
-- :mod:`.exchange`: gather-to-owner and scatter-back over those boxes (``Routes``: who sends what);
+- :mod:`.exchange`: gather-to-owner and scatter-back over those boxes, in rounds (``Routes``: who
+  sends what, when);
 - :mod:`.dtensor`: DTensor facts and local shards;
 - :mod:`.group_ns`: NS of one matrix split by columns over an owner group (Gram all-reduces);
 - :mod:`.inflight`: keeping every collective's tensors alive until it is done.

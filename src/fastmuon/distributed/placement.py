@@ -1,8 +1,8 @@
 """Where each matrix's Newton–Schulz runs: one decision per matrix, by predicted time.
 
-For every piece of the plan (a run of a bucket's slots, cut to at most one rank's fair share of
-NS FLOPs, as :func:`fastmuon.distributed.replicated.assign_work` cuts) the placement chooses
-among:
+For every piece of the plan (a run of a bucket's slots with the same holders, cut to at most a
+quarter of one rank's fair share of predicted seconds, one piece per rank at least where the run
+has the slots, and to the round cap) the placement chooses among:
 
 - **where it lies**: a rank that holds the matrices whole (no bytes move to it);
 - **one owner** elsewhere: the parts travel to it and the results back (bytes at the link rate);
