@@ -529,12 +529,20 @@ def _my_part(got: list[tuple[Region, Tensor]], region: Region, dtype: torch.dtyp
 
 
 def _owner_groups(units: Sequence[WorkUnit], rank: int, group: Any) -> dict[tuple[int, ...], Any]:
-    """A process group for each owner group this rank belongs to (only members create it)."""
+    """A process group for each owner group this rank belongs to. Over every rank of the job,
+    every rank creates every owner group, in one order (``new_group`` is then a collective of
+    the default group, as torch asks); over a mesh of only some ranks, only the members do."""
+    wanted = sorted({u.group for u in units if u.group})
     out: dict[tuple[int, ...], Any] = {}
-    for u in units:
-        if rank in u.group and u.group not in out:
-            ranks = [r if group is None else dist.get_global_rank(group, r) for r in u.group]
-            out[u.group] = dist.new_group(ranks, use_local_synchronization=True)
+    everyone = group is None or dist.get_world_size(group) == dist.get_world_size()
+    for members in wanted:
+        ranks = [r if group is None else dist.get_global_rank(group, r) for r in members]
+        if everyone:
+            made = dist.new_group(ranks)
+            if rank in members:
+                out[members] = made
+        elif rank in members:
+            out[members] = dist.new_group(ranks, use_local_synchronization=True)
     return out
 
 
