@@ -244,7 +244,7 @@ class Routes:
             ranks.update(s for s, _ in self.sources[t])
         return {r: self.unit_bytes(k, r) for r in sorted(ranks)}
 
-    def owned(self, units: Sequence[int], rank: int) -> list[list[int]]:
+    def owned(self, units: Sequence[int]) -> list[list[int]]:
         """Per owner, the targets of ``units`` it orthogonalises, in unit order."""
         order: list[list[int]] = [[] for _ in range(self.world)]
         for k in units:
@@ -255,7 +255,7 @@ class Routes:
     def round_sizes(self, units: Sequence[int], rank: int):
         """``rank``'s gather sizes ``(send to each owner, receive as owner from each rank)`` and
         scatter sizes ``(send as owner to each rank, receive from each owner)``, in elements."""
-        order = self.owned(units, rank)
+        order = self.owned(units)
         g_send, g_recv = [0] * self.world, [0] * self.world
         s_send, s_recv = [0] * self.world, [0] * self.world
         for o in range(self.world):
@@ -361,7 +361,7 @@ class ShardedOrthogonalizer:
             kept = self._buffer(dtype, "results", _results_numel(self._sizes[dtype]), device)
             arena = self._buffer(dtype, "round", _round_numel(self._sizes[dtype]), device)
             kept_at = 0
-            for r, ks in enumerate(rounds):
+            for r in range(len(rounds)):
                 (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype][r]
                 gather, owned, scatter, back = self._round_plans[(dtype, r)]
                 t0 = timer.now()
@@ -379,7 +379,7 @@ class ShardedOrthogonalizer:
                 t1 = timer.now()
                 # 2. the owner's targets whole, NS in buckets or with the owner group
                 inputs = self._assemble(recv, from_rank, owned)
-                outs = self._orthogonalise(dtype, r, ks, owned, inputs)
+                outs = self._orthogonalise(dtype, r, owned, inputs)
                 t2 = timer.now()
                 # 3. every holder's piece of each result back to it
                 send = arena[n_send + n_recv : n_send + n_recv + sum(to_rank)]
@@ -415,7 +415,7 @@ class ShardedOrthogonalizer:
         owns; the pieces of their results it sends back (target's position, index into the
         result); and the pieces it receives (matrix, region, offset, numel, sizes)."""
         me, routes = self.rank, self.routes
-        order = routes.owned(ks, me)
+        order = routes.owned(ks)
         gather = [
             (routes.targets[t].matrix, _index(_within(reg, self._mine[routes.targets[t].matrix])))
             for o in range(self.world)
@@ -440,7 +440,7 @@ class ShardedOrthogonalizer:
                         offset += n
         return gather, order[me], scatter, back
 
-    def _orthogonalise(self, dtype, r, ks, mine: list[int], inputs: list[Tensor]) -> list[Tensor]:
+    def _orthogonalise(self, dtype, r, mine: list[int], inputs: list[Tensor]) -> list[Tensor]:
         """NS of this rank's targets of round ``r``: single-owner ones through the round's
         engine, owner-group blocks with their groups (in unit order, as every member calls)."""
         routes = self.routes

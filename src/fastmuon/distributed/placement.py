@@ -138,14 +138,10 @@ def _member_seconds(m, g: int, bucket, steps: int, model: CostModel, links: Link
 class _Loads:
     """Every rank's predicted NS seconds and bytes sent and received so far."""
 
-    def __init__(self, world: int, link: float):
+    def __init__(self, world: int):
         self.ns = np.zeros(world)
         self.sent = np.zeros(world)
         self.received = np.zeros(world)
-        self.link = link
-
-    def finish(self) -> np.ndarray:
-        return self.ns + np.maximum(self.sent, self.received) / self.link
 
 
 def place(
@@ -222,7 +218,7 @@ def place(
                 (b, a, z, per_slot_s[b] * (z - a), per_slot_s[b] * (z - a) + sum(mv[a:z]))
                 for a, z in zip(bounds, bounds[1:])
             ]
-    loads = _Loads(world, links.exchange_bytes_per_s)
+    loads = _Loads(world)
     owners: dict[tuple[int, int], tuple[int, ...]] = {}
     for b, lo, hi, seconds, cost in sorted(pieces, key=lambda p: (-p[4], p[0], p[1])):
         bucket = plan.buckets[b]
@@ -231,7 +227,6 @@ def place(
             bucket.dtype
         )
         ns_s = seconds + launch
-        finish = loads.finish()
         # one owner: where it lies costs no bytes; elsewhere its parts come in, results go out
         recv_b, send_b, cand = _move_bytes(members, holdings, world)
         link = links.exchange_bytes_per_s
@@ -270,7 +265,7 @@ def place(
                         chosen = larger[0]
                 sizes = [chosen]
             for g in sizes:
-                t, block = _group_option(m, g, bucket, steps, model, links, loads, holdings, finish)
+                t, block = _group_option(m, g, bucket, steps, model, links, loads, holdings)
                 if owner_group_size is not None or t < best_time:
                     best_time, choice = t, tuple(range(block * g, block * g + g))
                     if owner_group_size is not None:
@@ -326,7 +321,7 @@ def _fan_out_bytes(members, holdings) -> float:
     )
 
 
-def _group_option(m, g, bucket, steps, model, links, loads, holdings, finish):
+def _group_option(m, g, bucket, steps, model, links, loads, holdings):
     """The finish time of the busiest member of the best aligned block of ``g`` ranks, and the
     block's number, for orthogonalising matrix ``m`` as an owner group."""
     ns_s = _member_seconds(m, g, bucket, steps, model, links)
