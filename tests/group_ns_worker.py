@@ -9,11 +9,9 @@ matrices, Frobenius and AOL starts.
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 import torch.distributed as dist
+from gloo_rank import run_rank
 
 from fastmuon import newton_schulz
 from fastmuon.distributed.group_ns import group_newton_schulz
@@ -45,30 +43,17 @@ def check(group: dist.ProcessGroup, members: list[int], rank: int, seed: int) ->
                 assert err <= 1e-5, (len(members), coefficients, shape, form, err)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        pairs = [[0, 1], [2, 3]]
-        groups = [dist.new_group(p) for p in pairs]  # every rank creates every group, in one order
-        everyone = list(range(args.world))
-        whole = dist.new_group(everyone)
-        pair = pairs[args.rank // 2]
-        check(groups[args.rank // 2], pair, args.rank, seed=100 + args.rank // 2)  # each pair its own
-        check(whole, everyone, args.rank, seed=200)
-        print("group of 2: equal to one process", flush=True)
-        print("group of 4: equal to one process", flush=True)
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    pairs = [[0, 1], [2, 3]]
+    groups = [dist.new_group(p) for p in pairs]  # every rank creates every group, in one order
+    everyone = list(range(args.world))
+    whole = dist.new_group(everyone)
+    pair = pairs[args.rank // 2]
+    check(groups[args.rank // 2], pair, args.rank, seed=100 + args.rank // 2)  # each pair its own
+    check(whole, everyone, args.rank, seed=200)
+    print("group of 2: equal to one process", flush=True)
+    print("group of 4: equal to one process", flush=True)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_rank(checks))

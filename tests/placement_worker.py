@@ -6,13 +6,11 @@ they were; the same optimizer options then step."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
 import torch
-import torch.distributed as dist
+from gloo_rank import run_rank
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -56,27 +54,13 @@ def attempt(name: str, options: dict) -> dict:
     return {"case": name, "message": message, "unchanged": unchanged, "state": len(opt.state)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        for name, options in REFUSED.items():
-            print("PLACEMENT " + json.dumps(attempt(name, options)), flush=True)
-        print(
-            "PLACEMENT "
-            + json.dumps(attempt("accepted", {"owner_group_size": 2, "max_exchange_bytes": 2**20}))
-        )
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    for name, options in REFUSED.items():
+        print("PLACEMENT " + json.dumps(attempt(name, options)), flush=True)
+    print(
+        "PLACEMENT " + json.dumps(attempt("accepted", {"owner_group_size": 2, "max_exchange_bytes": 2**20}))
+    )
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_rank(checks))
