@@ -78,7 +78,9 @@ class PendingFlags:
 
     def finished(self) -> bool:
         """Whether the flags have reached the host (asks the event; never waits)."""
-        return self.event is None or bool(self.event.query())
+        if self.event is not None and self.event.query():
+            self.event = None  # passed: nothing left to wait for
+        return self.event is None
 
     def check(self) -> None:
         """Wait for the flags (long since copied, normally) and raise if any is False, after
