@@ -191,6 +191,28 @@ def test_capturable_with_raise_is_refused_naming_both_and_the_fix(cls):
         assert cls(groups, capturable=True, nonfinite=mode).capturable
 
 
+@pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_ranks_raise_a_verdict_only_one_of_them_saw_alike(tmp_path):
+    """Rank 1 alone has a NaN at step 1: both ranks skip that parameter there, both raise at
+    step 2 changing nothing, and both go on at the retry, bit for bit alike."""
+    from reliability_support import deferred_raise_worker
+
+    torch.multiprocessing.spawn(
+        deferred_raise_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    results = [torch.load(tmp_path / f"{r}.pt", weights_only=True) for r in range(2)]
+    for r in results:
+        stepped, bad, raised, retried = r["outcomes"]
+        assert (stepped, bad, retried) == ("stepped",) * 3
+        assert raised.startswith("parameter 0 of param group 0 (shape (6, 4)) had a non-finite")
+        assert "in step 2" in raised
+        before, after_bad, after_raise, _ = r["weights"]
+        assert torch.equal(after_bad[0], before[0]) and not torch.equal(after_bad[1], before[1])
+        assert all(torch.equal(a, b) for a, b in zip(after_raise, after_bad))
+    for a, b in zip(*(r["weights"] for r in results)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def _fake_cuda_available() -> bool:
     """A CUDA build of torch (a CPU build makes fake CUDA tensors but lacks some of their ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
