@@ -21,6 +21,7 @@ from fastmuon import Muon, MuSGD
 from fastmuon.ns import device as compute
 from fastmuon.ns.planner import COST_MODELS
 from fastmuon.step import deferred
+from fastmuon.step.nonfinite import NonFiniteGuard
 
 SHAPES = MIXED_SHAPES + [(24,), (7,)]
 N = len(MIXED_SHAPES)
@@ -122,6 +123,23 @@ def test_state_dict_after_a_bad_step_raises_once(accelerator_paths):
     assert set(opt.state_dict()["state"]) == set(range(len(params)))
 
 
+def test_a_copy_takes_the_state_and_leaves_the_verdict_to_the_original(accelerator_paths):
+    params = make_params(SHAPES)
+    grads = _bad_grads(params, steps=3, at=1)
+    opt = _optimizer(Muon, params)
+    for g in grads[:2]:
+        _set_grads(params, g)
+        opt.step()
+    twin = copy.deepcopy((params, opt))
+    _set_grads(params, grads[2])
+    _set_grads(twin[0], grads[2])
+    twin[1].step()
+    with pytest.raises(FloatingPointError, match=NAMED):
+        opt.step()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, twin[0]))
+
+
 class _Event:
     """A stand-in for a device event whose passing the test decides."""
 
@@ -175,6 +193,34 @@ def test_the_cpu_refuses_the_bad_step_itself():
         opt.step()
     _assert_unchanged(opt, params, before)
     assert opt._driver.pending is None
+
+
+def test_what_lives_on_the_host_goes_back_once_the_flags_are_read(accelerator_paths):
+    """A bad parameter's tensors on the device go back with the step; those on the host (AdamW's
+    step counts beside CUDA tensors) when its flags are read, once: no step waits for them."""
+    params = [torch.randn(3, 2), torch.randn(4)]
+    states = [{"m": torch.zeros(3, 2)}, {"m": torch.zeros(4), "step": torch.zeros((), dtype=torch.float64)}]
+    grads = [torch.randn(3, 2), torch.full((4,), math.nan)]
+    guard = NonFiniteGuard("raise", grads, params, states, defer=True)
+    for group in guard.skip._groups:  # the float64 step count plays the host's tensor
+        group.host = group.views[0].dtype == torch.float64
+    name = "parameter {}".format
+    keep = guard.keep(grads, name)
+    saved = guard.snapshot(keep)
+    before = [p.clone() for p in params]
+    for p, state in zip(params, states):  # the update: every tensor moves
+        p.add_(1)
+        for v in state.values():
+            v.add_(1)
+    pending = guard.settle(saved, keep, name, 7)
+    assert torch.equal(params[0], before[0] + 1) and torch.equal(states[0]["m"], torch.ones(3, 2))
+    assert torch.equal(params[1], before[1]) and torch.equal(states[1]["m"], torch.zeros(4))
+    assert float(states[1]["step"]) == 1  # still to go back
+    assert not pending.complete() and float(states[1]["step"]) == 0
+    states[1]["step"].fill_(5)
+    with pytest.raises(FloatingPointError, match=r"parameter 1 had a non-finite .* in step 7"):
+        pending.check()
+    assert float(states[1]["step"]) == 5  # put back once only
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon, fastmuon.NorMuon, fastmuon.AdaMuon])

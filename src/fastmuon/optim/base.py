@@ -394,7 +394,9 @@ class MatrixOptimizer(Optimizer):
     def _copied_state(self) -> dict[str, Any]:
         """What a copy keeps besides torch's ``defaults``, ``state`` and ``param_groups``: the
         options and what the state depends on. Caches (programs, bucket buffers) are rebuilt by
-        the copy's first step; hooks are not copied (as in ``torch.optim``)."""
+        the copy's first step; hooks are not copied (as in ``torch.optim``), nor is an unread
+        non-finite verdict (the original raises it; the copy gets the state it left)."""
+        self._driver.complete_pending()
         state = super().__getstate__()
         state.update(
             options=self.options,

@@ -82,16 +82,23 @@ class PendingFlags:
             self.event = None  # passed: nothing left to wait for
         return self.event is None
 
-    def check(self) -> None:
-        """Wait for the flags (long since copied, normally) and raise if any is False, after
-        finishing the step's restore of those parameters."""
+    def complete(self) -> bool:
+        """Wait for the flags (long since copied, normally) and, if any is False, finish the
+        step's restore of those parameters (once). Returns whether every flag is True."""
         if self.event is not None:
             self.event.synchronize()
-        flags = self.flags
-        if bool(flags.all()):
+            self.event = None
+        if bool(self.flags.all()):
+            return True
+        finish, self.finish = self.finish, _nothing
+        finish(self.flags)
+        return False
+
+    def check(self) -> None:
+        """:meth:`complete`, then raise if a gradient was not finite."""
+        if self.complete():
             return
-        bad = (~flags).nonzero().flatten().tolist()
-        self.finish(flags)
+        bad = (~self.flags).nonzero().flatten().tolist()
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise FloatingPointError(
             f"{self.name(bad[0])}{more} had a non-finite gradient (NaN or Inf) in step {self.step}; "
@@ -100,3 +107,7 @@ class PendingFlags:
             "scale, data), use torch.amp.GradScaler for fp16 training, or pass nonfinite='skip' to "
             "leave such parameters untouched without an error"
         )
+
+
+def _nothing(flags: Tensor) -> None:
+    """What is left to put back once the device has put back everything (or it is done)."""

@@ -89,6 +89,12 @@ class StepDriver:
         self.pending = None
         pending.check()
 
+    def complete_pending(self) -> None:
+        """Finish the last step's restore of parameters with a non-finite gradient without
+        raising (the verdict stays for the next call): what a copy of the optimizer holds."""
+        if self.pending is not None:
+            self.pending.complete()
+
     def discard_pending(self) -> None:
         """Drop an unread verdict (loading a state dict replaces the state it speaks of)."""
         self.pending = None

@@ -302,16 +302,9 @@ class NonFiniteGuard:
             return None
         plan.restore(saved, keep, on_host=False)  # type: ignore[union-attr]
         held = plan.on_host(saved)  # type: ignore[union-attr]
-        if any(s is not None for s in held):
-            finish = functools.partial(_restore_on_host, plan, held)
-        else:
-            finish = _nothing
+        finish = functools.partial(_restore_on_host, plan, held)
         return PendingFlags.start(keep, self._flags, step, name, finish)  # type: ignore[arg-type]
 
 
 def _restore_on_host(plan: SkipPlan, held: list[Tensor | None], flags: Tensor) -> None:
     plan.restore(held, flags, on_host=True)
-
-
-def _nothing(flags: Tensor) -> None:
-    """Nothing of the step lives on the host: the device put everything back."""
