@@ -260,6 +260,31 @@ def test_skip_on_cuda_never_synchronises(kind):
     assert torch.equal(params[1], before)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_raise_on_cuda_never_synchronises_and_raises_at_the_next_step(kind):
+    """The default "raise" on CUDA: the bad step runs masked without a host sync (AdamW's step
+    counts, on the CPU, included), and the next step raises naming the parameter."""
+    params = [nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES)]
+    opt = OPTIMIZERS[kind](params)
+    for p, g in zip(params, random_grads(params, 6)):
+        p.grad = g.cuda()
+    opt.step()
+    params[1].grad[0, 0] = float("nan")
+    params[5].grad[0] = float("inf")
+    before, states = _snapshot(opt, params)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with pytest.raises(FloatingPointError, match=r"\(and 1 more\) had a non-finite gradient .* in step 2"):
+        opt.step()
+    for i in (1, 5):
+        assert torch.equal(params[i], before[i])
+        _assert_same_state(opt.state[params[i]], states[i])
+
+
 # ----- changing parameter sets -------------------------------------------------------------------
 @pytest.mark.parametrize("kind", OPTIMIZERS)
 def test_changing_parameter_sets_match_the_reference(kind):
