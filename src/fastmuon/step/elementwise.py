@@ -87,14 +87,15 @@ def ema_momentum_widened_(
 
 
 def fusable(p: Tensor, *others: Tensor) -> bool:
-    """Whether torch's fused CPU optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
-    and its gradient and state (``others``) right. They walk the tensors' memory in step without
-    looking at strides, so all must share one dense layout (a channels_last weight with a
-    contiguous gradient gets a wrong update); the SGD kernel's bf16/fp16 path misreads the
-    momentum buffer in torch 2.13, so fp32/fp64 only. Not under ``torch.compile`` (the ops have no fake kernel),
-    and not on GPUs, where we could not test them."""
+    """Whether torch's fused optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
+    and its gradient and state (``others``) right: on the host's CPU and on CUDA, where
+    ``torch.optim``'s ``fused=True`` runs them (one launch per call there, where the foreach
+    path takes several). They walk the tensors' memory in step without looking at strides, so
+    all must share one dense layout (a channels_last weight with a contiguous gradient gets a
+    wrong update); the SGD kernel's bf16/fp16 path misreads the momentum buffer in torch 2.13,
+    so fp32/fp64 only. Not under ``torch.compile`` (the ops have no fake kernel)."""
     return (
-        compute.is_host(p.device)
+        (compute.is_host(p.device) or p.device.type == "cuda")
         and p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
