@@ -103,6 +103,44 @@ def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: 
         dist.destroy_process_group()
 
 
+def deferred_raise_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """One rank of a replicated MuSGD on the accelerator's paths (``is_host`` answering "no")
+    whose rank 1 alone sees a NaN gradient at step 1: each step's outcome, and the weights."""
+    import torch.distributed as dist
+
+    import fastmuon
+    from fastmuon.ns import device as compute
+
+    compute.is_host = lambda device: False
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        params = make_params([(6, 4), (6, 4), (5,)])
+        opt = fastmuon.MuSGD(
+            params,
+            use_muon=True,
+            lr=0.1,
+            momentum=0.9,
+            ns_dtype=torch.float32,
+            process_group=dist.group.WORLD,
+        )
+        outcomes, weights = [], []
+        for step in range(4):
+            for p, g in zip(params, random_grads(params, min(step, 2))):
+                p.grad = g
+            if step == 1 and rank == 1:
+                params[0].grad[0, 0] = float("nan")
+            try:
+                opt.step()
+                outcomes.append("stepped")
+            except FloatingPointError as e:
+                outcomes.append(str(e))
+            weights.append([p.detach().clone() for p in params])
+        torch.save({"outcomes": outcomes, "weights": weights}, f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def _own_threads() -> set[str]:
     return set(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else set()
 

@@ -274,6 +274,8 @@ def fastmuon_variant(
     )
     if wb.step_mode == "compiled" and "capturable" in inspect.signature(cls).parameters:
         kwargs["capturable"] = True  # the step's graph-capture-safe form, where the class offers one
+        if kwargs.get("nonfinite", "raise") == "raise":
+            kwargs["nonfinite"] = "skip"  # the guard a captured step can keep (it cannot raise)
     opt = cls(
         wb.groups() if groups is None else groups,
         ns_dtype=wb.ns_dtype,

@@ -208,7 +208,11 @@ class MatrixOptimizer(Optimizer):
         prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
         rule's per-parameter reference loop. Then, in groups with ``qk_clip_tau``, QK-clip of
         the attention parts by ``logit_maxima`` (``{layer: per-head maxima}``, checked first; see
-        :mod:`fastmuon.optim.qk_clip`)."""
+        :mod:`fastmuon.optim.qk_clip`).
+
+        With ``nonfinite="raise"`` on an accelerator, a non-finite gradient of the step before
+        is reported here, first, before anything changes (see :mod:`fastmuon.step.deferred`)."""
+        self._driver.raise_pending()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -309,6 +313,19 @@ class MatrixOptimizer(Optimizer):
         return handle
 
     # ----- state --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, once the last step's deferred non-finite verdict is read (a
+        state dict is no checkpoint to trust before it is: it raises as the next step would)."""
+        self._driver.raise_pending()
+        return super().state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; first, if the last step's deferred non-finite verdict has
+        reached the host already (never waiting for the device), it raises as the next step
+        would, with the gradients still there to look at."""
+        self._driver.raise_pending(wait=False)
+        super().zero_grad(set_to_none)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as torch does, from this optimizer's state dicts and from those of Ultralytics'
         MuSGD, ``torch.optim`` SGD/Muon/AdamW and older fastmuon versions (translated by
@@ -371,12 +388,15 @@ class MatrixOptimizer(Optimizer):
                 state["step"] = step.to(where, torch.float32)
         cast_groups_state(self.param_groups, self.state, self.rule.state_roles)
         self._driver.cache.clear()
+        self._driver.discard_pending()  # its verdict spoke of the state just replaced
 
     # ----- copies: copy.deepcopy and pickle ---------------------------------------------------
     def _copied_state(self) -> dict[str, Any]:
         """What a copy keeps besides torch's ``defaults``, ``state`` and ``param_groups``: the
         options and what the state depends on. Caches (programs, bucket buffers) are rebuilt by
-        the copy's first step; hooks are not copied (as in ``torch.optim``)."""
+        the copy's first step; hooks are not copied (as in ``torch.optim``), nor is an unread
+        non-finite verdict (the original raises it; the copy gets the state it left)."""
+        self._driver.complete_pending()
         state = super().__getstate__()
         state.update(
             options=self.options,

@@ -84,7 +84,8 @@ class Muon(MatrixOptimizer):
             sign, ``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` (Chen et al., arXiv 2510.12402); per group.
         capturable: keep AdamW's step counts on the parameters' devices (bias corrections
             computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
-            that with ``nonfinite`` "skip" or "ignore" a step can be captured in a CUDA graph.
+            that a step can be captured in a CUDA graph. It needs ``nonfinite`` "skip" or
+            "ignore": with "raise" it is refused.
         owner_group_size, max_exchange_bytes: the distributed step's owner groups and exchange
             buffer cap, as in :class:`~fastmuon.MuSGD`.
         qk_clip_tau: QK-clip (MuonClip's, Kimi K2): after each step, every attention head whose

@@ -82,11 +82,15 @@ class MuSGD(MatrixOptimizer):
             built-in constants per device type; ``"calibrate"``: measured once on this machine).
         process_group: with DDP (replicated parameters), each rank orthogonalises only its share
             of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
-        nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter), "skip"s that
-            parameter for the step (weights and state untouched, no host sync) or is "ignore"d.
+        nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter: on a CPU the
+            step is refused; on an accelerator that parameter is skipped for the step and the
+            next ``step()``, ``state_dict()`` or ``zero_grad()`` raises, so no step waits for
+            the device), "skip"s that parameter for the step (weights and state untouched, no
+            host sync) or is "ignore"d.
         capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
-            fused CPU kernel, no host-side NS range check), so that with ``nonfinite`` "skip" or
-            "ignore" a step can be captured in a CUDA graph (see "Host time" in docs/performance.md).
+            fused CPU kernel, no host-side NS range check), so that a step can be captured in a
+            CUDA graph (see "Host time" in docs/performance.md). It needs ``nonfinite`` "skip" or
+            "ignore": with "raise" it is refused.
         owner_group_size, max_exchange_bytes: the distributed step over DTensors (FSDP2, HSDP,
             tensor and expert parallel). A matrix costing more than a rank's fair share of NS
             is orthogonalised by an owner group of ranks together: ``None`` (the default) lets

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel
 from ..step.nonfinite import DEFAULT_NONFINITE, check_mode
-from .validation import check_foreach
+from .validation import check_capturable, check_foreach
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class Options:
     ``foreach``: None/True the batched step, False the per-parameter loop; ``policy``,
     ``max_bucket_bytes`` and ``cost_model`` steer the planner; ``compile`` runs each bucket's
     NS through ``torch.compile``; ``nonfinite`` says what a NaN/Inf gradient does;
-    ``capturable`` keeps every step free of host reads; ``adamw_lr`` (Muon) is AdamW's learning
+    ``capturable`` keeps every step free of host reads (with ``nonfinite`` "skip" or "ignore":
+    "raise" must read its verdict on the host, so the pair is refused); ``adamw_lr`` (Muon) is AdamW's learning
     rate in ``use_muon=False`` groups that set none; ``owner_group_size`` and
     ``max_exchange_bytes`` steer the distributed step over DTensors (see
     :mod:`fastmuon.distributed.placement` and :class:`fastmuon.distributed.exchange.Routes`).
@@ -48,6 +49,7 @@ class Options:
         if not (cost_model is None or cost_model == "calibrate" or isinstance(cost_model, CostModel)):
             raise ValueError(f"cost_model must be None, 'calibrate' or a CostModel, got {cost_model!r}")
         check_mode(self.nonfinite)
+        check_capturable(bool(self.capturable), self.nonfinite)
         for name in ("owner_group_size", "max_exchange_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

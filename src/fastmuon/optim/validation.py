@@ -65,6 +65,19 @@ def check_foreach(foreach: Any) -> bool | None:
     return foreach
 
 
+def check_capturable(capturable: bool, nonfinite: str) -> None:
+    """A captured step (a CUDA graph) replays kernels only: it cannot read on the host whether
+    a step's gradients were finite, which ``nonfinite="raise"`` must do (at the latest one call
+    later), so the pair is refused; "skip" masks on the device and "ignore" checks nothing."""
+    if capturable and nonfinite == "raise":
+        raise ValueError(
+            "capturable=True cannot be combined with nonfinite='raise' (the default): raising must "
+            "read on the host whether the gradients were finite, which a captured step never does; "
+            "pass nonfinite='skip' (parameters with a NaN/Inf gradient keep their weights and state "
+            "for the step, decided on the device) or nonfinite='ignore' (no check)"
+        )
+
+
 def check_tensor_lr(lr: Any, where: str) -> None:
     """A tensor learning rate holds one number (torch.optim's wording)."""
     if isinstance(lr, Tensor) and lr.numel() != 1:

@@ -31,6 +31,7 @@ from ..ns.gather import Gather
 from ..ns.planner import Plan
 from .cache import StepCache
 from .collecting import CollectEnv
+from .deferred import PendingFlags
 from .matrix import batch_order
 from .nonfinite import NonFiniteGuard
 from .program import StepProgram
@@ -75,6 +76,28 @@ class StepDriver:
         self.hooks: OrderedDict[int, Callable] = OrderedDict()
         self.initialised = initialised  # distributed steps make every parameter's state first
         self.steps = 0  # steps this driver has run (accepted ones: a refused step counts none)
+        self.pending: PendingFlags | None = None  # the last step's deferred "raise" verdict
+
+    def raise_pending(self, wait: bool = True) -> None:
+        """Read the last step's deferred non-finite verdict, if any (see
+        :mod:`fastmuon.step.deferred`), and raise if a gradient was not finite. The verdict is
+        read once: after the error the next call goes on. Without ``wait`` it is read only if
+        it has reached the host already (never waiting for the device)."""
+        pending = self.pending
+        if pending is None or (not wait and not pending.finished()):
+            return
+        self.pending = None
+        pending.check()
+
+    def complete_pending(self) -> None:
+        """Finish the last step's restore of parameters with a non-finite gradient without
+        raising (the verdict stays for the next call): what a copy of the optimizer holds."""
+        if self.pending is not None:
+            self.pending.complete()
+
+    def discard_pending(self) -> None:
+        """Drop an unread verdict (loading a state dict replaces the state it speaks of)."""
+        self.pending = None
 
     def step(self, env: StepEnv) -> None:
         """One batched update of every parameter with a gradient."""
@@ -115,10 +138,13 @@ class StepDriver:
         saved = program.guard.snapshot(keep) if keep is not None else None
         try:
             program.run(live, scalars, keep, self.hooks)
-        finally:
+        except BaseException:
             if saved is not None:
                 program.guard.restore(saved, keep)
+            raise
         self.steps += 1
+        if saved is not None:
+            self.pending = program.guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
 
     def reference_step(self, env: StepEnv) -> None:
         """The same update through the rule's per-parameter reference (``foreach=False``)."""
@@ -236,15 +262,15 @@ class StepDriver:
         positions = [k for k, g in enumerate(grads) if g is not None]
         owners = [(g, j) for g in env.groups for j in range(len(g["params"]))]
         live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
-        skipping = env.options.nonfinite == "skip"
-        local = [_local(params[k]) for k in positions] if skipping else ()
+        masking = env.options.nonfinite != "ignore"  # "skip", and "raise" deferred on an accelerator
+        local = [_local(params[k]) for k in positions] if masking else ()
         states = (
-            [{k: _local(v) for k, v in env.state[params[k]].items()} for k in positions] if skipping else ()
+            [{k: _local(v) for k, v in env.state[params[k]].items()} for k in positions] if masking else ()
         )
         return StepProgram(
             env.rule.build(items, pattern, engine_for, env.options),
             Gather(positions),
-            NonFiniteGuard(env.options.nonfinite, live_grads, local, states),
+            NonFiniteGuard(env.options.nonfinite, live_grads, local, states, defer=True),
             [owners[k] for k in positions],
             shards=LocalShards([params[k] for k in positions]) if sharded else None,
         )

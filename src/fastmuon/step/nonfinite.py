@@ -9,10 +9,16 @@ gradient has its Newton–Schulz input zeroed in its bucket, so the NaN cannot r
 matrices there), and afterwards each parameter and every one of its state tensors is put back
 to its pre-step value wherever its gradient was not finite. The snapshot and the restore are a
 handful of fused calls per (device, dtype), whatever the number of parameters.
+
+``"raise"`` on the host's CPU asks before the update (a read there makes nothing wait) and
+refuses the step. On an accelerator it runs the step as ``"skip"`` does and leaves the verdict
+for the next call to read (see :mod:`fastmuon.step.deferred`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,13 +28,16 @@ from torch import Tensor
 from ..ns import device as compute
 from ..ns.gather import Gather
 from ..ns.layout import memory_order
+from .deferred import PendingFlags, host_buffer
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
 #: Refuse loudly by default: a NaN gradient usually means a diverging run or a bug, and naming
-#: the parameter is the fastest way to find it. It costs one read of the gradients and one
-#: host sync per step; a step under ``torch.amp.GradScaler`` never gets there (the scaler skips
-#: steps with infs itself). ``"skip"`` rides over sporadic bad batches; ``"ignore"`` costs nothing.
+#: the parameter is the fastest way to find it. On the host's CPU it costs one read of the
+#: gradients per step; on an accelerator the masked step of ``"skip"`` and an error one call
+#: later, with no host sync. A step under ``torch.amp.GradScaler`` never gets there (the scaler
+#: skips steps with infs itself). ``"skip"`` rides over sporadic bad batches; ``"ignore"`` costs
+#: nothing.
 DEFAULT_NONFINITE = "raise"
 
 
@@ -50,9 +59,15 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
             groups.setdefault((g.device, g.dtype), []).append(i)
     return [
-        (indices, _max_abs([grads[i] for i in indices], compute.is_host(device)).isfinite())
+        (indices, _finite([grads[i] for i in indices], compute.is_host(device)))
         for (device, _), indices in groups.items()
     ]
+
+
+def _finite(tensors: list[Tensor], host: bool) -> Tensor:
+    """Whether each tensor's entries are all finite, as a bool vector: a max-abs norm is below
+    inf exactly when no entry is NaN or ±inf (NaN compares False), one comparison kernel."""
+    return _max_abs(tensors, host) < math.inf
 
 
 def _max_abs(tensors: list[Tensor], host: bool) -> Tensor:
@@ -79,7 +94,7 @@ def raise_if_nonfinite(
         for g in grads:
             if g.numel() > 0:
                 by_device.setdefault(g.device, []).append(g)
-        if all(bool(torch.stack(torch._foreach_norm(gs)).isfinite().all()) for gs in by_device.values()):
+        if all(bool((torch.stack(torch._foreach_norm(gs)) < math.inf).all()) for gs in by_device.values()):
             return
         groups = _finite_by_group(grads)
     by_device: dict[torch.device, list[Tensor]] = {}
@@ -131,57 +146,84 @@ class FiniteCheck:
     def __call__(self, grads: Sequence[Tensor]) -> Tensor:
         if len(self._groups) == 1 and len(self._groups[0][0]) == self.size:  # all in one, in order
             pick, _, host = self._groups[0]
-            return _max_abs(pick(grads), host).isfinite()
+            return _finite(pick(grads), host)
         keep = torch.ones(self.size, dtype=torch.bool, device=self.device)
         for pick, positions, host in self._groups:
-            ok = _max_abs(pick(grads), host).isfinite()
+            ok = _finite(pick(grads), host)
             keep.index_copy_(0, positions, ok.to(self.device))
         return keep
 
     def screen(self, grads: Sequence[Tensor]) -> bool:
         """Whether every gradient is finite (one host read per device): the cheap test of "raise"."""
         return all(
-            bool(torch.stack(torch._foreach_norm(pick(grads))).isfinite().all()) for pick in self._by_device
+            bool((torch.stack(torch._foreach_norm(pick(grads))) < math.inf).all()) for pick in self._by_device
         )
 
 
+class _Group:
+    """The tensors of one (device, dtype) that a restore may put back, as 1-D views in one
+    order: by owner, so that ``repeats[k]`` (the elements owner ``k`` has here, 0 for none)
+    turns the keep vector into the element mask in one fused repeat."""
+
+    __slots__ = ("views", "sizes", "repeats", "total", "host")
+
+    def __init__(self, device: torch.device, entries: list[tuple[Tensor, int]], owners: int):
+        self.views = [v for v, _ in entries]
+        self.sizes = [v.numel() for v in self.views]
+        per_owner = [0] * owners
+        for v, owner in entries:
+            per_owner[owner] += v.numel()
+        self.repeats = torch.tensor(per_owner, device=device)
+        self.total = sum(self.sizes)
+        self.host = compute.is_host(device)
+
+
 class SkipPlan:
-    """:class:`SkipGuard` prepared once: which tensors to snapshot, grouped by (device, dtype).
+    """What a step may have to put back, prepared once: every parameter and state tensor,
+    grouped by (device, dtype).
 
     ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
     ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and
-    :meth:`restore` after it with the keep vector.
+    :meth:`restore` after it with the keep vector (one bool per owner).
     """
 
     def __init__(self, params: Sequence[Tensor], states: Sequence[dict], owners: Sequence[int]):
+        owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
-        self._loose: list[tuple[Tensor, int]] = []
-        for p, state, owner in zip(params, states, owners):
+        self._loose: list[tuple[Tensor, int, bool]] = []
+        for i in sorted(range(len(owners)), key=owners.__getitem__):
+            p, state, owner = params[i], states[i], owners[i]
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
-                view = _memory_view(t.detach())  # see _Group: views of detached tensors
+                # a view of the detached tensor: the restore writes a leaf parameter in place
+                view = _memory_view(t.detach())
                 if view is None:
-                    self._loose.append((t, owner))
+                    self._loose.append((t, owner, compute.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
-        self._groups = []
-        for (device, _), entries in grouped.items():
-            views = [v for v, _ in entries]
-            sizes = [v.numel() for v in views]
-            owner_index = torch.tensor([o for _, o in entries], device=device)
-            repeats = torch.tensor(sizes, device=device)
-            self._groups.append((views, sizes, owner_index, repeats, sum(sizes)))
+        count = max(owners, default=-1) + 1
+        self._groups = [_Group(device, entries, count) for (device, _), entries in grouped.items()]
 
     def snapshot(self) -> list[Tensor]:
-        return [torch.cat(views) for views, *_ in self._groups] + [t.clone() for t, _ in self._loose]
+        """One copy per (device, dtype) of everything :meth:`restore` may put back."""
+        return [torch.cat(g.views) for g in self._groups] + [t.clone() for t, _, _ in self._loose]
 
-    def restore(self, saved: list[Tensor], keep: Tensor) -> None:
-        for (views, sizes, owner_index, repeats, total), snap in zip(self._groups, saved):
-            k = keep.to(snap.device).index_select(0, owner_index)
-            mask = torch.repeat_interleave(k, repeats, output_size=total)
-            merged = torch.where(mask, torch.cat(views), snap, out=snap)
-            torch._foreach_copy_(views, list(merged.split(sizes)))
-        for (t, owner), snap in zip(self._loose, saved[len(self._groups) :]):
-            t.copy_(torch.where(keep[owner].to(t.device), t, snap))
+    def restore(self, saved: Sequence[Tensor | None], keep: Tensor, on_host: bool | None = None) -> None:
+        """Put back ``saved`` wherever ``keep`` is False: the tensors on the host's CPU
+        (``on_host`` True), those elsewhere (False) or all (None)."""
+        for group, snap in zip(self._groups, saved):
+            if on_host is not None and group.host != on_host:
+                continue
+            mask = torch.repeat_interleave(keep.to(snap.device), group.repeats, output_size=group.total)
+            merged = torch.where(mask, torch.cat(group.views), snap, out=snap)
+            torch._foreach_copy_(group.views, list(merged.split(group.sizes)))
+        for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
+            if on_host is None or host == on_host:
+                t.copy_(torch.where(keep[owner].to(t.device), t, snap))
+
+    def on_host(self, saved: Sequence[Tensor]) -> list[Tensor | None]:
+        """``saved`` with only the host's CPU tensors' copies kept (None elsewhere)."""
+        hosts = [g.host for g in self._groups] + [host for _, _, host in self._loose]
+        return [s if host else None for s, host in zip(saved, hosts)]
 
 
 class NonFiniteGuard:
@@ -192,14 +234,29 @@ class NonFiniteGuard:
     owns ``grads[i]``); "ignore" does nothing. In a distributed run the ranks must decide alike
     (a NaN may sit in one rank's shard only): :meth:`keep` then takes ``agree``, which combines
     every rank's flags.
+
+    With ``defer`` (the prepared step), "raise" over gradients not all on the host's CPU is
+    ``deferred``: the step runs masked as "skip" runs, and :meth:`settle` sends its flags to
+    the host for the next call to read, so no step waits for the device.
     """
 
     def __init__(
-        self, mode: str, grads: Sequence[Tensor], params: Sequence[Tensor] = (), states: Sequence[dict] = ()
+        self,
+        mode: str,
+        grads: Sequence[Tensor],
+        params: Sequence[Tensor] = (),
+        states: Sequence[dict] = (),
+        *,
+        defer: bool = False,
     ):
         self.mode = mode
         self.check = FiniteCheck(grads)
-        self.skip = SkipPlan(params, states, range(len(params))) if mode == "skip" and params else None
+        self.deferred = (
+            mode == "raise" and defer and bool(params) and not all(compute.is_host(g.device) for g in grads)
+        )
+        masking = mode == "skip" or self.deferred
+        self.skip = SkipPlan(params, states, range(len(params))) if masking and params else None
+        self._flags = host_buffer(len(grads)) if self.deferred else None
 
     def keep(
         self,
@@ -207,22 +264,22 @@ class NonFiniteGuard:
         name: Callable[[int], str],
         agree: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor | None:
-        """Call after the state buffers exist and before anything is written: raises ("raise"),
-        or returns the keep vector (one bool per gradient, on the device) whose ``False``
-        entries :meth:`restore` puts back ("skip"); ``None``: nothing to put back."""
+        """Call after the state buffers exist and before anything is written: raises (a
+        "raise" that is not deferred), or returns the keep vector (one bool per gradient, on the
+        device) whose ``False`` entries :meth:`settle` puts back; ``None``: nothing to put back."""
         if self.mode == "ignore" or not grads:
             return None
-        if self.mode == "raise" and agree is None:
-            if not self.check.screen(grads):
-                raise_if_nonfinite(grads, name)
-            return None
-        keep = self.check(grads)
-        if agree is not None:
-            keep = agree(keep)
-        if self.mode == "raise":
+        # a traced step decides on the host as the CPU does: nothing of it outlives the trace
+        if self.mode == "raise" and (not self.deferred or torch.compiler.is_compiling()):
+            if agree is None:
+                if not self.check.screen(grads):
+                    raise_if_nonfinite(grads, name)
+                return None
+            keep = agree(self.check(grads))
             raise_if_nonfinite(list(keep.unbind(0)), name, flags_given=True)
             return None
-        return keep
+        keep = self.check(grads)
+        return agree(keep) if agree is not None else keep
 
     def snapshot(self, keep: Tensor | None) -> list[Tensor] | None:
         """What the update may overwrite, saved (only where something may have to go back)."""
@@ -232,3 +289,22 @@ class NonFiniteGuard:
         """Put back every tensor of a parameter whose gradient was not finite."""
         if saved is not None:
             self.skip.restore(saved, keep)  # type: ignore[union-attr]
+
+    def settle(
+        self, saved: list[Tensor], keep: Tensor, name: Callable[[int], str], step: int
+    ) -> PendingFlags | None:
+        """After a completed update: "skip" puts everything back now (None). A deferred
+        "raise" puts back what lives on the device, starts the flags' copy to the host and
+        returns them, pending: read, they raise and put back the host's tensors too."""
+        plan = self.skip
+        if not self.deferred:
+            plan.restore(saved, keep)  # type: ignore[union-attr]
+            return None
+        plan.restore(saved, keep, on_host=False)  # type: ignore[union-attr]
+        held = plan.on_host(saved)  # type: ignore[union-attr]
+        finish = functools.partial(_restore_on_host, plan, held)
+        return PendingFlags.start(keep, self._flags, step, name, finish)  # type: ignore[arg-type]
+
+
+def _restore_on_host(plan: SkipPlan, held: list[Tensor | None], flags: Tensor) -> None:
+    plan.restore(held, flags, on_host=True)

@@ -1,0 +1,113 @@
+"""``nonfinite="raise"`` on an accelerator: the verdict on a step's gradients read one call later.
+
+Asking before the update whether every gradient is finite would make the host wait for the
+device's whole queue every step. So on an accelerator the step runs masked, as ``"skip"`` runs
+(a parameter with a bad gradient keeps its weights and every state tensor), and only its flags
+travel: a non-blocking copy into a small pinned host buffer with an event recorded behind it.
+The next call that may raise -- the next ``step()`` before it changes anything, ``state_dict()``,
+or ``zero_grad()`` if the event has already passed -- reads them, by then long finished, and
+raises naming the parameters that step left untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def host_buffer(size: int) -> Tensor:
+    """A bool vector of ``size`` in pinned host memory (a copy into it need not block), or in
+    plain host memory where nothing can pin it (no accelerator, a trace on fake tensors)."""
+    try:
+        return torch.empty(size, dtype=torch.bool, pin_memory=True)
+    except RuntimeError:
+        return torch.empty(size, dtype=torch.bool)
+
+
+def recorded_event(device: torch.device) -> Any | None:
+    """A new event recorded on ``device``'s current stream (behind the work queued there), or
+    None where none can be made: a CPU runs nothing behind the host's back, and a trace on
+    fake tensors has no driver to make one."""
+    if device.type == "cpu":
+        return None
+    try:
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        else:
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device))
+    except (RuntimeError, AssertionError):
+        return None
+    return event
+
+
+class PendingFlags:
+    """One step's finite flags (``flags[k]``: whether gradient ``k`` was finite, on the host
+    once ``event`` has passed), and what to finish if any was not.
+
+    ``name(k)`` names the step's ``k``-th parameter; ``finish(flags)`` puts back what the step
+    could not put back on the device (tensors kept on the host, such as AdamW's step counts) for
+    the parameters whose flag is False.
+    """
+
+    def __init__(
+        self,
+        flags: Tensor,
+        event: Any | None,
+        step: int,
+        name: Callable[[int], str],
+        finish: Callable[[Tensor], None],
+    ):
+        self.flags = flags
+        self.event = event
+        self.step = step
+        self.name = name
+        self.finish = finish
+
+    @classmethod
+    def start(
+        cls, keep: Tensor, buffer: Tensor, step: int, name: Callable[[int], str], finish: Callable
+    ) -> PendingFlags:
+        """Copy ``keep`` (on its device) into ``buffer`` without waiting, behind an event."""
+        buffer.copy_(keep, non_blocking=True)
+        return cls(buffer, recorded_event(keep.device), step, name, finish)
+
+    def finished(self) -> bool:
+        """Whether the flags have reached the host (asks the event; never waits)."""
+        if self.event is not None and self.event.query():
+            self.event = None  # passed: nothing left to wait for
+        return self.event is None
+
+    def complete(self) -> bool:
+        """Wait for the flags (long since copied, normally) and, if any is False, finish the
+        step's restore of those parameters (once). Returns whether every flag is True."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+        if bool(self.flags.all()):
+            return True
+        finish, self.finish = self.finish, _nothing
+        finish(self.flags)
+        return False
+
+    def check(self) -> None:
+        """:meth:`complete`, then raise if a gradient was not finite."""
+        if self.complete():
+            return
+        bad = (~self.flags).nonzero().flatten().tolist()
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise FloatingPointError(
+            f"{self.name(bad[0])}{more} had a non-finite gradient (NaN or Inf) in step {self.step}; "
+            f"step {self.step}'s update left these parameters and their state untouched (the others "
+            "were updated), and this call changed nothing. Find the cause (learning rate, loss "
+            "scale, data), use torch.amp.GradScaler for fp16 training, or pass nonfinite='skip' to "
+            "leave such parameters untouched without an error"
+        )
+
+
+def _nothing(flags: Tensor) -> None:
+    """What is left to put back once the device has put back everything (or it is done)."""
