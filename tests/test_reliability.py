@@ -20,6 +20,7 @@ from torch import nn
 
 import fastmuon
 from fastmuon.bench.memory import AllocationTracker
+from fastmuon.ns import device as compute
 from fastmuon.ns.newton_schulz import _normalize, _normalize_safe
 from fastmuon.step.nonfinite import DEFAULT_NONFINITE
 
@@ -335,12 +336,16 @@ def test_changing_parameter_sets_match_the_reference(kind):
 EXTREME_SHAPES = [(7, 12), (12, 5), (1, 9), (9, 1), (3, 3, 3, 3)]
 
 
+@pytest.mark.parametrize("accelerator", [False, True], ids=["host", "accelerator"])
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_huge_tiny_zero_and_rank_one_matrices(ns_dtype, dtype):
+def test_huge_tiny_zero_and_rank_one_matrices(ns_dtype, dtype, accelerator, monkeypatch):
     """1e30 orthogonalises like its unit-scale twin (the norm does not overflow); with eps=0, so
     does 1e-30 (the norm does not underflow); zeros give exactly zero, rank-1 and 1×n / n×1
-    matrices give the reference."""
+    matrices give the reference. On the accelerators' paths too (the fp64 normalisation, the
+    shared packing of gather buckets)."""
+    if accelerator:
+        monkeypatch.setattr(compute, "is_host", lambda device: False)
     gen = torch.Generator().manual_seed(7)
     base = [torch.randn(s, generator=gen) for s in EXTREME_SHAPES]
     base.append(torch.outer(torch.randn(6, generator=gen), torch.randn(10, generator=gen)))  # rank 1
@@ -379,8 +384,11 @@ def test_safe_normalisation_is_bitwise_the_plain_formula(dtype):
     scales = torch.tensor([1e-3, 0.02, 1.5, 3.0, 100.0]).view(-1, 1, 1)
     X = (torch.randn(5, 6, 9) * scales).to(dtype)
     plain = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + 1e-7)
-    for host in (True, False):  # the largest entry from a max and a min, or from the inf-norm
-        assert torch.equal(_normalize_safe(X, 1e-7, host=host), plain)
+    assert torch.equal(_normalize_safe(X, 1e-7, host=True), plain)
+    # off the host: the exact quotient, in fp64, rounded once (within an ulp of the plain formula)
+    wide = X.double() / (torch.linalg.vector_norm(X.double(), dim=(-2, -1), keepdim=True) + 1e-7)
+    assert torch.equal(_normalize_safe(X, 1e-7, host=False), wide.to(dtype))
+    torch.testing.assert_close(_normalize_safe(X, 1e-7, host=False), plain)
     # the fast path where it applies, bit for bit
     assert torch.equal(_normalize(X, 1e-7, host=True, host_reads=True), plain)
     # Where the plain norm overflows (fp16 squares past 65504), the plain formula gives zeros.

@@ -275,6 +275,7 @@ class Orthogonalizer:
         self.records = [self._record(bucket, configs[bucket.key]) for bucket in plan.buckets]
         self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
+        self._staged: _StagedGathers | bool | None = None  # False: nothing to stage
 
     def _record(self, bucket: Bucket, config: NSConfig) -> BucketRecord:
         """Everything about ``bucket`` that is known before any data is seen."""
@@ -318,13 +319,37 @@ class Orthogonalizer:
         results: list[Tensor | None] = [None] * len(sources)
         if keep is not None and not isinstance(keep, Tensor):
             keep = torch.stack(list(keep))
+        staged = None if compiling else self._staged_gathers(sources)
+        if staged is not None:
+            staged.pack(sources)
         for rec in self.records:
+            if staged is not None and rec in staged.packed:
+                self._run(rec, rec.buffer, compiling, staged.output(rec))  # type: ignore[arg-type]
+                continue
             batch = self._pack(rec, sources, compiling)
-            if keep is not None:
+            if keep is not None and rec.host:
+                # Off the host the rejected matrices are left in: every kernel works slot by
+                # slot, so a NaN stays in its own slot, whose parameter the guard puts back.
                 index = self._keep_index(rec, keep.device, keep_positions)
                 zero_rejected_(batch, keep.index_select(0, index))
             self._unpack(rec, self._run(rec, batch, compiling), out_dtypes, results, compiling)
+        if staged is not None:
+            staged.unpack(out_dtypes, results)
         return results  # type: ignore[return-value]
+
+    def _staged_gathers(self, sources: Sequence[Tensor]) -> _StagedGathers | None:
+        """The gather buckets' shared packing off the host (None on a CPU, or without gather
+        buckets), made on the first call."""
+        staged = self._staged
+        if staged is None and self.records and not any(rec.host for rec in self.records):
+            gathers = [
+                rec
+                for rec in self.records
+                if rec.gather is not None and rec.buffer is None and not rec.compiled
+            ]
+            device = sources[self.records[0].indices[0]].device
+            staged = self._staged = _StagedGathers(gathers, device) if gathers else False
+        return staged or None
 
     @staticmethod
     def _keep_index(rec: BucketRecord, device: torch.device, positions: tuple[int, ...] | None) -> Tensor:
@@ -336,16 +361,21 @@ class Orthogonalizer:
             index = rec.keep_index[key] = torch.tensor(at, device=device)
         return index
 
-    def _run(self, rec: BucketRecord, batch: Tensor, compiling: bool) -> Tensor:
+    def _run(self, rec: BucketRecord, batch: Tensor, compiling: bool, out: Tensor | None = None) -> Tensor:
         """One batched Newton–Schulz call on the bucket's packed batch.
 
         Where the bucket reuses memory the result lands in its kept output buffer (valid until
-        the next call) and the kernel's temporaries in the shared scratch arena.
+        the next call) and the kernel's temporaries in the shared scratch arena; ``out``: where
+        the result goes instead (a bucket that keeps nothing).
         """
         eps = rec.config.eps
         if rec.compiled:
             return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=False)
         host_reads = rec.host_reads and not compiling
+        if out is not None:
+            return rec.kernel(
+                batch, rec.schedule, eps, _no_scratch, out, host=rec.host, host_reads=host_reads
+            )
         if compiling or not rec.reuse:
             return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=host_reads)
         out = rec.output
@@ -365,6 +395,7 @@ class Orthogonalizer:
         kept += [r.output for r in records] + [r.gather for r in records]
         kept += [t for r in records for t in r.cast_buffers]
         kept += self._scratch.tensors() if self._scratch is not None else []
+        kept += self._staged.kept if self._staged else []
         return [t for t in kept if t is not None]
 
     def buffer(self, b: int, device: torch.device) -> Tensor:
@@ -468,7 +499,7 @@ class Orthogonalizer:
                 ]
                 if out is rec.output:
                     rec.output_views = views
-        elif self.result_views and out.dtype != dtype and not compiling:
+        elif self.result_views and out.dtype != dtype and rec.host and not compiling:
             # the cast goes into kept buffers whose views are made once
             cast = rec.cast
             if cast is None or cast[0] != dtype:
@@ -485,6 +516,99 @@ class Orthogonalizer:
             return
         for i, view in zip(rec.indices, views):
             results[i] = view
+
+
+class _StagedGathers:
+    """The gather buckets of an engine off the host, packed and unpacked in four launches.
+
+    Per NS dtype, the buckets' input buffers are views of one kept zero-padded flat buffer and
+    their gather indices one index into it: one foreach copy casts every member into a kept
+    staging buffer, one index copy scatters them all into their slots; each bucket's NS writes
+    its output into a view of one fresh flat output, from which one index select gathers every
+    result and one cast takes them to the output dtype. On a GPU each op is a launch, so packing
+    and unpacking cost four launches whatever the number of buckets (``4·buckets`` one bucket at
+    a time), and the results are fresh (the caller owns them; nothing is kept for them).
+    """
+
+    def __init__(self, records: Sequence[BucketRecord], device: torch.device):
+        self.packed = set(records)
+        by_dtype: dict[torch.dtype, list[BucketRecord]] = {}
+        for rec in records:
+            by_dtype.setdefault(rec.bucket.dtype, []).append(rec)
+        self.stages: list[_Stage] = []
+        self.outputs: dict[BucketRecord, tuple[int, int]] = {}  # rec -> (stage, offset of its output)
+        for s, (dtype, recs) in enumerate(by_dtype.items()):
+            sizes = [_numel(rec.bucket.shape) for rec in recs]
+            bases = list(itertools.accumulate(sizes[:-1], initial=0))
+            buffers = torch.zeros(sum(sizes), dtype=dtype, device=device)
+            index = torch.cat([rec.gather.to(device) + base for rec, base in zip(recs, bases)])  # type: ignore[union-attr]
+            staging = torch.empty(index.numel(), dtype=dtype, device=device)
+            places: list[Tensor] = []
+            members: list[int] = []
+            views = []
+            start = 0
+            for rec, base, size in zip(recs, bases, sizes):
+                rec.buffer = buffers[base : base + size].view(rec.bucket.shape)
+                stop = start + rec.gather.numel()  # type: ignore[union-attr]
+                rec.gather = None  # its part of the shared index (the compiled path packs by runs)
+                places += _strided_views(staging[start:stop], rec)
+                members += rec.indices
+                views.append((rec, start, stop))
+                self.outputs[rec] = (s, base)
+                start = stop
+            self.stages.append(_Stage(buffers, index, staging, places, Gather(members), views))
+        self._flat: list[Tensor] = []
+
+    @property
+    def kept(self) -> list[Tensor]:
+        return [t for st in self.stages for t in (st.buffers, st.index, st.staging)]
+
+    def pack(self, sources: Sequence[Tensor]) -> None:
+        for st in self.stages:
+            torch._foreach_copy_(st.places, st.pick(sources))
+            st.buffers.index_copy_(0, st.index, st.staging)
+        self._flat = [torch.empty_like(st.buffers) for st in self.stages]
+
+    def output(self, rec: BucketRecord) -> Tensor:
+        """Where bucket ``rec``'s NS writes its result: its slots of this call's flat output."""
+        s, base = self.outputs[rec]
+        return self._flat[s][base : base + _numel(rec.bucket.shape)].view(rec.bucket.shape)
+
+    def unpack(self, out_dtypes: Sequence[torch.dtype], results: list) -> None:
+        flats, self._flat = self._flat, []
+        for st, flat in zip(self.stages, flats):
+            picked = flat.index_select(0, st.index)
+            cast: dict[torch.dtype, Tensor] = {}
+            for rec, start, stop in st.views:
+                dtype = _one_dtype(rec.members(out_dtypes))
+                if dtype not in cast:
+                    cast[dtype] = picked if dtype == picked.dtype else picked.to(dtype)
+                for i, view in zip(rec.indices, _strided_views(cast[dtype][start:stop], rec)):
+                    results[i] = view
+
+
+@dataclass(frozen=True, eq=False)
+class _Stage:
+    """One NS dtype's share of :class:`_StagedGathers`."""
+
+    buffers: Tensor  # every bucket's input buffer, back to back (zero padding written once)
+    index: Tensor  # each member element's place in ``buffers``, members back to back
+    staging: Tensor  # the members back to back, each in its memory order, in the NS dtype
+    places: list[Tensor]  # each member's place in ``staging``, with its layout's strides
+    pick: Gather  # the members out of a call's sources, in staging order
+    views: list[tuple[BucketRecord, int, int]]  # per bucket: its members' span in ``staging``
+
+
+def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
+    """The kernels' scratch where nothing is kept: every temporary is fresh."""
+    return None
+
+
+def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    dtype = dtypes[0]
+    if dtypes.count(dtype) != len(dtypes):
+        raise ValueError("tensors packed together must share one output dtype")
+    return dtype
 
 
 def _split_runs(bucket: Bucket, layouts: Sequence[TensorLayout]) -> tuple[_Run, ...]:

@@ -86,15 +86,18 @@ def ema_momentum_widened_(
     return update
 
 
-def fusable(p: Tensor, *others: Tensor) -> bool:
-    """Whether torch's fused CPU optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
-    and its gradient and state (``others``) right. They walk the tensors' memory in step without
-    looking at strides, so all must share one dense layout (a channels_last weight with a
-    contiguous gradient gets a wrong update); the SGD kernel's bf16/fp16 path misreads the
-    momentum buffer in torch 2.13, so fp32/fp64 only. Not under ``torch.compile`` (the ops have no fake kernel),
-    and not on GPUs, where we could not test them."""
+def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
+    """Whether torch's fused optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
+    and its gradient and state (``others``) right: on the host's CPU, and with ``cuda`` on CUDA
+    too, where ``torch.optim``'s ``fused=True`` runs them (one launch per call there, where the
+    foreach path takes several; the SGD kernel only: the AdamW one wants its step counts on the
+    device, and ours stay on the host as torch's unfused AdamW keeps them). They walk the
+    tensors' memory in step without looking at strides, so all must share one dense layout (a
+    channels_last weight with a contiguous gradient gets a wrong update); the SGD kernel's
+    bf16/fp16 path misreads the momentum buffer in torch 2.13, so fp32/fp64 only. Not under
+    ``torch.compile`` (the ops have no fake kernel)."""
     return (
-        compute.is_host(p.device)
+        (compute.is_host(p.device) or (cuda and p.device.type == "cuda"))
         and p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
@@ -102,17 +105,17 @@ def fusable(p: Tensor, *others: Tensor) -> bool:
     )
 
 
-def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor]) -> bool:
+def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor], cuda: bool = False) -> bool:
     """:func:`fusable` for ``p``'s state ``buffers`` wherever they are stored (see
     :mod:`fastmuon.step.state_dtype`): in ``p``'s dtype the kernel steps them as they are; in
     another it steps their working copies, which take the arithmetic dtype and the buffers'
     strides, so that dtype must be ``p``'s (fp32 parameters, narrower state)."""
     if all(b.dtype == p.dtype for b in buffers):
-        return fusable(p, grad, *buffers)
+        return fusable(p, grad, *buffers, cuda=cuda)
     return (
         all(arithmetic_dtype(p.dtype, b.dtype) == p.dtype for b in buffers)
         and all(b.device == p.device and b.stride() == p.stride() for b in buffers)
-        and fusable(p, grad)
+        and fusable(p, grad, cuda=cuda)
     )
 
 

@@ -39,7 +39,7 @@ def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
 def scale_limit(device: torch.device) -> int:
     """How many distinct scales take one fused ``add_`` each before one scaling pass and one
     subtracting pass over all of them cost less: every call is a launch on a GPU."""
-    return 8 if compute.is_host(device) else 2
+    return 8 if compute.is_host(device) else 1
 
 
 def apply_scaled_(

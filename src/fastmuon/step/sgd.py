@@ -69,7 +69,8 @@ class SGDProgram:
         for part in parts.values():
             dtype = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one pair of dtypes per part
             by_kernel = partition(
-                part, lambda i: fused_ok and bool(i.beta) and fusable_stored(i.param, i.grad, [i.buf])
+                part,
+                lambda i: fused_ok and bool(i.beta) and fusable_stored(i.param, i.grad, [i.buf], cuda=True),
             )
             g = part[0].group
             for by_lr in partition(by_kernel.get(True, []), lr_key).values():
