@@ -156,7 +156,7 @@ def test_bench_report_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
     assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
     assert "workload tiny: 5 tensors, 0.00M values, 3 matrices (1 with >2 dims)" in lines  # no stray "; "
     for name in ("fastmuon MuSGD", "per-parameter MuSGD"):  # each contender's block, every figure
-        block = lines[lines.index(name) + 1 :][:4]
+        block = lines[lines.index(name) + 1 :][:5]
         assert any("ms/step: " in line for line in block) and any("kernels/step: " in line for line in block)
         assert any("speedup vs per-parameter MuSGD: " in line for line in block)
 

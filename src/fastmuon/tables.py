@@ -29,7 +29,9 @@ def stacked(
         pairs = [
             f"{h}: {v}".replace(" ", _KEEP) for h, v in zip(header[name_columns:], row[name_columns:]) if v
         ]
-        wrapped = textwrap.wrap(", ".join(pairs), width, initial_indent="  ", subsequent_indent="  ")
+        wrapped = textwrap.wrap(
+            ", ".join(pairs), width, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False
+        )
         lines += [line.replace(_KEEP, " ") for line in wrapped]
     return lines
 

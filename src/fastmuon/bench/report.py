@@ -112,6 +112,7 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
         "NS GFLOP",
         "padding",
         "state MiB",
+        "workspace MiB",
         "peak extra MiB",
         f"speedup vs {base.name}" if base else "speedup",
     ]
@@ -129,7 +130,8 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 "-" if r.kernels_per_step is None else str(r.kernels_per_step),
                 _flops(r),
                 "-" if r.padding_overhead is None else f"{100 * r.padding_overhead:.1f}%",
-                _mib((r.state_bytes or 0) + (r.workspace_bytes or 0)),
+                _mib(r.state_bytes),
+                _mib(r.workspace_bytes),
                 _mib(r.peak_extra_bytes),
                 f"{base.median_ms / r.median_ms:.3g}×",
             ]
@@ -179,7 +181,8 @@ def describe(document: dict[str, Any]) -> list[str]:
     lines.append(HOW.format(n=HOST_STEPS))
     lines.append(
         "kernels/step: ATen ops dispatched in one step (views and allocations excluded); "
-        "state MiB: optimizer state plus persistent workspaces; peak extra MiB: the most a step "
+        "state MiB: the optimizer's state tensors; workspace MiB: what else it keeps between steps "
+        "(buffers, indices); peak extra MiB: the most a step "
         "allocates beyond what it started with"
     )
     return lines

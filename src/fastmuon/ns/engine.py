@@ -219,6 +219,7 @@ class BucketRecord:
     host: bool  # the bucket lives on the host's CPU (device.is_host)
     host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
     reuse: bool  # NS output and temporaries kept between steps (see ScratchArena)
+    fresh_input: bool  # off the host and unpadded: the input buffer is made per call, not kept
     members: Gather  # picks the bucket's members out of a per-call list, in slot order
     indices: tuple[int, ...]  # the members' positions among the engine's tensors, in slot order
     layouts: tuple[TensorLayout, ...]  # the members' layouts, in slot order
@@ -294,6 +295,7 @@ class Orthogonalizer:
             # a compiled kernel is traced, and a trace cannot branch on a value read on the host
             host_reads=self.host_reads and host and not compiled,
             reuse=host and not compiled and (REUSE_MAX_ROWS is None or bucket.shape[1] <= REUSE_MAX_ROWS),
+            fresh_input=not host and _unpadded(bucket, layouts),
             members=Gather([m.index for m in bucket.members]),
             indices=tuple(m.index for m in bucket.members),
             layouts=layouts,
@@ -324,7 +326,7 @@ class Orthogonalizer:
             staged.pack(sources)
         for rec in self.records:
             if staged is not None and rec in staged.packed:
-                self._run(rec, rec.buffer, compiling, staged.output(rec))  # type: ignore[arg-type]
+                self._run(rec, staged.batch(rec), compiling, staged.output(rec))
                 continue
             batch = self._pack(rec, sources, compiling)
             if keep is not None and rec.host:
@@ -444,12 +446,15 @@ class Orthogonalizer:
         if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
             return rec.buffer  # type: ignore[return-value]
         buf = rec.buffer
-        if buf is None:
+        fresh = rec.fresh_input and rec.gather is None
+        if fresh:  # every element is written below: the allocator's cache serves it, nothing is kept
+            buf = torch.empty(rec.bucket.shape, dtype=rec.bucket.dtype, device=sources[rec.indices[0]].device)
+        elif buf is None:
             buf = _make_buffer(rec, sources[rec.indices[0]].device)
         index = rec.gather
         if index is None:
             regions = rec.slot_regions
-            if compiling:
+            if compiling or fresh:
                 regions = [run.slots(buf) for run in rec.runs]
             elif regions is None:
                 regions = rec.slot_regions = [run.slots(buf) for run in rec.runs]
@@ -519,15 +524,16 @@ class Orthogonalizer:
 
 
 class _StagedGathers:
-    """The gather buckets of an engine off the host, packed and unpacked in four launches.
+    """The gather buckets of an engine off the host, packed and unpacked in five launches.
 
-    Per NS dtype, the buckets' input buffers are views of one kept zero-padded flat buffer and
+    Per NS dtype, the buckets' input buffers are views of one flat buffer made per call and
     their gather indices one index into it: one foreach copy casts every member into a kept
-    staging buffer, one index copy scatters them all into their slots; each bucket's NS writes
+    staging buffer, one fill and one index copy make the inputs; each bucket's NS writes
     its output into a view of one fresh flat output, from which one index select gathers every
     result and one cast takes them to the output dtype. On a GPU each op is a launch, so packing
-    and unpacking cost four launches whatever the number of buckets (``4·buckets`` one bucket at
-    a time), and the results are fresh (the caller owns them; nothing is kept for them).
+    and unpacking cost five launches whatever the number of buckets (``4·buckets`` one bucket at
+    a time); the inputs and results are fresh (the caller owns the results), so what is kept
+    is the index and the staging: 8 + 2 bytes per member element in bf16.
     """
 
     def __init__(self, records: Sequence[BucketRecord], device: torch.device):
@@ -540,15 +546,14 @@ class _StagedGathers:
         for s, (dtype, recs) in enumerate(by_dtype.items()):
             sizes = [_numel(rec.bucket.shape) for rec in recs]
             bases = list(itertools.accumulate(sizes[:-1], initial=0))
-            buffers = torch.zeros(sum(sizes), dtype=dtype, device=device)
+            total = sum(sizes)
             index = torch.cat([rec.gather.to(device) + base for rec, base in zip(recs, bases)])  # type: ignore[union-attr]
             staging = torch.empty(index.numel(), dtype=dtype, device=device)
             places: list[Tensor] = []
             members: list[int] = []
             views = []
             start = 0
-            for rec, base, size in zip(recs, bases, sizes):
-                rec.buffer = buffers[base : base + size].view(rec.bucket.shape)
+            for rec, base in zip(recs, bases):
                 stop = start + rec.gather.numel()  # type: ignore[union-attr]
                 rec.gather = None  # its part of the shared index (the compiled path packs by runs)
                 places += _strided_views(staging[start:stop], rec)
@@ -556,26 +561,39 @@ class _StagedGathers:
                 views.append((rec, start, stop))
                 self.outputs[rec] = (s, base)
                 start = stop
-            self.stages.append(_Stage(buffers, index, staging, places, Gather(members), views))
+            self.stages.append(_Stage(total, index, staging, places, Gather(members), views))
+        self._inputs: list[Tensor] = []
         self._flat: list[Tensor] = []
 
     @property
     def kept(self) -> list[Tensor]:
-        return [t for st in self.stages for t in (st.buffers, st.index, st.staging)]
+        return [t for st in self.stages for t in (st.index, st.staging)]
 
     def pack(self, sources: Sequence[Tensor]) -> None:
+        """This call's input buffers: zeros (the padding) with every member scattered in. Made
+        per call, so nothing padded is kept between steps: on a GPU the allocator's cache
+        serves them, at one fill launch per NS dtype."""
+        self._inputs = []
         for st in self.stages:
             torch._foreach_copy_(st.places, st.pick(sources))
-            st.buffers.index_copy_(0, st.index, st.staging)
-        self._flat = [torch.empty_like(st.buffers) for st in self.stages]
+            inputs = torch.zeros(st.total, dtype=st.staging.dtype, device=st.staging.device)
+            self._inputs.append(inputs.index_copy_(0, st.index, st.staging))
+        self._flat = [torch.empty_like(inputs) for inputs in self._inputs]
+
+    def batch(self, rec: BucketRecord) -> Tensor:
+        """Bucket ``rec``'s packed input of this call."""
+        return self._slots(self._inputs, rec)
 
     def output(self, rec: BucketRecord) -> Tensor:
         """Where bucket ``rec``'s NS writes its result: its slots of this call's flat output."""
+        return self._slots(self._flat, rec)
+
+    def _slots(self, flats: list[Tensor], rec: BucketRecord) -> Tensor:
         s, base = self.outputs[rec]
-        return self._flat[s][base : base + _numel(rec.bucket.shape)].view(rec.bucket.shape)
+        return flats[s][base : base + _numel(rec.bucket.shape)].view(rec.bucket.shape)
 
     def unpack(self, out_dtypes: Sequence[torch.dtype], results: list) -> None:
-        flats, self._flat = self._flat, []
+        flats, self._flat, self._inputs = self._flat, [], []
         for st, flat in zip(self.stages, flats):
             picked = flat.index_select(0, st.index)
             cast: dict[torch.dtype, Tensor] = {}
@@ -591,8 +609,8 @@ class _StagedGathers:
 class _Stage:
     """One NS dtype's share of :class:`_StagedGathers`."""
 
-    buffers: Tensor  # every bucket's input buffer, back to back (zero padding written once)
-    index: Tensor  # each member element's place in ``buffers``, members back to back
+    total: int  # elements of every bucket's input buffer, back to back
+    index: Tensor  # each member element's place there, members back to back
     staging: Tensor  # the members back to back, each in its memory order, in the NS dtype
     places: list[Tensor]  # each member's place in ``staging``, with its layout's strides
     pick: Gather  # the members out of a call's sources, in staging order
@@ -609,6 +627,15 @@ def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
     if dtypes.count(dtype) != len(dtypes):
         raise ValueError("tensors packed together must share one output dtype")
     return dtype
+
+
+def _unpadded(bucket: Bucket, layouts: Sequence[TensorLayout]) -> bool:
+    """Whether the bucket's members fill their slots (no zero padding to keep)."""
+    _, R, C = bucket.shape
+    return all(
+        (layout.matrix[::-1] if m.transposed else layout.matrix) == (R, C)
+        for m, layout in zip(bucket.members, layouts)
+    )
 
 
 def _split_runs(bucket: Bucket, layouts: Sequence[TensorLayout]) -> tuple[_Run, ...]:
