@@ -118,12 +118,13 @@ def test_compiled_ns_matches_eager():
 @pytest.mark.parametrize("policy", ["exact", "min_launches"])
 def test_kept_and_fresh_output_buffers_give_the_reference_steps(monkeypatch, reuse_max_rows, policy):
     """On a CPU, buckets of short matrices keep their NS output and temporaries between steps
-    and hand the step views into them; the others allocate afresh. Either way, over several
-    steps (buffers reused, views cached), the optimizer takes the reference's steps."""
+    (in the shared workspace) and hand the step views into them; the others allocate afresh.
+    Either way, over several steps (buffers reused, views cached), the optimizer takes the
+    reference's steps."""
     monkeypatch.setattr(engine, "REUSE_MAX_ROWS", reuse_max_rows)
     opt, _ = _musgd_steps_match_the_reference(policy, nesterov=True)
     (eng,) = opt.orthogonalizers()
-    kept = [rec.output is not None for rec in eng.records]
+    kept = [bool(rec.shared.offsets) for rec in eng.records]
     expected = [reuse_max_rows is None or b.shape[1] <= reuse_max_rows for b in eng.plan.buckets]
     assert kept == expected
 
@@ -158,19 +159,21 @@ def test_low_precision_gram_space_through_the_engine_equals_the_kernel_alone():
 @pytest.mark.parametrize("policy", ["exact", "min_launches"])
 def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov, policy):
     """On a CPU the momentum step writes each matrix's NS input straight into its slot of the
-    bucket buffer (tall matrices transposed, channels_last in its own order, padding around it).
-    The steps are the reference's, the padding stays zero, and no slot aliases the state."""
+    bucket's batch in the shared workspace (tall matrices transposed, channels_last in its own
+    order, padding around it). The steps are the reference's, nothing is packed (no staging, no
+    gather index, no per-bucket buffer), the padding is zero and no slot aliases the state."""
     opt, ours = _musgd_steps_match_the_reference(policy, nesterov)
     (eng,) = opt.orthogonalizers()
-    views = eng.input_views()
-    assert views is not None and len(views) == len(ours)
-    assert policy != "min_launches" or eng.records[0].gather is not None
-    assert all(rec.staging is None for rec in eng.records)  # the packing copy never ran
+    assert all(r.gather is None and r.staging is None and r.buffer is None for r in eng.records)
     state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    for v in views:
-        assert not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in state)
+    shared = eng.workspaces()[-1].untyped_storage().data_ptr()
     for b, bucket in enumerate(eng.plan.buckets):
-        padding = eng.records[b].buffer.clone()
+        views = eng.open_bucket(b)
+        assert len(views) == len(bucket.members)
+        for v in views:
+            assert v.untyped_storage().data_ptr() == shared
+            assert not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in state)
+        padding = eng.records[b].shared_batch.clone()
         for m in bucket.members:
             engine._slot_view(padding, m.slot, eng.layouts[m.index], m.transposed).zero_()
         assert torch.count_nonzero(padding) == 0

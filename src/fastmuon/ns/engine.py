@@ -42,6 +42,7 @@ from .planner import (
     Plan,
     plan_buckets,
 )
+from .workspace import BucketLayout, SharedWorkspace
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,13 @@ def _slot_view(batch: Tensor, slot: int, layout: TensorLayout, transposed: bool)
     return _region(batch[slot : slot + 1], layout, transposed)[0]
 
 
+def _slot_views(batch: Tensor, rec: BucketRecord) -> list[Tensor]:
+    """The bucket's members in a ``(B, R, C)`` batch, in slot order, each as a view in its own shape."""
+    return [
+        _slot_view(batch, m.slot, layout, m.transposed) for m, layout in zip(rec.bucket.members, rec.layouts)
+    ]
+
+
 class ScratchArena:
     """Temporaries of the NS kernels, kept between steps and shared by the buckets in turn.
 
@@ -220,12 +228,16 @@ class BucketRecord:
     host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
     reuse: bool  # NS output and temporaries kept between steps (see ScratchArena)
     fresh_input: bool  # off the host and unpadded: the input buffer is made per call, not kept
+    padded: bool  # some member leaves zero padding in its slot
     members: Gather  # picks the bucket's members out of a per-call list, in slot order
     indices: tuple[int, ...]  # the members' positions among the engine's tensors, in slot order
     layouts: tuple[TensorLayout, ...]  # the members' layouts, in slot order
     offsets: tuple[int, ...]  # where each member starts when all are stored back to back
     runs: tuple[_Run, ...]
-    gather: Tensor | None  # for one-copy packing: each member element's place in the buffer
+    # for one-copy packing: each member element's place in the buffer (on the host made by the
+    # first call that packs or unpacks that way: the bucket-by-bucket path never needs it)
+    gather: Tensor | None
+    gathers: bool  # packed and unpacked by ``gather`` (many runs, a small index)
     # Made on first sight of the sources' device, zeros once so the padding stays zero: an
     # engine built but never run (another rank's units) allocates nothing.
     buffer: Tensor | None = None
@@ -245,6 +257,15 @@ class BucketRecord:
     cast_buffers: list[Tensor] = field(default_factory=list)
     # The members' flags in a keep vector, per (device, positions) of the vectors seen.
     keep_index: dict[tuple, Tensor] = field(default_factory=dict)
+    # The bucket-by-bucket path (see Orthogonalizer.open_bucket): the bucket's layout in the
+    # shared workspace, and views of it made once per workspace buffer: the input batch and its
+    # members' slots, the results' views of where NS left them, and the members' places in the
+    # cast buffer (with the flat view they were made of).
+    shared: BucketLayout | None = None
+    shared_batch: Tensor | None = None
+    shared_inputs: list[Tensor] | None = None
+    shared_results: _ViewsOf | None = None
+    shared_cast: tuple[Tensor, list[Tensor]] | None = None
 
 
 class Orthogonalizer:
@@ -276,13 +297,17 @@ class Orthogonalizer:
         self.records = [self._record(bucket, configs[bucket.key]) for bucket in plan.buckets]
         self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
+        self._shared: SharedWorkspace | None = None  # the bucket-by-bucket path's buffers
         self._staged: _StagedGathers | bool | None = None  # False: nothing to stage
+        # every bucket on the host and eager: a step may run them one at a time (see open_bucket)
+        self.host_bucketwise = bool(self.records) and all(r.host and not r.compiled for r in self.records)
 
     def _record(self, bucket: Bucket, config: NSConfig) -> BucketRecord:
         """Everything about ``bucket`` that is known before any data is seen."""
         layouts = tuple(self.layouts[m.index] for m in bucket.members)
         runs = _split_runs(bucket, layouts)
         host = compute.is_host(bucket.device)
+        gathers = _gathers(layouts, runs)
         compiled = self.compile and bucket.method != "eigh"  # eigh: one LAPACK call, nothing to fuse
         pre = config.preconditioning
         return BucketRecord(
@@ -296,12 +321,14 @@ class Orthogonalizer:
             host_reads=self.host_reads and host and not compiled,
             reuse=host and not compiled and (REUSE_MAX_ROWS is None or bucket.shape[1] <= REUSE_MAX_ROWS),
             fresh_input=not host and _unpadded(bucket, layouts),
+            padded=not _unpadded(bucket, layouts),
             members=Gather([m.index for m in bucket.members]),
             indices=tuple(m.index for m in bucket.members),
             layouts=layouts,
             offsets=tuple(itertools.accumulate((_numel(lay.shape) for lay in layouts[:-1]), initial=0)),
             runs=runs,
-            gather=_gather_index(bucket, layouts, runs),
+            gather=_gather_index(bucket, layouts) if gathers and not host else None,
+            gathers=gathers,
         )
 
     def __call__(
@@ -319,6 +346,9 @@ class Orthogonalizer:
         """
         compiling = _compiling()
         results: list[Tensor | None] = [None] * len(sources)
+        for rec in self.records:
+            if rec.gathers and rec.gather is None and rec.host:
+                rec.gather = _gather_index(rec.bucket, rec.layouts)
         if keep is not None and not isinstance(keep, Tensor):
             keep = torch.stack(list(keep))
         staged = None if compiling else self._staged_gathers(sources)
@@ -390,6 +420,99 @@ class Orthogonalizer:
             scratch = rec.scratch = self._scratch.for_dtype(batch.dtype)
         return rec.kernel(batch, rec.schedule, eps, scratch, out, host=rec.host, host_reads=host_reads)
 
+    def bucketwise(self) -> bool:
+        """Whether a step may run the plan one bucket at a time, through :meth:`open_bucket` and
+        :meth:`run_bucket`: every bucket on the host's CPU and eager, and no compiler tracing."""
+        return self.host_bucketwise and not _compiling()
+
+    def members(self, b: int) -> tuple[int, ...]:
+        """Bucket ``b``'s members, as positions among the engine's tensors, in slot order."""
+        return self.records[b].indices
+
+    def bucket_dtype(self, b: int) -> torch.dtype:
+        """The dtype bucket ``b``'s NS runs in (its inputs' and results')."""
+        return self.records[b].bucket.dtype
+
+    def open_bucket(self, b: int) -> list[Tensor]:
+        """Where bucket ``b``'s NS reads its members from, in slot order, each a view in the
+        member's own shape and in the bucket's NS dtype: write them all (the momentum step does,
+        with ``out=``), then call :meth:`run_bucket`.
+
+        Every bucket lays its input, the kernel's temporaries and its cast results out in one
+        workspace buffer (:mod:`fastmuon.ns.workspace`), so what a step keeps is the largest
+        bucket's layout; the padding is zeroed here, on every call, since the other buckets and
+        the kernels write there too.
+        """
+        rec = self.records[b]
+        layout = rec.shared
+        if layout is None:
+            if self._shared is None:
+                self._shared = SharedWorkspace(rec.bucket.device)
+            layout = rec.shared = self._shared.layout(rec.bucket.dtype, rec.bucket.shape)
+        batch = layout.open()
+        if batch is not rec.shared_batch:  # the first call, or the buffer has grown
+            rec.shared_batch = batch
+            rec.shared_inputs = _slot_views(batch, rec)
+            rec.shared_results = _ViewsOf(lambda out: _slot_views(out, rec))
+        if rec.padded:
+            batch.zero_()
+        return rec.shared_inputs  # type: ignore[return-value]
+
+    def run_bucket(
+        self,
+        b: int,
+        out_dtype: torch.dtype | None = None,
+        keep: Tensor | None = None,
+        keep_positions: tuple[int, ...] | None = None,
+    ) -> list[Tensor]:
+        """Bucket ``b``'s NS of what :meth:`open_bucket` handed out, as results in slot order with
+        each member's shape: in the NS dtype (``out_dtype`` None), else cast to ``out_dtype``.
+
+        They are views of the buffer the next bucket reuses: consume them first. ``keep`` and
+        ``keep_positions``: as in :meth:`__call__`.
+        """
+        rec = self.records[b]
+        batch: Tensor = rec.shared_batch  # type: ignore[assignment]
+        layout: BucketLayout = rec.shared  # type: ignore[assignment]
+        if keep is not None:
+            zero_rejected_(batch, keep.index_select(0, self._keep_index(rec, keep.device, keep_positions)))
+        eps = rec.config.eps
+        if rec.reuse:
+            out = rec.kernel(
+                batch,
+                rec.schedule,
+                eps,
+                layout.scratch,
+                host=True,
+                host_reads=rec.host_reads,
+                reuse_input=True,
+            )
+            views = rec.shared_results(out)  # type: ignore[misc]
+        else:  # fresh output and temporaries (see REUSE_MAX_ROWS): views made per call
+            out = rec.kernel(batch, rec.schedule, eps, host=True, host_reads=rec.host_reads)
+            views = _slot_views(out, rec)
+        if out_dtype is None or out_dtype == out.dtype:
+            return views
+        cast = self._cast_places(rec, layout, out, out_dtype)
+        torch._foreach_copy_(cast, views)
+        return cast
+
+    @staticmethod
+    def _cast_places(
+        rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: torch.dtype
+    ) -> list[Tensor]:
+        """The members' places for their results cast to ``dtype``, back to back with their own
+        strides, in the workspace clear of ``out`` (views made once per place)."""
+        total = rec.offsets[-1] + _numel(rec.layouts[-1].shape)
+        offset, fits = layout.free_after(out, total * dtype.itemsize)
+        if not fits:  # fits from the next call on
+            return _strided_views(torch.empty(total, dtype=dtype, device=out.device), rec)
+        flat = layout.place("cast", dtype, total, offset)
+        cached = rec.shared_cast
+        if cached is None or cached[0] is not flat:
+            cached = rec.shared_cast = (flat, _strided_views(flat, rec, flat.storage_offset()))
+        return cached[1]
+
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
         records = self.records
@@ -398,6 +521,7 @@ class Orthogonalizer:
         kept += [t for r in records for t in r.cast_buffers]
         kept += self._scratch.tensors() if self._scratch is not None else []
         kept += self._staged.kept if self._staged else []
+        kept += [self._shared.flat] if self._shared is not None else []
         return [t for t in kept if t is not None]
 
     def buffer(self, b: int, device: torch.device) -> Tensor:
@@ -650,12 +774,15 @@ def _split_runs(bucket: Bucket, layouts: Sequence[TensorLayout]) -> tuple[_Run, 
     return tuple(runs)
 
 
-def _gather_index(bucket: Bucket, layouts: Sequence[TensorLayout], runs: Sequence[_Run]) -> Tensor | None:
-    """For buckets of many runs: where each element of the members, concatenated in their
-    memory order, lives in the flat ``(B, R, C)`` buffer (built once, on the CPU)."""
+def _gathers(layouts: Sequence[TensorLayout], runs: Sequence[_Run]) -> bool:
+    """Whether a bucket is packed with one index copy: many runs, and a small index."""
     total = sum(_numel(layout.shape) for layout in layouts)
-    if len(runs) < GATHER_MIN_RUNS or total > GATHER_MAX_ELEMENTS:
-        return None
+    return len(runs) >= GATHER_MIN_RUNS and total <= GATHER_MAX_ELEMENTS
+
+
+def _gather_index(bucket: Bucket, layouts: Sequence[TensorLayout]) -> Tensor:
+    """Where each element of the bucket's members, concatenated in their memory order, lives
+    in the flat ``(B, R, C)`` buffer (built on the CPU)."""
     _, R, C = bucket.shape
     parts = []
     for m, layout in zip(bucket.members, layouts):
@@ -693,11 +820,12 @@ def _make_places(rec: BucketRecord, buf: Tensor) -> tuple[Tensor, list[Tensor], 
     return rec.places
 
 
-def _strided_views(flat: Tensor, rec: BucketRecord) -> list[Tensor]:
+def _strided_views(flat: Tensor, rec: BucketRecord, base: int = 0) -> list[Tensor]:
     """The bucket's members stored back to back in ``flat`` (slot order, each in its memory
-    order), each as a view with its layout's strides."""
+    order), each as a view with its layout's strides; ``base``: where ``flat`` starts in its
+    storage (``as_strided`` counts from the storage's start)."""
     return [
-        torch.as_strided(flat, layout.shape, layout.stride, offset)
+        torch.as_strided(flat, layout.shape, layout.stride, base + offset)
         for layout, offset in zip(rec.layouts, rec.offsets)
     ]
 

@@ -297,6 +297,10 @@ def newton_schulz(
 #: Where a kernel takes its temporaries: ``scratch(tag, shape)`` returns a tensor of the input's
 #: dtype and device to write into, or ``None`` to allocate. Tags name roles, so two temporaries
 #: alive at once never share memory (the engine keeps them between steps: engine.ScratchArena).
+#: A kernel called with ``reuse_input=True`` may also write into its input once it has read it
+#: for the last time, and returns its result there or in scratch (tag ``"out"`` where neither
+#: is free; its ``out`` is not used): with kept buffers, one or two fewer of the batch's size,
+#: and the same values, as every buffer is dense.
 Scratch = Callable[[str, tuple[int, ...]], Union[Tensor, None]]
 
 # Every kernel below takes, besides the batch, the facts its caller decided once: ``host``,
@@ -435,26 +439,38 @@ def _iterate(
     *,
     host: bool,
     host_reads: bool,
+    reuse_input: bool = False,
 ) -> Tensor:
     """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
-    written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch."""
+    written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch.
+    With ``reuse_input`` (see :data:`Scratch`) ``X``'s buffer is the second ping-pong buffer
+    once normalised, and the result lands in whichever of the two is free (``out`` unused)."""
+    source = X
     X = _normalize(X, eps, out=scratch("X", X.shape), host=host, host_reads=host_reads)
-    return _polynomial_steps(X, schedule, scratch, out)
+    return _polynomial_steps(X, schedule, scratch, out, spare=source if reuse_input else None)
 
 
 def _polynomial_steps(
-    X: Tensor, schedule: list[Coefficients], scratch: Scratch, out: Tensor | None, A: Tensor | None = None
+    X: Tensor,
+    schedule: list[Coefficients],
+    scratch: Scratch,
+    out: Tensor | None,
+    A: Tensor | None = None,
+    spare: Tensor | None = None,
 ) -> Tensor:
     """``X ← aX + (bA + cA²)X`` with ``A = X·Xᵀ``, once per step of ``schedule``, from a
     normalised wide batch; ``A``: the first step's, where the caller has computed it already.
-    The last iterate goes to ``out`` when given, the others ping-pong in scratch."""
+    The last iterate goes to ``out`` when given, the others ping-pong in scratch; ``spare``: a
+    free buffer of ``X``'s shape to ping-pong with instead, which then takes the last iterate
+    too where it is the free one (``out`` unused)."""
     R = X.size(-2)
-    spare = scratch("Y", X.shape)
+    into_spare = spare is not None
+    spare = spare if into_spare else scratch("Y", X.shape)
     for k, (a, b, c) in enumerate(schedule):
         if k or A is None:
             A = torch.bmm(X, X.mT, out=scratch("A", (X.size(0), R, R)))
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))
-        target = out if k + 1 == len(schedule) else spare
+        target = out if k + 1 == len(schedule) and not into_spare else spare
         X, spare = torch.baddbmm(X, B, X, beta=a, out=target), X
     return X
 
@@ -468,6 +484,7 @@ def _iterate_aol(
     *,
     host: bool,
     host_reads: bool,
+    reuse_input: bool = False,
 ) -> Tensor:
     """The NS loop of :func:`_iterate` started from AOL's rescaling instead of ``X/‖X‖``.
 
@@ -489,8 +506,9 @@ def _iterate_aol(
     underflows: in range the result equals the plain rule's bit for bit. Nothing is read on the
     host. The statistics run in fp32 at least. ``X`` is never modified.
     """
+    source = X
     X, A = _aol_rescaled(X, eps, scratch, host)
-    return _polynomial_steps(X, schedule, scratch, out, A)
+    return _polynomial_steps(X, schedule, scratch, out, A, spare=source if reuse_input else None)
 
 
 def _aol_rescaled(X: Tensor, eps: float, scratch: Scratch, host: bool) -> tuple[Tensor, Tensor]:
@@ -522,6 +540,7 @@ def _iterate_gram(
     *,
     host: bool,
     host_reads: bool,
+    reuse_input: bool = False,
 ) -> Tensor:
     """The same iteration carried out on the small ``R×R`` side, for wide ``R×C`` batches.
 
@@ -538,15 +557,23 @@ def _iterate_gram(
     up (measured: singular values up to 579 on a low-rank input). There the iteration restarts
     every :func:`gram_restart_interval` steps from ``X_k = Q_k·X_0`` and a fresh ``A_k = X_k·X_kᵀ``
     (the remedy the Gram-space NS literature uses), which keeps it in standard bf16 NS's band.
+
+    With ``reuse_input`` (see :data:`Scratch`) the restarts alternate between scratch and
+    ``X``'s own buffer (free after the first restart), and the result lands in whichever of
+    them is free (``out`` is used only where the last iterate is still the input itself).
     """
+    source = X
     X, A, inv_norm = _normalized_gram(X, eps, scratch, host=host, host_reads=host_reads)
     restart = gram_restart_interval(X.dtype)
     Q = spare = None
+    restarted = False
     for k, (a, b, c) in enumerate(schedule):
         if restart and k and k % restart == 0:  # start afresh from X_k = Q_k·X_0
             if inv_norm is not None:
                 Q, inv_norm = Q.mul_(inv_norm), None
-            X = torch.bmm(Q, X, out=scratch(f"X{k // restart % 2}", X.shape))  # never X's own buffer
+            second = k // restart % 2 == 0  # never X's own buffer
+            target = source if reuse_input and second else scratch(f"X{k // restart % 2}", X.shape)
+            X, restarted = torch.bmm(Q, X, out=target), True
             A = torch.bmm(X, X.mT, out=A)
             Q = None
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))  # P = a·I + B
@@ -561,6 +588,9 @@ def _iterate_gram(
             Q, spare = torch.baddbmm(Q, B, Q, beta=a, out=spare), Q  # P·Q
     if inv_norm is not None:
         Q.mul_(inv_norm)  # Q·X₀ = (Q/(‖X‖+eps))·X: the normalisation rides on the R×R side
+    if reuse_input:  # into the input's buffer where it is read no more, else a free one (X1's
+        # after an even number of restarts, which leave X in the input's buffer)
+        out = source if X is not source else scratch("X1" if restarted else "out", X.shape)
     return torch.bmm(Q, X, out=out)
 
 
@@ -619,6 +649,7 @@ def _iterate_eigh(
     *,
     host: bool,
     host_reads: bool,
+    reuse_input: bool = False,
 ) -> Tensor:
     """The same polynomial, applied through one eigendecomposition of the Gram matrix.
 
@@ -645,12 +676,15 @@ def _iterate_eigh(
     propagates them as the other methods do.
     """
     low = X.dtype not in (torch.float32, torch.float64)
+    kept = scratch  # in X's dtype
     Xf = X.float() if low else X
     Xw, A, inv_norm = _normalized_gram(Xf, eps, _fresh if low else scratch, host=host, host_reads=host_reads)
     try:
         lam, V = torch.linalg.eigh(A)
     except torch.linalg.LinAlgError:
-        return _iterate_gram(X, schedule, eps, scratch, out, host=host, host_reads=host_reads)
+        return _iterate_gram(
+            X, schedule, eps, scratch, out, host=host, host_reads=host_reads, reuse_input=reuse_input
+        )
     lam = lam.clamp_min_(0)  # A₀ is positive semi-definite; rounding leaves tiny negatives
     h = None
     for a, b, c in schedule:
@@ -665,6 +699,8 @@ def _iterate_eigh(
         scratch = _fresh  # the kept temporaries are in X's dtype; these are fp32
     Vh = torch.mul(V, h.unsqueeze(-2), out=scratch("Vh", V.shape))
     Q = torch.bmm(Vh, V.mT, out=scratch("Q", V.shape))
+    if reuse_input:
+        out = kept("out", X.shape)
     return torch.bmm(Q.to(X.dtype), X0, out=out)
 
 

@@ -21,6 +21,7 @@ from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.gather import Gather
 from ..ns.newton_schulz import newton_schulz
+from .after_ns import AfterNS
 from .elementwise import (
     RMS_SCALE,
     ema_momentum_,
@@ -29,7 +30,7 @@ from .elementwise import (
     lr_scale,
     partition,
 )
-from .program import Scalar, apply_scaled_, scale_limit
+from .program import Scalar, scale_limit
 from .state_dtype import arithmetic_dtype
 
 
@@ -236,9 +237,14 @@ class MatrixProgram:
     Built from one step's items; each later step with the same equality classes of
     hyperparameters (see :mod:`fastmuon.step.program`) runs the same calls with that step's values:
     one ``lerp`` per momentum part, the plan's NS, one decay call, one ``add_`` per scale class.
-    Where the engine offers its input buffers (a CPU) the momentum step writes each matrix's NS
-    input straight into its bucket slot, rounded to the bucket's NS dtype on the store: one pass
-    over the matrices and no packing copy.
+
+    Where the engine runs bucket by bucket (a CPU: see ``Orthogonalizer.open_bucket``) each
+    bucket goes through the whole update before the next: the momentum step writes its
+    matrices' NS inputs straight into the bucket's slots, rounded to the NS dtype on the store
+    (no packing copy), and its results are applied at once, so every bucket works in the same
+    shared buffers and what the step keeps is no more than the largest bucket's. Elsewhere
+    (accelerators, distributed engines, hooks around the NS call, a compiler tracing the step)
+    all buckets run in one engine call between the momentum step and the rest.
     """
 
     def __init__(
@@ -267,57 +273,105 @@ class MatrixProgram:
         starts, count = {}, 0
         for index, _ in self.splits:
             starts[index], count = count, count + pieces[index]
-        position = {
-            id(i): starts[i.index] + i.piece if i.split is not None else count + i.index for i in ordered
-        }
+        position = [starts[i.index] + i.piece if i.split is not None else count + i.index for i in ordered]
         # the plan's executor, and where it reads each source from (momentum is written there)
         wholes = [i.param if i.whole is None else i.whole for i in ordered]
         self.engine = (
             engine_for(self.params, self.configs, wholes) if engine_for is not None and ordered else None
         )
-        views = getattr(self.engine, "input_views", None)
-        inputs = views() if views is not None else None
-        # per part: buffers, gradient picks, group, NS input views (or None), and the momentum
-        # step that writes them (casting where a view's dtype is not the buffers')
-        self.parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] = []
+        # per part: its matrices' positions in the program, and the dtype its momentum step
+        # computes in where that is not the buffers' (see state_dtype.arithmetic_dtype)
+        self.part_specs: list[tuple[list[int], int, torch.dtype | None]] = []
         start = 0
         for part in parts:
-            out = inputs[start : start + len(part)] if inputs is not None else None
-            bufs = [i.buf for i in part]
             work = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one per part
-            if work is not None:
-                momentum = functools.partial(ema_momentum_widened_, dtype=work)
-            elif out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs)):
-                momentum = ema_momentum_cast_
-            else:
-                momentum = ema_momentum_
-            self.parts.append((bufs, Gather([position[id(i)] for i in part]), part[0].group, out, momentum))
+            self.part_specs.append((list(range(start, start + len(part))), part[0].group, work))
             start += len(part)
+        self.bufs = [i.buf for i in ordered]
+        self.grad_positions = position
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
-        # a variant's stage after NS (``variant(ordered)``: see fastmuon.step.moments), or None
-        self.variant = variant(ordered) if variant is not None and ordered else None
         # the matrices whose NS input is the sign of their momentum (AdaMuon's), if any
         self.signed = [k for k, i in enumerate(ordered) if getattr(i.moment, "sign_input", False)]
         self.signed_pick = Gather(self.signed)
-        self.owned_inputs = all(out is not None for *_, out, _ in self.parts)
-        # cautious weight decay: the matrices it applies to, apart (None: none)
-        cautious = [k for k, i in enumerate(ordered) if i.cautious]
-        self.cautious: tuple[Gather, list[Tensor], list[int]] | None = None
-        if cautious:
-            plain = [k for k in range(len(ordered)) if not ordered[k].cautious]
-            self.cautious = (
-                Gather(cautious),
-                [self.params[k] for k in cautious],
-                [self.item_groups[k] for k in cautious],
-            )
-            self.plain = ([self.params[k] for k in plain], [self.item_groups[k] for k in plain])
         # scale = base · factor: one class per (class of the group's base, factor)
         by_scale = partition(range(len(ordered)), lambda k: (base_class[ordered[k].group], ordered[k].factor))
         self.scale_keys = [(ordered[idx[0]].group, ordered[idx[0]].factor) for idx in by_scale.values()]
-        self.scale_params = [[self.params[k] for k in idx] for idx in by_scale.values()]
-        self.scale_updates = [Gather(idx) for idx in by_scale.values()]
-        self.limit = scale_limit(self.params[0].device) if ordered else 0
+        scale_class = [0] * len(ordered)
+        for c, idx in enumerate(by_scale.values()):
+            for k in idx:
+                scale_class[k] = c
+        limit = scale_limit(self.params[0].device) if ordered else 0
+        self.one_pass = len(self.scale_keys) <= limit
+        # a variant's stage after NS (``variant(items)``: see fastmuon.step.moments), or None
+        whole = variant(ordered) if variant is not None and ordered else None
+        self.variant = whole
+        self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
+        self.cautious_any = any(i.cautious for i in ordered)
+        self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] | None = None
+        self.owned_inputs = False
+        self.buckets = self._bucket_steps(ordered, scale_class, variant, whole)
+
+    def _bucket_steps(
+        self,
+        ordered: list[MatrixItem],
+        scale_class: list[int],
+        variant: Callable[[list[MatrixItem]], Any] | None,
+        whole: Any,
+    ) -> list[BucketStep] | None:
+        """The step bucket by bucket, where the engine runs that way (None: it does not, or a
+        variant's class of stacked matrices spans buckets, whose statistics would then be
+        taken in other batches)."""
+        engine = self.engine
+        if engine is None or not getattr(engine, "host_bucketwise", False):
+            return None
+        buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
+        if whole is not None:
+            bucket_of = {k: b for b, members in enumerate(buckets) for k in members}
+            classes = getattr(whole, "classes", None)
+            if classes is None or any(len({bucket_of[k] for k in c[0]}) > 1 for c in classes):
+                return None
+        part_of = {k: p for p, (ks, _, _) in enumerate(self.part_specs) for k in ks}
+        signed = set(self.signed)
+        steps = []
+        for b, members in enumerate(buckets):
+            ks = sorted(members)  # the program's order: each stage's batches as over all matrices
+            slot = {k: j for j, k in enumerate(members)}
+            ns_dtype = engine.bucket_dtype(b)
+            moms = []
+            for p, (_, group, work) in enumerate(self.part_specs):
+                mine = [k for k in ks if part_of[k] == p]
+                if not mine:
+                    continue
+                bufs = [self.bufs[k] for k in mine]
+                if work is not None:
+                    momentum = functools.partial(ema_momentum_widened_, dtype=work)
+                elif any(b_.dtype != ns_dtype for b_ in bufs):
+                    momentum = ema_momentum_cast_
+                else:
+                    momentum = ema_momentum_
+                grads = Gather([self.grad_positions[k] for k in mine])
+                moms.append((bufs, grads, group, Gather([slot[k] for k in mine]), momentum))
+            out_dtype = self.dtypes[ks[0]]
+            items = [ordered[k] for k in ks]
+            steps.append(
+                BucketStep(
+                    index=b,
+                    momentum=moms,
+                    signed=Gather([slot[k] for k in ks if k in signed]),
+                    order=Gather([slot[k] for k in ks]),
+                    out_dtype=out_dtype,
+                    exact_cast=torch.promote_types(ns_dtype, out_dtype) == out_dtype,
+                    after=AfterNS.over(
+                        items,
+                        [self.params[k] for k in ks],
+                        [self.item_groups[k] for k in ks],
+                        [scale_class[k] for k in ks],
+                        variant(items) if whole is not None else None,  # type: ignore[misc]
+                    ),
+                )
+            )
+        return steps
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         return True
@@ -335,9 +389,13 @@ class MatrixProgram:
             return
         if self.splits:
             grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)
+        scales = [scalars.base[g] * f for g, f in self.scale_keys]
+        if self.buckets is not None and not hooks and self.engine.bucketwise():
+            self._run_bucketwise(grads, scalars, scales, keep)
+            return
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
-        for bufs, pick, g, out, momentum in self.parts:
+        for bufs, pick, g, out, momentum in self._momentum_parts():
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
         if self.signed:  # in place where the momentum step wrote into NS input buffers
             if self.owned_inputs:
@@ -354,43 +412,70 @@ class MatrixProgram:
             updates = call()
         else:
             updates = orthogonalize_step(*args)
-        if self.variant is not None:
-            updates = self.variant(updates, scalars)
-        # 3-4. decay, scale and apply
-        decay = scalars.decay
-        if decay is not None:
-            if self.cautious is not None:
-                self._cautious_decay(updates, decay)
-                params, item_groups = self.plain
-            else:
-                params, item_groups = self.params, self.item_groups
-            if any(isinstance(decay[g], Tensor) for g in self.groups):
-                for g in self.groups:
-                    torch._foreach_mul_([p for p, h in zip(params, item_groups) if h == g], decay[g])
-            elif any(decay[g] != 1 for g in self.groups) and params:
-                torch._foreach_mul_(params, [decay[g] for g in item_groups])
-        scales = [scalars.base[g] * f for g, f in self.scale_keys]
-        apply_scaled_(
-            self.scale_params,
-            [pick(updates) for pick in self.scale_updates],
-            scales,
-            owned=True,
-            limit=self.limit,
-        )
+        # 3-4. the variant's stage, decay, scale and apply
+        self.after.run(updates, scalars, scales, self.groups, self.one_pass)
 
-    def _cautious_decay(self, updates: Sequence[Tensor], decay: Sequence[Scalar]) -> None:
-        """``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` over the cautious matrices, in a fixed number of foreach
-        calls (see :func:`cautious_decay`): the mask from the product's sign (+1 clamped at 1)."""
-        pick, params, item_groups = self.cautious  # type: ignore[misc]
-        masked = torch._foreach_mul(pick(updates), params)
-        torch._foreach_sign_(masked)
-        torch._foreach_add_(masked, 1)
-        torch._foreach_clamp_max_(masked, 1)  # 1 where u·p ≥ 0, else 0
-        torch._foreach_mul_(masked, params)
-        rates = [1 - decay[g] for g in item_groups]  # lr·wd
-        if any(isinstance(r, Tensor) for r in rates):
-            for m, r in zip(masked, rates):
-                m.mul_(r)
-        else:
-            torch._foreach_mul_(masked, rates)
-        torch._foreach_sub_(params, masked)
+    def _run_bucketwise(
+        self, grads: Sequence[Tensor], scalars: MatrixScalars, scales: list[Scalar], keep: Tensor | None
+    ) -> None:
+        """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
+        stage after it, before the next bucket reuses the buffers.
+
+        The results stay in the NS dtype where widening them is exact and every stage after NS
+        reads them as if widened: a variant's (it computes in fp32 from them) and a plain apply
+        (``p.add_(u, alpha=-s)`` of a bf16 ``u`` into an fp32 ``p`` gives bit for bit what the
+        widened ``u`` gives); a multiplying stage first (cautious decay, tensor scales, many
+        scale classes) takes them cast into the parameters' dtype.
+        """
+        raw = self.variant is not None or (
+            self.one_pass and not self.cautious_any and not any(isinstance(s, Tensor) for s in scales)
+        )
+        engine, beta, nesterov = self.engine, scalars.beta, scalars.nesterov
+        for step in self.buckets:  # type: ignore[union-attr]
+            views = engine.open_bucket(step.index)
+            for bufs, pick, g, out, momentum in step.momentum:
+                momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
+            if step.signed:
+                torch._foreach_sign_(step.signed(views))
+            dtype = None if raw and step.exact_cast else step.out_dtype
+            results = engine.run_bucket(step.index, dtype, keep, self.keep_positions)
+            step.after.run(step.order(results), scalars, scales, self.groups, self.one_pass)
+
+    def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]]:
+        """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
+        step that writes them (casting where a view's dtype is not the buffers'); made on the
+        first step that takes them, since the engine's input views are kept buffers."""
+        if self._parts is not None and not torch.compiler.is_compiling():
+            return self._parts
+        views = getattr(self.engine, "input_views", None)
+        inputs = views() if views is not None else None
+        parts = []
+        for ks, group, work in self.part_specs:
+            out = [inputs[k] for k in ks] if inputs is not None else None
+            bufs = [self.bufs[k] for k in ks]
+            if work is not None:
+                momentum = functools.partial(ema_momentum_widened_, dtype=work)
+            elif out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs)):
+                momentum = ema_momentum_cast_
+            else:
+                momentum = ema_momentum_
+            parts.append((bufs, Gather([self.grad_positions[k] for k in ks]), group, out, momentum))
+        self.owned_inputs = inputs is not None
+        if inputs is not None or not torch.compiler.is_compiling():
+            self._parts = parts
+        return parts
+
+
+@dataclass
+class BucketStep:
+    """One bucket's share of a step (see ``MatrixProgram._run_bucketwise``)."""
+
+    index: int  # the bucket's place in the plan
+    # per momentum part with matrices here: buffers, gradient picks, group, the picks of their
+    # NS input views (among the bucket's, slot order), and the momentum step
+    momentum: list[tuple[list[Tensor], Gather, int, Gather, Callable]]
+    signed: Gather  # the sign-input matrices' places among the bucket's, slot order
+    order: Gather  # the bucket's results (slot order) in the program's order
+    out_dtype: torch.dtype  # the parameters'
+    exact_cast: bool  # widening the NS dtype to the parameters' is exact
+    after: AfterNS  # the stages after NS over the bucket's matrices

@@ -102,19 +102,23 @@ class MomentStage:
                 m.v.dtype,
             )
             classes.setdefault(key, []).append(k)
-        # per class: positions, parameter shape, group, target RMS, rows are columns, moment views
+        # per class: positions, parameter shape and dtype, group, target RMS, rows are columns,
+        # moment views
         self.classes = [
-            (idx, shape, group, rms, t, [items[k].moment.v for k in idx])
-            for (shape, _dtype, _device, group, rms, t, _v_dtype), idx in classes.items()
+            (idx, shape, dtype, group, rms, t, [items[k].moment.v for k in idx])
+            for (shape, dtype, _device, group, rms, t, _v_dtype), idx in classes.items()
         ]
 
     def __call__(self, updates: Sequence[Tensor], scalars: MomentScalars) -> list[Tensor]:
+        """The stage over ``updates`` (NS results in the program's order, in the parameters'
+        dtype or a narrower one widened exactly: the statistics run in :func:`stat_dtype` of the
+        parameters' dtype either way); returns the updates to apply, in the parameters' dtype."""
         out = list(updates)
-        for idx, shape, g, rms, transposed, moments in self.classes:
+        for idx, shape, param_dtype, g, rms, transposed, moments in self.classes:
             rows, cols = matrix_shape(shape)
             n = len(idx)
             u = torch.stack([updates[k] for k in idx])
-            dtype = stat_dtype(u.dtype, moments[0].dtype)
+            dtype = stat_dtype(param_dtype, moments[0].dtype)
             o = u.to(dtype).reshape(n, rows, cols)
             v = torch.stack(moments).to(dtype)  # per row: (n, rows); elementwise: (n, *shape)
             v = v if moments[0].ndim == 1 else v.reshape(n, rows, cols)
@@ -124,7 +128,7 @@ class MomentStage:
             if transposed:
                 result = result.transpose(-2, -1)
             torch._foreach_copy_(moments, list(v.reshape(n, *moments[0].shape).unbind(0)))
-            for k, r in zip(idx, result.to(u.dtype).reshape(n, *shape).unbind(0)):
+            for k, r in zip(idx, result.to(param_dtype).reshape(n, *shape).unbind(0)):
                 out[k] = r
         return out
 

@@ -48,14 +48,16 @@ def apply_scaled_(
     scales: Sequence[Scalar],
     *,
     owned: bool,
-    limit: int,
+    limit: int | None = None,
+    one_pass: bool | None = None,
 ) -> None:
     """``p ← p − scale·u`` for each class of (params, updates, scale).
 
-    Few classes take one fused ``add_`` each (one pass); many take one scaling pass and one
-    subtracting pass over all of them. A tensor scale is used as a tensor (no host read): a
-    scaling pass and a subtracting pass for its class. With ``owned`` the updates may be scaled
-    in place.
+    Few classes (at most ``limit``) take one fused ``add_`` each (one pass); many take one
+    scaling pass and one subtracting pass over all of them. ``one_pass`` makes that choice
+    instead of ``limit`` (a caller applying a set of classes in parts keeps its whole set's). A
+    tensor scale is used as a tensor (no host read): a scaling pass and a subtracting pass for
+    its class. With ``owned`` the updates may be scaled in place.
     """
     if any(isinstance(s, Tensor) for s in scales):
         for ps, us, s in zip(params, updates, scales):
@@ -67,7 +69,9 @@ def apply_scaled_(
                 us = torch._foreach_mul(us, s)
             torch._foreach_sub_(ps, us)
         return
-    if len(scales) <= limit:
+    if one_pass is None:
+        one_pass = len(scales) <= limit  # type: ignore[operator]
+    if one_pass:
         for ps, us, s in zip(params, updates, scales):
             if ps:
                 torch._foreach_add_(ps, us, alpha=-s)
