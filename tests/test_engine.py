@@ -173,7 +173,7 @@ def test_momentum_written_into_the_ns_inputs_gives_the_reference_steps(nesterov,
         for v in views:
             assert v.untyped_storage().data_ptr() == shared
             assert not any(v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in state)
-        padding = eng.records[b].shared_batch.clone()
+        padding = eng.records[b].shared.batch().clone()
         for m in bucket.members:
             engine._slot_view(padding, m.slot, eng.layouts[m.index], m.transposed).zero_()
         assert torch.count_nonzero(padding) == 0

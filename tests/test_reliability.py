@@ -460,7 +460,7 @@ def test_bucket_buffers_are_what_the_plan_accounts_for(cap):
     params, opt = _memory_setup(cap)
     plan = opt.plan()
     (engine,) = opt.orthogonalizers()
-    batches = [rec.shared_batch for rec in engine.records]
+    batches = [rec.shared.batch() for rec in engine.records]
     assert len(batches) == len(plan.buckets)
     for batch, bucket in zip(batches, plan.buckets):
         assert tuple(batch.shape) == bucket.shape and batch.dtype == bucket.dtype

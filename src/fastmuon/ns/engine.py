@@ -258,14 +258,10 @@ class BucketRecord:
     # The members' flags in a keep vector, per (device, positions) of the vectors seen.
     keep_index: dict[tuple, Tensor] = field(default_factory=dict)
     # The bucket-by-bucket path (see Orthogonalizer.open_bucket): the bucket's layout in the
-    # shared workspace, and views of it made once per workspace buffer: the input batch and its
-    # members' slots, the results' views of where NS left them, and the members' places in the
-    # cast buffer (with the flat view they were made of).
+    # shared workspace, which also caches the views made of it once per buffer ("inputs": its
+    # members' slots; "results": their views of where NS left them; "cast": the flat view the
+    # cast goes to and the members' places there).
     shared: BucketLayout | None = None
-    shared_batch: Tensor | None = None
-    shared_inputs: list[Tensor] | None = None
-    shared_results: _ViewsOf | None = None
-    shared_cast: tuple[Tensor, list[Tensor]] | None = None
 
 
 class Orthogonalizer:
@@ -450,13 +446,13 @@ class Orthogonalizer:
                 self._shared = SharedWorkspace(rec.bucket.device)
             layout = rec.shared = self._shared.layout(rec.bucket.dtype, rec.bucket.shape)
         batch = layout.open()
-        if batch is not rec.shared_batch:  # the first call, or the buffer has grown
-            rec.shared_batch = batch
-            rec.shared_inputs = _slot_views(batch, rec)
-            rec.shared_results = _ViewsOf(lambda out: _slot_views(out, rec))
+        inputs = layout.cache.get("inputs")
+        if inputs is None:  # the first call, or the buffer has grown
+            inputs = layout.cache["inputs"] = _slot_views(batch, rec)
+            layout.cache["results"] = _ViewsOf(lambda out: _slot_views(out, rec))
         if rec.padded:
             batch.zero_()
-        return rec.shared_inputs  # type: ignore[return-value]
+        return inputs  # type: ignore[return-value]
 
     def run_bucket(
         self,
@@ -472,8 +468,8 @@ class Orthogonalizer:
         ``keep_positions``: as in :meth:`__call__`.
         """
         rec = self.records[b]
-        batch: Tensor = rec.shared_batch  # type: ignore[assignment]
         layout: BucketLayout = rec.shared  # type: ignore[assignment]
+        batch = layout.batch()
         if keep is not None:
             zero_rejected_(batch, keep.index_select(0, self._keep_index(rec, keep.device, keep_positions)))
         eps = rec.config.eps
@@ -487,7 +483,7 @@ class Orthogonalizer:
                 host_reads=rec.host_reads,
                 reuse_input=True,
             )
-            views = rec.shared_results(out)  # type: ignore[misc]
+            views = layout.cache["results"](out)  # type: ignore[operator]
         else:  # fresh output and temporaries (see REUSE_MAX_ROWS): views made per call
             out = rec.kernel(batch, rec.schedule, eps, host=True, host_reads=rec.host_reads)
             views = _slot_views(out, rec)
@@ -508,10 +504,10 @@ class Orthogonalizer:
         if not fits:  # fits from the next call on
             return _strided_views(torch.empty(total, dtype=dtype, device=out.device), rec)
         flat = layout.place("cast", dtype, total, offset)
-        cached = rec.shared_cast
-        if cached is None or cached[0] is not flat:
-            cached = rec.shared_cast = (flat, _strided_views(flat, rec, flat.storage_offset()))
-        return cached[1]
+        cached = layout.cache.get("cast")
+        if cached is None or cached[0] is not flat:  # type: ignore[index]
+            cached = layout.cache["cast"] = (flat, _strided_views(flat, rec, flat.storage_offset()))
+        return cached[1]  # type: ignore[index]
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""

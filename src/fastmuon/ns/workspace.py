@@ -27,16 +27,18 @@ class SharedWorkspace:
     def __init__(self, device: torch.device):
         self.device = device
         self.flat = torch.empty(0, dtype=torch.uint8, device=device)
-        self.generation = 0  # bumped whenever ``flat`` is replaced: every view is made anew
         self.layouts: list[BucketLayout] = []
 
     def grow(self) -> None:
-        """Reach the largest layout known (grown once for all of them: the views made of a
-        replaced buffer keep it alive until their bucket's next call)."""
+        """Reach the largest layout known, dropping every view of the buffer it replaces (so
+        that one is freed now, not kept alive by a bucket's views until its next call)."""
         need = max(layout.end for layout in self.layouts)
         if need > self.flat.numel():
+            for layout in self.layouts:
+                layout.views.clear()
+                layout.cache.clear()
+            self.flat = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed first
             self.flat = torch.empty(need, dtype=torch.uint8, device=self.device)
-            self.generation += 1
 
     def layout(self, dtype: torch.dtype, shape: Sequence[int]) -> BucketLayout:
         layout = BucketLayout(self, dtype, tuple(shape))
@@ -59,21 +61,24 @@ class BucketLayout:
         self.offsets: dict[tuple[str, tuple[int, ...]], int] = {}
         self.end = _align(_numel(shape) * dtype.itemsize)
         self.views: dict[tuple[str, tuple[int, ...]], Tensor] = {}
-        self.generation = -1
+        # what a caller derives from the views (e.g. its members' views of them), dropped
+        # with them when the buffer grows
+        self.cache: dict[str, object] = {}
 
     def open(self) -> Tensor:
         """The input batch, with the buffer grown to this layout first (made once per buffer)."""
         if self.end > self.space.flat.numel():
             self.space.grow()
+        return self.batch()
+
+    def batch(self) -> Tensor:
+        """The input batch (the bucket's shape and dtype, at the start of the buffer)."""
         return self._view("input", self.shape, 0)
 
     def _view(
         self, tag: str, shape: tuple[int, ...], offset: int, dtype: torch.dtype | None = None
     ) -> Tensor:
         space = self.space
-        if self.generation != space.generation:
-            self.views.clear()
-            self.generation = space.generation
         key = (tag, shape)
         view = self.views.get(key)
         if view is None:
