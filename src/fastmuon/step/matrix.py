@@ -307,7 +307,6 @@ class MatrixProgram:
         whole = variant(ordered) if variant is not None and ordered else None
         self.variant = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
-        self.cautious_any = any(i.cautious for i in ordered)
         self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] | None = None
         self.owned_inputs = False
         self.buckets = self._bucket_steps(ordered, scale_class, variant, whole)
@@ -421,15 +420,12 @@ class MatrixProgram:
         """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
         stage after it, before the next bucket reuses the buffers.
 
-        The results stay in the NS dtype where widening them is exact and every stage after NS
-        reads them as if widened: a variant's (it computes in fp32 from them) and a plain apply
-        (``p.add_(u, alpha=-s)`` of a bf16 ``u`` into an fp32 ``p`` gives bit for bit what the
-        widened ``u`` gives); a multiplying stage first (cautious decay, tensor scales, many
-        scale classes) takes them cast into the parameters' dtype.
+        A variant's stage takes the results in the NS dtype where widening them is exact (it
+        stacks them and computes in fp32, the values it gets from results cast first); the
+        other stages take them cast into the parameters' dtype and layout, as one engine call
+        returns them (an apply from the slots' strides and dtype runs a slower elementwise loop).
         """
-        raw = self.variant is not None or (
-            self.one_pass and not self.cautious_any and not any(isinstance(s, Tensor) for s in scales)
-        )
+        raw = self.variant is not None
         engine, beta, nesterov = self.engine, scalars.beta, scalars.nesterov
         for step in self.buckets:  # type: ignore[union-attr]
             views = engine.open_bucket(step.index)
