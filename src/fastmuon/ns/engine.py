@@ -5,6 +5,11 @@ a bucket, and each run is packed with one strided copy (with the dtype cast fold
 unpacked with another, whatever the memory format: a channels_last conv weight is read and
 written in its own memory order, never made contiguous first. Bucket buffers persist between
 steps, so the zero padding is written once.
+
+On a CPU an optimizer step runs the plan one bucket at a time instead
+(:meth:`Orthogonalizer.open_bucket`, :meth:`Orthogonalizer.run_bucket`): it writes each bucket's
+inputs in place and applies its results before the next bucket starts, so every bucket works
+in one shared workspace (:mod:`fastmuon.ns.workspace`) and nothing is packed.
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ class BucketRecord:
     compiled: bool  # the kernel runs through torch.compile
     host: bool  # the bucket lives on the host's CPU (device.is_host)
     host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
-    reuse: bool  # NS output and temporaries kept between steps (see ScratchArena)
+    reuse: bool  # NS output and temporaries kept between steps (ScratchArena, or the workspace)
     fresh_input: bool  # off the host and unpadded: the input buffer is made per call, not kept
     padded: bool  # some member leaves zero padding in its slot
     members: Gather  # picks the bucket's members out of a per-call list, in slot order
@@ -273,6 +278,11 @@ class Orthogonalizer:
     optimizers do) a CPU run's results are instead views into its output buffers, valid until
     the next call: no unpacking copy. ``host_reads=False`` (a capturable step) keeps the NS
     kernels from reading any value on the host, so a CPU runs the code an accelerator runs.
+
+    Where every bucket is on the host and eager (:meth:`bucketwise`) a caller may instead run
+    the buckets one at a time, consuming each one's results before the next
+    (:meth:`open_bucket`, :meth:`run_bucket`): then the buffers above are never made, and all
+    buckets share one workspace the size of the largest one's needs.
     """
 
     def __init__(
@@ -534,7 +544,9 @@ class Orthogonalizer:
 
         CPU only (else ``None``, and the sources are packed, cast included): on a GPU the strided
         per-tensor writes would cost a launch per matrix, where a pack costs two. Never while
-        ``torch.compile`` traces the step (see :func:`_compiling`).
+        ``torch.compile`` traces the step (see :func:`_compiling`). The views are of buffers
+        kept per bucket: a step that consumes each bucket's results at once takes
+        :meth:`open_bucket`'s instead, which all buckets share.
         """
         if _compiling():
             return None
