@@ -220,6 +220,10 @@ class SkipPlan:
             if on_host is None or host == on_host:
                 t.copy_(torch.where(keep[owner].to(t.device), t, snap))
 
+    def holds_host(self) -> bool:
+        """Whether some tensor it may put back lives on the host's CPU."""
+        return any(g.host for g in self._groups) or any(host for _, _, host in self._loose)
+
     def on_host(self, saved: Sequence[Tensor]) -> list[Tensor | None]:
         """``saved`` with only the host's CPU tensors' copies kept (None elsewhere)."""
         hosts = [g.host for g in self._groups] + [host for _, _, host in self._loose]
@@ -256,7 +260,16 @@ class NonFiniteGuard:
         )
         masking = mode == "skip" or self.deferred
         self.skip = SkipPlan(params, states, range(len(params))) if masking and params else None
-        self._flags = host_buffer(len(grads)) if self.deferred else None
+        # a "skip" over accelerator gradients whose state lies partly on the host (AdamW's step
+        # counts) puts that part back when the flags reach the host, as a deferred "raise" does:
+        # reading them at once would make the host wait for the device every step
+        self.host_later = (
+            mode == "skip"
+            and self.skip is not None
+            and self.skip.holds_host()
+            and not all(compute.is_host(g.device) for g in grads)
+        )
+        self._flags = host_buffer(len(grads)) if self.deferred or self.host_later else None
 
     def keep(
         self,
@@ -297,13 +310,20 @@ class NonFiniteGuard:
         "raise" puts back what lives on the device, starts the flags' copy to the host and
         returns them, pending: read, they raise and put back the host's tensors too."""
         plan = self.skip
-        if not self.deferred:
+        if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
             plan.restore(saved, keep)  # type: ignore[union-attr]
             return None
         plan.restore(saved, keep, on_host=False)  # type: ignore[union-attr]
         held = plan.on_host(saved)  # type: ignore[union-attr]
         finish = functools.partial(_restore_on_host, plan, held)
-        return PendingFlags.start(keep, self._flags, step, name, finish)  # type: ignore[arg-type]
+        return PendingFlags.start(
+            keep,
+            self._flags,  # type: ignore[arg-type]
+            step,
+            name,
+            finish,
+            raises=self.deferred,
+        )
 
 
 def _restore_on_host(plan: SkipPlan, held: list[Tensor | None], flags: Tensor) -> None:
