@@ -207,10 +207,11 @@ def _tensors(value: Any):
 
 
 def _unique_bytes(tensors) -> int:
-    seen: dict[tuple, int] = {}
+    # keyed by the storage object itself (``_cdata``), not its data pointer: fake tensors' are all 0
+    seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+        seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
