@@ -16,10 +16,12 @@ the launches an op makes are read off its inputs, following what torch's CUDA ke
   kernel); ``_foreach_norm``/``_foreach_max`` add one clean-up launch after their partial
   reductions, and take the fallback for integer or complex tensors and norms other than
   1, 2 and inf.
-* ``cat``/``stack`` copy their inputs in one batched launch per 128 inputs when the result has
-  at most 4 dimensions, fits 32-bit indexing, and it and every input are contiguous and of its
-  dtype; otherwise one copy per non-empty input (torch's documented behaviour of
-  ``ATen/native/cuda/Shape.cu``, not in the wheel: assumed).
+* ``cat``/``stack`` copy their inputs in one batched launch per 128 inputs (64 when an input is
+  not contiguous: the launch then carries strides) when the result has at most 4 dimensions,
+  fits 32-bit indexing and has the inputs' dtype; otherwise one copy per non-empty input. As
+  ``ATen/native/cuda/Shape.cu`` reads (it is not in the wheel); assumed beyond it: a
+  non-contiguous ``out=`` and an ``out=`` of another dtype than the inputs (a cast) take the
+  per-input copies.
 * any other op launches one kernel; an op whose tensors all lie on the CPU launches none.
 """
 
@@ -64,8 +66,8 @@ def fake_cuda_problem() -> str | None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
-        with FakeTensorMode():
-            torch.empty(1, device="cuda").add_(1)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # as the trace makes its parameters
+            torch.zeros(1, device="cuda").add_(torch.randn(1).to("cuda"))
     except Exception as e:  # a CPU-only build: "not linked with support for cuda devices"
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"torch {torch.__version__} cannot make fake cuda tensors ({text}); a CUDA build of torch can"
@@ -99,7 +101,9 @@ def _scalars(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     for a in [*args[1:], *kwargs.values()]:
         if isinstance(a, (bool, int, float, complex)):
             out.append(a)
-        elif isinstance(a, (list, tuple)) and a and all(isinstance(s, (bool, int, float, complex)) for s in a):
+        elif (
+            isinstance(a, (list, tuple)) and a and all(isinstance(s, (bool, int, float, complex)) for s in a)
+        ):
             out.append(list(a))
     return out
 
@@ -135,7 +139,9 @@ def foreach_fallback(name: str, args: Sequence[Any], kwargs: dict[str, Any]) -> 
             if t.device != first.device:
                 return f"list {k} mixes devices ({first.device}, {t.device})"
             if t.layout != torch.strided or not non_overlapping_and_dense(t):
-                return f"list {k} holds a tensor that is not non-overlapping and dense (shape {tuple(t.shape)})"
+                return (
+                    f"list {k} holds a tensor that is not non-overlapping and dense (shape {tuple(t.shape)})"
+                )
             if t.dtype != tensors[0].dtype or (cross_dtype and t.dtype != first.dtype):
                 return f"dtypes differ ({first.dtype}, {t.dtype})"
     for k, tensors in enumerate(lists[1:], 1):
@@ -213,21 +219,20 @@ def cat_launches(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[
     stacking = func.overloadpacket.__name__ == "stack"
     dims = inputs[0].dim() + (1 if stacking else 0)
     dtype = out.dtype if isinstance(out, Tensor) else inputs[0].dtype
-    numel = sum(t.numel() for t in inputs)
     why = None
     if isinstance(out, Tensor) and not out.is_contiguous():
         why = "its out= tensor is not contiguous"
-    elif any(not t.is_contiguous() for t in inputs):
-        why = "an input is not contiguous"
     elif any(t.dtype != dtype for t in inputs):
         why = "inputs of another dtype than the result"
     elif dims > CAT_MAX_DIMS:
         why = f"{dims}-D result (the batched copy takes at most {CAT_MAX_DIMS})"
-    elif numel >= 2**31:
+    elif sum(t.numel() for t in inputs) >= 2**31:
         why = "a result beyond 32-bit indexing"
     if why is not None:
         return len(inputs), why
-    return -(-len(inputs) // CAT_BATCH), None
+    # non-contiguous inputs take the batched copy too, with their strides: half as many per launch
+    batch = CAT_BATCH if all(t.is_contiguous() for t in inputs) else CAT_BATCH // 2
+    return -(-len(inputs) // batch), None
 
 
 _CAT = {aten.cat.default, aten.cat.out, aten.stack.default, aten.stack.out}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import logging
 import os
 import sys
 import weakref
@@ -157,7 +158,9 @@ class TraceCounter(TorchDispatchMode):
             file = frame.f_code.co_filename
             if _under(file, self.roots) and not _under(file, self.excluded):
                 root = next(r for r in self.roots if _under(file, (r,)))
-                return f"{os.path.relpath(file, os.path.dirname(root))}:{frame.f_lineno} {frame.f_code.co_name}"
+                return (
+                    f"{os.path.relpath(file, os.path.dirname(root))}:{frame.f_lineno} {frame.f_code.co_name}"
+                )
             if outside is None and not _under(file, (_TORCH, _HERE)):
                 outside = f"{os.path.basename(file)}:{frame.f_lineno} {frame.f_code.co_name}"
             frame = frame.f_back
@@ -190,7 +193,11 @@ def _sync_of(func, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type != args[0].device.type:
             return f"blocking copy {args[0].device.type}→{torch.device(device).type}"
-    if func is aten.copy_.default and isinstance(args[1], Tensor) and args[0].device.type != args[1].device.type:
+    if (
+        func is aten.copy_.default
+        and isinstance(args[1], Tensor)
+        and args[0].device.type != args[1].device.type
+    ):
         if args[1].dim() == 0 and not _on_device(args[1]):
             return None  # a CPU scalar is passed to the kernel by value
         return f"blocking copy {args[1].device.type}→{args[0].device.type}"
@@ -291,29 +298,40 @@ class Trace:
 
 
 def package_roots(optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
-    """Where the optimizers' own code lies: torch's optimizers' folder (``torch/optim``), else
-    each class's top-level package (``fastmuon``, ``heavyball``, ``pytorch_optimizer``), or the
-    module file of a class loaded from a file (Ultralytics' ``optim/muon.py``'s folder)."""
+    """Where the optimizers' own code lies: torch's optimizers' folder (``torch/optim``) for
+    torch's classes, else the top-level package folder of each class's file (``fastmuon``,
+    ``heavyball``, ``pytorch_optimizer``, ``ultralytics`` for its ``optim/muon.py`` loaded alone)."""
     roots: list[str] = []
     for opt in optimizers:
         for inner in [opt, *_delegates(opt)]:
             for klass in type(inner).__mro__:
-                if klass is torch.optim.Optimizer or klass.__module__.split(".")[0] in sys.stdlib_module_names:
+                if (
+                    klass is torch.optim.Optimizer
+                    or klass.__module__.split(".")[0] in sys.stdlib_module_names
+                ):
                     continue  # the base class, and mixins such as abc.ABC, are nobody's own code
-                try:
-                    file = inspect.getfile(klass)
-                except (TypeError, OSError):  # a built-in class
+                file = _class_file(klass)
+                if file is None:
                     continue
-                top = klass.__module__.split(".")[0]
-                if top == "torch" or top not in sys.modules or not getattr(sys.modules[top], "__file__", None):
-                    root = os.path.dirname(os.path.abspath(file))
-                else:
-                    root = os.path.dirname(os.path.abspath(sys.modules[top].__file__))
+                root = os.path.dirname(file)
+                if not _under(root, (_TORCH,)):
+                    while os.path.isfile(os.path.join(os.path.dirname(root), "__init__.py")):
+                        root = os.path.dirname(root)
                 if root not in roots:
                     roots.append(root)
-    if _TORCH in roots:  # a class defined in torch's top folder: its optimizers' folder instead
-        roots.remove(_TORCH)
     return roots
+
+
+def _class_file(klass: type) -> str | None:
+    """The file defining ``klass``, also for a module loaded from a path and not registered."""
+    try:
+        return os.path.abspath(inspect.getfile(klass))
+    except (TypeError, OSError):
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            if code is not None:
+                return os.path.abspath(code.co_filename)
+    return None
 
 
 def live_storages() -> dict[int, int]:
@@ -331,39 +349,52 @@ def _storage_ids(tensors) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, Tensor)}
 
 
-def trace_contender(
-    contender: Contender, older: set[int] | None = None, steps: int = TRACE_STEPS
-) -> Trace:
+def trace_step(
+    step: Callable[[], object],
+    roots: Sequence[str],
+    steps: int = TRACE_STEPS,
+    before_last: Callable[[], None] | None = None,
+) -> tuple[TraceCounter, int]:
+    """Call ``step`` ``steps`` times under a :class:`TraceCounter` (inside an active fake mode)
+    and count the last call: the counter, and the Python calls made from ``roots``.
+    ``before_last`` runs right before the last call, outside the counts."""
+    counter = TraceCounter(roots)
+    counter.recording = False
+    with counter:
+        for _ in range(steps - 1):
+            step()
+        if before_last is not None:
+            before_last()
+        counter.recording = True
+        with own_calls(roots) as calls:
+            step()
+    return counter, calls[0]
+
+
+def trace_contender(contender: Contender, older: set[int] | None = None, steps: int = TRACE_STEPS) -> Trace:
     """Run ``contender``'s step ``steps`` times (inside an active fake mode) and trace the last.
 
     ``older``: the storages alive before the contender was built; "kept" is every storage
-    alive after two steps that is neither one of those nor a parameter or gradient of its
-    optimizers (state, workspaces, caches), found with :func:`gc.get_objects`.
+    alive before the last step (after two, by default) that is neither one of those nor a
+    parameter or gradient of its optimizers: state, workspaces, caches, found with
+    :func:`gc.get_objects` (a tensor only C++ holds is not seen).
     """
     optimizers = [inner for opt in contender.optimizers for inner in _delegates(opt)]
     roots = package_roots(contender.optimizers)
     trace = Trace(contender.name, roots=roots)
-    counter = TraceCounter(roots)
-    counter.recording = False
+
+    def kept() -> None:
+        trace.kept_bytes = _kept_bytes(optimizers, older)
+
     try:
-        with counter:
-            for k in range(steps):
-                if k == 2 or (k == steps - 1 and steps < 3):
-                    trace.kept_bytes = _kept_bytes(optimizers, older)
-                if k == steps - 1:
-                    counter.recording = True
-                    with own_calls(roots) as calls:
-                        contender.step()
-                else:
-                    contender.step()
+        counter, calls = trace_step(contender.step, roots, steps, kept)
     except Exception as e:
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
         trace.error = f"{type(e).__name__}: {text}"[:300]
         return trace
     trace.kernels, trace.aten_ops, trace.host_ops = counter.kernels, counter.aten_ops, counter.host_ops
     trace.top_ops = dict(counter.ops.most_common(8))
-    trace.syncs, trace.fallbacks = counter.syncs, counter.fallbacks
-    trace.python_calls = calls[0]
+    trace.syncs, trace.fallbacks, trace.python_calls = counter.syncs, counter.fallbacks, calls
     trace.state_bytes, trace.workspace_bytes = contender.state_bytes(), contender.workspace_bytes()
     plan = contender.plan()
     if plan is not None:
@@ -392,8 +423,15 @@ def fake_cuda() -> Iterator[Any]:
     problem = fake_cuda_problem()
     if problem:
         raise Unavailable(problem)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        yield mode
+    # an op a peer's step fails on is reported in its row; the fake mode also logs its traceback
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        log.setLevel(level)
 
 
 def trace_lineup(
@@ -440,7 +478,16 @@ def _gflop(t: Trace) -> str:
     return f"{t.ns_flops / 1e9:.2f}"
 
 
-HEADER = ["contender", "kernels", "host syncs", "Python calls", "NS GFLOP", "state MiB", "workspace MiB", "kept MiB"]
+HEADER = [
+    "contender",
+    "kernels",
+    "host syncs",
+    "Python calls",
+    "NS GFLOP",
+    "state MiB",
+    "workspace MiB",
+    "kept MiB",
+]
 
 
 def rows(traces: Sequence[Trace]) -> list[list[str]]:
@@ -484,3 +531,12 @@ def table_lines(traces: Sequence[Trace], title: str = "", details: int = 6) -> l
             lines.append(f"    per-tensor fallback ×{n}: {site}")
     return lines
 
+
+def markdown_table(traces: Sequence[Trace], title: str = "") -> str:
+    """The table as Markdown, under its label."""
+    lines = [f"**{title}{' — ' if title else ''}{LABEL}**", "", "| " + " | ".join(HEADER) + " |"]
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|")
+    for t, r in zip(traces, rows(traces)):
+        cells = [t.name, t.error, *[""] * (len(HEADER) - 2)] if t.error else r
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
