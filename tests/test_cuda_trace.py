@@ -235,7 +235,8 @@ def test_fp32_ns_plans_fp32_buckets():
     _on_cuda(trace, state, workspaces)
     _no_sync(trace)
     bf16 = traced("gpt2-narrow", Muon, nonfinite="ignore")[0]
-    assert trace.ns_flops == bf16.ns_flops  # the same matrices, only another precision
+    # the same matrices (fp32 may take a cheaper formulation: Gram-space NS for wide buckets)
+    assert trace.ns_useful_flops == bf16.ns_useful_flops and trace.ns_flops <= bf16.ns_flops
 
 
 @needs_fake_cuda

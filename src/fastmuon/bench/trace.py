@@ -27,6 +27,7 @@ import inspect
 import logging
 import os
 import sys
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -345,6 +346,30 @@ def live_storages() -> dict[int, int]:
     return out
 
 
+#: the attribute :func:`mark_older` sets on every live tensor
+_OLDER = "_fastmuon_trace_older"
+
+
+def mark_older() -> None:
+    """Mark every tensor alive now as older than what is built next (see :func:`trace_contender`).
+
+    A mark on the tensor, not a list of storage identities: an identity freed since may be
+    reused by a new storage, while a marked tensor alive keeps its storage, and so its identity."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), Tensor):
+            with contextlib.suppress(Exception):
+                setattr(obj, _OLDER, True)
+
+
+def _older_storages() -> set[int]:
+    out = set()
+    for obj in gc.get_objects():
+        if issubclass(type(obj), Tensor) and getattr(obj, _OLDER, False):
+            with contextlib.suppress(Exception):
+                out.add(obj.untyped_storage()._cdata)
+    return out
+
+
 def _storage_ids(tensors) -> set[int]:
     return {t.untyped_storage()._cdata for t in tensors if isinstance(t, Tensor)}
 
@@ -371,20 +396,20 @@ def trace_step(
     return counter, calls[0]
 
 
-def trace_contender(contender: Contender, older: set[int] | None = None, steps: int = TRACE_STEPS) -> Trace:
+def trace_contender(contender: Contender, steps: int = TRACE_STEPS) -> Trace:
     """Run ``contender``'s step ``steps`` times (inside an active fake mode) and trace the last.
 
-    ``older``: the storages alive before the contender was built; "kept" is every storage
-    alive before the last step (after two, by default) that is neither one of those nor a
-    parameter or gradient of its optimizers: state, workspaces, caches, found with
-    :func:`gc.get_objects` (a tensor only C++ holds is not seen).
+    "Kept" is every storage alive before the last step (after two, by default) that is
+    neither a parameter or gradient of its optimizers nor held by a tensor marked older than
+    the contender (:func:`mark_older`, called before it was built): state, workspaces, caches,
+    found with :func:`gc.get_objects` (a tensor only C++ holds is not seen).
     """
     optimizers = [inner for opt in contender.optimizers for inner in _delegates(opt)]
     roots = package_roots(contender.optimizers)
     trace = Trace(contender.name, roots=roots)
 
     def kept() -> None:
-        trace.kept_bytes = _kept_bytes(optimizers, older)
+        trace.kept_bytes = _kept_bytes(optimizers)
 
     try:
         counter, calls = trace_step(contender.step, roots, steps, kept)
@@ -405,10 +430,10 @@ def trace_contender(contender: Contender, older: set[int] | None = None, steps: 
     return trace
 
 
-def _kept_bytes(optimizers: list[torch.optim.Optimizer], older: set[int] | None) -> int:
+def _kept_bytes(optimizers: list[torch.optim.Optimizer]) -> int:
     params = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
     grads = [p.grad for p in params if p.grad is not None]
-    mine = _storage_ids(params) | _storage_ids(grads) | (older or set())
+    mine = _storage_ids(params) | _storage_ids(grads) | _older_storages()
     return sum(n for s, n in live_storages().items() if s not in mine)
 
 
@@ -428,7 +453,9 @@ def fake_cuda() -> Iterator[Any]:
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            # a peer that reads data pointers (to key a cache) gets 0 from every fake tensor
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield mode
     finally:
         log.setLevel(level)
@@ -445,7 +472,7 @@ def trace_lineup(
     with fake_cuda():
         wb = workbench()
         for label, factory in factories:
-            older = set(live_storages())
+            mark_older()
             try:
                 contender = factory(wb)
             except Unavailable as e:
@@ -454,7 +481,7 @@ def trace_lineup(
             except Exception as e:
                 traces.append(Trace(label, error=f"failed to build: {type(e).__name__}: {e}"[:300]))
                 continue
-            traces.append(trace_contender(contender, older, steps))
+            traces.append(trace_contender(contender, steps))
             del contender
     return traces
 
@@ -515,7 +542,8 @@ def table_lines(traces: Sequence[Trace], title: str = "", details: int = 6) -> l
     """The table under its label, then per contender its top ops, host syncs (with their lines)
     and per-tensor fallbacks (at most ``details`` lines of each)."""
     body = rows(traces)
-    widths = [max(len(r[i]) for r in [HEADER, *body]) for i in range(len(HEADER))]
+    shown = [HEADER, *(r for t, r in zip(traces, body) if not t.error)]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(HEADER))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     lines = [f"{title}{' — ' if title else ''}{LABEL}", fmt(HEADER)]
     lines += [fmt(r) if not t.error else f"{t.name}: {t.error}" for t, r in zip(traces, body)]
