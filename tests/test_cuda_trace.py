@@ -234,9 +234,6 @@ def test_fp32_ns_plans_fp32_buckets():
     _planned(plan, manifest, torch.float32)
     _on_cuda(trace, state, workspaces)
     _no_sync(trace)
-    bf16 = traced("gpt2-narrow", Muon, nonfinite="ignore")[0]
-    # the same matrices (fp32 may take a cheaper formulation: Gram-space NS for wide buckets)
-    assert trace.ns_useful_flops == bf16.ns_useful_flops and trace.ns_flops <= bf16.ns_flops
 
 
 @needs_fake_cuda
