@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .contenders import Contender, Unavailable, Workbench, _delegates
+from .contenders import Contender, Unavailable, Workbench, delegates, storage_id
 from .counter import is_kernel
 from .fake_cuda import fake_cuda_problem, launches
 
@@ -137,7 +137,7 @@ class TraceCounter(TorchDispatchMode):
                 ) from None
             raise
         if isinstance(result, Tensor) and result.dtype == torch.bool and result.dim() == 0:
-            result._fastmuon_made_by = func.overloadpacket.__name__  # read by _stand_in
+            result.fastmuon_trace_made_by = func.overloadpacket.__name__  # read by _stand_in
         if self.recording and is_kernel(func) and func.namespace not in _NON_KERNEL_NAMESPACES:
             n, why = launches(func, args, kwargs, result)
             self.aten_ops += 1
@@ -153,7 +153,7 @@ class TraceCounter(TorchDispatchMode):
     def where(self) -> str:
         """``file:line function`` of the innermost frame in ``roots`` (files relative to the root's
         folder); ``?`` and the innermost frame outside torch when none is."""
-        frame = sys._getframe(1)
+        frame = inspect.currentframe()
         outside = None
         while frame is not None:
             file = frame.f_code.co_filename
@@ -207,14 +207,14 @@ def _sync_of(func, args: Sequence[Any], kwargs: dict[str, Any]) -> str | None:
 
 #: a boolean read of these ops' results is answered True, of any other op's False: a step's
 #: checks then find every value finite and nothing to report (``isfinite(x).all()``, ``isnan(x).any()``)
-_TRUE_WHEN_FINITE = ("all", "isfinite", "eq", "equal", "le", "ge", "lt", "gt")
+_TRUE_WHEN_FINITE = ("all", "isfinite", "eq", "equal", "logical_and")
 
 
 def _stand_in(t: Tensor) -> bool | int | float:
     """The value a host read is answered with: the one of finite, ordinary values for a boolean,
     0 for an integer (no bad entries counted), 1.0 for a float (a safe divisor)."""
     if t.dtype == torch.bool:
-        return getattr(t, "_fastmuon_made_by", None) in _TRUE_WHEN_FINITE
+        return getattr(t, "fastmuon_trace_made_by", None) in _TRUE_WHEN_FINITE
     return 0 if not (t.is_floating_point() or t.is_complex()) else 1.0
 
 
@@ -304,7 +304,7 @@ def package_roots(optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
     ``heavyball``, ``pytorch_optimizer``, ``ultralytics`` for its ``optim/muon.py`` loaded alone)."""
     roots: list[str] = []
     for opt in optimizers:
-        for inner in [opt, *_delegates(opt)]:
+        for inner in [opt, *delegates(opt)]:
             for klass in type(inner).__mro__:
                 if (
                     klass is torch.optim.Optimizer
@@ -341,13 +341,12 @@ def live_storages() -> dict[int, int]:
     for obj in gc.get_objects():
         if issubclass(type(obj), Tensor):  # not isinstance: that reads lazy modules' __class__
             with contextlib.suppress(Exception):  # tensors without storage (sparse, nested)
-                storage = obj.untyped_storage()
-                out[storage._cdata] = storage.nbytes()
+                out[storage_id(obj)] = obj.untyped_storage().nbytes()
     return out
 
 
 #: the attribute :func:`mark_older` sets on every live tensor
-_OLDER = "_fastmuon_trace_older"
+_OLDER = "fastmuon_trace_older"
 
 
 def mark_older() -> None:
@@ -366,12 +365,12 @@ def _older_storages() -> set[int]:
     for obj in gc.get_objects():
         if issubclass(type(obj), Tensor) and getattr(obj, _OLDER, False):
             with contextlib.suppress(Exception):
-                out.add(obj.untyped_storage()._cdata)
+                out.add(storage_id(obj))
     return out
 
 
 def _storage_ids(tensors) -> set[int]:
-    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, Tensor)}
+    return {storage_id(t) for t in tensors if isinstance(t, Tensor)}
 
 
 def trace_step(
@@ -404,7 +403,7 @@ def trace_contender(contender: Contender, steps: int = TRACE_STEPS) -> Trace:
     the contender (:func:`mark_older`, called before it was built): state, workspaces, caches,
     found with :func:`gc.get_objects` (a tensor only C++ holds is not seen).
     """
-    optimizers = [inner for opt in contender.optimizers for inner in _delegates(opt)]
+    optimizers = [inner for opt in contender.optimizers for inner in delegates(opt)]
     roots = package_roots(contender.optimizers)
     trace = Trace(contender.name, roots=roots)
 
