@@ -128,11 +128,12 @@ def test_foreach_fallbacks_and_per_input_copies_count_a_kernel_per_tensor():
             torch._foreach_add_(xs, xs)  # fast route: one launch
             torch._foreach_add_(xs, ys)  # dtypes differ: one add_ per tensor
             torch._foreach_copy_(xs, ys)  # a copy may cast: one launch
-            torch.stack(xs, out=out)  # a non-contiguous out=: one copy per input
+            torch.stack(xs, out=out)  # a non-contiguous out=: one batched copy, with strides
+            torch.stack(ys, out=out)  # a cast: one copy per input
             torch.cat(xs)  # contiguous inputs: one batched copy
             torch._foreach_norm(xs)  # partial norms, then one clean-up launch
-    assert tc.kernels == 1 + 5 + 1 + 5 + 1 + 2
-    assert tc.aten_ops == 6
+    assert tc.kernels == 1 + 5 + 1 + 1 + 5 + 1 + 2
+    assert tc.aten_ops == 7
     assert [(f.op, f.kernels) for f in tc.fallbacks] == [("_foreach_add_", 5), ("stack", 5)]
 
 

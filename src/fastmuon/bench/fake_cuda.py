@@ -16,12 +16,13 @@ the launches an op makes are read off its inputs, following what torch's CUDA ke
   kernel); ``_foreach_norm``/``_foreach_max`` add one clean-up launch after their partial
   reductions, and take the fallback for integer or complex tensors and norms other than
   1, 2 and inf.
-* ``cat``/``stack`` copy their inputs in one batched launch per 128 inputs (64 when an input is
-  not contiguous: the launch then carries strides) when the result has at most 4 dimensions,
-  fits 32-bit indexing and has the inputs' dtype; otherwise one copy per non-empty input. As
-  ``ATen/native/cuda/Shape.cu`` reads (it is not in the wheel); assumed beyond it: a
-  non-contiguous ``out=`` and an ``out=`` of another dtype than the inputs (a cast) take the
-  per-input copies.
+* ``cat``/``stack`` copy their inputs in one batched launch per 128 inputs (64 when an input or
+  the ``out=`` tensor is not contiguous: the launch then carries strides) when the result has at
+  most 4 dimensions, fits 32-bit indexing and has every input's dtype; otherwise (a cast into
+  an ``out=`` of another dtype, say) one copy per non-empty input. So read ``cat``'s meta
+  function (``TensorShape.cpp``: an ``out=`` sets the dtype and the contiguity compared) and
+  ``cat_out_cuda`` (``cuda/Shape.cu``) in torch's repository; neither is in the wheel, and this
+  build is assumed to match them.
 * any other op launches one kernel; an op whose tensors all lie on the CPU launches none.
 """
 
@@ -220,19 +221,19 @@ def cat_launches(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[
     dims = inputs[0].dim() + (1 if stacking else 0)
     dtype = out.dtype if isinstance(out, Tensor) else inputs[0].dtype
     why = None
-    if isinstance(out, Tensor) and not out.is_contiguous():
-        why = "its out= tensor is not contiguous"
-    elif any(t.dtype != dtype for t in inputs):
-        why = "inputs of another dtype than the result"
+    if any(t.dtype != dtype for t in inputs):
+        why = "inputs of another dtype than the result (a cast)"
     elif dims > CAT_MAX_DIMS:
         why = f"{dims}-D result (the batched copy takes at most {CAT_MAX_DIMS})"
     elif sum(t.numel() for t in inputs) >= 2**31:
         why = "a result beyond 32-bit indexing"
     if why is not None:
         return len(inputs), why
-    # non-contiguous inputs take the batched copy too, with their strides: half as many per launch
-    batch = CAT_BATCH if all(t.is_contiguous() for t in inputs) else CAT_BATCH // 2
-    return -(-len(inputs) // batch), None
+    # a non-contiguous input or out= takes the batched copy too, with strides: half as many per launch
+    dense = all(t.is_contiguous() for t in inputs) and not (
+        isinstance(out, Tensor) and not out.is_contiguous()
+    )
+    return -(-len(inputs) // (CAT_BATCH if dense else CAT_BATCH // 2)), None
 
 
 _CAT = {aten.cat.default, aten.cat.out, aten.stack.default, aten.stack.out}
