@@ -133,6 +133,42 @@ def host_syncs(step: Callable[[], object]) -> dict[str, int]:
     return counts
 
 
+#: CUDA runtime calls that make the host wait for the device
+WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+#: CUDA runtime calls that launch a kernel
+LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+
+
+def cuda_activity(step: Callable[[], object]) -> dict[str, int]:
+    """What one call of ``step`` made a GPU do, from ``torch.profiler``'s CUDA activity: the
+    measured counterpart of :mod:`.trace`'s figures (see :func:`count_activity`)."""
+    with _native_stderr_silenced():
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        prof.start()
+    try:
+        step()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
+    return count_activity(prof.events())
+
+
+def count_activity(events) -> dict[str, int]:
+    """Kernels and memory copies/sets the device ran, kernel launches the host made, and host
+    waits (``cudaStreamSynchronize`` and the like: a blocking copy or ``.item()`` makes one)."""
+    from torch.autograd import DeviceType
+
+    counts = {"kernels": 0, "memcpy": 0, "launches": 0, "syncs": 0}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            counts["memcpy" if e.name.startswith(("Memcpy", "Memset")) else "kernels"] += 1
+        elif e.name in LAUNCHES:
+            counts["launches"] += 1
+        elif e.name in WAITS:
+            counts["syncs"] += 1
+    return counts
+
+
 def _run_cli() -> None:  # pragma: no cover - a measuring tool, run by hand
     import argparse
     import time
