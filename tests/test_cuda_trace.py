@@ -30,10 +30,12 @@ from fastmuon.bench.workloads import resolve_workload
 PROBLEM = fake_cuda_problem()
 needs_fake_cuda = pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))
 
-#: kernels per traced step: yolo26n MuSGD (nonfinite="skip") with the auto plan and with
-#: policy="min_launches"
-YOLO_MUSGD_SKIP_KERNELS = 80
-YOLO_MUSGD_SKIP_MIN_LAUNCHES_KERNELS = 40
+#: yolo26n MuSGD (nonfinite="skip"), with the auto plan and with policy="min_launches": ATen ops
+#: dispatched on the GPU per traced step (what a dispatch mode counting ops sees), and CUDA
+#: launches as the launch model counts them (a cat of hundreds of tensors, a foreach over
+#: them, takes several); the defaults (a deferred "raise") add the flags' copy
+YOLO_MUSGD_SKIP_OPS = {"auto": 80, "min_launches": 40}
+YOLO_MUSGD_SKIP_KERNELS = {"auto": 84, "min_launches": 48}
 #: the bench's gpt2 workload (GPT-2 small's 768-wide blocks), each rule at its defaults
 GPT2_KERNELS = {Muon: 98, NorMuon: 154, AdaMuon: 149}
 
@@ -193,7 +195,8 @@ def test_yolo26n_musgd_skip_auto_plan():
     _on_cuda(trace, state, workspaces)
     _planned(plan, manifest, torch.bfloat16)
     _no_sync(trace)
-    assert trace.kernels <= YOLO_MUSGD_SKIP_KERNELS, trace.top_ops
+    assert trace.aten_ops - trace.host_ops <= YOLO_MUSGD_SKIP_OPS["auto"], trace.top_ops
+    assert trace.kernels <= YOLO_MUSGD_SKIP_KERNELS["auto"], trace.top_ops
 
 
 @needs_fake_cuda
@@ -204,7 +207,8 @@ def test_yolo26n_musgd_skip_min_launches():
     _on_cuda(trace, state, workspaces)
     _planned(plan, manifest, torch.bfloat16)
     _no_sync(trace)
-    assert trace.kernels <= YOLO_MUSGD_SKIP_MIN_LAUNCHES_KERNELS, trace.top_ops
+    assert trace.aten_ops - trace.host_ops <= YOLO_MUSGD_SKIP_OPS["min_launches"], trace.top_ops
+    assert trace.kernels <= YOLO_MUSGD_SKIP_KERNELS["min_launches"], trace.top_ops
 
 
 @needs_fake_cuda

@@ -243,10 +243,26 @@ _CAT = {aten.cat.default, aten.cat.out, aten.stack.default, aten.stack.out}
 RELABELLING = frozenset({aten._unsafe_view.default, aten._reshape_alias.default})
 
 
+def is_fused_optimizer_op(func: torch._ops.OpOverload) -> bool:
+    """torch's fused optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``, …): they only write
+    their inputs in place and have no fake kernel, so a trace counts them without running them."""
+    return func.namespace == "aten" and func.overloadpacket.__name__.startswith("_fused_")
+
+
+def fused_launches(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[int, None]:
+    """A fused optimizer kernel's launches: one ``multi_tensor_apply`` over its tensor lists."""
+    lists = [ts for ts in _tensor_lists(args, kwargs) if ts]
+    if not lists or not any(_on_gpu(t) for ts in lists for t in ts):
+        return 0, None
+    return mta_launches((t.numel() for t in lists[0]), len(lists)), None
+
+
 def launches(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any], result: Any):
     """(CUDA kernels, why a per-tensor fallback or None) of one kernel-running ATen op."""
     if func in RELABELLING:
         return 0, None
+    if is_fused_optimizer_op(func):
+        return fused_launches(args, kwargs)
     if func.overloadpacket.__name__.startswith("_foreach_"):
         return foreach_launches(func, args, kwargs)
     if func in _CAT:

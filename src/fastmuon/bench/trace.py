@@ -38,10 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from .contenders import Contender, Unavailable, Workbench, delegates, storage_id
 from .counter import is_kernel
-from .fake_cuda import fake_cuda_problem, launches
+from .fake_cuda import fake_cuda_problem, is_fused_optimizer_op, launches
 
 aten = torch.ops.aten
 
@@ -127,7 +128,7 @@ class TraceCounter(TorchDispatchMode):
             constant = getattr(args[0], "constant", None)  # a fake CPU tensor made from a value
             return constant.item() if constant is not None else _stand_in(args[0])
         try:
-            result = func(*args, **kwargs)
+            result = None if is_fused_optimizer_op(func) and _any_fake(args) else func(*args, **kwargs)
         except Exception as e:
             if type(e).__name__ in ("DynamicOutputShapeException", "DataDependentOutputException"):
                 where = self.where()
@@ -170,6 +171,11 @@ class TraceCounter(TorchDispatchMode):
 
 def _under(file: str, roots: Sequence[str]) -> bool:
     return any(file == r or file.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def _any_fake(args: Any) -> bool:
+    """Whether any tensor in ``args`` (lists included) is a fake tensor."""
+    return any(_is_fake(t) for t in tree_leaves(args))
 
 
 def _is_fake(t: Any) -> bool:

@@ -178,6 +178,17 @@ class _Group:
         self.host = compute.is_host(device)
 
 
+def _joined(group: _Group) -> Tensor:
+    """The group's tensors back to back in one new tensor. Off the host by one foreach copy:
+    torch's CUDA cat takes a launch per 128 inputs, the foreach copy a launch per batch of
+    tensors or blocks, far fewer for the hundreds of small tensors of a conv net."""
+    if group.host:
+        return torch.cat(group.views)
+    flat = torch.empty(group.total, dtype=group.views[0].dtype, device=group.views[0].device)
+    torch._foreach_copy_(list(flat.split(group.sizes)), group.views)
+    return flat
+
+
 class SkipPlan:
     """What a step may have to put back, prepared once: every parameter and state tensor,
     grouped by (device, dtype).
@@ -205,7 +216,7 @@ class SkipPlan:
 
     def snapshot(self) -> list[Tensor]:
         """One copy per (device, dtype) of everything :meth:`restore` may put back."""
-        return [torch.cat(g.views) for g in self._groups] + [t.clone() for t, _, _ in self._loose]
+        return [_joined(g) for g in self._groups] + [t.clone() for t, _, _ in self._loose]
 
     def restore(self, saved: Sequence[Tensor | None], keep: Tensor, on_host: bool | None = None) -> None:
         """Put back ``saved`` wherever ``keep`` is False: the tensors on the host's CPU
@@ -214,7 +225,7 @@ class SkipPlan:
             if on_host is not None and group.host != on_host:
                 continue
             mask = torch.repeat_interleave(keep.to(snap.device), group.repeats, output_size=group.total)
-            merged = torch.where(mask, torch.cat(group.views), snap, out=snap)
+            merged = torch.where(mask, _joined(group), snap, out=snap)
             torch._foreach_copy_(group.views, list(merged.split(group.sizes)))
         for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
             if on_host is None or host == on_host:
