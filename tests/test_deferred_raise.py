@@ -224,7 +224,7 @@ def test_what_lives_on_the_host_goes_back_once_the_flags_are_read(accelerator_pa
 
 
 def test_skip_puts_back_what_lives_on_the_host_when_the_flags_arrive_and_never_raises(accelerator_paths):
-    """"skip" over accelerator gradients: the host's share of a bad parameter (AdamW's step
+    """ "skip" over accelerator gradients: the host's share of a bad parameter (AdamW's step
     counts) goes back when the flags reach the host, before the next step reads it, instead
     of by a read that would make every step wait for the device; nothing raises."""
     params = [torch.randn(3, 2), torch.randn(4)]
