@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from .contenders import Contender, Unavailable, Workbench, delegates, storage_id
 from .counter import is_kernel
@@ -174,8 +173,10 @@ def _under(file: str, roots: Sequence[str]) -> bool:
 
 
 def _any_fake(args: Any) -> bool:
-    """Whether any tensor in ``args`` (lists included) is a fake tensor."""
-    return any(_is_fake(t) for t in tree_leaves(args))
+    """Whether any tensor in ``args`` (lists and tuples included) is a fake tensor."""
+    if isinstance(args, (list, tuple)):
+        return any(_any_fake(a) for a in args)
+    return _is_fake(args)
 
 
 def _is_fake(t: Any) -> bool:
