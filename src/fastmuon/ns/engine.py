@@ -343,14 +343,17 @@ class Orthogonalizer:
         """The gather buckets' shared packing off the host (None on a CPU, or without gather
         buckets), made on the first call."""
         staged = self._staged
-        if staged is None and self.records and not any(rec.host for rec in self.records):
-            gathers = [
-                rec
-                for rec in self.records
-                if rec.gather is not None and rec.buffer is None and not rec.compiled
-            ]
-            device = sources[self.records[0].indices[0]].device
-            staged = self._staged = _StagedGathers(gathers, device) if gathers else False
+        if staged is None:  # decided once: False where there is nothing to stage
+            staged = False
+            if self.records and not any(rec.host for rec in self.records):
+                gathers = [
+                    rec
+                    for rec in self.records
+                    if rec.gather is not None and rec.buffer is None and not rec.compiled
+                ]
+                device = sources[self.records[0].indices[0]].device
+                staged = _StagedGathers(gathers, device) if gathers else False
+            self._staged = staged
         return staged or None
 
     @staticmethod
