@@ -153,3 +153,18 @@ def test_skip_leaves_the_non_finite_parameter_and_its_state_unchanged(accelerato
     for i, (o, r) in enumerate(zip(ours, reference)):
         if i != 3:
             assert rel_err(o.detach(), r) <= 1e-5, o.shape
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cls", [MuSGD, Muon])
+@pytest.mark.parametrize("policy", ["auto", "min_launches"])
+def test_the_cuda_step_is_the_reference_step(cls, policy):
+    """On a GPU (torch's fused CUDA SGD, the fp64 normalisation, buckets packed together, the
+    deferred "raise"): three steps are the per-parameter fp32 reference's."""
+    params = make_params(SHAPES, channels_last=(1, 2))
+    grads = make_grads(params, steps=3)
+    cuda = [torch.nn.Parameter(p.detach().to("cuda")) for p in params]
+    opt = (_musgd if cls is MuSGD else _muon)(cuda, policy=policy)
+    run_checking_grads_untouched(opt, cuda, [[g.to("cuda") for g in step] for step in grads])
+    for o, r in zip(cuda, _reference(cls, params, grads)):
+        assert rel_err(o.detach().cpu(), r) <= 1e-5, o.shape

@@ -16,6 +16,7 @@ from fastmuon.bench import (
     manifest_from_module,
     resolve_workload,
 )
+from fastmuon.bench.fake_cuda import fake_cuda_problem
 from fastmuon.cli import main
 from fastmuon.tables import grid_width, stacked
 
@@ -485,11 +486,15 @@ def test_bench_usage_mistakes_exit_2_before_running(tmp_path, capsys, extra, mes
     assert message in captured.err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine where torch sees no GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available() or fake_cuda_problem() is None,
+    reason="checks a torch that sees no GPU and cannot trace on fake cuda tensors instead",
+)
 def test_bench_device_cuda_without_cuda_is_a_usage_mistake(capsys):
     assert main(["bench", "--device", "cuda", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--device cuda, but this torch sees no CUDA device" in err
+    assert "cannot trace the step on fake cuda tensors" in err and torch.__version__ in err
 
 
 def test_bench_help_shows_the_defaults(capsys):

@@ -223,6 +223,34 @@ def test_what_lives_on_the_host_goes_back_once_the_flags_are_read(accelerator_pa
     assert float(states[1]["step"]) == 5  # put back once only
 
 
+def test_skip_puts_back_what_lives_on_the_host_when_the_flags_arrive_and_never_raises(accelerator_paths):
+    """ "skip" over accelerator gradients: the host's share of a bad parameter (AdamW's step
+    counts) goes back when the flags reach the host, before the next step reads it, instead
+    of by a read that would make every step wait for the device; nothing raises."""
+    params = [torch.randn(3, 2), torch.randn(4)]
+    states = [{"m": torch.zeros(3, 2)}, {"m": torch.zeros(4), "step": torch.zeros((), dtype=torch.float64)}]
+    grads = [torch.randn(3, 2), torch.full((4,), math.nan)]
+    guard = NonFiniteGuard("skip", grads, params, states)
+    assert not guard.host_later  # every tensor here is the accelerator's
+    for group in guard.skip._groups:  # the float64 step count plays the host's tensor
+        group.host = group.views[0].dtype == torch.float64
+    guard = copy.copy(guard)
+    guard.host_later, guard._flags = True, deferred.host_buffer(len(grads))
+    name = "parameter {}".format
+    keep = guard.keep(grads, name)
+    saved = guard.snapshot(keep)
+    before = [p.clone() for p in params]
+    for p, state in zip(params, states):
+        p.add_(1)
+        for v in state.values():
+            v.add_(1)
+    pending = guard.settle(saved, keep, name, 3)
+    assert torch.equal(params[0], before[0] + 1) and torch.equal(params[1], before[1])
+    assert float(states[1]["step"]) == 1  # the host's share: still to go back
+    pending.check()  # no error: "skip" only puts back
+    assert float(states[1]["step"]) == 0
+
+
 @pytest.mark.parametrize("cls", [MuSGD, Muon, fastmuon.NorMuon, fastmuon.AdaMuon])
 def test_capturable_with_raise_is_refused_naming_both_and_the_fix(cls):
     p = torch.nn.Parameter(torch.randn(4, 4))
@@ -322,7 +350,13 @@ def test_a_default_cuda_step_reads_nothing_of_the_device():
             assert count.host_reads == 1  # the previous step's flags, copied to the host
             assert count.guard == [
                 *("_foreach_norm", "stack", "lt"),  # the finite check
-                "cat",  # the snapshot
-                *("repeat_interleave", "index_select", "cat", "where", "_foreach_copy_"),  # restore
+                "_foreach_copy_",  # the snapshot (a foreach copy: fewer launches than a cat)
+                *(
+                    "repeat_interleave",
+                    "index_select",
+                    "_foreach_copy_",
+                    "where",
+                    "_foreach_copy_",
+                ),  # restore
                 "copy_",  # the flags, on their way to the host
             ]

@@ -24,15 +24,24 @@ def test_the_script_parses():
 def test_on_cuda_every_part_runs_within_the_budget(tmp_path):
     parts = plan_parts("cuda", quick=False, work=tmp_path)
     assert [p.name for p in parts] == [
+        "yolo26n-musgd-trace",
+        "gpt2-muon-trace",
         "cuda-tests",
         "yolo26n-musgd-eager",
         "gpt2-muon-eager",
         "yolo26n-musgd-compiled",
         "gpt2-muon-compiled",
     ]
-    assert all(p.skip is None for p in parts[1:])
+    assert all(p.skip is None for p in parts)
     assert sum(p.timeout_s for p in parts) <= gpucheck.TOTAL_BUDGET_S - gpucheck.RESERVE_S
+    traces, parts = parts[:2], parts[2:]
     assert "pytest -q -rs -m cuda" in " ".join(parts[0].argv)
+    for p in traces:  # the same workloads and main contenders, traced before any GPU part
+        argv = " ".join(p.argv)
+        assert "fastmuon bench --device cuda --trace" in argv and f"--json {p.json_path}" in argv
+        assert "--contenders fastmuon," in argv
+    assert "--model yolo26n --optimizer musgd" in " ".join(traces[0].argv)
+    assert "--model gpt2 --optimizer muon" in " ".join(traces[1].argv)
     for p in parts[1:]:
         argv = " ".join(p.argv)
         assert "fastmuon bench --device cuda" in argv and f"--json {p.json_path}" in argv
@@ -51,6 +60,12 @@ def test_on_a_cpu_the_compiled_parts_are_skipped_with_the_reason(tmp_path):
     assert str(tmp_path / gpucheck.QUICK_GPT2) in parts["gpt2-muon-eager"].argv
 
 
+def test_where_the_step_cannot_be_traced_its_parts_are_skipped_with_the_reason(tmp_path):
+    parts = {p.name: p for p in plan_parts("cpu", True, tmp_path, trace_problem="no fake cuda here")}
+    assert parts["gpt2-muon-trace"].skip == parts["yolo26n-musgd-trace"].skip == "no fake cuda here"
+    assert parts["gpt2-muon-eager"].skip is None
+
+
 def test_a_part_that_runs_fails_or_times_out_says_so(tmp_path):
     out = tmp_path / "bench.json"
     script = f"import json; open({str(out)!r}, 'w').write(json.dumps({{'results': []}}))"
@@ -67,17 +82,28 @@ def test_a_part_that_runs_fails_or_times_out_says_so(tmp_path):
 
 
 def test_the_document_and_its_summary(tmp_path):
+    gpu = {"kernels": 120, "memcpy": 2, "launches": 120, "syncs": 1}
     bench = {
         "results": [
-            {"name": "fastmuon MuSGD", "median_ms": 1.25, "host_ms": 0.8, "kernels_per_step": 118},
+            {
+                "name": "fastmuon MuSGD",
+                "median_ms": 1.25,
+                "host_ms": 0.8,
+                "kernels_per_step": 118,
+                "extra": {"cuda_activity": gpu},
+            },
             {"name": "Ultralytics MuSGD", "median_ms": None, "skipped": "not supported with torch.compile"},
         ]
     }
+    traced = {"name": "fastmuon MuSGD", "kernels": 116, "aten_ops": 113, "host_syncs": 1, "python_calls": 559}
+    failed = {"name": "Ultralytics MuSGD", "error": "TraceError: an op needs device values"}
+    trace = {"label": "traced on fake cuda tensors: counts, not times", "results": [traced, failed]}
     document = {
         "schema": gpucheck.SCHEMA,
         "device": "cuda",
         "machine": {"torch": "2.x", "gpu": "Some GPU"},
         "parts": {
+            "yolo26n-musgd-trace": {"status": "ok", "seconds": 9.0, "bench": trace},
             "yolo26n-musgd-compiled": {"status": "ok", "seconds": 42.0, "bench": bench},
             "gpt2-muon-compiled": {"status": "timeout", "seconds": 105.0},
             "cuda-tests": {"status": "skipped", "reason": "no tests/ folder"},
@@ -89,6 +115,10 @@ def test_the_document_and_its_summary(tmp_path):
     text = "\n".join(summary_lines(document))
     assert "gpu-check on Some GPU" in text and "yolo26n-musgd-compiled: ok in 42 s" in text
     assert "1.25 ms/step  host    0.80 ms  118 kernels" in text
+    assert "GPU ran 120 kernels, 2 copies/sets, 1 host waits" in text
+    assert "traced: 116 kernels (113 ATen ops), 1 host syncs, 559 Python calls" in text
+    assert "yolo26n-musgd-trace: ok in 9 s" in text and "counts, not times" in text
+    assert "TraceError: an op needs device values" in text
     assert "Ultralytics MuSGD" in text and "skipped: not supported with torch.compile" in text
     assert "gpt2-muon-compiled: timeout in 105 s" in text and "cuda-tests: skipped (no tests/ folder)" in text
 
@@ -99,3 +129,24 @@ def test_without_cuda_the_cuda_check_is_a_one_line_usage_error(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--device cpu --quick" in err
     assert not (tmp_path / "gpu-check.json").exists()
+
+
+def test_what_the_gpu_ran_is_counted_from_the_profilers_events():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from fastmuon.bench.hosttime import count_activity
+
+    def event(name, device=DeviceType.CPU):
+        return SimpleNamespace(name=name, device_type=device)
+
+    events = [
+        event("aten::add_"),
+        event("cudaLaunchKernel"),
+        event("void at::native::vectorized_elementwise_kernel<...>", DeviceType.CUDA),
+        event("cudaMemcpyAsync"),
+        event("Memcpy DtoH (Device -> Pageable)", DeviceType.CUDA),
+        event("cudaStreamSynchronize"),
+    ]
+    assert count_activity(events) == {"kernels": 1, "memcpy": 1, "launches": 1, "syncs": 1}

@@ -28,6 +28,24 @@ TORCH_PRIVATE = {
         "tree_leaves, to find the tensors among a dispatched op's outputs",
     ("bench/counter.py", "torch._ops"):
         "OpOverload, the type of the op a dispatch mode receives (annotation only)",
+    ("bench/contenders.py", "storage._cdata"):
+        "a storage's identity, to count each storage once: fake tensors' data pointers are all 0",
+    ("bench/fake_cuda.py", "torch._subclasses.fake_tensor"):
+        "FakeTensorMode, tensors with a cuda device and no data, to trace the CUDA step without a GPU",
+    ("bench/trace.py", "torch._subclasses.fake_tensor"):
+        "FakeTensorMode and FakeTensor, the same",
+    ("bench/trace.py", "torch.utils._python_dispatch"):
+        "TorchDispatchMode, the only hook that sees every ATen op a step dispatches",
+    ("bench/trace.py", "aten._local_scalar_dense"):
+        "the op every host read of a device value reaches (item, bool, tolist): a host sync",
+    ("bench/trace.py", "aten._to_copy"):
+        "the op a copy between host and device dispatches: a blocking one is a host sync",
+    ("bench/fake_cuda.py", "torch._ops"):
+        "OpOverload, the type of the op a dispatch mode receives (annotation only)",
+    ("bench/fake_cuda.py", "aten._unsafe_view"):
+        "an op that relabels memory without being marked a view: named to count it as no kernel",
+    ("bench/fake_cuda.py", "aten._reshape_alias"):
+        "the same",
     ("bench/contenders.py", "module._zeropower_via_newtonschulz"):
         "torch.optim.Muon's NS function, swapped for the same iteration in fp32 for the "
         "equal-precision row and restored after each step",

@@ -16,6 +16,11 @@ from typing import Any
 #: that module once, as ``__main__``, rather than beside a copy the package had imported
 _PUBLIC = {
     "KernelCounter": "counter",
+    "fake_cuda_problem": "fake_cuda",
+    "Trace": "trace",
+    "TraceCounter": "trace",
+    "trace_contender": "trace",
+    "trace_step": "trace",
     "Manifest": "manifest",
     "ManifestError": "manifest",
     "ParamSpec": "manifest",
@@ -46,15 +51,20 @@ def __dir__() -> list[str]:
 __all__ = [
     "AllocationTracker",
     "KernelCounter",
+    "Trace",
+    "TraceCounter",
     "Manifest",
     "ManifestError",
     "ParamSpec",
     "Result",
     "Settings",
     "WORKLOADS",
+    "fake_cuda_problem",
     "load_manifest",
     "manifest_from_module",
     "resolve_workload",
     "run_benchmark",
     "speedups",
+    "trace_contender",
+    "trace_step",
 ]

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,12 +17,16 @@ from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
 from ..tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
+from .fake_cuda import fake_cuda_problem
 from .lineup import CONTENDER_LABELS, CONTENDERS
-from .manifest import ManifestError
+from .manifest import Manifest, ManifestError
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
 from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark, selected
 from .workloads import WORKLOADS, resolve_workload
+
+#: ``--json``'s schema for a trace (the timed run's is report.SCHEMA)
+TRACE_SCHEMA = "fastmuon-bench-trace/1"
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -108,6 +113,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated contenders to run (name prefixes, any case, e.g. 'fastmuon,ultralytics'); "
         "unset: all of the optimizer's lineup",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="with --device cuda: trace each contender's step on fake cuda tensors instead of timing it "
+        "(kernels, host syncs, Python calls, NS FLOPs, memory: counts, not times; no GPU needed); "
+        "implied where this torch sees no CUDA device",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic parameters and gradients")
     p.add_argument("--json", metavar="FILE", help=json_help("every figure and the machine facts"))
@@ -206,8 +218,19 @@ def usage_error(args: argparse.Namespace) -> str | None:
         problem = setup_problem(args.optimizer, args.dist_mode, args.nproc)
         if problem:
             return problem
+    if args.trace and args.device != "cuda":
+        return "--trace traces the CUDA step on fake cuda tensors: give --device cuda with it"
     if args.device == "cuda" and not torch.cuda.is_available():
-        return "--device cuda, but this torch sees no CUDA device (run on a GPU machine, or --device cpu)"
+        problem = fake_cuda_problem()
+        if problem:
+            return (
+                "--device cuda, but this torch sees no CUDA device and cannot trace the step on fake "
+                f"cuda tensors instead: {problem} (run on a GPU machine, or --device cpu)"
+            )
+    if tracing(args):
+        problem = trace_usage_error(args)
+        if problem:
+            return problem
     for option in ("json", "markdown", "plot"):
         if option == "json" and args.json == STDOUT:
             continue
@@ -224,6 +247,26 @@ def usage_error(args: argparse.Namespace) -> str | None:
         return "--plot needs matplotlib: pip install 'fastmuon[bench]'"
     if args.plot and plot_format_problem(args.plot):
         return f"--plot {args.plot}: {plot_format_problem(args.plot)}"
+    return None
+
+
+def tracing(args: argparse.Namespace) -> bool:
+    """Whether this run traces on fake cuda tensors rather than timing: ``--trace``, or
+    ``--device cuda`` where torch sees no CUDA device."""
+    return args.device == "cuda" and (args.trace or not torch.cuda.is_available())
+
+
+def trace_usage_error(args: argparse.Namespace) -> str | None:
+    """What a trace cannot do (None: nothing): it counts one eager step, on one rank."""
+    why = "" if args.trace else " (this torch sees no CUDA device, so --device cuda traces the step)"
+    if args.nproc > 1:
+        return f"--nproc {args.nproc} measures ranks on real devices; a trace runs one{why}"
+    if args.step_mode != "eager":
+        return f"--step-mode {args.step_mode}: a trace follows eager steps only{why}"
+    if args.cost_model == "calibrate":
+        return f"--cost-model calibrate measures the device; a trace has none: choose device or cuda{why}"
+    if args.plot:
+        return f"--plot draws measured times; a trace has none (use --json or --markdown){why}"
     return None
 
 
@@ -253,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.nproc > 1:
         return _run_multirank(args)
+    if tracing(args):
+        return _run_trace(args)
     started = time.perf_counter()
     # other processes competing for the CPUs move CPU timings: the report shows how busy it was
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
@@ -276,16 +321,7 @@ def run(args: argparse.Namespace) -> int:
         results, run_facts = run_benchmark(manifest, settings, progress)
     run_facts["wall_seconds"] = round(time.perf_counter() - started, 2)
     run_facts["load_average_before"] = load_before
-    matrices = manifest.matrices()
-    workload = {
-        "model": manifest.model,
-        "source": manifest.source,
-        "params": len(manifest.params),
-        "numel": manifest.numel(),
-        "matrices": len(matrices),
-        "matrices_over_2d": sum(len(p.shape) > 2 for p in matrices),
-        "ns_matrices": manifest.ns_matrices(),
-    }
+    workload = workload_facts(manifest)
     settings_doc = {
         **settings.__dict__,
         "ns_dtype": str(settings.ns_dtype).removeprefix("torch."),
@@ -300,6 +336,79 @@ def run(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(markdown(document, results))
     if args.plot:
         write_plot(args.plot, document)
+    return 0
+
+
+def workload_facts(manifest: Manifest) -> dict[str, Any]:
+    matrices = manifest.matrices()
+    return {
+        "model": manifest.model,
+        "source": manifest.source,
+        "params": len(manifest.params),
+        "numel": manifest.numel(),
+        "matrices": len(matrices),
+        "matrices_over_2d": sum(len(p.shape) > 2 for p in matrices),
+        "ns_matrices": manifest.ns_matrices(),
+    }
+
+
+def _run_trace(args: argparse.Namespace) -> int:
+    """Trace every contender of the lineup on fake cuda tensors (see fastmuon.bench.trace)."""
+    from .contenders import Workbench
+    from .manifest import materialize
+    from .trace import LABEL, factories_for, markdown_table, table_lines, trace_lineup
+
+    info = sys.stderr if args.json == STDOUT else sys.stdout
+    try:
+        manifest = resolve_workload(args.model)
+    except ManifestError as e:
+        print(f"fastmuon bench: {e}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    if args.ns_dtype == "auto":
+        ns_dtype, why = choose_ns_dtype(device)
+        why = "auto: " + why
+    else:
+        ns_dtype, why = NS_DTYPES[args.ns_dtype], "chosen with --ns-dtype"
+    if not torch.cuda.is_available():
+        print("fastmuon bench: this torch sees no CUDA device: tracing the CUDA step instead", file=info)
+    started = time.perf_counter()
+
+    def workbench() -> Workbench:
+        params = materialize(manifest, device, args.seed)
+        return Workbench(
+            manifest, params, device, args.optimizer, ns_dtype, args.policy, args.ns_method, args.cost_model
+        )
+
+    traces = trace_lineup(workbench, factories_for(args.optimizer, _chosen(args.contenders)))
+    settings = {
+        "optimizer": args.optimizer,
+        "device": "cuda (fake tensors)",
+        "ns_dtype": str(ns_dtype).removeprefix("torch."),
+        "ns_dtype_why": why,
+        "policy": args.policy,
+        "ns_method": args.ns_method,
+        "cost_model": args.cost_model,
+        "seed": args.seed,
+        "contenders": _chosen(args.contenders),
+    }
+    machine = machine_facts(torch.device("cpu")) | {"device": "cuda (fake tensors)"}
+    document = {
+        "schema": TRACE_SCHEMA,
+        "label": LABEL,
+        "machine": machine,
+        "workload": workload_facts(manifest),
+        "settings": settings,
+        "run": {"wall_seconds": round(time.perf_counter() - started, 2)},
+        "results": [t.summary() for t in traces],
+    }
+    title = f"fastmuon bench --trace: {manifest.model}, {args.optimizer}, NS in {settings['ns_dtype']}"
+    if args.json != STDOUT:
+        print("\n".join(table_lines(traces, title)))
+    if args.json:
+        write_json(args.json, document)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(traces, title))
     return 0
 
 

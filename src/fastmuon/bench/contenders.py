@@ -181,7 +181,7 @@ class Contender:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state (momentum buffers and the like), each storage counted once."""
-        optimizers = [inner for opt in self.optimizers for inner in _delegates(opt)]
+        optimizers = [inner for opt in self.optimizers for inner in delegates(opt)]
         return _unique_bytes(t for opt in optimizers for s in opt.state.values() for t in _tensors(s))
 
     def workspace_bytes(self) -> int:
@@ -189,10 +189,10 @@ class Contender:
         return _unique_bytes(self.workspaces())
 
 
-def _delegates(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+def delegates(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """The optimizers holding the state: a wrapper's inner ones (``.optimizers``), else itself."""
     inner = getattr(opt, "optimizers", None)
-    return [opt] if not isinstance(inner, list) else [o for i in inner for o in _delegates(i)]
+    return [opt] if not isinstance(inner, list) else [o for i in inner for o in delegates(i)]
 
 
 def _tensors(value: Any):
@@ -206,11 +206,17 @@ def _tensors(value: Any):
             yield from _tensors(v)
 
 
+def storage_id(t: Tensor) -> int:
+    """The identity of ``t``'s storage: shared by its views, distinct between storages alive at
+    once. Not its data pointer: every fake tensor's is 0."""
+    storage = t.untyped_storage()
+    return storage._cdata
+
+
 def _unique_bytes(tensors) -> int:
-    seen: dict[tuple, int] = {}
+    seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
-        seen[(t.device, storage.data_ptr())] = storage.nbytes()
+        seen[storage_id(t)] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 

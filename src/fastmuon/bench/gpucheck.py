@@ -1,7 +1,9 @@
 """The GPU proof in one call (driven by ``scripts/gpu-check.sh``): CUDA tests, then the benchmark.
 
 Parts, each a subprocess under its own ``timeout`` so that one that hangs or runs long costs
-only its own slot: the tests that need CUDA (``pytest -m cuda``), then ``fastmuon bench`` for
+only its own slot: each workload's step traced on fake cuda tensors (``fastmuon bench --trace``,
+no GPU needed: the kernels and host syncs it predicts, printed beside what the GPU then ran),
+the tests that need CUDA (``pytest -m cuda``), then ``fastmuon bench`` for
 yolo26n MuSGD beside Ultralytics' MuSGD and GPT-2 Muon beside torch.optim.Muon (and the other
 Muon peers), each with eager steps and with steps compiled by ``torch.compile(mode=
 "reduce-overhead")``, which captures them in CUDA graphs. Every part's outcome (figures, or why
@@ -46,19 +48,23 @@ class Part:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def plan_parts(device: str, quick: bool, work: Path) -> list[Part]:
-    """The parts in the order they run, with their commands and time slots (a pure function)."""
+def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None = None) -> list[Part]:
+    """The parts in the order they run, with their commands and time slots (a pure function).
+
+    First each workload's step traced on fake cuda tensors (``fastmuon bench --trace``: no GPU
+    needed, so its kernel and host-sync counts are there even if a GPU part fails, to set beside
+    the measured ones); ``trace_problem``: why this torch cannot trace (those parts are skipped).
+    """
     py = sys.executable
-    parts = [
-        Part(
-            "cuda-tests",
-            "the tests that need CUDA (pytest -m cuda)",
-            [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-            60 if quick else 90,
-        )
-    ]
+    parts = []
+    tests = Part(
+        "cuda-tests",
+        "the tests that need CUDA (pytest -m cuda)",
+        [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
+        60 if quick else 80,
+    )
     if not Path("tests").is_dir():
-        parts[0].skip = "no tests/ folder here (run from a fastmuon checkout)"
+        tests.skip = "no tests/ folder here (run from a fastmuon checkout)"
     timing = (
         ["--steps", "1", "--rounds", "1", "--warmup", "1"] if quick else ["--budget", "1", "--rounds", "3"]
     )
@@ -80,7 +86,15 @@ def plan_parts(device: str, quick: bool, work: Path) -> list[Part]:
             "fastmuon,torch.optim.muon,torch.optim.sgd",
         ),
     ]
-    for mode, slot in (("eager", (50, 70)), ("compiled", (105, 105))):
+    for name, what, model, optimizer, lineup in benches:
+        out = work / f"{name}-trace.json"
+        argv = [py, "-m", "fastmuon", "bench", "--device", "cuda", "--trace", "--model", model]
+        argv += ["--optimizer", optimizer, "--contenders", lineup, "--json", str(out), "--quiet"]
+        part = Part(f"{name}-trace", f"{what}, traced on fake cuda tensors", argv, 60 if quick else 25, out)
+        part.skip = trace_problem
+        parts.append(part)
+    parts.append(tests)
+    for mode, slot in (("eager", (50, 70)), ("compiled", (95, 95))):
         for (name, what, model, optimizer, compiled_lineup), timeout_s in zip(benches, slot):
             out = work / f"{name}-{mode}.json"
             argv = [
@@ -162,7 +176,9 @@ def write_document(path: Path, document: dict[str, Any]) -> None:
 
 
 def summary_lines(document: dict[str, Any]) -> list[str]:
-    """A few lines per part: its status, and per contender the median and host time per step."""
+    """A few lines per part: its status, and per contender the median and host time per step,
+    with what the GPU ran (kernels, copies, host waits: torch.profiler) beside what the trace
+    of the same workload predicted."""
     m = document["machine"]
     lines = [f"gpu-check on {m.get('gpu', 'no GPU')} (torch {m['torch']}, device {document['device']})"]
     for name, part in document["parts"].items():
@@ -175,7 +191,14 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
         if part["status"] == "failed" and "bench" not in part:
             tail = [x for x in part.get("output_tail", "").splitlines() if x.strip()]
             lines += [f"    {x}" for x in tail[-3:]]
-        for r in part.get("bench", {}).get("results", []):
+        bench = part.get("bench", {})
+        if "label" in bench:  # a trace
+            lines.append(f"    {bench['label']}")
+            for r in bench.get("results", []):
+                lines.append(f"    {r['name']:<40} " + (r["error"][:90] if r.get("error") else _traced(r)))
+            continue
+        traced = _trace_rows(document, name)
+        for r in bench.get("results", []):
             if r.get("median_ms"):
                 host = "-" if r.get("host_ms") is None else f"{r['host_ms']:.2f}"
                 kernels, calls = r.get("kernels_per_step"), r.get("python_calls")
@@ -184,9 +207,31 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
                     + (f"  {kernels} kernels" if kernels else "")
                     + (f"  {calls} Python calls" if calls else "")
                 )
+                gpu = r.get("extra", {}).get("cuda_activity") or {}
+                if "kernels" in gpu:
+                    lines.append(
+                        f"    {'':<40} GPU ran {gpu['kernels']} kernels, {gpu['memcpy']} copies/sets, "
+                        f"{gpu['syncs']} host waits"
+                    )
+                if r["name"] in traced and not traced[r["name"]].get("error"):
+                    lines.append(f"    {'':<40} traced: {_traced(traced[r['name']])}")
             elif r.get("skipped"):
                 lines.append(f"    {r['name']:<40} skipped: {r['skipped'][:90]}")
     return lines
+
+
+def _traced(r: dict[str, Any]) -> str:
+    return (
+        f"{r['kernels']} kernels ({r['aten_ops']} ATen ops), {r['host_syncs']} host syncs, "
+        f"{r['python_calls']} Python calls"
+    )
+
+
+def _trace_rows(document: dict[str, Any], part_name: str) -> dict[str, dict[str, Any]]:
+    """The traced rows of the workload a bench part measures (``yolo26n-musgd-eager`` ->
+    ``yolo26n-musgd-trace``), by contender name."""
+    trace = document["parts"].get(part_name.rsplit("-", 1)[0] + "-trace", {})
+    return {r["name"]: r for r in trace.get("bench", {}).get("results", [])}
 
 
 QUICK_YOLO, QUICK_GPT2 = "yolo26n-quick.json", "gpt2-quick.json"
@@ -244,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         work_dir = Path(work)
         if args.quick:
             write_quick_manifests(work_dir)
-        for part in plan_parts(args.device, args.quick, work_dir):
+        from .fake_cuda import fake_cuda_problem
+
+        for part in plan_parts(args.device, args.quick, work_dir, fake_cuda_problem()):
             print(f"gpu-check: {part.name} ...", flush=True)
             document["parts"][part.name] = run_part(part, deadline - time.monotonic())
             write_document(out, document)  # what is done is kept, whatever happens next

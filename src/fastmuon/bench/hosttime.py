@@ -32,16 +32,12 @@ HOW = (
 def host_ms(step: Callable[[], None], steps: int = 3) -> float:
     """Median host time of ``steps`` profiled steps, in ms (one extra step first, not counted:
     the profiler's own start-up lands in it)."""
-    prof = profile(activities=[ProfilerActivity.CPU])
-    with _native_stderr_silenced():  # the profiler's back end logs its start and stop there
-        prof.start()
-    try:
+    def steps_in_regions() -> None:
         for _ in range(steps + 1):
             with record_function(REGION):
                 step()
-    finally:
-        with _native_stderr_silenced():
-            prof.stop()
+
+    prof = _profiled(steps_in_regions, [ProfilerActivity.CPU])
     regions = [e for e in prof.events() if e.name == REGION and e.cpu_parent is None]
     per_step = [_outside_ops_us(e) / 1e3 for e in regions[1:]]
     return statistics.median(per_step)
@@ -70,6 +66,20 @@ def python_calls(step: Callable[[], object]) -> int:
     finally:
         sys.setprofile(previous)
     return calls - 1  # the profiler's own removal is reported as a call of setprofile
+
+
+def _profiled(run: Callable[[], object], activities: list[ProfilerActivity]) -> profile:
+    """The profiler after one call of ``run`` under it (its back end logs its start and stop on
+    the native stderr, silenced)."""
+    prof = profile(activities=activities)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
+        run()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
+    return prof
 
 
 @contextlib.contextmanager
@@ -118,18 +128,38 @@ def host_syncs(step: Callable[[], object]) -> dict[str, int]:
     On a CPU nothing waits, but the same calls on a GPU would: a step that makes none here is
     sync-free there too (``Tensor.tolist`` reads memory without dispatching an op; check it apart).
     """
-    with _native_stderr_silenced():
-        prof = profile(activities=[ProfilerActivity.CPU])
-        prof.start()
-    try:
-        step()
-    finally:
-        with _native_stderr_silenced():
-            prof.stop()
     counts: dict[str, int] = {}
-    for event in prof.events():
+    for event in _profiled(step, [ProfilerActivity.CPU]).events():
         if event.name in SYNC_OPS:
             counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+#: CUDA runtime calls that make the host wait for the device
+WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+#: CUDA runtime calls that launch a kernel
+LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
+
+
+def cuda_activity(step: Callable[[], object]) -> dict[str, int]:
+    """What one call of ``step`` made a GPU do, from ``torch.profiler``'s CUDA activity: the
+    measured counterpart of :mod:`.trace`'s figures (see :func:`count_activity`)."""
+    return count_activity(_profiled(step, [ProfilerActivity.CPU, ProfilerActivity.CUDA]).events())
+
+
+def count_activity(events) -> dict[str, int]:
+    """Kernels and memory copies/sets the device ran, kernel launches the host made, and host
+    waits (``cudaStreamSynchronize`` and the like: a blocking copy or ``.item()`` makes one)."""
+    from torch.autograd import DeviceType
+
+    counts = {"kernels": 0, "memcpy": 0, "launches": 0, "syncs": 0}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            counts["memcpy" if e.name.startswith(("Memcpy", "Memset")) else "kernels"] += 1
+        elif e.name in LAUNCHES:
+            counts["launches"] += 1
+        elif e.name in WAITS:
+            counts["syncs"] += 1
     return counts
 
 

@@ -31,7 +31,7 @@ from .contenders import (
     dtype_name,
 )
 from .counter import KernelCounter
-from .hosttime import host_ms, python_calls
+from .hosttime import cuda_activity, host_ms, python_calls
 from .lineup import CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
@@ -234,6 +234,11 @@ def run_benchmark(
         _fill_static_figures(r, c, counter, peak)
         r.host_ms = round(host_ms(c.step, HOST_STEPS), 3)
         r.python_calls = python_calls(c.step)
+        if device.type == "cuda" and settings.step_mode == "eager":
+            try:  # what the GPU ran, beside what fastmuon.bench.trace predicts for it
+                r.extra["cuda_activity"] = cuda_activity(c.step)
+            except Exception as e:  # a profiler without CUDA activity: the run goes on
+                r.extra["cuda_activity"] = {"error": f"{type(e).__name__}: {e}"[:200]}
         active.append((c, steps))
         progress("ready", c.name, 1, 1)
 

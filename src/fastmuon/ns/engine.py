@@ -379,14 +379,17 @@ class Orthogonalizer:
         """The gather buckets' shared packing off the host (None on a CPU, or without gather
         buckets), made on the first call."""
         staged = self._staged
-        if staged is None and self.records and not any(rec.host for rec in self.records):
-            gathers = [
-                rec
-                for rec in self.records
-                if rec.gather is not None and rec.buffer is None and not rec.compiled
-            ]
-            device = sources[self.records[0].indices[0]].device
-            staged = self._staged = _StagedGathers(gathers, device) if gathers else False
+        if staged is None:  # decided once: False where there is nothing to stage
+            staged = False
+            if self.records and not any(rec.host for rec in self.records):
+                gathers = [
+                    rec
+                    for rec in self.records
+                    if rec.gather is not None and rec.buffer is None and not rec.compiled
+                ]
+                device = sources[self.records[0].indices[0]].device
+                staged = _StagedGathers(gathers, device) if gathers else False
+            self._staged = staged
         return staged or None
 
     @staticmethod
@@ -410,6 +413,9 @@ class Orthogonalizer:
         if rec.compiled:
             return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=False)
         host_reads = rec.host_reads and not compiling
+        if batch.dtype != rec.bucket.dtype:  # packed in the sources' dtype (see _pack)
+            scratch = functools.partial(_normalized_into, rec.bucket.dtype, batch.device)
+            return rec.kernel(batch, rec.schedule, eps, scratch, out, host=rec.host, host_reads=host_reads)
         if out is not None:
             return rec.kernel(
                 batch, rec.schedule, eps, _no_scratch, out, host=rec.host, host_reads=host_reads
@@ -577,6 +583,18 @@ class Orthogonalizer:
         inputs = rec.inputs
         if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
             return rec.buffer  # type: ignore[return-value]
+        device = sources[rec.indices[0]].device
+        wide = sources[rec.indices[0]].dtype
+        if rec.gather is None and not (rec.host or rec.compiled or compiling) and wide != rec.bucket.dtype:
+            # off the host a casting stack copies one input at a time (a launch each): the runs
+            # are stacked in the sources' dtype (batched copies) and the NS normalisation, which
+            # writes a new tensor anyway, rounds to the bucket's dtype (see _run)
+            buf = (torch.empty if rec.fresh_input else torch.zeros)(
+                rec.bucket.shape, dtype=wide, device=device
+            )
+            for run in rec.runs:
+                torch.stack([sources[i] for i in run.tensors], out=run.slots(buf))
+            return buf
         buf = rec.buffer
         fresh = rec.fresh_input and rec.gather is None
         if fresh:  # every element is written below: the allocator's cache serves it, nothing is kept
@@ -747,6 +765,15 @@ class _Stage:
     places: list[Tensor]  # each member's place in ``staging``, with its layout's strides
     pick: Gather  # the members out of a call's sources, in staging order
     views: list[tuple[BucketRecord, int, int]]  # per bucket: its members' span in ``staging``
+
+
+def _normalized_into(
+    dtype: torch.dtype, device: torch.device, tag: str, shape: tuple[int, ...]
+) -> Tensor | None:
+    """The kernels' scratch for a batch packed in a wider dtype than its bucket's: the
+    normalised batch (``"X"``) goes to a new tensor of the bucket's dtype, so every later
+    iterate runs in it; every other temporary is fresh."""
+    return torch.empty(shape, dtype=dtype, device=device) if tag == "X" else None
 
 
 def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:

@@ -208,10 +208,8 @@ class MatrixOptimizer(Optimizer):
         prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
         rule's per-parameter reference loop. Then, in groups with ``qk_clip_tau``, QK-clip of
         the attention parts by ``logit_maxima`` (``{layer: per-head maxima}``, checked first; see
-        :mod:`fastmuon.optim.qk_clip`).
-
-        With ``nonfinite="raise"`` on an accelerator, a non-finite gradient of the step before
-        is reported here, first, before anything changes (see :mod:`fastmuon.step.deferred`)."""
+        :mod:`fastmuon.optim.qk_clip`). First, a deferred non-finite verdict of the step before
+        raises (``nonfinite="raise"`` on an accelerator: :mod:`fastmuon.step.deferred`)."""
         self._driver.raise_pending()
         loss = None
         if closure is not None:
@@ -268,16 +266,12 @@ class MatrixOptimizer(Optimizer):
         return muon_share(self.param_groups, self.rule, self._maps_of)
 
     def plan(self) -> Plan:
-        """The batching plan of the last step, its note saying how many parameters and
-        matrices Muon takes and how many take the elementwise update.
-
-        Before the first step: the plan the next step would use for the parameters that have
-        gradients now, built without stepping (no state is created). An empty plan, its note
-        saying why, where nothing is batched: no parameter is orthogonalised (every group has
-        ``use_muon=False``, or none holds a matrix), no matrix has a gradient yet, the step is
-        ``foreach=False`` (the per-parameter loop), or a distributed run has not taken its first
-        step (building a plan there takes every rank).
-        """
+        """The last step's batching plan, its note saying what Muon takes and what the
+        elementwise update takes. Before a step: the plan the next step would use for the
+        parameters with gradients now (no state is created). Empty, its note saying why, where
+        nothing is batched: no matrix is orthogonalised (``use_muon=False`` everywhere, or no
+        matrix), none has a gradient yet, ``foreach=False``, or a distributed run has not
+        stepped yet (its plan takes every rank)."""
         take = self.muon_takes()
         driver = self._driver
         plan = driver.plan(self._step_env())
@@ -314,15 +308,12 @@ class MatrixOptimizer(Optimizer):
 
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, once the last step's deferred non-finite verdict is read (a
-        state dict is no checkpoint to trust before it is: it raises as the next step would)."""
+        """torch's, once a deferred non-finite verdict is read (raising as the next step would)."""
         self._driver.raise_pending()
         return super().state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's ``zero_grad``; first, if the last step's deferred non-finite verdict has
-        reached the host already (never waiting for the device), it raises as the next step
-        would, with the gradients still there to look at."""
+        """torch's; first a deferred non-finite verdict raises if it reached the host (no wait)."""
         self._driver.raise_pending(wait=False)
         super().zero_grad(set_to_none)
 

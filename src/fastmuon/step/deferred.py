@@ -61,20 +61,28 @@ class PendingFlags:
         step: int,
         name: Callable[[int], str],
         finish: Callable[[Tensor], None],
+        raises: bool = True,
     ):
         self.flags = flags
         self.event = event
         self.step = step
         self.name = name
         self.finish = finish
+        self.raises = raises  # False: a "skip" step's, with only the host's restore left
 
     @classmethod
     def start(
-        cls, keep: Tensor, buffer: Tensor, step: int, name: Callable[[int], str], finish: Callable
+        cls,
+        keep: Tensor,
+        buffer: Tensor,
+        step: int,
+        name: Callable[[int], str],
+        finish: Callable,
+        raises: bool = True,
     ) -> PendingFlags:
         """Copy ``keep`` (on its device) into ``buffer`` without waiting, behind an event."""
         buffer.copy_(keep, non_blocking=True)
-        return cls(buffer, recorded_event(keep.device), step, name, finish)
+        return cls(buffer, recorded_event(keep.device), step, name, finish, raises)
 
     def finished(self) -> bool:
         """Whether the flags have reached the host (asks the event; never waits)."""
@@ -95,8 +103,8 @@ class PendingFlags:
         return False
 
     def check(self) -> None:
-        """:meth:`complete`, then raise if a gradient was not finite."""
-        if self.complete():
+        """:meth:`complete`, then raise if a gradient was not finite (and the verdict raises)."""
+        if self.complete() or not self.raises:
             return
         bad = (~self.flags).nonzero().flatten().tolist()
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
