@@ -13,12 +13,16 @@ from torch.utils._pytree import tree_leaves
 
 import fastmuon
 
-# convs (channels_last among them), tall and wide matrices, and enough shape ratios for more lr
-# factors than one fused add_ each takes (the apply then scales in the parameters' dtype)
+# convs (channels_last among them), tall and wide matrices, enough shape ratios for more lr
+# factors than one fused add_ each takes (the apply then scales in the parameters' dtype), and
+# more matrices of one shape than one bucket holds (a variant's class of them spans buckets)
 SHAPES = [
     (32, 16, 3, 3),
     (16, 16, 3, 3),
     (24, 8, 1, 1),
+    (64, 32),
+    (64, 32),
+    (64, 32),
     (64, 32),
     (32, 64),
     (48, 16),
@@ -137,6 +141,12 @@ def test_bucket_by_bucket_steps_are_those_of_one_engine_call(name, method):
         (engine,) = opt.orthogonalizers()
         assert (engine._shared is None) == hooked  # the path taken
         assert len(engine.plan.buckets) > 3
+        spanned = [
+            b
+            for b in engine.plan.buckets
+            if any(engine.layouts[m.index].shape == (64, 32) for m in b.members)
+        ]
+        assert len(spanned) > 1
         state = [t for p in params for t in opt.state[p].values() if torch.is_tensor(t)]
         finals.append([p.detach() for p in params] + state)
     assert len(finals[0]) == len(finals[1])

@@ -309,27 +309,36 @@ class MatrixProgram:
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
         self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] | None = None
         self.owned_inputs = False
-        self.buckets = self._bucket_steps(ordered, scale_class, variant, whole)
+        self.buckets = self._bucket_steps(ordered, scale_class, whole)
 
     def _bucket_steps(
-        self,
-        ordered: list[MatrixItem],
-        scale_class: list[int],
-        variant: Callable[[list[MatrixItem]], Any] | None,
-        whole: Any,
+        self, ordered: list[MatrixItem], scale_class: list[int], whole: Any
     ) -> list[BucketStep] | None:
         """The step bucket by bucket, where the engine runs that way (None: it does not, or a
-        variant's class of stacked matrices spans buckets, whose statistics would then be
-        taken in other batches)."""
+        variant's stage cannot take its classes one at a time)."""
         engine = self.engine
         if engine is None or not getattr(engine, "host_bucketwise", False):
             return None
+        if whole is not None and not hasattr(whole, "run_class"):
+            return None
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
-        if whole is not None:
-            bucket_of = {k: b for b, members in enumerate(buckets) for k in members}
-            classes = getattr(whole, "classes", None)
-            if classes is None or any(len({bucket_of[k] for k in c[0]}) > 1 for c in classes):
-                return None
+        classes = [c[0] for c in whole.classes] if whole is not None else []
+        bucket_of = {k: b for b, members in enumerate(buckets) for k in members}
+        last = [max(bucket_of[k] for k in idx) for idx in classes]
+        spans = [len({bucket_of[k] for k in idx}) > 1 for idx in classes]
+        place = {k: (c, j) for c, idx in enumerate(classes) for j, k in enumerate(idx)}
+        # a variant's classes are applied as each completes (its stage over them, then the rest)
+        self.class_after = [
+            AfterNS.over(
+                [ordered[k] for k in idx],
+                [self.params[k] for k in idx],
+                [self.item_groups[k] for k in idx],
+                [scale_class[k] for k in idx],
+                None,
+            )
+            for idx in classes
+        ]
+        self.class_spans = spans
         part_of = {k: p for p, (ks, _, _) in enumerate(self.part_specs) for k in ks}
         signed = set(self.signed)
         steps = []
@@ -351,8 +360,14 @@ class MatrixProgram:
                     momentum = ema_momentum_
                 grads = Gather([self.grad_positions[k] for k in mine])
                 moms.append((bufs, grads, group, Gather([slot[k] for k in mine]), momentum))
+            feeds: dict[int, tuple[list[int], list[int]]] = {}
+            for n, k in enumerate(ks):
+                if k in place:
+                    c, j = place[k]
+                    feeds.setdefault(c, ([], []))
+                    feeds[c][0].append(n)
+                    feeds[c][1].append(j)
             out_dtype = self.dtypes[ks[0]]
-            items = [ordered[k] for k in ks]
             steps.append(
                 BucketStep(
                     index=b,
@@ -362,12 +377,14 @@ class MatrixProgram:
                     out_dtype=out_dtype,
                     exact_cast=torch.promote_types(ns_dtype, out_dtype) == out_dtype,
                     after=AfterNS.over(
-                        items,
+                        [ordered[k] for k in ks],
                         [self.params[k] for k in ks],
                         [self.item_groups[k] for k in ks],
                         [scale_class[k] for k in ks],
-                        variant(items) if whole is not None else None,  # type: ignore[misc]
+                        None,
                     ),
+                    feeds=[(c, Gather(at), js) for c, (at, js) in sorted(feeds.items())],
+                    completes=[c for c in range(len(classes)) if last[c] == b],
                 )
             )
         return steps
@@ -427,6 +444,7 @@ class MatrixProgram:
         """
         raw = self.variant is not None
         engine, beta, nesterov = self.engine, scalars.beta, scalars.nesterov
+        pending: dict[int, list[Tensor | None]] = {}  # a variant's classes seen in part
         for step in self.buckets:  # type: ignore[union-attr]
             views = engine.open_bucket(step.index)
             for bufs, pick, g, out, momentum in step.momentum:
@@ -434,8 +452,21 @@ class MatrixProgram:
             if step.signed:
                 torch._foreach_sign_(step.signed(views))
             dtype = None if raw and step.exact_cast else step.out_dtype
-            results = engine.run_bucket(step.index, dtype, keep, self.keep_positions)
-            step.after.run(step.order(results), scalars, scales, self.groups, self.one_pass)
+            updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
+            if not raw:
+                step.after.run(updates, scalars, scales, self.groups, self.one_pass)
+                continue
+            for c, pick, places in step.feeds:
+                got = pick(updates)
+                if self.class_spans[c]:  # kept past this bucket: copied, in the parameters' dtype
+                    held = pending.setdefault(c, [None] * len(self.class_after[c].params))
+                    for j, u in zip(places, got):
+                        held[j] = u.to(step.out_dtype, copy=True)
+                else:
+                    pending[c] = got
+            for c in step.completes:
+                results = self.variant.run_class(c, pending.pop(c), scalars)  # type: ignore[union-attr]
+                self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
     def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]]:
         """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
@@ -474,4 +505,8 @@ class BucketStep:
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'
     exact_cast: bool  # widening the NS dtype to the parameters' is exact
-    after: AfterNS  # the stages after NS over the bucket's matrices
+    after: AfterNS  # the stages after NS over the bucket's matrices (without a variant)
+    # with a variant: per class with matrices here, where they sit among the bucket's results
+    # (program order) and in the class; and the classes whose last matrices are here
+    feeds: list[tuple[int, Gather, list[int]]]
+    completes: list[int]

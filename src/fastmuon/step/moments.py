@@ -114,23 +114,29 @@ class MomentStage:
         dtype or a narrower one widened exactly: the statistics run in :func:`stat_dtype` of the
         parameters' dtype either way); returns the updates to apply, in the parameters' dtype."""
         out = list(updates)
-        for idx, shape, param_dtype, g, rms, transposed, moments in self.classes:
-            rows, cols = matrix_shape(shape)
-            n = len(idx)
-            u = torch.stack([updates[k] for k in idx])
-            dtype = stat_dtype(param_dtype, moments[0].dtype)
-            o = u.to(dtype).reshape(n, rows, cols)
-            v = torch.stack(moments).to(dtype)  # per row: (n, rows); elementwise: (n, *shape)
-            v = v if moments[0].ndim == 1 else v.reshape(n, rows, cols)
-            if transposed:  # neurons along the stored columns
-                o = o.transpose(-2, -1)
-            result, v = normalize(o, v, scalars.beta2[g], scalars.moment_eps[g], rms)
-            if transposed:
-                result = result.transpose(-2, -1)
-            torch._foreach_copy_(moments, list(v.reshape(n, *moments[0].shape).unbind(0)))
-            for k, r in zip(idx, result.to(param_dtype).reshape(n, *shape).unbind(0)):
+        for c, (idx, *_) in enumerate(self.classes):
+            for k, r in zip(idx, self.run_class(c, [updates[k] for k in idx], scalars)):
                 out[k] = r
         return out
+
+    def run_class(self, c: int, updates: Sequence[Tensor], scalars: MomentScalars) -> list[Tensor]:
+        """The stage over class ``c``'s updates (its matrices' NS results, in its order), as in
+        :meth:`__call__`: a step that has them at different times stacks them when it has all."""
+        idx, shape, param_dtype, g, rms, transposed, moments = self.classes[c]
+        rows, cols = matrix_shape(shape)
+        n = len(idx)
+        u = torch.stack(list(updates))
+        dtype = stat_dtype(param_dtype, moments[0].dtype)
+        o = u.to(dtype).reshape(n, rows, cols)
+        v = torch.stack(moments).to(dtype)  # per row: (n, rows); elementwise: (n, *shape)
+        v = v if moments[0].ndim == 1 else v.reshape(n, rows, cols)
+        if transposed:  # neurons along the stored columns
+            o = o.transpose(-2, -1)
+        result, v = normalize(o, v, scalars.beta2[g], scalars.moment_eps[g], rms)
+        if transposed:
+            result = result.transpose(-2, -1)
+        torch._foreach_copy_(moments, list(v.reshape(n, *moments[0].shape).unbind(0)))
+        return list(result.to(param_dtype).reshape(n, *shape).unbind(0))
 
 
 def reference_normalize(it: MatrixItem, o: Tensor) -> Tensor:
