@@ -148,6 +148,20 @@ def _slot_view(batch: Tensor, slot: int, layout: TensorLayout, transposed: bool)
     return _region(batch[slot : slot + 1], layout, transposed)[0]
 
 
+def _cast_places(rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: torch.dtype) -> list[Tensor]:
+    """The members' places for their results cast to ``dtype``, back to back with their own
+    strides, in the workspace clear of ``out`` (views made once per place)."""
+    total = rec.offsets[-1] + _numel(rec.layouts[-1].shape)
+    offset, fits = layout.free_after(out, total * dtype.itemsize)
+    if not fits:  # fits from the next call on
+        return _strided_views(torch.empty(total, dtype=dtype, device=out.device), rec)
+    flat = layout.place("cast", dtype, total, offset)
+    cached = layout.cache.get("cast")
+    if cached is None or cached[0] is not flat:  # type: ignore[index]
+        cached = layout.cache["cast"] = (flat, _strided_views(flat, rec, flat.storage_offset()))
+    return cached[1]  # type: ignore[index]
+
+
 def _slot_views(batch: Tensor, rec: BucketRecord) -> list[Tensor]:
     """The bucket's members in a ``(B, R, C)`` batch, in slot order, each as a view in its own shape."""
     return [
@@ -505,25 +519,9 @@ class Orthogonalizer:
             views = _slot_views(out, rec)
         if out_dtype is None or out_dtype == out.dtype:
             return views
-        cast = self._cast_places(rec, layout, out, out_dtype)
+        cast = _cast_places(rec, layout, out, out_dtype)
         torch._foreach_copy_(cast, views)
         return cast
-
-    @staticmethod
-    def _cast_places(
-        rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: torch.dtype
-    ) -> list[Tensor]:
-        """The members' places for their results cast to ``dtype``, back to back with their own
-        strides, in the workspace clear of ``out`` (views made once per place)."""
-        total = rec.offsets[-1] + _numel(rec.layouts[-1].shape)
-        offset, fits = layout.free_after(out, total * dtype.itemsize)
-        if not fits:  # fits from the next call on
-            return _strided_views(torch.empty(total, dtype=dtype, device=out.device), rec)
-        flat = layout.place("cast", dtype, total, offset)
-        cached = layout.cache.get("cast")
-        if cached is None or cached[0] is not flat:  # type: ignore[index]
-            cached = layout.cache["cast"] = (flat, _strided_views(flat, rec, flat.storage_offset()))
-        return cached[1]  # type: ignore[index]
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""

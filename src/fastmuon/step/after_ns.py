@@ -2,8 +2,10 @@
 
 A variant's stage, cautious or plain decay, then scale and apply: ``p ← decay·p − scale·u``.
 Every stage but the variant's is elementwise, so running it over all of a program's matrices
-at once or over one bucket's at a time gives the same values; a variant's statistics are per
-matrix, stacked per class of equal shapes, so it gives them too where no class spans buckets.
+at once, over one bucket's at a time or over one class's gives the same values; a variant's
+statistics are per matrix but stacked per class of equal shapes, so a step that runs bucket by
+bucket runs the variant's stage per class, as one call over all matrices does (see
+``MatrixProgram._run_bucketwise``).
 """
 
 from __future__ import annotations
