@@ -704,7 +704,7 @@ class _StagedGathers:
             for rec, base in zip(recs, bases):
                 stop = start + rec.gather.numel()  # type: ignore[union-attr]
                 rec.gather = None  # its part of the shared index (the compiled path packs by runs)
-                places += _strided_views(staging[start:stop], rec)
+                places += _strided_views(staging, rec, start)
                 members += rec.indices
                 views.append((rec, start, stop))
                 self.outputs[rec] = (s, base)
@@ -749,7 +749,7 @@ class _StagedGathers:
                 dtype = _one_dtype(rec.members(out_dtypes))
                 if dtype not in cast:
                     cast[dtype] = picked if dtype == picked.dtype else picked.to(dtype)
-                for i, view in zip(rec.indices, _strided_views(cast[dtype][start:stop], rec)):
+                for i, view in zip(rec.indices, _strided_views(cast[dtype], rec, start)):
                     results[i] = view
 
 
