@@ -32,6 +32,7 @@ HOW = (
 def host_ms(step: Callable[[], None], steps: int = 3) -> float:
     """Median host time of ``steps`` profiled steps, in ms (one extra step first, not counted:
     the profiler's own start-up lands in it)."""
+
     def steps_in_regions() -> None:
         for _ in range(steps + 1):
             with record_function(REGION):

@@ -745,7 +745,7 @@ class _StagedGathers:
         for st, flat in zip(self.stages, flats):
             picked = flat.index_select(0, st.index)
             cast: dict[torch.dtype, Tensor] = {}
-            for rec, start, stop in st.views:
+            for rec, start, _ in st.views:
                 dtype = _one_dtype(rec.members(out_dtypes))
                 if dtype not in cast:
                     cast[dtype] = picked if dtype == picked.dtype else picked.to(dtype)
