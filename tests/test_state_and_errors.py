@@ -66,19 +66,25 @@ def test_plan_cached_and_invalidated():
     assert opt.plan().num_matrices == 4
 
 
-def test_bucket_buffers_persist_and_padding_stays_zero():
+def test_the_cpu_workspace_persists_and_a_bucket_opens_with_zero_padding():
+    """The CPU step's one workspace is kept from step to step; a bucket opened in it has zeros
+    around each matrix (the padding NS needs) and the matrix in its corner."""
     params = make_params([(8, 30), (16, 40)])
     opt = MuSGD(params, **KW, use_muon=True, policy="min_launches")
     grads = make_grads(params, steps=3)
-    run_optimizer(opt, params, grads[:1])
+    run_optimizer(opt, params, grads[:2])  # the first steps size it
     (engine,) = opt.orthogonalizers()
-    buf = engine.records[0].buffer
-    run_optimizer(opt, params, grads[1:])
-    assert engine.records[0].buffer is buf
+    kept = [t.untyped_storage().data_ptr() for t in engine.workspaces()]
+    run_optimizer(opt, params, grads[2:])
+    assert [t.untyped_storage().data_ptr() for t in engine.workspaces()] == kept
+    (small,) = [k for k, m in enumerate(engine.plan.buckets[0].members) if m.rows == 8]
+    inputs = engine.open_bucket(0)
+    buf = engine.records[0].shared.batch()
     assert buf.shape == (2, 16, 40)
-    (small,) = [m.slot for m in engine.plan.buckets[0].members if m.rows == 8]
-    assert torch.count_nonzero(buf[small, 8:, :]) == 0 and torch.count_nonzero(buf[small, :, 30:]) == 0
-    assert torch.count_nonzero(buf[small, :8, :30]) == 8 * 30
+    slot = engine.plan.buckets[0].members[small].slot
+    inputs[small].copy_(torch.ones(8, 30))
+    assert torch.count_nonzero(buf[slot, 8:, :]) == 0 and torch.count_nonzero(buf[slot, :, 30:]) == 0
+    assert torch.count_nonzero(buf[slot, :8, :30]) == 8 * 30
 
 
 def test_dtypes_bucketed_apart():
