@@ -65,25 +65,33 @@ def reference_muon_step(params, grads, states, group: dict) -> None:
             adamw_reference_step(p, g, state, lr=group["lr"], weight_decay=group["weight_decay"])
 
 
-def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: str) -> None:
-    """One rank of a replicated (DDP-style) MuSGD whose rank 1 alone sees a NaN gradient."""
+def _replicated_musgd(rank: int, world: int, init_file: str, **options):
+    """This rank joined to a gloo world, and a replicated MuSGD over three small parameters."""
     import torch.distributed as dist
 
     import fastmuon
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    params = make_params([(6, 4), (6, 4), (5,)])
+    opt = fastmuon.MuSGD(
+        params,
+        use_muon=True,
+        lr=0.1,
+        momentum=0.9,
+        ns_dtype=torch.float32,
+        process_group=dist.group.WORLD,
+        **options,
+    )
+    return params, opt
+
+
+def nonfinite_worker(rank: int, world: int, init_file: str, mode: str, out_dir: str) -> None:
+    """One rank of a replicated (DDP-style) MuSGD whose rank 1 alone sees a NaN gradient."""
+    import torch.distributed as dist
+
+    params, opt = _replicated_musgd(rank, world, init_file, nonfinite=mode)
     try:
-        params = make_params([(6, 4), (6, 4), (5,)])
-        opt = fastmuon.MuSGD(
-            params,
-            use_muon=True,
-            lr=0.1,
-            momentum=0.9,
-            ns_dtype=torch.float32,
-            process_group=dist.group.WORLD,
-            nonfinite=mode,
-        )
         for step in range(2):
             for p, g in zip(params, random_grads(params, step)):
                 p.grad = g
@@ -108,22 +116,11 @@ def deferred_raise_worker(rank: int, world: int, init_file: str, out_dir: str) -
     whose rank 1 alone sees a NaN gradient at step 1: each step's outcome, and the weights."""
     import torch.distributed as dist
 
-    import fastmuon
     from fastmuon.ns import device as compute
 
     compute.is_host = lambda device: False
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    params, opt = _replicated_musgd(rank, world, init_file)
     try:
-        params = make_params([(6, 4), (6, 4), (5,)])
-        opt = fastmuon.MuSGD(
-            params,
-            use_muon=True,
-            lr=0.1,
-            momentum=0.9,
-            ns_dtype=torch.float32,
-            process_group=dist.group.WORLD,
-        )
         outcomes, weights = [], []
         for step in range(4):
             for p, g in zip(params, random_grads(params, min(step, 2))):
