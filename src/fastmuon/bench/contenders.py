@@ -30,6 +30,7 @@ from ..ns.device import compute_dtype
 from ..ns.newton_schulz import newton_schulz
 from ..ns.planner import COST_MODELS, Plan, counted, ns_flops
 from ..optim.reference import ReferenceMuon, ReferenceMuSGD
+from .fake_cuda import tensors_in
 from .manifest import Manifest
 
 OPTIMIZERS = ("musgd", "muon", "normuon", "adamuon")
@@ -182,7 +183,7 @@ class Contender:
     def state_bytes(self) -> int:
         """Bytes of optimizer state (momentum buffers and the like), each storage counted once."""
         optimizers = [inner for opt in self.optimizers for inner in delegates(opt)]
-        return _unique_bytes(t for opt in optimizers for s in opt.state.values() for t in _tensors(s))
+        return _unique_bytes(t for opt in optimizers for s in opt.state.values() for t in tensors_in(s))
 
     def workspace_bytes(self) -> int:
         """Bytes kept between steps outside the state (e.g. fastmuon's bucket buffers)."""
@@ -193,17 +194,6 @@ def delegates(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
     """The optimizers holding the state: a wrapper's inner ones (``.optimizers``), else itself."""
     inner = getattr(opt, "optimizers", None)
     return [opt] if not isinstance(inner, list) else [o for i in inner for o in delegates(i)]
-
-
-def _tensors(value: Any):
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 def storage_id(t: Tensor) -> int:

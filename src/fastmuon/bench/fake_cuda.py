@@ -29,7 +29,7 @@ the launches an op makes are read off its inputs, following what torch's CUDA ke
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -267,16 +267,16 @@ def launches(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str,
         return foreach_launches(func, args, kwargs)
     if func in _CAT:
         return cat_launches(func, args, kwargs)
-    tensors = [t for t in _flat_tensors((args, kwargs, result))]
-    return (1 if any(_on_gpu(t) for t in tensors) else 0), None
+    return (1 if any(_on_gpu(t) for t in tensors_in((args, kwargs, result))) else 0), None
 
 
-def _flat_tensors(value: Any):
+def tensors_in(value: Any) -> Iterator[Tensor]:
+    """Every tensor in ``value``, through dicts, lists and tuples."""
     if isinstance(value, Tensor):
         yield value
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _flat_tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _flat_tensors(v)
+            yield from tensors_in(v)

@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .contenders import Contender, Unavailable, Workbench, delegates, storage_id
 from .counter import is_kernel
-from .fake_cuda import fake_cuda_problem, is_fused_optimizer_op, launches
+from .fake_cuda import fake_cuda_problem, is_fused_optimizer_op, launches, tensors_in
 
 aten = torch.ops.aten
 
@@ -174,9 +174,7 @@ def _under(file: str, roots: Sequence[str]) -> bool:
 
 def _any_fake(args: Any) -> bool:
     """Whether any tensor in ``args`` (lists and tuples included) is a fake tensor."""
-    if isinstance(args, (list, tuple)):
-        return any(_any_fake(a) for a in args)
-    return _is_fake(args)
+    return any(map(_is_fake, tensors_in(args)))
 
 
 def _is_fake(t: Any) -> bool:
