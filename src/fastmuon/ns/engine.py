@@ -637,10 +637,7 @@ class Orthogonalizer:
         output itself on a CPU where no cast is needed, of kept cast buffers where one is.
         Otherwise they are copies made afresh, by one index copy or one strided copy per run.
         """
-        dtypes = rec.members(out_dtypes)
-        dtype = dtypes[0]
-        if dtypes.count(dtype) != len(dtypes):
-            raise ValueError("tensors packed together must share one output dtype")
+        dtype = _one_dtype(rec.members(out_dtypes))
         if self.result_views and out.dtype == dtype and rec.host:
             # no unpacking copy; views of the kept output are made once (a view costs Python
             # time per matrix), a fresh output's per call
@@ -780,6 +777,7 @@ def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
 
 
 def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The one output dtype of a bucket's members (refused if they differ)."""
     dtype = dtypes[0]
     if dtypes.count(dtype) != len(dtypes):
         raise ValueError("tensors packed together must share one output dtype")
