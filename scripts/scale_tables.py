@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import sys
 
-from fastmuon.bench.scale import DESIGNS, figures, parse_layout, workload
-from fastmuon.bench.scale.designs import summary
-from fastmuon.bench.scale.devices import device
-from fastmuon.bench.scale.figures import Settings
+from fastmuon.scale import DESIGNS, figures, parse_layout, workload
+from fastmuon.scale.designs import summary
+from fastmuon.scale.devices import device
+from fastmuon.scale.figures import Settings
 
 WORLDS = (8, 64, 256, 1024)
 

@@ -438,7 +438,7 @@ def check_trainer_mesh_groups(workdir: str) -> None:
     factory builds from the model, both step the expert-parallel model as one process does."""
     from transformers import Trainer, TrainingArguments
 
-    import fastmuon.transformers as fmt
+    import fastmuon.integrations.transformers as fmt
 
     args = TrainingArguments(
         output_dir=os.path.join(workdir, "trainer"), use_cpu=True, report_to=[], weight_decay=0.1

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastmuon.accuracy import make_inputs, run_accuracy
+from fastmuon.tools.accuracy import make_inputs, run_accuracy
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The core's layers, read from the source: each imports only the layers below it, no module
 imports itself back through others, and no module reads another object's private attributes.
 
-Layers, bottom up: the matrix maps; ``ns/`` (kernels, planner, engine, device facts);
+Layers, bottom up: ``ns/`` (matrix maps, kernels, planner, engine, device facts);
 ``distributed/``; ``step/`` (prepared programs, the elementwise halves, non-finite handling);
 ``rules/`` (one update rule per module); ``optim/`` (the optimizer classes); then what is built on
 them (``groups``, ``ultralytics``, the command line, ``bench/`` and ``train/``).
@@ -14,7 +14,7 @@ import pathlib
 
 from test_public_api_use import PACKAGE, imported_module, module_name, private_uses
 
-LAYERS = {"matrices": 0, "layer_maps": 0, "ns": 1, "distributed": 2, "step": 3, "rules": 4, "optim": 5}
+LAYERS = {"ns": 1, "distributed": 2, "step": 3, "rules": 4, "optim": 5}
 CORE = tuple(LAYERS)
 
 

@@ -17,8 +17,8 @@ from fastmuon.bench import (
     resolve_workload,
 )
 from fastmuon.bench.fake_cuda import fake_cuda_problem
-from fastmuon.cli import main
-from fastmuon.tables import grid_width, stacked
+from fastmuon.tools.cli import main
+from fastmuon.tools.tables import grid_width, stacked
 
 
 # ----- kernel counter ------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from fastmuon.bench.contenders import (
 from fastmuon.bench.manifest import materialize
 from fastmuon.bench.mapped import GPT2Conv1D, gpt2_conv1d_groups, moe_decoder, moe_groups
 from fastmuon.bench.workloads import Generated, manifest_of
-from fastmuon.cli import main
-from fastmuon.matrices import parse
+from fastmuon.ns.matrices import parse
+from fastmuon.tools.cli import main
 
 TINY_MOE = Generated(
     functools.partial(moe_decoder, layers=2, vocab=64, d=32, heads=4, kv_heads=2, experts=3, ffn=16),

@@ -18,7 +18,7 @@ from fastmuon.bench.manifest import Manifest, materialize
 from fastmuon.bench.mapped import moe_decoder, moe_groups
 from fastmuon.bench.qk_clip import OVER, TAU, qk_clip_contender, workload_parts
 from fastmuon.bench.workloads import Generated, _Llama, manifest_of
-from fastmuon.cli import main
+from fastmuon.tools.cli import main
 
 #: llama-1b's layout at test size: 2 layers, 4 query heads, 2 key heads of 8
 TINY_LLAMA = Generated(

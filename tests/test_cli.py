@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import fastmuon.accuracy
+import fastmuon.tools.accuracy
 import fastmuon.train.cli
-from fastmuon.cli import build_parser, main
+from fastmuon.tools.cli import build_parser, main
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
@@ -29,7 +29,7 @@ def no_work(monkeypatch):
         raise AssertionError("the command did the work before refusing its arguments")
 
     monkeypatch.setattr(fastmuon.train.cli, "train_run", refuse)
-    monkeypatch.setattr(fastmuon.accuracy, "run_accuracy", refuse)
+    monkeypatch.setattr(fastmuon.tools.accuracy, "run_accuracy", refuse)
 
 
 @pytest.mark.parametrize(

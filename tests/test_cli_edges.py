@@ -13,7 +13,7 @@ import torch
 
 import fastmuon.bench.cli
 import fastmuon.train.cli
-from fastmuon.cli import main
+from fastmuon.tools.cli import main
 
 
 def refuse_work(*args, **kwargs):
@@ -67,7 +67,7 @@ def test_yolo_without_an_importable_torchvision_says_so_in_one_line(tmp_path):
         "        raise m.PackageNotFoundError(name)\n"
         "    return real(name)\n"
         "m.version = version\n"
-        "from fastmuon.cli import main; sys.exit(main(['yolo', 'version']))"
+        "from fastmuon.tools.cli import main; sys.exit(main(['yolo', 'version']))"
     )
     env = {**os.environ, "YOLO_CONFIG_DIR": str(tmp_path), "YOLO_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=300)
@@ -235,7 +235,7 @@ def test_the_bench_package_still_exports_its_public_names():
 
 
 def test_accuracy_table_shows_every_name_whole_with_its_columns_apart(capsys):
-    from fastmuon.accuracy import VARIANTS, print_table
+    from fastmuon.tools.accuracy import VARIANTS, print_table
 
     results = [
         dict(input=name, variant=v.name, sv_min=0.682, sv_max=1.042, rel_err_vs_fp64=2.68e-06)

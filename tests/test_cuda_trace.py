@@ -277,7 +277,7 @@ def test_matrix_maps(model, cls):
 def test_bench_traces_the_cuda_lineup_and_writes_it_as_json(tmp_path, capsys):
     from fastmuon.bench.gpucheck import QUICK_YOLO, write_quick_manifests
     from fastmuon.bench.trace import LABEL
-    from fastmuon.cli import main
+    from fastmuon.tools.cli import main
 
     write_quick_manifests(tmp_path)
     out = tmp_path / "trace.json"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastmuon.cli import build_parser
 from fastmuon.distributed.replicated import assign_work, sub_plan
 from fastmuon.distributed.sharded import shard_rows
 from fastmuon.ns.planner import MatrixSpec, plan_buckets
+from fastmuon.tools.cli import build_parser
 
 SHAPES = [(64, 64)] * 9 + [(32, 96)] * 5 + [(128, 16), (16, 128), (8, 8), (3, 200), (256, 256)]
 

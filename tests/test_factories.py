@@ -1,10 +1,10 @@
-"""fastmuon.transformers' factories on their own: the call the Trainer makes, without Transformers."""
+"""fastmuon.integrations.transformers' factories on their own: the call the Trainer makes, without Transformers."""
 
 import pytest
 import torch
 
 import fastmuon
-from fastmuon.transformers import MuonFactory, MuSGDFactory, OptimizerFactory, factory_for
+from fastmuon.integrations.transformers import MuonFactory, MuSGDFactory, OptimizerFactory, factory_for
 
 
 def model():

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from fastmuon import Muon, MuSGD, param_groups
-from fastmuon.groups import output_layers
+from fastmuon.groups.build import output_layers
 from fastmuon.ns.planner import counted
 
 

@@ -16,7 +16,7 @@ from reference_impl import muon_reference_pieces
 from torch import nn
 
 from fastmuon import Muon, param_groups
-from fastmuon.matrices import parse
+from fastmuon.ns.matrices import parse
 
 H, I, E = 16, 8, 3  # hidden size, expert width, experts
 TOKENS = 5

@@ -18,7 +18,7 @@ from integration_support import import_offline, require_torchvision
 from torch import nn
 
 from fastmuon import Muon, param_groups
-from fastmuon.groups import output_layers
+from fastmuon.groups.build import output_layers
 
 
 def split(groups):

@@ -44,14 +44,14 @@ from fastmuon.bench.contenders import (
 )
 from fastmuon.bench.manifest import materialize
 from fastmuon.bench.mapped import gpt_oss_like_decoder, gpt_oss_like_groups
-from fastmuon.bench.scale import parse_layout, rank_regions
-from fastmuon.bench.scale.figures import matrices as scale_matrices
-from fastmuon.bench.scale.models import COLWISE, ROWWISE, Workload
-from fastmuon.bench.scale.models import Tensor as ScaleTensor
 from fastmuon.bench.workloads import Generated, manifest_of
 from fastmuon.distributed.parts import Parts, whole_region
 from fastmuon.distributed.sharded import held_pieces
-from fastmuon.matrices import count, parse
+from fastmuon.ns.matrices import count, parse
+from fastmuon.scale import parse_layout, rank_regions
+from fastmuon.scale.figures import matrices as scale_matrices
+from fastmuon.scale.models import COLWISE, ROWWISE, Workload
+from fastmuon.scale.models import Tensor as ScaleTensor
 
 ALL = slice(None)
 F32 = torch.float32

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from reference_impl import muon_reference_pieces, musgd_reference_pieces, ns_reference
 
 from fastmuon import Muon, MuSGD, newton_schulz, orthogonalize
-from fastmuon.matrices import MatrixMap, count, parse
+from fastmuon.ns.matrices import MatrixMap, count, parse
 
 ALL = slice(None)
 

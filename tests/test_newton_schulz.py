@@ -7,9 +7,9 @@ from reference_impl import ns_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmuon import PRESETS, newton_schulz, orthogonalize
-from fastmuon.accuracy import Variant, make_inputs, measure
 from fastmuon.ns.newton_schulz import resolve_coefficients
 from fastmuon.ns.planner import ns_flops
+from fastmuon.tools.accuracy import Variant, make_inputs, measure
 
 
 @pytest.mark.parametrize("shape", [(32, 64), (64, 32), (40, 40), (1, 17), (17, 1)])

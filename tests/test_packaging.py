@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 import fastmuon
-from fastmuon.cli import main
+from fastmuon.tools.cli import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -16,9 +16,9 @@ from fastmuon.distributed.exchange import Routes, _whole, contiguous_layout, exc
 from fastmuon.distributed.parts import Parts, region_numel, whole_region
 from fastmuon.distributed.placement import Links, holding_of, place
 from fastmuon.distributed.sharded import ShardedMatrix, held_pieces
-from fastmuon.matrices import parse
 from fastmuon.ns.build import plan_for
 from fastmuon.ns.engine import NSConfig, spec_of
+from fastmuon.ns.matrices import parse
 from fastmuon.ns.planner import default_cost_model
 
 

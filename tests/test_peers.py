@@ -212,7 +212,7 @@ def test_a_missing_peer_is_a_skipped_row_with_the_reason(monkeypatch):
 def test_the_bench_puts_the_peers_beside_fastmuon(tmp_path, optimizer):
     import json
 
-    from fastmuon.cli import main
+    from fastmuon.tools.cli import main
 
     manifest = tmp_path / "tiny.json"
     manifest.write_text(json.dumps(TINY_MUON))

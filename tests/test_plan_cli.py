@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from fastmuon.bench.scale import matrices, parse_layout, workload
-from fastmuon.cli import main
+from fastmuon.scale import matrices, parse_layout, workload
+from fastmuon.tools.cli import main
 
 FAST = ["--design", "fastmuon", "--classes", "1"]
 
@@ -136,7 +136,7 @@ def test_ep_size_zero_is_refused_as_below_one(capsys):
     ],
 )
 def test_the_expert_dim_is_torchtitans_rule_by_default(spec, world, experts, dim):
-    from fastmuon.bench.scale.layouts import torchtitan_expert_dim
+    from fastmuon.scale.layouts import torchtitan_expert_dim
 
     lay = parse_layout(spec, world, experts)
     assert lay.expert_dim == lay.default_expert_dim == dim
@@ -152,7 +152,7 @@ def test_the_layout_names_an_expert_dim_other_than_the_rules():
 
 
 def test_with_the_rule_every_fsdp_rank_holds_experts():
-    from fastmuon.bench.scale import rank_regions
+    from fastmuon.scale import rank_regions
 
     for model, spec in (("mixtral-8x7b", "fsdp"), ("mixtral-8x7b", "ep:8"), ("deepseek-v3", "fsdp")):
         w = workload(model)
@@ -214,7 +214,7 @@ def test_measure_refuses_after_the_table_what_would_take_too_long(monkeypatch, c
     def must_not_run(*args, **kwargs):
         raise AssertionError("measured although the prediction is over the limit")
 
-    monkeypatch.setattr("fastmuon.bench.scale.measure.measure_busiest", must_not_run)
+    monkeypatch.setattr("fastmuon.scale.measure.measure_busiest", must_not_run)
     out_json = tmp_path / "plan.json"
     argv = [
         "plan",
@@ -241,7 +241,7 @@ def test_measure_refuses_after_the_table_what_would_take_too_long(monkeypatch, c
 
 
 def test_measure_limit_is_an_option(monkeypatch, capsys):
-    monkeypatch.setattr("fastmuon.bench.scale.measure.measure_busiest", None)  # never reached
+    monkeypatch.setattr("fastmuon.scale.measure.measure_busiest", None)  # never reached
     argv = ["plan", "--model", "gpt2", "--world", "64", *MEASURE, "--max-measure-seconds", "0.0001"]
     assert main(argv) == 2
     assert "over --max-measure-seconds 0.0001;" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastmuon import AdaMuon, Muon, MuSGD, NorMuon
 from fastmuon.bench.hosttime import host_syncs
-from fastmuon.qk_clip import head_maxima
+from fastmuon.integrations.logit_max import head_maxima
 
 H, K, D, IN = 4, 2, 3, 10  # query heads, key heads, head dim, model width
 TAU = 1.0

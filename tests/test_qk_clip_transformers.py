@@ -15,7 +15,7 @@ from integration_support import import_offline
 from reference_impl import logit_maxima_reference, mla_qk_clip_reference, qk_clip_reference
 
 import fastmuon
-from fastmuon.qk_clip import LogitMaxRecorder
+from fastmuon.integrations.logit_max import LogitMaxRecorder
 
 VOCAB, SEQ, BATCH = 40, 8, 3
 LLAMA = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48)

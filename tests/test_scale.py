@@ -14,12 +14,12 @@ import torch.distributed as dist
 from scale_worker import EXPERT_ROWS, EXPERTS, STEERS, UNEVEN_ROWS, cases, steer_options
 from test_distributed import launch
 
-from fastmuon.bench.scale import figures, parse_layout, rank_regions, workload
-from fastmuon.bench.scale.figures import Settings, fastmuon_figures, matrices
-from fastmuon.bench.scale.layouts import layout_for
-from fastmuon.bench.scale.models import COLWISE, ROWWISE, Tensor, Workload
-from fastmuon.cli import main
 from fastmuon.distributed.exchange import Routes, exchange_bytes, exchange_caps
+from fastmuon.scale import figures, parse_layout, rank_regions, workload
+from fastmuon.scale.figures import Settings, fastmuon_figures, matrices
+from fastmuon.scale.layouts import layout_for
+from fastmuon.scale.models import COLWISE, ROWWISE, Tensor, Workload
+from fastmuon.tools.cli import main
 
 
 def net(experts: int = 4, rows: int = EXPERT_ROWS) -> Workload:
@@ -107,7 +107,7 @@ def _cpu_model():
 def _routes_bytes(w: Workload, lay, settings: Settings, units) -> tuple[list[tuple[int, int]], list[int]]:
     """Bytes per rank and exchange buffers per rank from the exchange's own ``Routes`` over every
     rank's box of every matrix, for the plan's work units."""
-    from fastmuon.matrices import parse
+    from fastmuon.ns.matrices import parse
 
     shapes, helds = [], []
     for t in w.tensors:
@@ -191,8 +191,8 @@ def test_70b_at_1024_ranks_figures():
     """What docs/scale.md reports: whole-matrix owners stop at one MLP matrix's NS per rank on
     1,024 ranks (560 matrices); owner groups go below it, within 2x the balanced ideal."""
     w = workload("llama3-70b")
-    from fastmuon.bench.scale.balance import busiest_seconds, ideal_seconds
-    from fastmuon.bench.scale.devices import device
+    from fastmuon.scale.balance import busiest_seconds, ideal_seconds
+    from fastmuon.scale.devices import device
 
     h100 = device("h100")
     lay = parse_layout("fsdp", 1024)

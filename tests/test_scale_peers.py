@@ -1,6 +1,6 @@
 """The peers' designs on worlds small enough to check by hand: four matrices of known shapes on
 two or three ranks, every figure worked out in the test from the rule the design's code follows
-(see fastmuon/bench/scale/peers.py and docs/scale.md), and the refusal where a design does not
+(see fastmuon/scale/peers.py and docs/scale.md), and the refusal where a design does not
 take the layout."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from fastmuon.bench.scale import DESIGNS, Workload, figures, parse_layout, workload
-from fastmuon.bench.scale.figures import Settings, fastmuon_figures
-from fastmuon.bench.scale.models import COLWISE, ROWWISE, Tensor
-from fastmuon.bench.scale.peers import PEERS, held
-from fastmuon.cli import main
 from fastmuon.ns.planner import COST_MODELS
+from fastmuon.scale import DESIGNS, Workload, figures, parse_layout, workload
+from fastmuon.scale.figures import Settings, fastmuon_figures
+from fastmuon.scale.models import COLWISE, ROWWISE, Tensor
+from fastmuon.scale.peers import PEERS, held
+from fastmuon.tools.cli import main
 
 STEPS = 5
 CPU = COST_MODELS["cpu"]

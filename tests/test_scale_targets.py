@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastmuon.bench.scale import Figures, Settings, Workload, figures, parse_layout, targets, workload
-from fastmuon.bench.scale.balance import (
+from fastmuon.scale import Figures, Settings, Workload, figures, parse_layout, targets, workload
+from fastmuon.scale.balance import (
     BUFFER_FLOOR_BYTES,
     buffer_bounds,
     buffers_fit,
@@ -19,10 +19,10 @@ from fastmuon.bench.scale.balance import (
     priced,
     tightest_rank,
 )
-from fastmuon.bench.scale.designs import summary
-from fastmuon.bench.scale.devices import GPU_EFFICIENCY, device
-from fastmuon.bench.scale.models import Tensor
-from fastmuon.cli import main
+from fastmuon.scale.designs import summary
+from fastmuon.scale.devices import GPU_EFFICIENCY, device
+from fastmuon.scale.models import Tensor
+from fastmuon.tools.cli import main
 
 GiB = 2**30
 

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("sklearn")
 
 from fastmuon import param_groups  # noqa: E402
-from fastmuon.cli import main  # noqa: E402
+from fastmuon.tools.cli import main  # noqa: E402
 from fastmuon.train.contenders import CONTENDERS, lr_multiplier, parse_optimizers  # noqa: E402
 from fastmuon.train.data import load_char_corpus  # noqa: E402
 from fastmuon.train.loop import train_run  # noqa: E402

@@ -5,7 +5,7 @@ import torch
 from integration_support import import_offline
 
 import fastmuon
-import fastmuon.transformers
+import fastmuon.integrations.transformers
 
 VOCAB, SEQ, STEPS, SAVE_EVERY = 64, 16, 4, 2
 
@@ -141,7 +141,11 @@ def train_with_factory(transformers, output_dir, factory, kwargs, resume_from=No
 def factory_run(transformers, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpt2_factory_run")
     kwargs = {"lr": 0.02, "weight_decay": 0.01}
-    return out, kwargs, train_with_factory(transformers, out, fastmuon.transformers.MuonFactory, kwargs)
+    return (
+        out,
+        kwargs,
+        train_with_factory(transformers, out, fastmuon.integrations.transformers.MuonFactory, kwargs),
+    )
 
 
 def test_muon_factory_builds_fastmuons_groups_from_the_model(transformers, first_run, factory_run):
@@ -161,7 +165,7 @@ def test_muon_factory_builds_fastmuons_groups_from_the_model(transformers, first
 
 def test_factory_run_resumes_with_the_same_updates(transformers, factory_run, tmp_path):
     out, kwargs, trainer = factory_run
-    factory = fastmuon.transformers.MuonFactory
+    factory = fastmuon.integrations.transformers.MuonFactory
     resumed = train_with_factory(
         transformers, tmp_path, factory, kwargs, resume_from=str(out / f"checkpoint-{SAVE_EVERY}")
     )
@@ -177,7 +181,9 @@ def test_factory_run_resumes_with_the_same_updates(transformers, factory_run, tm
 def test_musgd_factory_and_group_keywords(transformers, tmp_path):
     """Group keywords (head=, exclude=, ...) shape the groups; the rest reach the constructor."""
     kwargs = {"lr": 0.02, "momentum": 0.9, "exclude": "*.mlp.c_proj", "ns_dtype": torch.float32}
-    trainer = train_with_factory(transformers, tmp_path, fastmuon.transformers.MuSGDFactory, kwargs)
+    trainer = train_with_factory(
+        transformers, tmp_path, fastmuon.integrations.transformers.MuSGDFactory, kwargs
+    )
     opt = trainer.optimizer.optimizer
     assert isinstance(opt, fastmuon.MuSGD) and opt.param_groups[0]["ns_dtype"] == torch.float32
     assert not any(n.endswith("mlp.c_proj.weight") for n in opt.param_groups[0]["param_names"])

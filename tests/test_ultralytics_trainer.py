@@ -22,7 +22,7 @@ from ultralytics_support import (
 )
 
 import fastmuon
-import fastmuon.ultralytics as integration
+import fastmuon.integrations.ultralytics as integration
 from fastmuon.bench.contenders import Unavailable, load_ultralytics_musgd
 
 
@@ -341,7 +341,7 @@ def test_fastmuon_yolo_command_runs_ultralytics_cli_with_the_integration(yolo, m
     monkeypatch.setattr(sys, "argv", ["fastmuon", "yolo", "train", "model=yolo26n.yaml", "optimizer=MuSGD"])
     monkeypatch.setattr(ultralytics.cfg, "ARGV", sys.argv)  # the list Ultralytics saw at import is sys.argv
     try:
-        from fastmuon.cli import main
+        from fastmuon.tools.cli import main
 
         assert main(sys.argv[1:]) == 0
     finally:

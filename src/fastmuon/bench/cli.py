@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ..cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
 from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
-from ..tables import terminal_width, wrapped
+from ..tools.cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
+from ..tools.tables import terminal_width, wrapped
 from .contenders import OPTIMIZERS
 from .fake_cuda import fake_cuda_problem
 from .lineup import CONTENDER_LABELS, CONTENDERS

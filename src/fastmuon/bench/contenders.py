@@ -25,8 +25,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import AdaMuon, Muon, MuSGD, NorMuon
-from ..matrices import maps_of
 from ..ns.device import compute_dtype
+from ..ns.matrices import maps_of
 from ..ns.newton_schulz import newton_schulz
 from ..ns.planner import COST_MODELS, Plan, counted, ns_flops
 from ..optim.reference import ReferenceMuon, ReferenceMuSGD

@@ -240,7 +240,7 @@ QUICK_YOLO, QUICK_GPT2 = "yolo26n-quick.json", "gpt2-quick.json"
 def write_quick_manifests(work: Path) -> None:
     """Toy-size stand-ins for --quick: yolo26n's first 60 tensors (its groups and hyperparameters),
     and GPT-2's layout with two 128-wide blocks and a 512-token vocabulary."""
-    from ..groups import param_groups
+    from ..groups.build import param_groups
     from .manifest import manifest_from_module
     from .workloads import GPT2, MATRIX_GROUP, OTHER_GROUP, bundled_manifest
 

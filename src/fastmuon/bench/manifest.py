@@ -9,7 +9,7 @@ A manifest is JSON::
 
 It is all a benchmark needs to recreate an optimizer's work on a model (same tensors, same
 groups), and small enough to ship for models whose code we do not want to depend on. A group
-may carry the optimizers' ``"matrices"`` key (see :mod:`fastmuon.matrices`): one map for its
+may carry the optimizers' ``"matrices"`` key (see :mod:`fastmuon.ns.matrices`): one map for its
 parameters, or a list with one per parameter, in the order they appear in ``params``.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..matrices import MatrixMap, MatrixMapSpec, maps_of, parse
-from ..matrices import count as matrix_count
+from ..ns.matrices import MatrixMap, MatrixMapSpec, maps_of, parse
+from ..ns.matrices import count as matrix_count
 
 #: Group keys that hold tensors or names, never hyperparameters.
 _NON_HYPER_KEYS = ("params", "param_names")
@@ -180,7 +180,7 @@ def manifest_from_module(
     model's tensors plus hyperparameters); by default :func:`fastmuon.param_groups`. The model
     may live on the ``meta`` device, so even very large models cost no memory.
     """
-    from ..groups import param_groups as default_groups
+    from ..groups.build import param_groups as default_groups
 
     groups = list(param_groups) if param_groups is not None else default_groups(model)
     names = {id(p): n for n, p in model.named_parameters()}

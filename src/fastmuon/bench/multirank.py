@@ -257,7 +257,7 @@ def _unshared_optimizer(optimizer: str, manifest, device, ns_dtype) -> tuple[Any
 # ----- CLI ------------------------------------------------------------------------------------
 def format_table(r: dict[str, Any], width: int | None = None) -> str:
     """The report, its prose wrapped to ``width`` columns (default: the terminal's)."""
-    from ..tables import terminal_width, wrapped
+    from ..tools.tables import terminal_width, wrapped
 
     width = width or terminal_width()
     lines = wrapped(

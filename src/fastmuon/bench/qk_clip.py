@@ -6,7 +6,7 @@ The queries and keys are named in the group key ``attention`` (one part per para
 :mod:`fastmuon.step.qk_clip`), taken from the manifest's groups where they carry that key (a
 manifest written from ``fastmuon.param_groups(model, attention=True)``), else, for a generated
 workload (:data:`.workloads.GENERATED`), from its attention modules as
-:mod:`fastmuon.attention_parts` recognises Llama-family ones (``q_proj``/``k_proj`` with the
+:mod:`fastmuon.groups.attention_parts` recognises Llama-family ones (``q_proj``/``k_proj`` with the
 head counts in the layer's ``config``: rows per head on dim 0, grouped-query keys).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention_parts import detected_parts
+from ..groups.attention_parts import detected_parts
 from ..step.qk_clip import parse_part
 from .contenders import CLASSES, Contender, Unavailable, Workbench, fastmuon_variant
 from .manifest import Manifest

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..cli import write_json_output
 from ..ns.planner import counted
-from ..tables import grid_width, stacked, terminal_width, wrapped
+from ..tools.cli import write_json_output
+from ..tools.tables import grid_width, stacked, terminal_width, wrapped
 from .contenders import UNUSED_KWARGS, unused_kwargs_line
 from .cpuclass import cpu_facts, describe_cpu
 from .hosttime import HOW
@@ -263,7 +263,7 @@ def print_report(document: dict[str, Any], results: list[Result], console: Any =
 def _stacked_table(
     index: int, caption: str, header: list[str], body: list[list[str]], width: int
 ) -> list[str]:
-    """A table too wide for the terminal, as one block per contender (see fastmuon.tables)."""
+    """A table too wide for the terminal, as one block per contender (see fastmuon.tools.tables)."""
     if index == 1:  # the speedup matrix: each contender against each other one
         caption = "speedup of the median step (each contender against the others)"
         header = ["", *(f"vs {name}" for name in header[1:])]

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..groups import param_groups
+from ..groups.build import param_groups
 from .manifest import Manifest, ManifestError, load_manifest, manifest_from_dict, manifest_from_module
 from .mapped import (
     GPT2Conv1D,

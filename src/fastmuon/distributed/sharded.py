@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..matrices import Box, MatrixMap
+from ..ns.matrices import Box, MatrixMap
 from .parts import Parts, Region
 from .replicated import CommStats
 

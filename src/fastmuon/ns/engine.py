@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..matrices import MatrixMapSpec, maps_of
 from . import device as compute
 from .device import compute_dtype, wider_dtype
 from .gather import Gather
 from .layout import memory_order
+from .matrices import MatrixMapSpec, maps_of
 from .newton_schulz import (
     METHODS,
     Coefficients,
@@ -1026,7 +1026,7 @@ def orthogonalize(
     """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
 
     Each tensor is treated as the matrix ``t.flatten(1)``, or as the matrices its ``matrices``
-    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.matrices`):
+    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.ns.matrices`):
     an expert stack ``(E, out, in)`` with ``"experts"`` is E matrices, each orthogonalised alone,
     all of them batched by the planner like any others. ``method`` picks the NS formulation
     ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where

@@ -15,8 +15,8 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from ..matrices import MatrixMapSpec, parse
 from . import device as compute
+from .matrices import MatrixMapSpec, parse
 
 Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]
@@ -226,7 +226,7 @@ def newton_schulz(
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
 
-    With a ``matrices`` map (see :mod:`fastmuon.matrices`) ``X`` may be any tensor of two or more
+    With a ``matrices`` map (see :mod:`fastmuon.ns.matrices`) ``X`` may be any tensor of two or more
     dims, orthogonalised as the matrices the map makes of it, one call each (for many of them
     :func:`fastmuon.orthogonalize` batches).
 

@@ -20,8 +20,8 @@ from torch.optim.optimizer import ParamsT
 from torch.utils.hooks import RemovableHandle
 
 from ..distributed.dtensor import local_shard as _local
-from ..matrices import MatrixMap, maps_of
 from ..ns import device
+from ..ns.matrices import MatrixMap, maps_of
 from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ..matrices import MatrixMapSpec
+from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import muon as muon_rule
 from ..step.elementwise import ADJUST_LR, RMS_SCALE
@@ -66,7 +66,7 @@ class Muon(MatrixOptimizer):
         ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
         ns_method: "auto", "standard", "gram" or "eigh" (as in :class:`~fastmuon.MuSGD`).
         matrices: how each tensor maps to matrices: "flatten", "experts", "transposed" or a dict
-            (see :mod:`fastmuon.matrices`); per group, or a list with one per parameter.
+            (see :mod:`fastmuon.ns.matrices`); per group, or a list with one per parameter.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         betas: AdamW's ``(β1, β2)``, default (0.9, 0.95).
         adamw_lr: AdamW's learning rate in ``use_muon=False`` groups that do not set their own

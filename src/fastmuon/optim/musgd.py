@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from ..matrices import MatrixMapSpec
+from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import musgd as musgd_rule
 from ..step.elementwise import ADJUST_LR, RMS_SCALE
@@ -67,7 +67,7 @@ class MuSGD(MatrixOptimizer):
             "standard", "gram", "eigh".
         matrices: how each tensor maps to the matrices NS orthogonalises: "flatten" (conv
             kernels, linear weights), "experts", "transposed" or a dict (see
-            :mod:`fastmuon.matrices`); per group, or a list with one per parameter.
+            :mod:`fastmuon.ns.matrices`); per group, or a list with one per parameter.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr_fn: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw",
             "spectral_unclamped", "none" (the name Muon and ``torch.optim.Muon`` use;

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..distributed.dtensor import is_dtensor
-from ..matrices import MatrixMapSpec
+from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import adamuon as adamuon_rule
 from ..rules import normuon as normuon_rule

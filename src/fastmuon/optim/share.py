@@ -19,7 +19,7 @@ class MuonShare(NamedTuple):
     """How an optimizer's parameters split between Muon and the elementwise update."""
 
     parameters: int  # tensors Muon orthogonalises
-    matrices: int  # the matrices they make (a tensor may hold several: see fastmuon.matrices)
+    matrices: int  # the matrices they make (a tensor may hold several: see fastmuon.ns.matrices)
     elements: int
     others: int  # tensors that take the elementwise update alone
     other_elements: int

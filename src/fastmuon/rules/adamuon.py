@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..matrices import MatrixMap
+from ..ns.matrices import MatrixMap
 from ..step.collecting import CollectEnv
 from . import muon as muon_rule
 from .muon import Items, is_matrix

@@ -2,7 +2,7 @@
 
 The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay
 ``p ← (1 − lr·wd)·p``, its learning-rate adjustments), extended to >2D weights and mapped
-matrices (see :mod:`fastmuon.matrices`), with AdamW for the parameters Muon does not take.
+matrices (see :mod:`fastmuon.ns.matrices`), with AdamW for the parameters Muon does not take.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import MatrixMap, maps_key
+from ..ns.matrices import MatrixMap, maps_key
 from ..step.adamw import (
     AdamWClasses,
     AdamWItem,

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import MatrixMap, maps_key
+from ..ns.matrices import MatrixMap, maps_key
 from ..step.collecting import CollectEnv, live_params, ns_config
 from ..step.elementwise import lr_factor
 from ..step.matrix import (

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..matrices import MatrixMap
+from ..ns.matrices import MatrixMap
 from ..step.adamw import AdamWClasses, AdamWProgram, single_tensor_adamw
 from ..step.collecting import CollectEnv
 from ..step.matrix import EngineFor, MatrixItem, MatrixProgram, single_tensor_matrix_update

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..matrices import MatrixMap
 from ..ns.engine import NSConfig
+from ..ns.matrices import MatrixMap
 
 
 class CollectEnv(NamedTuple):

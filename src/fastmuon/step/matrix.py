@@ -16,10 +16,10 @@ from torch import Tensor
 
 from ..distributed.dtensor import local_shard
 from ..distributed.sharded import held_pieces
-from ..matrices import MatrixMap
 from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.gather import Gather
+from ..ns.matrices import MatrixMap
 from ..ns.newton_schulz import newton_schulz
 from .after_ns import AfterNS
 from .elementwise import (
@@ -49,7 +49,7 @@ class MatrixItem:
     group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
     index: int = 0  # its position among the step's parameters with gradients
     factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
-    # for one of several matrices in a tensor (see fastmuon.matrices): how a step's gradient of
+    # for one of several matrices in a tensor (see fastmuon.ns.matrices): how a step's gradient of
     # the tensor splits into its matrices' gradients, and which of them this one is
     split: Callable[[Tensor], list[Tensor]] | None = None
     piece: int = 0

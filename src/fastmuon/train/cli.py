@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from ..cli import (
+from ..tools.cli import (
     STDOUT,
     UsageError,
     check_output_file,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..tables import grid_width, stacked, wrapped
+from ..tools.tables import grid_width, stacked, wrapped
 from .loop import RunResult
 
 #: one colour per contender, the same in every panel

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ...distributed import shard_rows
+from ..distributed import shard_rows
 from .models import COLWISE, ROWWISE, Tensor, Workload
 
 #: A box of a tensor, ``(start, stop)`` per dim (as :mod:`fastmuon.distributed.parts` writes it).

@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .ns.device import cpu_low_precision
-from .ns.newton_schulz import newton_schulz
+from ..ns.device import cpu_low_precision
+from ..ns.newton_schulz import newton_schulz
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...cli import (
+from ..tools.cli import (
     UsageError,
     check_output_file,
     json_help,

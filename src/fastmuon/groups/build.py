@@ -3,8 +3,8 @@
 Each trainable parameter gets a *kind* (Muon matrix, other, or no-decay) and each kind becomes
 one param group. What is a matrix is decided by the module that owns a parameter (a linear or
 conv layer's weight, a recognised fused or expert layer), never by its number of dims. The
-Muon group also says how each of its tensors maps to matrices (see :mod:`fastmuon.matrices`):
-detected for known layers (:mod:`fastmuon.layer_maps`), set by the caller.
+Muon group also says how each of its tensors maps to matrices (see :mod:`fastmuon.ns.matrices`):
+detected for known layers (:mod:`fastmuon.groups.layer_maps`), set by the caller.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Literal, Union
 
 from torch import Tensor, nn
 
+from ..ns.matrices import FLATTEN, MatrixMapSpec, parse
+from ..step.qk_clip import parse_part
 from .attention_parts import detected_parts
 from .layer_maps import detected_maps, matrix_weights, router_weights
-from .matrices import FLATTEN, MatrixMapSpec, parse
-from .step.qk_clip import parse_part
 
 #: Attribute names of a model's output layer (Transformers' ``lm_head``, ``classifier``,
 #: ``score``, ``qa_outputs``; timm's ``head``; torchvision's ``fc``, ``classifier``, ``head``).
@@ -83,7 +83,7 @@ def param_groups(
     - ``use_muon=True``: the weights of linear and conv layers (``nn.Linear`` and its
       subclasses, ``nn.Bilinear``, ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``,
       Transformers' ``Conv1D``), ``nn.MultiheadAttention``'s input projections and the
-      recognised fused and expert layers (:mod:`fastmuon.layer_maps`), orthogonalised;
+      recognised fused and expert layers (:mod:`fastmuon.groups.layer_maps`), orthogonalised;
     - ``use_muon=False``: embedding tables (``nn.Embedding``, ``nn.EmbeddingBag``), the output
       layer ("head"), Mixture-of-Experts routers (see ``routers``), whatever ``exclude`` names,
       and every other parameter of 2 or more dims that no rule recognises as a layer's weight:
@@ -103,7 +103,7 @@ def param_groups(
 
     ``routers``: a router (the ``(experts, hidden)`` weight of a Mixture-of-Experts block that
     scores experts per token, e.g. Mixtral's ``mlp.gate.weight``; see
-    :func:`fastmuon.layer_maps.router_weights`) goes to the non-Muon part by default
+    :func:`fastmuon.groups.layer_maps.router_weights`) goes to the non-Muon part by default
     (``"other"``): each of its rows scores one expert, like a classifier's rows score a class,
     and orthogonalising it would couple them. ``routers="muon"`` orthogonalises routers too.
 
@@ -128,8 +128,8 @@ def param_groups(
     they stay out (and silences the warning).
 
     The Muon group says how each tensor maps to the matrices it orthogonalises (its
-    ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.matrices`), recognised
-    for known layers (:mod:`fastmuon.layer_maps`):
+    ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.ns.matrices`), recognised
+    for known layers (:mod:`fastmuon.groups.layer_maps`):
 
     - Transformers' fused Mixture-of-Experts stacks (Mixtral, Qwen-MoE, DeepSeek, OLMoE,
       GPT-OSS, Llama-4, DBRX, ...): one matrix per expert, ``gate_up_proj``'s gate and up
@@ -152,7 +152,7 @@ def param_groups(
     ``attention=True`` also says which parameters are attention queries and keys, for QK-clip
     (``Muon(..., qk_clip_tau=...)``): every group holding some gets an ``"attention"`` entry, one
     part per parameter (None for the others; see :mod:`fastmuon.step.qk_clip`), recognised for
-    Llama-family and DeepSeek-V3 attention (:mod:`fastmuon.attention_parts`). A dict
+    Llama-family and DeepSeek-V3 attention (:mod:`fastmuon.groups.attention_parts`). A dict
     ``{selector: part}`` names parts besides (or instead of, ``None``) the recognised ones, as
     ``matrices=`` does maps, e.g. ``{"blocks.*.attn.wq": {"part": "query", "heads": 8}}``; a part
     that gives no ``"layer"`` belongs to the module two levels above the parameter

@@ -5,7 +5,7 @@ that owns each parameter.
 expert and a fused projection part by part without the caller describing either. Each rule
 below states the layout it relies on; every one was read from the layer's forward (and is
 tested against it), not guessed from parameter names. Parameters no rule speaks for stay
-"flatten" (see :mod:`fastmuon.matrices`).
+"flatten" (see :mod:`fastmuon.ns.matrices`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .matrices import MatrixMap
+from ..ns.matrices import MatrixMap
 
 #: One rule: the (parameter, map) pairs it knows for one module (its own or its children's).
 Rule = Callable[[nn.Module], Iterator[tuple[Tensor, MatrixMap]]]

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 
-from ...distributed.exchange import contiguous_layout
-from ...distributed.group_ns import group_newton_schulz
-from ...distributed.replicated import owner_plan
-from ...ns.engine import Orthogonalizer
-from ...ns.planner import Plan
+from ..distributed.exchange import contiguous_layout
+from ..distributed.group_ns import group_newton_schulz
+from ..distributed.replicated import owner_plan
+from ..ns.engine import Orthogonalizer
+from ..ns.planner import Plan
 from .figures import Figures, Settings
 
 #: timed runs of each NS call (after one warm-up), their median kept

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...matrices import MatrixMapSpec, parse
-from ..workloads import generated_manifest
+from ..bench.workloads import generated_manifest
+from ..ns.matrices import MatrixMapSpec, parse
 
 #: how a tensor-parallel plan treats a parameter: split its output dim (column-wise), its input
 #: dim (row-wise), or leave it whole (None)

@@ -28,16 +28,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...distributed import assign_work
-from ...distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
-from ...distributed.group_ns import group_reduce_calls, group_reduce_elements
-from ...distributed.placement import Holding, Links, place
-from ...distributed.placement import group_link as gram_link
-from ...distributed.replicated import owner_plan
-from ...matrices import parse
-from ...ns.build import plan_for
-from ...ns.engine import NSConfig, spec_of
-from ...ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
+from ..distributed import assign_work
+from ..distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
+from ..distributed.group_ns import group_reduce_calls, group_reduce_elements
+from ..distributed.placement import Holding, Links, place
+from ..distributed.placement import group_link as gram_link
+from ..distributed.replicated import owner_plan
+from ..ns.build import plan_for
+from ..ns.engine import NSConfig, spec_of
+from ..ns.matrices import parse
+from ..ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
 from .layouts import NODE, Layout, regions
 from .models import Tensor, Workload
 

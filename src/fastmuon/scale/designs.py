@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...ns.planner import CostModel
+from ..ns.planner import CostModel
 from .balance import balance_summary, priced
 from .figures import Figures, Settings, fastmuon_figures
 from .layouts import Layout

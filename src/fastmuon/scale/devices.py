@@ -31,8 +31,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...ns.calibrate import calibrated_cost_model
-from ...ns.planner import COST_MODELS, CostModel
+from ..ns.calibrate import calibrated_cost_model
+from ..ns.planner import COST_MODELS, CostModel
 
 GPU_EFFICIENCY = 0.6  # assumed fraction of dense peak reached by NS's batched matmuls
 

@@ -201,7 +201,7 @@ def usage_problem(args: Any, default_model: str, default_layout: str) -> str | N
 
 def run(args: Any, settings: Settings, dev: Device) -> int:
     """``fastmuon plan --targets``: the table (or ``--json``), progress on standard error."""
-    from ...cli import write_json_output
+    from ..tools.cli import write_json_output
 
     def progress(i: int, n: int, config: tuple[str, str, int]) -> None:
         model, spec, world = config

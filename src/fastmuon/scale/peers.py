@@ -21,9 +21,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ...distributed import shard_rows
-from ...matrices import parse
-from ...ns.planner import CostModel, kernels_per_bucket, ns_flops
+from ..distributed import shard_rows
+from ..ns.matrices import parse
+from ..ns.planner import CostModel, kernels_per_bucket, ns_flops
 from .figures import NS_STEPS, Figures, Settings, matrices
 from .layouts import Layout, regions
 from .models import COLWISE, Tensor, Workload

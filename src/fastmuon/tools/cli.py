@@ -15,13 +15,16 @@ import sys
 #: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
-    "accuracy": ("fastmuon.accuracy", "how well each NS variant orthogonalises (singular-value bands)"),
+    "accuracy": ("fastmuon.tools.accuracy", "how well each NS variant orthogonalises (singular-value bands)"),
     "train": ("fastmuon.train.cli", "each optimizer trained on small models: losses, curves, time"),
     "plan": (
-        "fastmuon.bench.scale.cli",
+        "fastmuon.scale.cli",
         "NS FLOPs, bytes and memory per rank at 8 to 1,024 ranks, per layout, beside the peers",
     ),
-    "yolo": ("fastmuon.ultralytics", "Ultralytics' `yolo` command with fastmuon.MuSGD as its MuSGD"),
+    "yolo": (
+        "fastmuon.integrations.ultralytics",
+        "Ultralytics' `yolo` command with fastmuon.MuSGD as its MuSGD",
+    ),
 }
 
 #: optional packages a subcommand may need -> the extra that installs them
@@ -107,7 +110,7 @@ def require_packages(*names: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = argparse.ArgumentParser(prog="fastmuon", description="Fast Muon-family optimizers.")
     parser.add_argument("--version", action="version", version=f"fastmuon {__version__}")
