@@ -27,8 +27,9 @@ from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout
 from ..ns.planner import Plan
 from .group_ns import group_newton_schulz, group_reduce_elements
 from .inflight import InFlight
+from .owners import WorkUnit, assign_work, owner_plan
 from .parts import Region, region_numel, region_sizes, whole_region
-from .replicated import CommStats, Timer, WorkUnit, assign_work, owner_plan
+from .stats import CommStats, Timer
 
 
 def contiguous_layout(shape: Sequence[int]) -> TensorLayout:

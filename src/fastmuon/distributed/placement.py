@@ -34,7 +34,7 @@ import torch
 
 from ..ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
 from .group_ns import group_form, group_ns_flops, group_reduce_elements
-from .replicated import WorkUnit, candidate_runs
+from .owners import WorkUnit, candidate_runs
 
 
 @dataclass(frozen=True)

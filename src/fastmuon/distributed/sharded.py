@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..ns.matrices import Box, MatrixMap
 from .parts import Parts, Region
-from .replicated import CommStats
+from .stats import CommStats
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
