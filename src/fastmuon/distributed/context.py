@@ -40,8 +40,7 @@ class DistContext:
     inflight: InFlight  # holds every collective's tensors until the next step settles them
     options: Any  # the optimizer's Options: cost model, compile, bucket cap
     optimizer: str  # the optimizer's class name, for errors
-    groups: list[dict[str, Any]]  # its param groups, to name parameters in errors
-    param_name: Callable[[dict[str, Any], int], str]
+    name: Callable[[int], str]  # a parameter's name from its index in the step's flat list
     build_local: Callable[[Sequence[Tensor], Sequence[NSConfig], str], Any]  # an engine of this rank's own
 
 
@@ -159,12 +158,6 @@ def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: tor
     return pickle.loads(bytes(payload.tolist()))
 
 
-def flat_namer(ctx: DistContext) -> Callable[[int], str]:
-    """A parameter's name from its index in the flat list of every group's parameters."""
-    owners = [(g, j) for g in ctx.groups for j in range(len(g["params"]))]
-    return lambda k: ctx.param_name(*owners[k])
-
-
 def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
     """Every rank's keep flags combined (finite only where finite on every rank), one
     all-reduce (held by ``inflight``, see inflight.py)."""
@@ -174,19 +167,19 @@ def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
     return ok > 0.5
 
 
-def begin_step(ctx: DistContext, params: Sequence[Tensor], group: Any) -> dict[Tensor, Tensor]:
+def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict[Tensor, Tensor]:
     """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
 
     A parameter steps on every rank if any rank has a gradient for it (a rank without one
     treats it as zero), so all ranks build the same plan and issue the same collectives.
-    ``ctx.inflight`` keeps the all_reduce's buffer until the next step settles it.
+    ``inflight`` keeps the all_reduce's buffer until the next step settles it.
     """
     if not params:
         return {}
     device = collective_device(local_shard(params[0]).device, group)
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    ctx.inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
-    ctx.inflight.wait()
+    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    inflight.wait()
     zeros = {}
     for p, anywhere in zip(params, has.tolist()):
         if anywhere and p.grad is None:
