@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -95,7 +96,8 @@ def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
 
     Returns the plan and, for each new index, the matrix's index in ``plan``.
     """
-    buckets, indices = [], []
+    buckets: list[Bucket] = []
+    indices: list[int] = []
     for u in units:
         bucket = plan.buckets[u.bucket]
         members = []
@@ -114,11 +116,12 @@ def owner_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
 
     Returns the plan and, for each new index, the matrix's index in ``plan``.
     """
-    alike: dict[tuple, list[WorkUnit]] = {}
+    alike: dict[tuple[Any, ...], list[WorkUnit]] = {}
     for u in units:
         b = plan.buckets[u.bucket]
         alike.setdefault((b.shape[1:], b.dtype, b.device, b.key, b.method, b.preconditioning), []).append(u)
-    buckets, indices = [], []
+    buckets: list[Bucket] = []
+    indices: list[int] = []
     for group in alike.values():
         first = plan.buckets[group[0].bucket]
         _, rows, cols = first.shape

@@ -118,7 +118,13 @@ def _memory_order(t: Tensor, layout: TensorLayout) -> Tensor:
     return t.permute(layout.perm).reshape(-1)
 
 
-def _views(flat: Tensor, members, layouts, out_dtypes, results: list) -> None:
+def _views(
+    flat: Tensor,
+    members: Sequence[int],
+    layouts: Sequence[TensorLayout],
+    out_dtypes: Sequence[torch.dtype],
+    results: list[Tensor | None],
+) -> None:
     """Split a unit's flat buffer back into per-matrix tensors with their layouts' strides."""
     by_dtype: dict[torch.dtype, Tensor] = {}
     offset = 0

@@ -21,7 +21,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -74,7 +74,9 @@ class StepEnv(NamedTuple):
 
 #: Where a step runs: this process alone; ranks that each hold every parameter (DDP); ranks that
 #: hold parts of DTensor parameters (FSDP2 and other meshes).
-SINGLE, REPLICATED, SHARDED = "single", "replicated", "sharded"
+SINGLE: Final = "single"
+REPLICATED: Final = "replicated"
+SHARDED: Final = "sharded"
 Kind = Literal["single", "replicated", "sharded"]
 
 
@@ -179,7 +181,7 @@ class StepDriver:
             raise
         self.steps += 1
         if saved is not None:
-            self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps)  # type: ignore[arg-type]
+            self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
 
     def site(self, env: StepEnv) -> Site:
         """Where this call runs (the last call's :class:`Site` while the parameters and the
@@ -380,7 +382,9 @@ class StepDriver:
         key = (policy, tuple(map(_engine_key, wholes, configs)))
         return self.cache.engine(key, lambda: self._build(env, site, params, configs, wholes, policy))
 
-    @torch.compiler.disable  # type: ignore[misc]  # planning is host-side bookkeeping: nothing for a compiler to trace
+    # planning is host-side bookkeeping: nothing for a compiler to trace (torch types the
+    # decorator loosely: the method keeps its own signature)
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _build(
         self,
         env: StepEnv,
