@@ -4,7 +4,8 @@ and sent back, in rounds within a buffer cap; the
 optimizer hands the layer a context, never itself.
 
 - :mod:`.context`: the :class:`DistContext`, agreeing on a step, building its executor;
-- :mod:`.replicated`: the FLOP-balanced shares and their broadcasts (DDP), and the work units;
+- :mod:`.owners`: who orthogonalises what: the FLOP-balanced work units and each owner's plan;
+- :mod:`.replicated`: NS over DDP-replicated parameters, one broadcast per unit;
 - :mod:`.placement`: where each matrix's NS runs over DTensors, by predicted time;
 - :mod:`.parts`: every rank's box of every parameter, gathered once;
 - :mod:`.sharded`: the matrices a rank takes part in, and which move;
@@ -12,11 +13,13 @@ optimizer hands the layer a context, never itself.
   sends what, when);
 - :mod:`.dtensor`: DTensor facts and local shards;
 - :mod:`.group_ns`: NS of one matrix split by columns over an owner group (Gram all-reduces);
-- :mod:`.inflight`: keeping every collective's tensors alive until it is done.
+- :mod:`.inflight`: keeping every collective's tensors alive until it is done;
+- :mod:`.stats`: what a step cost one rank (:class:`CommStats`) and its clock.
 """
 
 from .dtensor import is_dtensor, local_shard
-from .replicated import CommStats, WorkUnit, assign_work, sub_plan
+from .owners import WorkUnit, assign_work, sub_plan
 from .sharded import shard_rows
+from .stats import CommStats
 
 __all__ = ["CommStats", "WorkUnit", "assign_work", "is_dtensor", "local_shard", "shard_rows", "sub_plan"]

@@ -11,17 +11,18 @@ persist between steps: nothing a collective touched is freed by the process grou
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from ..ns.build import plan_for, resolve_cost_model
 from ..ns.engine import NSConfig, TensorLayout, spec_of
-from ..ns.planner import CostModel, Plan, default_cost_model
+from ..ns.planner import CostModel, MatrixSpec, Plan, default_cost_model
 from .dtensor import local_shard
 from .exchange import ShardedOrthogonalizer, contiguous_layout, exchange_caps
 from .inflight import InFlight, collective_device
@@ -40,8 +41,7 @@ class DistContext:
     inflight: InFlight  # holds every collective's tensors until the next step settles them
     options: Any  # the optimizer's Options: cost model, compile, bucket cap
     optimizer: str  # the optimizer's class name, for errors
-    groups: list[dict[str, Any]]  # its param groups, to name parameters in errors
-    param_name: Callable[[dict[str, Any], int], str]
+    name: Callable[[int], str]  # a parameter's name from its index in the step's flat list
     build_local: Callable[[Sequence[Tensor], Sequence[NSConfig], str], Any]  # an engine of this rank's own
 
 
@@ -52,7 +52,7 @@ def build_distributed(
     wholes: Sequence[Any],
     policy: str,
     group: Any = None,
-):
+) -> ShardedOrthogonalizer | SplitShardedOrthogonalizer | ReplicatedOrthogonalizer:
     """The orthogonalizer for a step's matrices: through the exchange if they are held in
     parts (``wholes`` holds each one's :class:`ShardedMatrix`, its parts over ``group``), else
     replicated over ``ctx.process_group`` (DDP)."""
@@ -75,7 +75,9 @@ def build_distributed(
                 for i in spread
             ]
             plan, cost_model, threads = _plan(ctx, specs, [configs[i] for i in spread], policy, group)
-            configs_by_key = {(params[i].dtype, configs[i]): configs[i] for i in spread}
+            configs_by_key: dict[Hashable, NSConfig] = {
+                (params[i].dtype, configs[i]): configs[i] for i in spread
+            }
             world = dist.get_world_size(group)
             ns_items = [configs[i].dtype.itemsize for i in spread]
             holdings = [holding_of(matrices[i], item) for i, item in zip(spread, ns_items)]
@@ -116,18 +118,24 @@ def build_distributed(
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan, _, _ = _plan(ctx, specs, configs, policy, ctx.process_group)
-    configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+    by_key: dict[Hashable, NSConfig] = {(p.dtype, c): c for p, c in zip(params, configs)}
     return ReplicatedOrthogonalizer(
         plan,
         layouts,
-        configs_by_key,
+        by_key,
         ctx.process_group,
         compile=ctx.options.compile,
         host_reads=not ctx.options.capturable,
     )
 
 
-def _plan(ctx: DistContext, specs, configs, policy, group) -> tuple[Plan, Any, int]:
+def _plan(
+    ctx: DistContext,
+    specs: Sequence[MatrixSpec],
+    configs: Sequence[NSConfig],
+    policy: str,
+    group: ProcessGroup | None,
+) -> tuple[Plan, Any, int]:
     """The plan every rank builds alike, with the cost model and thread count it was made with:
     what varies by rank and steers the planner (a calibrated cost model, the thread count that
     prices eigendecompositions) is rank 0's, sent to all."""
@@ -142,7 +150,9 @@ def _plan(ctx: DistContext, specs, configs, policy, group) -> tuple[Plan, Any, i
     )
 
 
-def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: torch.device) -> Any:
+def _broadcast_object(
+    obj: Any, src: int, group: ProcessGroup | None, inflight: InFlight, device: torch.device
+) -> Any:
     """``obj`` as rank ``src`` (a global rank) has it, on every rank: ``broadcast_object_list``'s
     pickle and two broadcasts, with the buffers held by ``inflight`` (see inflight.py)."""
     device = collective_device(device, group)
@@ -159,12 +169,6 @@ def _broadcast_object(obj: Any, src: int, group, inflight: InFlight, device: tor
     return pickle.loads(bytes(payload.tolist()))
 
 
-def flat_namer(ctx: DistContext) -> Callable[[int], str]:
-    """A parameter's name from its index in the flat list of every group's parameters."""
-    owners = [(g, j) for g in ctx.groups for j in range(len(g["params"]))]
-    return lambda k: ctx.param_name(*owners[k])
-
-
 def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
     """Every rank's keep flags combined (finite only where finite on every rank), one
     all-reduce (held by ``inflight``, see inflight.py)."""
@@ -174,19 +178,19 @@ def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
     return ok > 0.5
 
 
-def begin_step(ctx: DistContext, params: Sequence[Tensor], group: Any) -> dict[Tensor, Tensor]:
+def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict[Tensor, Tensor]:
     """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
 
     A parameter steps on every rank if any rank has a gradient for it (a rank without one
     treats it as zero), so all ranks build the same plan and issue the same collectives.
-    ``ctx.inflight`` keeps the all_reduce's buffer until the next step settles it.
+    ``inflight`` keeps the all_reduce's buffer until the next step settles it.
     """
     if not params:
         return {}
     device = collective_device(local_shard(params[0]).device, group)
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    ctx.inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
-    ctx.inflight.wait()
+    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    inflight.wait()
     zeros = {}
     for p, anywhere in zip(params, has.tolist()):
         if anywhere and p.grad is None:

@@ -7,12 +7,15 @@ import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import Tensor
 
+if TYPE_CHECKING:  # imported only where DTensor support is (see is_dtensor)
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(t: Any) -> bool:
+
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Whether ``t`` is a DTensor, without importing DTensor support when nobody has."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
@@ -53,7 +56,7 @@ def localize(items: Sequence[Any], optimizer: str) -> None:
     ranks (see :mod:`fastmuon.distributed.sharded`).
     """
     for item in items:
-        param = getattr(item, "param", None)
+        param: Any = getattr(item, "param", None)  # a work item's own parameter
         for f in fields(item):
             value = getattr(item, f.name)
             if f.name == "whole" or not is_dtensor(value):

@@ -27,8 +27,17 @@ from ..ns.engine import NSConfig, Orthogonalizer, TensorLayout
 from ..ns.planner import Plan
 from .group_ns import group_newton_schulz, group_reduce_elements
 from .inflight import InFlight
+from .owners import WorkUnit, assign_work, owner_plan
 from .parts import Region, region_numel, region_sizes, whole_region
-from .replicated import CommStats, Timer, WorkUnit, assign_work, owner_plan
+from .stats import CommStats, Timer
+
+#: A rank's gather sizes (to each owner, from each rank) and scatter sizes (to each rank, from
+#: each owner) of one round, in elements (see :meth:`Routes.round_sizes`).
+RoundSizes = tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
+#: An index into a tensor: a slice per dim of a region.
+Index = tuple[slice, ...]
+#: A piece of a result a rank receives: (matrix, region, offset, numel, sizes).
+Back = tuple[int, Region, int, int, tuple[int, ...]]
 
 
 def contiguous_layout(shape: Sequence[int]) -> TensorLayout:
@@ -252,7 +261,7 @@ class Routes:
                 order[self.targets[t].owner].append(t)
         return order
 
-    def round_sizes(self, units: Sequence[int], rank: int):
+    def round_sizes(self, units: Sequence[int], rank: int) -> RoundSizes:
         """``rank``'s gather sizes ``(send to each owner, receive as owner from each rank)`` and
         scatter sizes ``(send as owner to each rank, receive from each owner)``, in elements."""
         order = self.owned(units)
@@ -272,7 +281,7 @@ class Routes:
                         s_recv[o] += region_numel(reg)
         return (g_send, g_recv), (s_send, s_recv)
 
-    def sizes(self, rank: int) -> dict[torch.dtype, list[tuple]]:
+    def sizes(self, rank: int) -> dict[torch.dtype, list[RoundSizes]]:
         """Per NS dtype, ``rank``'s :meth:`round_sizes` for each round."""
         return {d: [self.round_sizes(units, rank) for units in rs] for d, rs in self.rounds.items()}
 
@@ -409,7 +418,9 @@ class ShardedOrthogonalizer:
                 results[i] = sources[i].new_empty(sources[i].shape, dtype=out_dtypes[i])
         return results  # type: ignore[return-value]
 
-    def _round_plan(self, ks: Sequence[int]) -> tuple[list, list[int], list, list]:
+    def _round_plan(
+        self, ks: Sequence[int]
+    ) -> tuple[list[tuple[int, Index]], list[int], list[tuple[int, Index]], list[Back]]:
         """What this rank does in the round of units ``ks``, worked out once: the parts it sends
         (matrix, index into its local part), in the order owners expect them; the targets it
         owns; the pieces of their results it sends back (target's position, index into the
@@ -417,7 +428,7 @@ class ShardedOrthogonalizer:
         me, routes = self.rank, self.routes
         order = routes.owned(ks)
         gather = [
-            (routes.targets[t].matrix, _index(_within(reg, self._mine[routes.targets[t].matrix])))
+            (routes.targets[t].matrix, _index(_within(reg, self._own_part(routes.targets[t].matrix))))
             for o in range(self.world)
             for t in order[o]
             for s, reg in routes.sources[t]
@@ -430,7 +441,8 @@ class ShardedOrthogonalizer:
             for h, reg in routes.pieces[t]
             if h == q
         ]
-        back, offset = [], 0
+        back: list[Back] = []
+        offset = 0
         for o in range(self.world):
             for t in order[o]:
                 for h, reg in routes.pieces[t]:
@@ -440,7 +452,15 @@ class ShardedOrthogonalizer:
                         offset += n
         return gather, order[me], scatter, back
 
-    def _orthogonalise(self, dtype, r, mine: list[int], inputs: list[Tensor]) -> list[Tensor]:
+    def _own_part(self, i: int) -> Region:
+        """This rank's part of matrix ``i``: one whose parts it sends holds one."""
+        region = self._mine[i]
+        assert region is not None, "a rank sends only parts it holds"
+        return region
+
+    def _orthogonalise(
+        self, dtype: torch.dtype, r: int, mine: list[int], inputs: list[Tensor]
+    ) -> list[Tensor]:
         """NS of this rank's targets of round ``r``: single-owner ones through the round's
         engine, owner-group blocks with their groups (in unit order, as every member calls)."""
         routes = self.routes
@@ -482,7 +502,7 @@ class ShardedOrthogonalizer:
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
         """Each owned target whole from the parts every rank sent: a view where one part is the
         whole, one ``cat`` where the parts are row blocks, else copies into the whole."""
-        chunks = list(recv.split(recv_sizes))
+        chunks = list(recv.split_with_sizes(recv_sizes))
         offsets = [0] * self.world
         routes = self.routes
         full: list[Tensor] = []
@@ -505,23 +525,25 @@ def _is_tall(shape: Sequence[int]) -> bool:
     return shape[0] > math.prod(shape[1:])
 
 
-def _round_numel(per_round: list[tuple]) -> int:
+def _round_numel(per_round: list[RoundSizes]) -> int:
     """Elements of the round buffer: the largest round's gather send, gather receive and
     scatter send together."""
     return max(sum(gs) + sum(gr) + sum(ss) for (gs, gr), (ss, _) in per_round)
 
 
-def _results_numel(per_round: list[tuple]) -> int:
+def _results_numel(per_round: list[RoundSizes]) -> int:
     """Elements of every round's results together: this rank's parts of every result."""
     return sum(sum(sr) for _, (_, sr) in per_round)
 
 
-def _my_part(got: list[tuple[Region, Tensor]], region: Region, dtype: torch.dtype) -> Tensor:
+def _my_part(got: list[tuple[Region, Tensor]], region: Region | None, dtype: torch.dtype) -> Tensor:
     """This rank's part of a result from the pieces its targets' owners sent (a view where one
-    piece is all of it), in ``dtype``."""
+    piece is all of it), in ``dtype``; ``region``: this rank's part (it holds one: a result
+    comes back only to a holder)."""
     if len(got) == 1:
         out = got[0][1]
     else:
+        assert region is not None, "a result comes back only to a rank holding part of it"
         out = got[0][1].new_empty(region_sizes(region))
         for reg, piece in got:
             out[tuple(slice(a, b) for a, b in _within(reg, region))] = piece
@@ -576,7 +598,8 @@ def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: i
         return torch.cat([b for _, b in blocks], dim=1)
     out = blocks[0][1].new_empty((count, *shape))
     for region, block in blocks:
-        out[(slice(None), *(slice(a, b) for a, b in region))] = block
+        index = (slice(None), *(slice(a, b) for a, b in region))
+        out[index] = block
     return out
 
 
@@ -588,7 +611,7 @@ def exchange_bytes(routes: Routes, rank: int) -> tuple[int, int]:
     return sent + reduced, received + reduced
 
 
-def moved_bytes(sizes: dict, rank: int) -> tuple[int, int]:
+def moved_bytes(sizes: dict[torch.dtype, list[RoundSizes]], rank: int) -> tuple[int, int]:
     """Bytes sent and received given ``rank``'s :meth:`Routes.sizes` (its own parts excluded)."""
     sent = received = 0
     for dtype, per_round in sizes.items():

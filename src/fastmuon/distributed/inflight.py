@@ -41,7 +41,7 @@ SETTLE_TIMEOUT_S = 5.0
 
 def _refs(t: Tensor) -> int:
     """References to ``t``'s tensor object (C++ ones included; views count too)."""
-    return t._use_count()
+    return t._use_count()  # type: ignore[attr-defined, no-any-return]  # torch's stubs omit it
 
 
 class InFlight:
@@ -72,7 +72,12 @@ class InFlight:
             self._held[key] = (t, _refs(t) - before)
         self._pending.clear()
 
-    def settle(self, timeout: float = SETTLE_TIMEOUT_S, _now=time.monotonic, _sleep=time.sleep) -> None:
+    def settle(
+        self,
+        timeout: float = SETTLE_TIMEOUT_S,
+        _now: Callable[[], float] = time.monotonic,
+        _sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         """Let go of the held collectives: drop the work objects, wait (sleeping, so the GIL is
         free) until no other thread references the tensors, then drop them here.
 
@@ -95,7 +100,7 @@ class InFlight:
     def __del__(self) -> None:
         self.settle()
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[InFlight], tuple[()]]:
         """A copy (``copy``, ``deepcopy``, ``pickle``) holds nothing: collectives belong to the
         process group that ran them."""
         return (InFlight, ())

@@ -109,7 +109,8 @@ def exchange_group(
         return None
     spanning = [m for m in one_d if set(m.mesh.flatten().tolist()) == ranks]
     if spanning:
-        return spanning[0].get_group()
+        group: dist.ProcessGroup = spanning[0].get_group()
+        return group
     raise ValueError(
         f"the parameters' device meshes span ranks {sorted(ranks)} of {dist.get_world_size()}; "
         f"{optimizer} exchanges over every rank or over one 1-D mesh spanning its parameters' "
@@ -151,7 +152,12 @@ class PartsTable:
         self._params, self.checked = params, False
 
     def check_plain(
-        self, params: Sequence[Any], grads: Sequence[Tensor | None], inflight: InFlight, name, optimizer: str
+        self,
+        params: Sequence[Any],
+        grads: Sequence[Tensor | None],
+        inflight: InFlight,
+        name: Callable[[int], str],
+        optimizer: str,
     ) -> None:
         """Refuse a plain tensor whose gradient differs across ranks (see
         :func:`check_replicated`); ``checked`` says it passed, so a step runs it once."""

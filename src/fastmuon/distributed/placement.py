@@ -31,10 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
-from ..ns.planner import CostModel, Plan, kernels_per_bucket, ns_cost
+from ..ns.planner import Bucket, CostModel, Member, Plan, kernels_per_bucket, ns_cost
 from .group_ns import group_form, group_ns_flops, group_reduce_elements
-from .replicated import WorkUnit, candidate_runs
+from .owners import WorkUnit, candidate_runs
+from .parts import Region
+from .sharded import ShardedMatrix
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,9 @@ def group_link(g: int, links: Links) -> float:
     return links.group_bytes_per_s if g <= links.ranks_per_node else links.exchange_bytes_per_s
 
 
-def holding_of(matrix, itemsize: int) -> Holding:
+def holding_of(matrix: ShardedMatrix, itemsize: int) -> Holding:
     """The :class:`Holding` of a :class:`~fastmuon.distributed.sharded.ShardedMatrix`."""
-    parts: dict[tuple, list[int]] = {}
+    parts: dict[Region, list[int]] = {}
     for r, region in enumerate(matrix.held):
         if region is not None:
             parts.setdefault(region, []).append(r)
@@ -124,7 +127,7 @@ def ranks_per_node() -> int | None:
 PIECES_PER_SHARE = 4
 
 
-def _member_seconds(m, g: int, bucket, steps: int, model: CostModel, links: Links) -> float:
+def _member_seconds(m: Member, g: int, bucket: Bucket, steps: int, model: CostModel, links: Links) -> float:
     """What one member of an owner group of ``g`` spends on matrix ``m``: its NS FLOPs at the
     device rate and its Gram all-reduces at the group's link rate."""
     short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
@@ -232,9 +235,9 @@ def place(
         link = links.exchange_bytes_per_s
         after = loads.ns + ns_s + np.maximum(loads.sent + send_b, loads.received + recv_b) / link
         if cand is not None:  # a holder owns it: it sends the result to the other holders only
-            c = np.asarray(cand)
-            fan = _fan_out_bytes(members, holdings)
-            after[c] = loads.ns[c] + ns_s + np.maximum(loads.sent[c] + fan, loads.received[c]) / link
+            at = np.asarray(cand)
+            fan_b = _fan_out_bytes(members, holdings)
+            after[at] = loads.ns[at] + ns_s + np.maximum(loads.sent[at] + fan_b, loads.received[at]) / link
         best = int(np.argmin(after))
         choice: tuple[int, ...] = (best,)
         best_time = float(after[best])
@@ -287,7 +290,9 @@ def place(
     return units
 
 
-def _move_bytes(members, holdings, world: int):
+def _move_bytes(
+    members: Sequence[Member], holdings: Sequence[Holding] | None, world: int
+) -> tuple[NDArray[np.float64], NDArray[np.float64], tuple[int, ...] | None]:
     """Bytes an owner at each rank would receive and send for these matrices (per-rank arrays,
     its own parts excluded), and the ranks holding them all whole (None if any lacks one)."""
     recv = np.zeros(world)
@@ -309,7 +314,7 @@ def _move_bytes(members, holdings, world: int):
     return recv, send, tuple(sorted(cand))
 
 
-def _fan_out_bytes(members, holdings) -> float:
+def _fan_out_bytes(members: Sequence[Member], holdings: Sequence[Holding] | None) -> float:
     """Bytes a holder that owns these matrices sends the other holders of them (replicas)."""
     if holdings is None:
         return 0.0
@@ -321,7 +326,16 @@ def _fan_out_bytes(members, holdings) -> float:
     )
 
 
-def _group_option(m, g, bucket, steps, model, links, loads, holdings):
+def _group_option(
+    m: Member,
+    g: int,
+    bucket: Bucket,
+    steps: int,
+    model: CostModel,
+    links: Links,
+    loads: _Loads,
+    holdings: Sequence[Holding] | None,
+) -> tuple[float, int]:
     """The finish time of the busiest member of the best aligned block of ``g`` ranks, and the
     block's number, for orthogonalising matrix ``m`` as an owner group."""
     ns_s = _member_seconds(m, g, bucket, steps, model, links)
@@ -335,7 +349,20 @@ def _group_option(m, g, bucket, steps, model, links, loads, holdings):
     return float(per_block[block]), block
 
 
-def _charge(loads, choice, ns_s, members, bucket, steps, model, links, holdings, recv_b, send_b, cand):
+def _charge(
+    loads: _Loads,
+    choice: tuple[int, ...],
+    ns_s: float,
+    members: Sequence[Member],
+    bucket: Bucket,
+    steps: int,
+    model: CostModel,
+    links: Links,
+    holdings: Sequence[Holding] | None,
+    recv_b: NDArray[np.float64],
+    send_b: NDArray[np.float64],
+    cand: tuple[int, ...] | None,
+) -> None:
     """Add a placed piece's predicted cost to the ranks it touches."""
     if len(choice) == 1:
         r = choice[0]

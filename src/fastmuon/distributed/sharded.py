@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ..ns.engine import Orthogonalizer
 from ..ns.matrices import Box, MatrixMap
+from .exchange import ShardedOrthogonalizer
 from .parts import Parts, Region
-from .replicated import CommStats
+from .stats import CommStats
 
 
 def shard_rows(rows: int, world: int) -> list[int]:
@@ -46,7 +48,7 @@ class ShardedMatrix:
         return not (len(holders) == 1 and holders[0] == tuple((0, n) for n in self.shape))
 
 
-def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts) -> list[tuple]:
+def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts) -> list[Piece]:
     """The matrices under map ``m`` of the parameter whose local tensors (this rank's part) are
     ``p``, ``grad`` and ``buf`` that this rank takes part in, as
     ``(param, grad, buffer, shape, split, piece, whole)`` with views of those tensors (see
@@ -60,7 +62,7 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
     """
     shape, local, mine = parts.shape, (p, grad, buf), parts.mine
     boxes: list[Box] = []
-    pieces = []
+    pieces: list[tuple[Tensor, Tensor, Tensor, tuple[int, ...], ShardedMatrix]] = []
     for box, factor_shape in zip(m.boxes(shape), m.shapes(shape)):
         ranges, kept = _box_ranges(box, shape)
         held = tuple(_within(ranges, kept, region) for region in parts.regions)
@@ -71,10 +73,25 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
             continue
         local_box = _local_box(ranges, kept, mine)
         boxes.append(local_box)
-        pieces.append((*(t[local_box] for t in local), factor_shape, matrix))
+        pv, gv, bv = (t[local_box] for t in local)
+        pieces.append((pv, gv, bv, factor_shape, matrix))
     split = functools.partial(_cut, tuple(boxes))
     return [(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)]
 
+
+#: One matrix of a parameter as a step's items take it: views of its parameter, gradient and
+#: buffer, its factor shape, how a step's gradient is cut into its pieces, the piece's number, and
+#: the matrix across ranks (the cut and the matrix None where this rank holds it whole: see
+#: :func:`fastmuon.step.matrix.matrix_items`).
+Piece = tuple[
+    Tensor,
+    Tensor,
+    Tensor,
+    tuple[int, ...],
+    Callable[[Tensor], list[Tensor]] | None,
+    int,
+    ShardedMatrix | None,
+]
 
 #: A box's extent in one dim of the whole tensor: ``(start, stop, step)``, as ``range`` takes it.
 Extent = tuple[int, int, int]
@@ -106,7 +123,7 @@ def _meet(extent: Extent, s: int, e: int) -> tuple[int, int]:
     return first, stop
 
 
-def _within(ranges, kept, region: Region | None) -> Region | None:
+def _within(ranges: Sequence[Extent], kept: Sequence[bool], region: Region | None) -> Region | None:
     """The part of the box in ``region`` (a rank's box), in the matrix's own coordinates."""
     if region is None:
         return None
@@ -120,7 +137,7 @@ def _within(ranges, kept, region: Region | None) -> Region | None:
     return tuple(out)
 
 
-def _local_box(ranges, kept, mine: Region | None) -> Box:
+def _local_box(ranges: Sequence[Extent], kept: Sequence[bool], mine: Region | None) -> Box:
     """The index into this rank's local tensor of its part of the box (an empty part where it
     holds none)."""
     if mine is None:
@@ -145,7 +162,14 @@ class SplitShardedOrthogonalizer:
     """Matrices held in parts by where they live: exchanged ones through the exchange, ones
     held whole by this rank alone through a local engine, ones another rank holds not at all."""
 
-    def __init__(self, exchanged, exchanged_index: list[int], local, local_index: list[int], count: int):
+    def __init__(
+        self,
+        exchanged: ShardedOrthogonalizer | None,
+        exchanged_index: list[int],
+        local: Orthogonalizer | None,
+        local_index: list[int],
+        count: int,
+    ):
         self.exchanged, self.local = exchanged, local
         self.exchanged_index, self.local_index = exchanged_index, local_index
         self.count = count

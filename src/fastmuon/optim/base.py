@@ -288,7 +288,7 @@ class MatrixOptimizer(Optimizer):
     def orthogonalizers(self) -> list[Any]:
         """The cached Newton–Schulz executors, least recently used first. Each has ``plan`` and
         ``workspaces()``; in a distributed run also ``stats`` (the last call's
-        :class:`~fastmuon.distributed.replicated.CommStats`) and ``profile`` (set True to time NS
+        :class:`~fastmuon.distributed.stats.CommStats`) and ``profile`` (set True to time NS
         and communication apart, at the cost of a synchronisation)."""
         return list(self._driver.cache.engines.values())
 

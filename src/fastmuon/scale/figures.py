@@ -31,9 +31,9 @@ import torch
 from ..distributed import assign_work
 from ..distributed.exchange import DEFAULT_MIN_EXCHANGE_BYTES, block_region, contiguous_layout, pack_rounds
 from ..distributed.group_ns import group_reduce_calls, group_reduce_elements
+from ..distributed.owners import owner_plan
 from ..distributed.placement import Holding, Links, place
 from ..distributed.placement import group_link as gram_link
-from ..distributed.replicated import owner_plan
 from ..ns.build import plan_for
 from ..ns.engine import NSConfig, spec_of
 from ..ns.matrices import parse

@@ -15,7 +15,7 @@ import torch
 
 from ..distributed.exchange import contiguous_layout
 from ..distributed.group_ns import group_newton_schulz
-from ..distributed.replicated import owner_plan
+from ..distributed.owners import owner_plan
 from ..ns.engine import Orthogonalizer
 from ..ns.planner import Plan
 from .figures import Figures, Settings

@@ -1,6 +1,11 @@
 """Running a step: find or prepare its program, check its gradients, run it; or run the rule's
 per-parameter reference. Everything the driver needs of the optimizer comes in a :class:`StepEnv`.
 
+A step is one sequence of phases: where it runs (a :class:`Site`, worked out once per parameter
+list), its gradients (in a distributed run, agreed on by every rank), its program (the one kept
+for this step's key while it fits, else one prepared now, under a guard that takes back the
+state a refused step made), and the run under the program's non-finite guard.
+
 A program is prepared on the first step and again when the set of parameters with gradients,
 their layouts, the groups or the equality classes of their hyperparameters change; a later step
 reads the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and NS
@@ -15,12 +20,14 @@ import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Final, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
-from ..distributed.context import DistContext, agree_across_ranks, begin_step, build_distributed, flat_namer
+from ..distributed.context import DistContext, agree_across_ranks, begin_step, build_distributed
 from ..distributed.dtensor import LocalShards, is_dtensor, localize
 from ..distributed.dtensor import local_shard as _local
 from ..distributed.inflight import InFlight
@@ -28,6 +35,7 @@ from ..distributed.parts import provisional_parts
 from ..ns.build import build_orthogonalizer
 from ..ns.engine import NSConfig
 from ..ns.gather import Gather
+from ..ns.matrices import MatrixMap
 from ..ns.planner import Plan
 from .cache import StepCache
 from .collecting import CollectEnv
@@ -42,6 +50,12 @@ _is_none = functools.partial(operator.is_, None)
 _is_sparse = operator.attrgetter("is_sparse")
 _grad_of = operator.attrgetter("grad")
 
+Group = dict[str, Any]
+#: A kept or prepared program with this step's live gradients and keep flags (None: nothing to
+#: put back), ready to run.
+Ready = tuple[StepProgram, list[Tensor], "Tensor | None"]
+Agree = Callable[[Tensor], Tensor]
+
 
 class StepEnv(NamedTuple):
     """What the driver reads of the optimizer for one call (never the optimizer itself)."""
@@ -55,7 +69,42 @@ class StepEnv(NamedTuple):
     param_name: Callable[[dict[str, Any], int], str]
     lr_value: Callable[[Any], Any]
     check_grad: Callable[[dict[str, Any], int, Tensor], None]
-    check_maps: Callable[[dict[str, Any], int], list]  # (group, index) -> its checked matrix maps
+    check_maps: Callable[[dict[str, Any], int], list[MatrixMap]]  # (group, index) -> its checked maps
+
+
+#: Where a step runs: this process alone; ranks that each hold every parameter (DDP); ranks that
+#: hold parts of DTensor parameters (FSDP2 and other meshes).
+SINGLE: Final = "single"
+REPLICATED: Final = "replicated"
+SHARDED: Final = "sharded"
+Kind = Literal["single", "replicated", "sharded"]
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a step runs and over what, worked out once per parameter list (and process group):
+    ``params``, every group's parameters in order as the step reads their gradients; ``owners``,
+    each one's ``(group, index in it)``, to name it; ``kind``, one of :data:`SINGLE`,
+    :data:`REPLICATED` (collectives over ``process_group``) and :data:`SHARDED` (over the parts
+    table's group: see :meth:`StepDriver.ranks`)."""
+
+    params: list[Tensor]
+    owners: list[tuple[Group, int]]
+    kind: Kind
+    process_group: ProcessGroup | None
+
+    @classmethod
+    def of(
+        cls, groups: list[Group], params: list[Tensor], sharded: bool, process_group: ProcessGroup | None
+    ) -> Site:
+        kind: Kind = SHARDED if sharded else SINGLE if process_group is None else REPLICATED
+        owners = [(g, j) for g in groups for j in range(len(g["params"]))]
+        return cls(params, owners, kind, process_group)
+
+    def namer(self, param_name: Callable[[Group, int], str]) -> Callable[[int], str]:
+        """A parameter's name from its index in :attr:`params`."""
+        owners = self.owners
+        return lambda k: param_name(*owners[k])
 
 
 def _engine_key(whole: Any, config: NSConfig) -> Hashable:
@@ -73,10 +122,11 @@ class StepDriver:
     def __init__(self, last_plan: Plan | None = None, initialised: bool = False):
         self.cache = StepCache(last_plan)
         self.inflight = InFlight()  # this step's agreement collectives (see inflight.py)
-        self.hooks: OrderedDict[int, Callable] = OrderedDict()
+        self.hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self.initialised = initialised  # distributed steps make every parameter's state first
         self.steps = 0  # steps this driver has run (accepted ones: a refused step counts none)
         self.pending: PendingFlags | None = None  # the last step's deferred "raise" verdict
+        self._site: Site | None = None  # the last step's, while its parameter list holds
 
     def raise_pending(self, wait: bool = True) -> None:
         """Read the last step's deferred non-finite verdict, if any (see
@@ -99,61 +149,95 @@ class StepDriver:
         """Drop an unread verdict (loading a state dict replaces the state it speaks of)."""
         self.pending = None
 
+    # ----- the batched step -----------------------------------------------------------------
     def step(self, env: StepEnv) -> None:
         """One batched update of every parameter with a gradient."""
-        cache = self.cache
         pattern, scalars = env.rule.scalars(env.groups, env.lr_value)
+        flat, _ = self.cache.params(env.groups)
+        site = self._site  # the last step's, checked here as :meth:`site` does (no call per step)
+        if site is None or site.params is not flat or site.process_group is not env.process_group:
+            site = self.site(env)
         compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
-        flat, sharded = cache.params(env.groups)
-        distributed = env.process_group is not None or sharded
-        agree = functools.partial(self._agree, env, sharded) if distributed else None
-        params = grads = program = stale = None
-        if distributed and self.initialised:
-            # the ranks agree on which parameters step with a collective, hit or miss; with the
-            # state made, preparing creates nothing a refusal would have to take back
-            params, grads = self._step_grads(env, flat, sharded)
-        elif not distributed and not compiling:
-            grads = list(map(_grad_of, flat))
-        if grads is not None and not compiling:
-            program = cache.program((tuple(map(_is_none, grads)), pattern))
-        if program is not None:
-            live = program.live(grads)
-            if not program.fits(live) or any(map(_is_sparse, live)):
-                program, stale = None, program
-            else:
-                keep = program.guard.keep(live, program.name_of(env.param_name), agree)
-        if program is None:
-            with self._refusal_leaves_no_state(env):
-                if params is None:
-                    params, grads = self._step_grads(env, flat, sharded)
-                key = (tuple(g is None for g in grads), pattern)
-                engine = stale.matrices.engine if stale is not None and stale.matrices is not None else None
-                program = self._make_program(env, params, grads, pattern, sharded, engine)
-                live = program.live(grads)
-                keep = program.guard.keep(live, program.name_of(env.param_name), agree)
-            if not compiling:
-                cache.remember(key, program)
-        if program.matrices is not None and program.matrices.params:
-            cache.last_plan = program.plan
-        saved = program.guard.snapshot(keep) if keep is not None else None
+        agree = None if site.kind == SINGLE else functools.partial(self._agree, site)
+        # the gradients, then the kept program; a distributed run's first gradients make every
+        # parameter's state, so they are read only where a refusal takes it back (preparing)
+        ready = misfit = grads = None
+        if not compiling and (site.kind == SINGLE or self.initialised):
+            grads = list(map(_grad_of, site.params)) if site.kind == SINGLE else self._gradients(env, site)
+            ready, misfit = self._kept(env, grads, pattern, agree)
+        if ready is None:
+            ready = self._prepare(env, site, grads, pattern, agree, misfit, remember=not compiling)
+        program, live, keep = ready
+        matrices = program.matrices
+        if matrices is not None and matrices.params:
+            self.cache.last_plan = matrices.plan
+        guard = program.guard
+        saved = guard.snapshot(keep) if keep is not None else None
         try:
             program.run(live, scalars, keep, self.hooks)
         except BaseException:
             if saved is not None:
-                program.guard.restore(saved, keep)
+                guard.restore(saved, keep)
             raise
         self.steps += 1
         if saved is not None:
-            self.pending = program.guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
+            self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
 
+    def site(self, env: StepEnv) -> Site:
+        """Where this call runs (the last call's :class:`Site` while the parameters and the
+        process group are the same)."""
+        flat, sharded = self.cache.params(env.groups)
+        site = self._site
+        if site is None or site.params is not flat or site.process_group is not env.process_group:
+            site = self._site = Site.of(env.groups, flat, sharded, env.process_group)
+        return site
+
+    def _kept(
+        self, env: StepEnv, grads: list[Tensor | None], pattern: Hashable, agree: Agree | None
+    ) -> tuple[Ready | None, StepProgram | None]:
+        """The kept program for this step's key, ready, if it fits this step's gradients; else
+        None and the kept program that does not fit (None: none kept)."""
+        program: StepProgram | None = self.cache.programs.get((tuple(map(_is_none, grads)), pattern))
+        if program is None:
+            return None, None
+        live = program.live(grads)
+        if not program.fits(live) or any(map(_is_sparse, live)):
+            return None, program
+        return (program, live, program.guard.keep(live, program.name_of(env.param_name), agree)), None
+
+    def _prepare(
+        self,
+        env: StepEnv,
+        site: Site,
+        grads: list[Tensor | None] | None,
+        pattern: Hashable,
+        agree: Agree | None,
+        misfit: StepProgram | None,
+        remember: bool,
+    ) -> Ready:
+        """A program prepared for this step (``grads``: read already, or None to read them
+        here), kept for the steps after if ``remember``. ``misfit``: the kept program for the
+        same key, whose layouts no longer fit: its matrices are the same, so its engine serves."""
+        with self._refusal_leaves_no_state(env):
+            if grads is None:
+                grads = self._gradients(env, site)
+            engine = misfit.matrices.engine if misfit is not None and misfit.matrices is not None else None
+            program = self._make_program(env, site, grads, pattern, engine)
+            live = program.live(grads)
+            keep = program.guard.keep(live, program.name_of(env.param_name), agree)
+        if remember:
+            self.cache.remember((tuple(map(_is_none, grads)), pattern), program)
+        return program, live, keep
+
+    # ----- the per-parameter reference ------------------------------------------------------
     def reference_step(self, env: StepEnv) -> None:
         """The same update through the rule's per-parameter reference (``foreach=False``)."""
         guard = keep = saved = None
+        site = self.site(env)
         with self._refusal_leaves_no_state(env):
-            flat, sharded = self.cache.params(env.groups)
-            params, grads = self._step_grads(env, flat, sharded)
-            items = self._collect(env, grads)
-            if sharded and any(
+            grads = self._gradients(env, site)
+            items = self._collect(env, site, grads)
+            if site.kind == SHARDED and any(
                 is_dtensor(i.param) or getattr(i, "whole", None) is not None for part in items for i in part
             ):
                 raise ValueError(
@@ -163,13 +247,13 @@ class StepDriver:
             mode = env.options.nonfinite
             if mode != "ignore":
                 live = [k for k, g in enumerate(grads) if g is not None]
-                owners = [(g, j) for g in env.groups for j in range(len(g["params"]))]
-                live_params, live_grads = [params[k] for k in live], [grads[k] for k in live]
+                live_params = [site.params[k] for k in live]
+                live_grads: list[Tensor] = [grads[k] for k in live]  # type: ignore[misc]  # the live ones
                 states = [env.state[p] for p in live_params] if mode == "skip" else ()
                 guard = NonFiniteGuard(mode, live_grads, live_params, states)
-                distributed = env.process_group is not None or sharded
-                agree = functools.partial(self._agree, env, sharded) if distributed else None
-                keep = guard.keep(live_grads, lambda k: env.param_name(*owners[live[k]]), agree)
+                name = site.namer(env.param_name)
+                agree = None if site.kind == SINGLE else functools.partial(self._agree, site)
+                keep = guard.keep(live_grads, lambda k: name(live[k]), agree)
                 saved = guard.snapshot(keep) if keep is not None else None
         try:
             env.rule.reference(items)
@@ -180,8 +264,8 @@ class StepDriver:
 
     def init_state(self, env: StepEnv) -> None:
         """Every parameter's state (zeros), as its first step would make it."""
-        flat, _ = self.cache.params(env.groups)
-        self._collect(env, list(flat))
+        site = self.site(env)
+        self._collect(env, site, list(site.params))
         self.initialised = True
 
     @contextlib.contextmanager
@@ -199,33 +283,38 @@ class StepDriver:
             self.initialised = initialised
             raise
 
-    def _step_grads(
-        self, env: StepEnv, flat: list[Tensor], sharded: bool
-    ) -> tuple[list[Tensor], list[Tensor | None]]:
-        """Every parameter and its gradient this step (zeros where only another rank has one)."""
-        zero_grads = {}
+    def _gradients(self, env: StepEnv, site: Site) -> list[Tensor | None]:
+        """Every parameter's gradient this step; in a distributed run, those of the parameters
+        the ranks agree on (zeros where only another rank has one), after making every
+        parameter's state on the first step (every rank holds all of it: rank-symmetric)."""
+        flat = site.params
+        if site.kind == SINGLE:
+            return list(map(_grad_of, flat))
+        self.inflight.settle()  # the last step's (finished long ago)
         parts = self.cache.parts
-        if env.process_group is not None or sharded:
-            self.inflight.settle()  # the last step's (finished long ago)
-            ctx = self._dist_context(env)
-            if sharded and not parts.fits(flat):  # every rank's part of every parameter, once
-                parts.build(flat, self.inflight, flat_namer(ctx), env.optimizer)
-            if not self.initialised:
-                self.init_state(env)  # every rank holds every parameter's state (rank-symmetric)
-            zero_grads = begin_step(ctx, flat, parts.group if sharded else env.process_group)
+        name = site.namer(env.param_name)
+        if site.kind == SHARDED and not parts.fits(flat):  # every rank's part of every parameter, once
+            parts.build(flat, self.inflight, name, env.optimizer)
+        if not self.initialised:
+            self.init_state(env)
+        zero_grads = begin_step(flat, self.ranks(site), self.inflight)
         grads = [p.grad for p in flat]
         if zero_grads:
             grads = [zero_grads.get(p) if g is None else g for p, g in zip(flat, grads)]
-        if sharded and not parts.checked:  # once per table: not on every step's path
-            parts.check_plain(flat, grads, self.inflight, flat_namer(ctx), env.optimizer)
-        return flat, grads
+        if site.kind == SHARDED and not parts.checked:  # once per table: not on every step's path
+            parts.check_plain(flat, grads, self.inflight, name, env.optimizer)
+        return grads
 
-    def _collect(self, env: StepEnv, grads: Sequence[Tensor | None]) -> Any:
+    def ranks(self, site: Site) -> ProcessGroup | None:
+        """The group a distributed step's collectives go over: DDP's, or the ranks the DTensors'
+        meshes span (known once the parts table is built; None: the default group)."""
+        return self.cache.parts.group if site.kind == SHARDED else site.process_group
+
+    def _collect(self, env: StepEnv, site: Site, grads: Sequence[Tensor | None]) -> Any:
         """This step's work items (the rule's ``Items``), creating missing state."""
         parts = None
-        flat, sharded = self.cache.params(env.groups)
-        if sharded:
-            parts = self.cache.parts if self.cache.parts.fits(flat) else provisional_parts
+        if site.kind == SHARDED:
+            parts = self.cache.parts if self.cache.parts.fits(site.params) else provisional_parts
         collecting = CollectEnv(
             env.state,
             env.lr_value,
@@ -240,28 +329,28 @@ class StepDriver:
     def _make_program(
         self,
         env: StepEnv,
-        params: list[Tensor],
+        site: Site,
         grads: list[Tensor | None],
-        pattern: Any,
-        sharded: bool,
+        pattern: Hashable,
         engine: Any = None,
     ) -> StepProgram:
-        """The program for this step's ``params`` and ``grads`` (zeros where only another rank
-        has one). ``engine``: the orthogonalizer of a program for the same key that no longer
-        fits this step's layouts (its matrices are the same); reusing it leaves the engine cache
+        """The program for this step's ``grads`` (zeros where only another rank has one).
+        ``engine``: the orthogonalizer of a program for the same key that no longer fits this
+        step's layouts (its matrices are the same); reusing it leaves the engine cache
         untouched, which in a distributed run must change alike on every rank (building an
         engine takes a collective), while a misfit is one rank's own."""
-        items = self._collect(env, grads)
-        if sharded:
+        items = self._collect(env, site, grads)
+        if site.kind == SHARDED:
             for part in items:
                 localize(part, env.optimizer)
+        engine_for: Callable[[Sequence[Tensor], Sequence[NSConfig], Sequence[Any]], Any]
         if engine is None:
-            engine_for = functools.partial(self._engine, env)
+            engine_for = functools.partial(self._engine, env, site)
         else:
             engine_for = lambda _params, _configs, _wholes: engine  # noqa: E731
+        params = site.params
         positions = [k for k, g in enumerate(grads) if g is not None]
-        owners = [(g, j) for g in env.groups for j in range(len(g["params"]))]
-        live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]
+        live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]  # the live ones
         masking = env.options.nonfinite != "ignore"  # "skip", and "raise" deferred on an accelerator
         local = [_local(params[k]) for k in positions] if masking else ()
         states = (
@@ -271,34 +360,57 @@ class StepDriver:
             env.rule.build(items, pattern, engine_for, env.options),
             Gather(positions),
             NonFiniteGuard(env.options.nonfinite, live_grads, local, states, defer=True),
-            [owners[k] for k in positions],
-            shards=LocalShards([params[k] for k in positions]) if sharded else None,
+            [site.owners[k] for k in positions],
+            shards=LocalShards([params[k] for k in positions]) if site.kind == SHARDED else None,
         )
 
-    def _agree(self, env: StepEnv, sharded: bool, keep: Tensor) -> Tensor:
+    def _agree(self, site: Site, keep: Tensor) -> Tensor:
         """Every rank's verdict on its gradients combined: a NaN may sit in one rank's shard only."""
-        group = self.cache.parts.group if sharded else env.process_group
-        return agree_across_ranks(keep, group, self.inflight)
+        return agree_across_ranks(keep, self.ranks(site), self.inflight)
 
     # ----- the executors ------------------------------------------------------------------
     def _engine(
-        self, env: StepEnv, params: Sequence[Tensor], configs: Sequence[NSConfig], wholes: Sequence[Any]
-    ):
+        self,
+        env: StepEnv,
+        site: Site,
+        params: Sequence[Tensor],
+        configs: Sequence[NSConfig],
+        wholes: Sequence[Any],
+    ) -> Any:
         """The cached engine for these matrices in this order (built on first sight)."""
         policy = env.options.policy
         key = (policy, tuple(map(_engine_key, wholes, configs)))
-        return self.cache.engine(key, lambda: self._build(env, params, configs, wholes, policy))
+        return self.cache.engine(key, lambda: self._build(env, site, params, configs, wholes, policy))
 
-    @torch.compiler.disable  # planning is host-side bookkeeping: nothing for a compiler to trace
-    def _build(self, env: StepEnv, params, configs, wholes, policy) -> Any:
-        if env.process_group is not None or any(w is not p for w, p in zip(wholes, params)):
-            return build_distributed(
-                self._dist_context(env), params, configs, wholes, policy, self.cache.parts.group
+    # planning is host-side bookkeeping: nothing for a compiler to trace (torch types the
+    # decorator loosely: the method keeps its own signature)
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _build(
+        self,
+        env: StepEnv,
+        site: Site,
+        params: Sequence[Tensor],
+        configs: Sequence[NSConfig],
+        wholes: Sequence[Any],
+        policy: str,
+    ) -> Any:
+        """The engine for these matrices: across ranks under DDP or where any is held in parts,
+        else this process's own."""
+        if site.process_group is not None or any(map(operator.is_not, wholes, params)):
+            build_local = functools.partial(self._build_local, env.options)
+            ctx = DistContext(
+                site.process_group,
+                self.inflight,
+                env.options,
+                env.optimizer,
+                site.namer(env.param_name),
+                build_local,
             )
+            return build_distributed(ctx, params, configs, wholes, policy, self.cache.parts.group)
         return self._build_local(env.options, params, configs, policy)
 
     @staticmethod
-    def _build_local(options: Any, params, configs, policy) -> Any:
+    def _build_local(options: Any, params: Sequence[Tensor], configs: Sequence[NSConfig], policy: str) -> Any:
         return build_orthogonalizer(
             params,
             configs,
@@ -309,33 +421,25 @@ class StepDriver:
             host_reads=not options.capturable,
         )
 
-    def _dist_context(self, env: StepEnv) -> DistContext:
-        return DistContext(
-            env.process_group,
-            self.inflight,
-            env.options,
-            env.optimizer,
-            env.groups,
-            env.param_name,
-            functools.partial(self._build_local, env.options),
-        )
-
     def plan(self, env: StepEnv) -> Plan | None:
         """The plan of the last step or, before one, the plan the next step would use for the
         parameters that have gradients now, built without stepping (no state is created).
         None where nothing is batched yet (see ``MatrixOptimizer.plan``)."""
         if self.cache.last_plan is not None or env.options.foreach is False:
             return self.cache.last_plan
-        flat, sharded = self.cache.params(env.groups)
-        if env.process_group is not None or sharded:
+        site = self.site(env)
+        if site.kind != SINGLE:
             return None
         mark = mark_state(env.state)
         try:
-            matrices = self._collect(env, [p.grad for p in flat]).matrices
+            matrices = self._collect(env, site, list(map(_grad_of, site.params))).matrices
         finally:
             drop_state_after(env.state, mark)
         ordered = [item for part in batch_order(matrices) for item in part]
         if not ordered:
             return None
         params = [i.param for i in ordered]
-        return self._build(env, params, [i.config for i in ordered], params, env.options.policy).plan
+        plan: Plan = self._build(
+            env, site, params, [i.config for i in ordered], params, env.options.policy
+        ).plan
+        return plan
