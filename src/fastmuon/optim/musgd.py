@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -12,6 +12,7 @@ from torch.optim.optimizer import ParamsT
 from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import musgd as musgd_rule
+from ..step.contracts import Rule
 from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
@@ -128,7 +129,7 @@ class MuSGD(MatrixOptimizer):
         >>> opt.step()
     """
 
-    _rule = musgd_rule
+    _rule: ClassVar[Rule] = musgd_rule
 
     def __init__(
         self,

@@ -22,6 +22,8 @@ from ..ns.gather import Gather
 from ..ns.matrices import MatrixMap
 from ..ns.newton_schulz import newton_schulz
 from .after_ns import AfterNS
+from .before_ns import SignInputs
+from .contracts import AfterNSStage, EngineFor
 from .elementwise import (
     RMS_SCALE,
     ema_momentum_,
@@ -30,36 +32,9 @@ from .elementwise import (
     lr_scale,
     partition,
 )
+from .matrix_item import MatrixItem
 from .program import Scalar, scale_limit
 from .state_dtype import arithmetic_dtype
-
-
-@dataclass
-class MatrixItem:
-    """One matrix's Muon update: ``p ← decay·p − scale·NS(momentum)``."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor  # the EMA momentum M
-    beta: float
-    nesterov: bool
-    scale: float  # lr times the optimizer's factors
-    config: NSConfig
-    decay: float = 1.0  # 1 − lr·wd for decoupled weight decay
-    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
-    index: int = 0  # its position among the step's parameters with gradients
-    factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
-    # for one of several matrices in a tensor (see fastmuon.ns.matrices): how a step's gradient of
-    # the tensor splits into its matrices' gradients, and which of them this one is
-    split: Callable[[Tensor], list[Tensor]] | None = None
-    piece: int = 0
-    # what the planner sees of a matrix this rank holds a shard of (a DTensor, or the
-    # description of a matrix cut out of one: see fastmuon.distributed); None: ``param`` itself
-    whole: Any = None
-    # decay only where the update and the parameter agree in sign (cautious weight decay)
-    cautious: bool = False
-    # a variant's per-matrix state read after NS (see fastmuon.step.moments); None: Muon's update
-    moment: Any = None
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -163,12 +138,12 @@ def single_tensor_matrix_update(
 ) -> None:
     """The same update, one parameter at a time: the per-parameter reference path.
 
-    ``after_ns(item, o)`` (a variant's) maps a matrix's orthogonalised update, in the
-    parameter's shape and dtype, to the update applied. A matrix whose ``moment`` says
-    ``sign_input`` orthogonalises the sign of its momentum instead of the momentum."""
+    ``after_ns(item, o)`` (a rule's stage) maps a matrix's orthogonalised update, in the
+    parameter's shape and dtype, to the update applied. A matrix with ``sign_input``
+    orthogonalises the sign of its momentum instead of the momentum."""
     for it in items:
         u = momentum_update(it)
-        if getattr(it.moment, "sign_input", False):
+        if it.sign_input:
             u = u.sign()
         c = it.config
         dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
@@ -206,10 +181,6 @@ class MatrixScalars:
     nesterov: Sequence[bool]
     base: Sequence[Scalar]  # scale = base · factor (lr·muon for MuSGD, lr for Muon)
     decay: Sequence[Scalar] | None = None  # 1 − lr·wd (Muon); None: no decay
-
-
-#: ``(params, configs, wholes) -> engine``: the executor of the plan over these matrices.
-EngineFor = Callable[[list, list, list], Any]
 
 
 def orthogonalize_step(
@@ -252,7 +223,7 @@ class MatrixProgram:
         items: list[MatrixItem],
         base_class: Sequence[int],
         engine_for: EngineFor | None = None,
-        variant: Callable[[list[MatrixItem]], Any] | None = None,
+        stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
     ):
         parts = batch_order(items)
         ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
@@ -291,9 +262,9 @@ class MatrixProgram:
         self.grad_positions = position
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
-        # the matrices whose NS input is the sign of their momentum (AdaMuon's), if any
-        self.signed = [k for k, i in enumerate(ordered) if getattr(i.moment, "sign_input", False)]
-        self.signed_pick = Gather(self.signed)
+        # the stage before NS: the matrices whose NS input is the sign of their momentum, if any
+        signed = [k for k, i in enumerate(ordered) if i.sign_input]
+        self.sign = SignInputs(signed) if signed else None
         # scale = base · factor: one class per (class of the group's base, factor)
         by_scale = partition(range(len(ordered)), lambda k: (base_class[ordered[k].group], ordered[k].factor))
         self.scale_keys = [(ordered[idx[0]].group, ordered[idx[0]].factor) for idx in by_scale.values()]
@@ -303,9 +274,9 @@ class MatrixProgram:
                 scale_class[k] = c
         limit = scale_limit(self.params[0].device) if ordered else 0
         self.one_pass = len(self.scale_keys) <= limit
-        # a variant's stage after NS (``variant(items)``: see fastmuon.step.moments), or None
-        whole = variant(ordered) if variant is not None and ordered else None
-        self.variant = whole
+        # the rule's stage after NS over all the matrices (e.g. fastmuon.step.moments'), or None
+        whole = stage(ordered) if stage is not None and ordered else None
+        self.stage = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
         self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] | None = None
         self.owned_inputs = False
@@ -314,8 +285,8 @@ class MatrixProgram:
     def _bucket_steps(
         self, ordered: list[MatrixItem], scale_class: list[int], whole: Any
     ) -> list[BucketStep] | None:
-        """The step bucket by bucket, where the engine runs that way (None: it does not, or a
-        variant's stage cannot take its classes one at a time)."""
+        """The step bucket by bucket, where the engine runs that way (None: it does not, or
+        the rule's stage after NS cannot take its classes one at a time)."""
         engine = self.engine
         if engine is None or not getattr(engine, "host_bucketwise", False):
             return None
@@ -327,7 +298,7 @@ class MatrixProgram:
         last = [max(bucket_of[k] for k in idx) for idx in classes]
         spans = [len({bucket_of[k] for k in idx}) > 1 for idx in classes]
         place = {k: (c, j) for c, idx in enumerate(classes) for j, k in enumerate(idx)}
-        # a variant's classes are applied as each completes (its stage over them, then the rest)
+        # the stage's classes are applied as each completes (its stage over them, then the rest)
         self.class_after = [
             AfterNS.over(
                 [ordered[k] for k in idx],
@@ -340,7 +311,7 @@ class MatrixProgram:
         ]
         self.class_spans = spans
         part_of = {k: p for p, (ks, _, _) in enumerate(self.part_specs) for k in ks}
-        signed = set(self.signed)
+        signed = set(self.sign.positions) if self.sign is not None else set()
         steps = []
         for b, members in enumerate(buckets):
             ks = sorted(members)  # the program's order: each stage's batches as over all matrices
@@ -413,12 +384,8 @@ class MatrixProgram:
         sources: list[Tensor] = []
         for bufs, pick, g, out, momentum in self._momentum_parts():
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
-        if self.signed:  # in place where the momentum step wrote into NS input buffers
-            if self.owned_inputs:
-                torch._foreach_sign_(self.signed_pick(sources))
-            else:
-                for k, t in zip(self.signed, torch._foreach_sign(self.signed_pick(sources))):
-                    sources[k] = t
+        if self.sign is not None:
+            self.sign.run(sources, self.owned_inputs)
         # 2. orthogonalise, one NS call per bucket of the cached plan
         args = (self.engine, sources, self.dtypes, keep, self.keep_positions)
         if hooks:
@@ -428,7 +395,7 @@ class MatrixProgram:
             updates = call()
         else:
             updates = orthogonalize_step(*args)
-        # 3-4. the variant's stage, decay, scale and apply
+        # 3-4. the rule's stage, decay, scale and apply
         self.after.run(updates, scalars, scales, self.groups, self.one_pass)
 
     def _run_bucketwise(
@@ -437,14 +404,14 @@ class MatrixProgram:
         """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
         stage after it, before the next bucket reuses the buffers.
 
-        A variant's stage takes the results in the NS dtype where widening them is exact (it
+        The rule's stage after NS takes the results in the NS dtype where widening them is exact (it
         stacks them and computes in fp32, the values it gets from results cast first); the
         other stages take them cast into the parameters' dtype and layout, as one engine call
         returns them (an apply from the slots' strides and dtype runs a slower elementwise loop).
         """
-        raw = self.variant is not None
+        raw = self.stage is not None
         engine, beta, nesterov = self.engine, scalars.beta, scalars.nesterov
-        pending: dict[int, list[Tensor | None]] = {}  # a variant's classes seen in part
+        pending: dict[int, list[Tensor | None]] = {}  # the stage's classes seen in part
         for step in self.buckets:  # type: ignore[union-attr]
             views = engine.open_bucket(step.index)
             for bufs, pick, g, out, momentum in step.momentum:
@@ -465,7 +432,7 @@ class MatrixProgram:
                 else:
                     pending[c] = got
             for c in step.completes:
-                results = self.variant.run_class(c, pending.pop(c), scalars)  # type: ignore[union-attr]
+                results = self.stage.run_class(c, pending.pop(c), scalars)  # type: ignore[union-attr]
                 self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
     def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]]:
@@ -505,8 +472,8 @@ class BucketStep:
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'
     exact_cast: bool  # widening the NS dtype to the parameters' is exact
-    after: AfterNS  # the stages after NS over the bucket's matrices (without a variant)
-    # with a variant: per class with matrices here, where they sit among the bucket's results
+    after: AfterNS  # the stages after NS over the bucket's matrices (the rule's stage after NS apart)
+    # with one: per class with matrices here, where they sit among the bucket's results
     # (program order) and in the class; and the classes whose last matrices are here
     feeds: list[tuple[int, Gather, list[int]]]
     completes: list[int]

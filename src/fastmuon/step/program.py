@@ -30,6 +30,15 @@ def classes(values: Sequence[Hashable]) -> tuple[int, ...]:
     return tuple(first.setdefault(v, i) for i, v in enumerate(values))
 
 
+def classes_each(*values: Sequence[Hashable]) -> tuple[tuple[int, ...], ...]:
+    """:func:`classes` of each sequence (one call for a step's several)."""
+    out = []
+    for vs in values:
+        first: dict[Hashable, int] = {}
+        out.append(tuple(first.setdefault(v, i) for i, v in enumerate(vs)))
+    return tuple(out)
+
+
 def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
     """Each tensor's strides (read every step by the fused paths' layout checks: ``map`` over the
     method runs no Python frame per tensor)."""
