@@ -83,7 +83,7 @@ def test_every_rule_names_its_elementwise_update():
     assert (rules.musgd.elementwise, rules.muon.elementwise) == ("SGD", "AdamW")
     assert rules.normuon.elementwise == rules.adamuon.elementwise == "AdamW"
     for cls, update in ELEMENTWISE:
-        assert cls(_one_matrix_and_a_bias()).rule.elementwise == update, cls.__name__
+        assert cls(_one_matrix_and_a_bias()).rule.other_update == update, cls.__name__
 
 
 def test_param_groups_of_a_model_still_say_which_update_each_part_takes():

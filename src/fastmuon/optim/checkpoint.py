@@ -81,6 +81,7 @@ from ..rules.roles import (
     ROW_MOMENT,
     SGD,
 )
+from ..step.contracts import Rule
 from .state import check_state_layout, state_kinds
 from .validation import is_number
 
@@ -168,7 +169,7 @@ _LR_ALIAS = "adjust_lr"
 _STATE_DTYPE = "state_dtype"
 _LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
 # the rules whose state dicts load, and each entry they declare (how it may be shaped)
-_RULES = (muon_rule, musgd_rule, normuon_rule, adamuon_rule)
+_RULES: tuple[Rule, ...] = (muon_rule, musgd_rule, normuon_rule, adamuon_rule)
 _STATE_KINDS = state_kinds(_RULES)
 # each variant's second moment, by its role (told apart in a saved group by _moment_roles)
 _MOMENTS = {m.role: m for m in (normuon_rule.MOMENT, adamuon_rule.MOMENT)}
@@ -210,7 +211,8 @@ def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]
 
 def _decay_kind(family: str, group: dict[str, Any]) -> str:
     if family == ADAM:  # torch's Adam and AdamW share a class since 2.6; before, the key is absent
-        return {True: "decoupled", False: "coupled"}.get(group.get("decoupled_weight_decay"), "unknown")
+        kinds: dict[Any, str] = {True: "decoupled", False: "coupled"}
+        return kinds.get(group.get("decoupled_weight_decay"), "unknown")
     return "decoupled" if family == MUON else "coupled"
 
 
@@ -414,7 +416,7 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _check_buffers(owner: str, buffers: dict[str, Any], roles) -> None:
+def _check_buffers(owner: str, buffers: dict[str, Any], roles: dict[str, tuple[str, Any]]) -> None:
     """Every buffer this module would read must be a real floating tensor (``step``: a number);
     ``owner`` names the parameter."""
     for name in roles.keys() | (_BUFFER_NAMES & buffers.keys()):

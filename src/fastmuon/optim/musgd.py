@@ -147,7 +147,7 @@ class MuSGD(MatrixOptimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
         ns_method: str = "auto",
-        matrices: MatrixMapSpec | list = "flatten",
+        matrices: MatrixMapSpec | list = "flatten",  # type: ignore[type-arg]  # the annotation inspect shows
         policy: str = "auto",
         adjust_lr_fn: str = "ultralytics",
         rms_scale: float = RMS_SCALE,
@@ -201,7 +201,8 @@ class MuSGD(MatrixOptimizer):
     # (so one group may differ), and these properties read the default and set every group.
     @property
     def muon(self) -> float:
-        return self.defaults["muon"]
+        value: float = self.defaults["muon"]
+        return value
 
     @muon.setter
     def muon(self, value: float) -> None:
@@ -209,7 +210,8 @@ class MuSGD(MatrixOptimizer):
 
     @property
     def sgd(self) -> float:
-        return self.defaults["sgd"]
+        value: float = self.defaults["sgd"]
+        return value
 
     @sgd.setter
     def sgd(self, value: float) -> None:

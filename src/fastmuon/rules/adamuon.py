@@ -35,9 +35,22 @@ from .roles import ELEMENT_MOMENT, MUON
 family = MUON
 other_update = muon_rule.other_update
 MOMENT = SecondMoment("second_moment", ELEMENT_MOMENT, per_row=False)
-state_keys = {**muon_rule.state_keys, MOMENT.key: LIKE_PARAM}
+state_keys: Mapping[str, str] = {**muon_rule.state_keys, MOMENT.key: LIKE_PARAM}
 
-__all__ = ["Items", "is_matrix", "state_roles", "state_shapes", "collect", "scalars", "build", "reference"]
+# the Rule contract (fastmuon.step.contracts), some of it Muon's
+__all__ = [
+    "family",
+    "other_update",
+    "state_keys",
+    "Items",
+    "is_matrix",
+    "state_roles",
+    "state_shapes",
+    "collect",
+    "scalars",
+    "build",
+    "reference",
+]
 
 
 class Pattern(NamedTuple):

@@ -22,10 +22,9 @@ from ..step.adamw import (
     single_tensor_adamw,
 )
 from ..step.collecting import CollectEnv, live_params, ns_config
-from ..step.contracts import COUNT, LIKE_PARAM, EngineFor, StepOptions
+from ..step.contracts import COUNT, LIKE_PARAM, AfterNSStage, EngineFor, StepOptions
 from ..step.elementwise import lr_factor
 from ..step.matrix import (
-    AfterNSStage,
     MatrixProgram,
     MatrixScalars,
     matrix_items,
@@ -38,7 +37,12 @@ from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
 other_update = "AdamW"  # the update of the parameters it does not orthogonalise
-state_keys = {"momentum_buffer": LIKE_PARAM, "exp_avg": LIKE_PARAM, "exp_avg_sq": LIKE_PARAM, "step": COUNT}
+state_keys: Mapping[str, str] = {
+    "momentum_buffer": LIKE_PARAM,
+    "exp_avg": LIKE_PARAM,
+    "exp_avg_sq": LIKE_PARAM,
+    "step": COUNT,
+}
 
 
 class Items(NamedTuple):
@@ -194,7 +198,8 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
         )
         for i, g in enumerate(groups)
     )
-    pattern = Pattern(*classes_each(beta, nesterov, lr, betas, eps, wd), structure)
+    beta_c, nesterov_c, lr_c, betas_c, eps_c, wd_c = classes_each(beta, nesterov, lr, betas, eps, wd)
+    pattern = Pattern(beta_c, nesterov_c, lr_c, betas_c, eps_c, wd_c, structure)
     return pattern, Scalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
 
 

@@ -8,7 +8,7 @@ a ``use_muon=False`` group takes plain SGD at ``lr``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -32,7 +32,7 @@ from .roles import EMA, HEAVY_BALL, MUSGD
 
 family = MUSGD
 other_update = "SGD"  # the update of the parameters it does not orthogonalise
-state_keys = {"momentum_buffer": LIKE_PARAM, "momentum_buffer_SGD": LIKE_PARAM}
+state_keys: Mapping[str, str] = {"momentum_buffer": LIKE_PARAM, "momentum_buffer_SGD": LIKE_PARAM}
 
 
 class Items(NamedTuple):
@@ -135,7 +135,8 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
         (g.get("use_muon"), lr_factor(g, i, "ultralytics"), ns_config(g), maps_key(g.get("matrices")))
         for i, g in enumerate(groups)
     )
-    pattern = Pattern(*classes_each(beta, nesterov, wd, base, sgd_lr), tuple(b == 0 for b in beta), structure)
+    beta_c, nesterov_c, wd_c, base_c, sgd_c = classes_each(beta, nesterov, wd, base, sgd_lr)
+    pattern = Pattern(beta_c, nesterov_c, wd_c, base_c, sgd_c, tuple(b == 0 for b in beta), structure)
     return pattern, Scalars(MatrixScalars(beta, nesterov, base), SGDScalars(beta, nesterov, wd, sgd_lr))
 
 

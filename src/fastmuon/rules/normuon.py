@@ -22,7 +22,7 @@ it: per row, on Muon's collection, pattern and program.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
@@ -42,9 +42,22 @@ from .roles import MUON, ROW_MOMENT
 family = MUON
 other_update = muon_rule.other_update  # the parameters it does not orthogonalise take Muon's AdamW
 MOMENT = SecondMoment("second_moment", ROW_MOMENT, per_row=True)
-state_keys = {**muon_rule.state_keys, MOMENT.key: VECTOR}
+state_keys: Mapping[str, str] = {**muon_rule.state_keys, MOMENT.key: VECTOR}
 
-__all__ = ["Items", "is_matrix", "state_roles", "state_shapes", "collect", "scalars", "build", "reference"]
+# the Rule contract (fastmuon.step.contracts), some of it Muon's
+__all__ = [
+    "family",
+    "other_update",
+    "state_keys",
+    "Items",
+    "is_matrix",
+    "state_roles",
+    "state_shapes",
+    "collect",
+    "scalars",
+    "build",
+    "reference",
+]
 
 
 class Pattern(NamedTuple):

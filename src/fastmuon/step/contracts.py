@@ -112,6 +112,9 @@ class MatrixHalf(Protocol):
 
     @property
     def plan(self) -> Plan | None: ...
+    def run(
+        self, grads: Sequence[Tensor], scalars: Any, keep: Tensor | None, hooks: Mapping[int, Any]
+    ) -> None: ...
 
 
 class UpdateProgram(Protocol):
@@ -156,7 +159,7 @@ class Rule(Protocol):
         self, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv
     ) -> RuleItems: ...
     def scalars(
-        self, groups: Sequence[Mapping[str, Any]], lr_value: Callable[[Any], Any]
+        self, groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Any]
     ) -> tuple[Any, Any]: ...
     def build(
         self, items: Any, pattern: Any, engine_for: EngineFor, options: StepOptions

@@ -23,7 +23,7 @@ from ..ns.matrices import MatrixMap
 from ..ns.newton_schulz import newton_schulz
 from .after_ns import AfterNS
 from .before_ns import SignInputs
-from .contracts import AfterNSStage, EngineFor
+from .contracts import AfterNSStage, BucketwiseEngine, Engine, EngineFor
 from .elementwise import (
     RMS_SCALE,
     ema_momentum_,
@@ -73,7 +73,7 @@ def matrix_items(
     ``state_dtype``: the dtype a missing buffer is made in (None: ``p``'s)."""
     buf = state_buffer(state, "momentum_buffer", p, state_dtype)
     if parts is not None:
-        pieces = held_pieces(m, *map(local_shard, (p, grad, buf)), parts)
+        pieces = held_pieces(m, local_shard(p), local_shard(grad), local_shard(buf), parts)
     elif m.is_flatten:
         pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
     else:
@@ -184,7 +184,7 @@ class MatrixScalars:
 
 
 def orthogonalize_step(
-    engine: Any,
+    engine: Engine,
     sources: Sequence[Tensor],
     dtypes: Sequence[torch.dtype],
     keep: Tensor | None,
@@ -197,9 +197,13 @@ def orthogonalize_step(
         return engine(sources, dtypes)
     if isinstance(engine, Orthogonalizer):
         return engine(sources, dtypes, keep=keep, keep_positions=keep_positions)
-    flags = keep.unbind(0)
-    flags = [flags[k] for k in keep_positions]
+    every = keep.unbind(0)
+    flags = [every[k] for k in keep_positions]
     return engine([torch.where(k, s, 0) for k, s in zip(flags, sources)], dtypes)
+
+
+#: a momentum step over one part: ``(bufs, grads, beta, nesterov, out=views) -> NS inputs``
+Momentum = Callable[..., list[Tensor]]
 
 
 class MatrixProgram:
@@ -222,7 +226,7 @@ class MatrixProgram:
         self,
         items: list[MatrixItem],
         base_class: Sequence[int],
-        engine_for: EngineFor | None = None,
+        engine_for: EngineFor,
         stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
     ):
         parts = batch_order(items)
@@ -247,9 +251,7 @@ class MatrixProgram:
         position = [starts[i.index] + i.piece if i.split is not None else count + i.index for i in ordered]
         # the plan's executor, and where it reads each source from (momentum is written there)
         wholes = [i.param if i.whole is None else i.whole for i in ordered]
-        self.engine = (
-            engine_for(self.params, self.configs, wholes) if engine_for is not None and ordered else None
-        )
+        self.engine: Engine | None = engine_for(self.params, self.configs, wholes) if ordered else None
         # per part: its matrices' positions in the program, and the dtype its momentum step
         # computes in where that is not the buffers' (see state_dtype.arithmetic_dtype)
         self.part_specs: list[tuple[list[int], int, torch.dtype | None]] = []
@@ -278,8 +280,9 @@ class MatrixProgram:
         whole = stage(ordered) if stage is not None and ordered else None
         self.stage = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
-        self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] | None = None
+        self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] | None = None
         self.owned_inputs = False
+        self.bucketwise_engine: BucketwiseEngine | None = None  # set where the steps below are made
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
 
     def _bucket_steps(
@@ -288,10 +291,11 @@ class MatrixProgram:
         """The step bucket by bucket, where the engine runs that way (None: it does not, or
         the rule's stage after NS cannot take its classes one at a time)."""
         engine = self.engine
-        if engine is None or not getattr(engine, "host_bucketwise", False):
+        if not isinstance(engine, BucketwiseEngine) or not engine.host_bucketwise or engine.plan is None:
             return None
         if whole is not None and not hasattr(whole, "run_class"):
             return None
+        self.bucketwise_engine = engine
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
         classes = [c[0] for c in whole.classes] if whole is not None else []
         bucket_of = {k: b for b, members in enumerate(buckets) for k in members}
@@ -323,6 +327,7 @@ class MatrixProgram:
                 if not mine:
                     continue
                 bufs = [self.bufs[k] for k in mine]
+                momentum: Momentum
                 if work is not None:
                     momentum = functools.partial(ema_momentum_widened_, dtype=work)
                 elif any(b_.dtype != ns_dtype for b_ in bufs):
@@ -372,13 +377,15 @@ class MatrixProgram:
     ) -> None:
         """One step over this step's ``grads``; ``hooks`` (see
         ``MatrixOptimizer.register_orthogonalize_hook``) wrap its Newton–Schulz call."""
-        if not self.params:
+        engine = self.engine
+        if engine is None:  # no matrix
             return
         if self.splits:
             grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)
         scales = [scalars.base[g] * f for g, f in self.scale_keys]
-        if self.buckets is not None and not hooks and self.engine.bucketwise():
-            self._run_bucketwise(grads, scalars, scales, keep)
+        bucketwise = self.bucketwise_engine
+        if bucketwise is not None and not hooks and bucketwise.bucketwise():
+            self._run_bucketwise(bucketwise, grads, scalars, scales, keep)
             return
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
@@ -387,7 +394,7 @@ class MatrixProgram:
         if self.sign is not None:
             self.sign.run(sources, self.owned_inputs)
         # 2. orthogonalise, one NS call per bucket of the cached plan
-        args = (self.engine, sources, self.dtypes, keep, self.keep_positions)
+        args = (engine, sources, self.dtypes, keep, self.keep_positions)
         if hooks:
             call = functools.partial(orthogonalize_step, *args)
             for hook in hooks.values():
@@ -399,7 +406,12 @@ class MatrixProgram:
         self.after.run(updates, scalars, scales, self.groups, self.one_pass)
 
     def _run_bucketwise(
-        self, grads: Sequence[Tensor], scalars: MatrixScalars, scales: list[Scalar], keep: Tensor | None
+        self,
+        engine: BucketwiseEngine,
+        grads: Sequence[Tensor],
+        scalars: MatrixScalars,
+        scales: list[Scalar],
+        keep: Tensor | None,
     ) -> None:
         """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
         stage after it, before the next bucket reuses the buffers.
@@ -409,18 +421,19 @@ class MatrixProgram:
         other stages take them cast into the parameters' dtype and layout, as one engine call
         returns them (an apply from the slots' strides and dtype runs a slower elementwise loop).
         """
-        raw = self.stage is not None
-        engine, beta, nesterov = self.engine, scalars.beta, scalars.nesterov
-        pending: dict[int, list[Tensor | None]] = {}  # the stage's classes seen in part
-        for step in self.buckets:  # type: ignore[union-attr]
+        stage = self.stage
+        beta, nesterov = scalars.beta, scalars.nesterov
+        # the stage's classes seen in part (one spanning buckets: None where not fed yet)
+        pending: dict[int, list[Any]] = {}
+        for step in self.buckets or ():
             views = engine.open_bucket(step.index)
             for bufs, pick, g, out, momentum in step.momentum:
                 momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
             if step.signed:
                 torch._foreach_sign_(step.signed(views))
-            dtype = None if raw and step.exact_cast else step.out_dtype
+            dtype = None if stage is not None and step.exact_cast else step.out_dtype
             updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
-            if not raw:
+            if stage is None:
                 step.after.run(updates, scalars, scales, self.groups, self.one_pass)
                 continue
             for c, pick, places in step.feeds:
@@ -432,10 +445,10 @@ class MatrixProgram:
                 else:
                     pending[c] = got
             for c in step.completes:
-                results = self.stage.run_class(c, pending.pop(c), scalars)  # type: ignore[union-attr]
+                results = stage.run_class(c, pending.pop(c), scalars)
                 self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
-    def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]]:
+    def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]]:
         """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
         step that writes them (casting where a view's dtype is not the buffers'); made on the
         first step that takes them, since the engine's input views are kept buffers."""
@@ -443,10 +456,11 @@ class MatrixProgram:
             return self._parts
         views = getattr(self.engine, "input_views", None)
         inputs = views() if views is not None else None
-        parts = []
+        parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] = []
         for ks, group, work in self.part_specs:
             out = [inputs[k] for k in ks] if inputs is not None else None
             bufs = [self.bufs[k] for k in ks]
+            momentum: Momentum
             if work is not None:
                 momentum = functools.partial(ema_momentum_widened_, dtype=work)
             elif out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs)):
@@ -467,7 +481,7 @@ class BucketStep:
     index: int  # the bucket's place in the plan
     # per momentum part with matrices here: buffers, gradient picks, group, the picks of their
     # NS input views (among the bucket's, slot order), and the momentum step
-    momentum: list[tuple[list[Tensor], Gather, int, Gather, Callable]]
+    momentum: list[tuple[list[Tensor], Gather, int, Gather, Momentum]]
     signed: Gather  # the sign-input matrices' places among the bucket's, slot order
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'

@@ -111,7 +111,7 @@ class SecondMoment:
                 f"{got}, not {wanted}; it was saved for another model or optimizer: delete that "
                 "entry from the state (it restarts from zeros)"
             )
-        views = list(buf.split(rows)) if self.per_row else ([buf] if m.is_flatten else m.views(buf))
+        views = list(torch.split(buf, rows)) if self.per_row else ([buf] if m.is_flatten else m.views(buf))
         rms = ADAMW_RMS if group["rescale"] == "rms" else None
         for it, v in zip(items, views):
             it.stage = Moment(v, group["beta2"], group["moment_eps"], rms, m.transposed)
