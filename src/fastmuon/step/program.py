@@ -34,13 +34,13 @@ def classes(values: Sequence[Hashable]) -> tuple[int, ...]:
     return tuple(first.setdefault(v, i) for i, v in enumerate(values))
 
 
-def classes_each(*values: Sequence[Hashable]) -> tuple[tuple[int, ...], ...]:
-    """:func:`classes` of each sequence (one call for a step's several)."""
-    out = []
+def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
+    """:func:`classes` of each sequence, in one call (a step reads several)."""
+    out: list[tuple[int, ...]] = []
     for vs in values:
         first: dict[Hashable, int] = {}
-        out.append(tuple(first.setdefault(v, i) for i, v in enumerate(vs)))
-    return tuple(out)
+        out += (tuple(first.setdefault(v, i) for i, v in enumerate(vs)),)  # no call per sequence
+    return out
 
 
 def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
