@@ -27,15 +27,10 @@ from .nonfinite import NonFiniteGuard
 Scalar = Any
 
 
-def classes(values: Sequence[Hashable]) -> tuple[int, ...]:
-    """Each value's class: the index of its first equal value (equality of floats, identity of
-    tensors). Two steps with equal classes partition the parameters alike."""
-    first: dict[Hashable, int] = {}
-    return tuple(first.setdefault(v, i) for i, v in enumerate(values))
-
-
 def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
-    """:func:`classes` of each sequence, in one call (a step reads several)."""
+    """Each value's class in each sequence: the index of its first equal value (equality of
+    floats, identity of tensors). Two steps with equal classes partition the parameters alike.
+    One call for all of a step's sequences."""
     out: list[tuple[int, ...]] = []
     for vs in values:
         first: dict[Hashable, int] = {}
