@@ -73,17 +73,17 @@ def test_an_optimizer_that_orthogonalises_nothing_names_the_update_its_parameter
     assert f"2 parameters (30 elements) take {update}" in opt.plan().note
 
 
-def test_every_rule_names_its_elementwise_update():
+def test_every_rule_names_the_update_of_the_parameters_it_does_not_orthogonalise():
     import fastmuon.rules.adamuon
     import fastmuon.rules.muon
     import fastmuon.rules.musgd
     import fastmuon.rules.normuon
 
     rules = fastmuon.rules
-    assert (rules.musgd.elementwise, rules.muon.elementwise) == ("SGD", "AdamW")
-    assert rules.normuon.elementwise == rules.adamuon.elementwise == "AdamW"
+    assert (rules.musgd.other_update, rules.muon.other_update) == ("SGD", "AdamW")
+    assert rules.normuon.other_update == rules.adamuon.other_update == "AdamW"
     for cls, update in ELEMENTWISE:
-        assert cls(_one_matrix_and_a_bias()).rule.elementwise == update, cls.__name__
+        assert cls(_one_matrix_and_a_bias()).rule.other_update == update, cls.__name__
 
 
 def test_param_groups_of_a_model_still_say_which_update_each_part_takes():

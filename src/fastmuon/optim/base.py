@@ -11,7 +11,7 @@ import copy
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from ..ns import device
 from ..ns.matrices import MatrixMap, maps_of
 from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
+from ..step.contracts import Rule, RuleHolder
 from ..step.driver import StepDriver, StepEnv
 from ..step.elementwise import ADJUST_LR_ALIAS
 from ..step.state_dtype import cast_groups_state, check_state_dtype
@@ -56,7 +57,7 @@ def _option(name: str) -> property:
     )
 
 
-class MatrixOptimizer(Optimizer):
+class MatrixOptimizer(Optimizer, RuleHolder):
     """Base for optimizers that orthogonalise matrix updates through the batched engine.
 
     It checks groups whole before storing them, names parameters in errors, and runs a step:
@@ -64,10 +65,6 @@ class MatrixOptimizer(Optimizer):
     gradients, their layouts and the equality classes of the hyperparameters stay the same)
     or, with ``foreach=False``, the rule's per-parameter reference.
     """
-
-    #: the update rule: a module of :mod:`fastmuon.rules`, read through :attr:`rule` (a property,
-    #: so that ``help()`` shows what it is rather than the module's file)
-    _rule: ClassVar[Any]
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -102,7 +99,7 @@ class MatrixOptimizer(Optimizer):
             )
 
     @property
-    def rule(self) -> Any:
+    def rule(self) -> Rule:
         """The update rule, a module of :mod:`fastmuon.rules`: what a group contributes, the
         step's scalars, its program and its per-parameter reference."""
         return self._rule

@@ -64,6 +64,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..rules import adamuon as adamuon_rule
+from ..rules import muon as muon_rule
+from ..rules import musgd as musgd_rule
+from ..rules import normuon as normuon_rule
 from ..rules.roles import (
     ADAM,
     ADAM_AVG,
@@ -77,7 +81,8 @@ from ..rules.roles import (
     ROW_MOMENT,
     SGD,
 )
-from .state import check_state_layout
+from ..step.contracts import Rule
+from .state import check_state_layout, state_kinds
 from .validation import is_number
 
 _ADAM_ROLES = (ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP)
@@ -163,11 +168,14 @@ FAMILY_KEYS = {
 _LR_ALIAS = "adjust_lr"
 _STATE_DTYPE = "state_dtype"
 _LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
-_MOMENT = "second_moment"
-_MOMENT_ROLES = (ROW_MOMENT, ELEMENT_MOMENT)
-_BUFFER_NAMES = frozenset(
-    {"momentum_buffer", "momentum_buffer_SGD", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step", _MOMENT}
-)
+# the rules whose state dicts load, and each entry they declare (how it may be shaped)
+_RULES: tuple[Rule, ...] = (muon_rule, musgd_rule, normuon_rule, adamuon_rule)
+_STATE_KINDS = state_kinds(_RULES)
+# each variant's second moment, by its role (told apart in a saved group by _moment_roles)
+_MOMENTS = {m.role: m for m in (normuon_rule.MOMENT, adamuon_rule.MOMENT)}
+_MOMENT_ROLES = tuple(_MOMENTS)
+# every buffer name a known optimizer writes: the declared ones and torch Adam's amsgrad maximum
+_BUFFER_NAMES = frozenset({*_STATE_KINDS, "max_exp_avg_sq"})
 
 
 class LoadTarget(NamedTuple):
@@ -203,7 +211,8 @@ def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]
 
 def _decay_kind(family: str, group: dict[str, Any]) -> str:
     if family == ADAM:  # torch's Adam and AdamW share a class since 2.6; before, the key is absent
-        return {True: "decoupled", False: "coupled"}.get(group.get("decoupled_weight_decay"), "unknown")
+        kinds: dict[Any, str] = {True: "decoupled", False: "coupled"}
+        return kinds.get(group.get("decoupled_weight_decay"), "unknown")
     return "decoupled" if family == MUON else "coupled"
 
 
@@ -279,7 +288,7 @@ def _moment_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     if "beta2" not in group:
         return {}  # Muon's: it keeps none
     role = ELEMENT_MOMENT if "sign_momentum" in group else ROW_MOMENT
-    return {_MOMENT: (role, _moment_key(role, group))}
+    return {_MOMENTS[role].key: (role, _moment_key(role, group))}
 
 
 def _moment_key(role: str, group: dict[str, Any]) -> Any:
@@ -353,7 +362,7 @@ def carry_buffers(
 def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
     """``state_dict`` translated for the optimizer ``into`` describes; ``ValueError`` naming the
     group or parameter and the fix where it cannot be used. Changes nothing it reads."""
-    check_state_layout(into.groups, into.param_name, state_dict)
+    check_state_layout(into.groups, into.param_name, state_dict, _STATE_KINDS)
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     default = into.family
     groups: list[dict[str, Any]] = []
@@ -407,7 +416,7 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _check_buffers(owner: str, buffers: dict[str, Any], roles) -> None:
+def _check_buffers(owner: str, buffers: dict[str, Any], roles: dict[str, tuple[str, Any]]) -> None:
     """Every buffer this module would read must be a real floating tensor (``step``: a number);
     ``owner`` names the parameter."""
     for name in roles.keys() | (_BUFFER_NAMES & buffers.keys()):

@@ -3,7 +3,11 @@ rest), its group checks and AdamW's defaults; the update itself is :mod:`fastmuo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from inspect import Parameter
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -12,6 +16,7 @@ from torch.optim.optimizer import ParamsT
 from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import muon as muon_rule
+from ..step.contracts import Rule
 from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
@@ -120,7 +125,7 @@ class Muon(MatrixOptimizer):
         >>> opt.step()
     """
 
-    _rule = muon_rule
+    _rule: ClassVar[Rule] = muon_rule
 
     def __init__(
         self,
@@ -136,7 +141,7 @@ class Muon(MatrixOptimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         ns_method: str = "auto",
-        matrices: MatrixMapSpec | list = "flatten",
+        matrices: MatrixMapSpec | list = "flatten",  # type: ignore[type-arg]  # the annotation inspect shows
         policy: str = "auto",
         rms_scale: float = RMS_SCALE,
         adjust_lr: str | None = None,
@@ -157,37 +162,8 @@ class Muon(MatrixOptimizer):
         qk_clip_alpha: float = DEFAULT_ALPHA,
         state_dtype: torch.dtype | None = None,
     ):
-        defaults, options = muon_settings(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype,
-            ns_method=ns_method,
-            matrices=matrices,
-            policy=policy,
-            rms_scale=rms_scale,
-            adjust_lr=adjust_lr,
-            betas=betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            foreach=foreach,
-            max_bucket_bytes=max_bucket_bytes,
-            cost_model=cost_model,
-            compile=compile,
-            nonfinite=nonfinite,
-            capturable=capturable,
-            owner_group_size=owner_group_size,
-            max_exchange_bytes=max_exchange_bytes,
-            cautious_weight_decay=cautious_weight_decay,
-            qk_clip_tau=qk_clip_tau,
-            qk_clip_alpha=qk_clip_alpha,
-            state_dtype=state_dtype,
-        )
+        arguments = locals()
+        defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
         super().__init__(params, defaults, options, process_group)
 
     @property
@@ -233,75 +209,66 @@ class Muon(MatrixOptimizer):
         check_qk_clip(group, where, lambda j: self._param_name(group, j))
 
 
-def muon_settings(
-    *,
-    lr: float | Tensor,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    ns_coefficients: Any,
-    eps: float,
-    ns_steps: int | None,
-    adjust_lr_fn: str | None,
-    ns_dtype: torch.dtype,
-    ns_method: str,
-    matrices: MatrixMapSpec | list,
-    policy: str,
-    rms_scale: float,
-    adjust_lr: str | None,
-    betas: tuple[float, float],
-    adamw_eps: float,
-    adamw_lr: float,
-    foreach: bool | None,
-    max_bucket_bytes: int,
-    cost_model: CostModel | str | None,
-    compile: bool,
-    nonfinite: str,
-    capturable: bool,
-    cautious_weight_decay: bool,
-    qk_clip_tau: float | None,
-    qk_clip_alpha: float,
-    state_dtype: torch.dtype | None = None,
-    owner_group_size: int | None = None,
-    max_exchange_bytes: int | None = None,
-) -> tuple[dict[str, Any], Options]:
-    """The group defaults and the optimizer-wide options of :class:`Muon`'s arguments.
+def muon_options() -> tuple[str, ...]:
+    """The names of Muon's options: its constructor's arguments after ``params``, but
+    ``process_group`` (held apart: see :class:`~fastmuon.optim.base.MatrixOptimizer`)."""
+    names = tuple(inspect.signature(Muon.__init__).parameters)
+    return tuple(n for n in names[2:] if n != "process_group")
+
+
+def muon_settings(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], Options]:
+    """The group defaults and the optimizer-wide options of :class:`Muon`'s ``arguments`` (name
+    -> value, every one of :func:`muon_options`).
 
     A variant of Muon adds its own group options to these defaults and passes both to
     :class:`~fastmuon.optim.base.MatrixOptimizer` (as ``torch.optim`` optimizers pass their
-    defaults to ``Optimizer``), so its signature lists every option it takes."""
-    defaults = dict(
-        lr=lr,
-        weight_decay=weight_decay,
-        momentum=momentum,
-        nesterov=nesterov,
-        ns_coefficients=ns_coefficients,
-        eps=eps,
-        ns_steps=implied_ns_steps(ns_steps, ns_coefficients),
-        adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", None),
-        rms_scale=rms_scale,
-        ns_dtype=ns_dtype,
-        ns_method=ns_method,
-        matrices=matrices,
-        betas=betas,
-        adamw_eps=adamw_eps,
-        cautious_weight_decay=cautious_weight_decay,
-        qk_clip_tau=qk_clip_tau,
-        qk_clip_alpha=qk_clip_alpha,
-        state_dtype=state_dtype,
+    defaults to ``Optimizer``)."""
+    defaults = dict(arguments)
+    adjust_lr = defaults.pop("adjust_lr")
+    defaults["adjust_lr_fn"] = resolve_alias(
+        defaults["adjust_lr_fn"], adjust_lr, "adjust_lr_fn", "adjust_lr", None
     )
-    check_foreach(foreach)
-    check_nonnegative("adamw_lr", adamw_lr, "Muon")
-    options = Options(
-        foreach=foreach,
-        policy=policy,
-        compile=compile,
-        max_bucket_bytes=max_bucket_bytes,
-        cost_model=cost_model,
-        nonfinite=nonfinite,
-        capturable=capturable,
-        owner_group_size=owner_group_size,
-        max_exchange_bytes=max_exchange_bytes,
-        adamw_lr=adamw_lr,
-    )
+    defaults["ns_steps"] = implied_ns_steps(defaults["ns_steps"], defaults["ns_coefficients"])
+    check_foreach(defaults["foreach"])
+    check_nonnegative("adamw_lr", defaults["adamw_lr"], "Muon")
+    options = Options(**{f.name: defaults.pop(f.name) for f in fields(Options)})
     return defaults, options
+
+
+def with_muon_options(
+    defaults: Mapping[str, Any] | None = None,
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a variant's ``__init__(self, params, *args, <its keyword-only options>, **options)``
+    the signature that lists every option: Muon's positional ones (with the variant's
+    ``defaults`` where it changes them), its own, then Muon's keyword-only ones. Muon's
+    constructor is the one declaration of Muon's options; :func:`bind_muon_options` reads a
+    call's values back."""
+
+    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+        muon = list(inspect.signature(Muon.__init__).parameters.values())
+        own = [p for p in inspect.signature(init).parameters.values() if p.kind is Parameter.KEYWORD_ONLY]
+        changed = defaults or {}
+        head = [p.replace(default=changed[p.name]) if p.name in changed else p for p in muon]
+        positional = [p for p in head if p.kind is not Parameter.KEYWORD_ONLY]
+        keyword = [p for p in head if p.kind is Parameter.KEYWORD_ONLY]
+        init.__signature__ = inspect.Signature([*positional, *own, *keyword])  # type: ignore[attr-defined]
+        return init
+
+    return decorate
+
+
+def bind_muon_options(
+    init: Callable[..., None],
+    self: object,
+    params: ParamsT,
+    args: tuple[Any, ...],
+    options: Mapping[str, Any],
+) -> tuple[dict[str, Any], Options, ProcessGroup | None]:
+    """:func:`muon_settings` of a call of a variant's ``init`` (made by :func:`with_muon_options`):
+    Muon's options by name, each its value or its default; and the call's ``process_group``. An
+    unknown or repeated argument raises ``TypeError`` as Python's own call would."""
+    bound = inspect.signature(init).bind(self, params, *args, **options)
+    bound.apply_defaults()
+    values = bound.arguments
+    defaults, settings = muon_settings({name: values[name] for name in muon_options()})
+    return defaults, settings, values["process_group"]

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -12,6 +12,7 @@ from torch.optim.optimizer import ParamsT
 from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import musgd as musgd_rule
+from ..step.contracts import Rule
 from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
@@ -128,7 +129,7 @@ class MuSGD(MatrixOptimizer):
         >>> opt.step()
     """
 
-    _rule = musgd_rule
+    _rule: ClassVar[Rule] = musgd_rule
 
     def __init__(
         self,
@@ -146,7 +147,7 @@ class MuSGD(MatrixOptimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         eps: float = 1e-7,
         ns_method: str = "auto",
-        matrices: MatrixMapSpec | list = "flatten",
+        matrices: MatrixMapSpec | list = "flatten",  # type: ignore[type-arg]  # the annotation inspect shows
         policy: str = "auto",
         adjust_lr_fn: str = "ultralytics",
         rms_scale: float = RMS_SCALE,
@@ -200,7 +201,8 @@ class MuSGD(MatrixOptimizer):
     # (so one group may differ), and these properties read the default and set every group.
     @property
     def muon(self) -> float:
-        return self.defaults["muon"]
+        value: float = self.defaults["muon"]
+        return value
 
     @muon.setter
     def muon(self, value: float) -> None:
@@ -208,7 +210,8 @@ class MuSGD(MatrixOptimizer):
 
     @property
     def sgd(self) -> float:
-        return self.defaults["sgd"]
+        value: float = self.defaults["sgd"]
+        return value
 
     @sgd.setter
     def sgd(self, value: float) -> None:

@@ -3,27 +3,18 @@ options; the updates themselves are :mod:`fastmuon.rules.normuon` and :mod:`fast
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
-import torch
-from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..distributed.dtensor import is_dtensor
-from ..ns.matrices import MatrixMapSpec
-from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import adamuon as adamuon_rule
 from ..rules import normuon as normuon_rule
-from ..rules.normuon import RESCALES
-from ..step.elementwise import RMS_SCALE
-from ..step.nonfinite import DEFAULT_NONFINITE
+from ..step.contracts import Rule
+from ..step.moments import RESCALES
 from .base import MatrixOptimizer
-from .muon import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, Muon, muon_settings
-from .qk_clip import DEFAULT_ALPHA
+from .muon import Muon, bind_muon_options, with_muon_options
 from .validation import ArgumentTypeError, check_fraction, check_nonnegative
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 class _SecondMomentMuon(Muon):
@@ -87,81 +78,23 @@ class NorMuon(_SecondMomentMuon):
         >>> opt = fastmuon.NorMuon(fastmuon.param_groups(model), lr=0.02, rescale="rms")
     """
 
-    _rule = normuon_rule
+    _rule: ClassVar[Rule] = normuon_rule
 
+    @with_muon_options()
     def __init__(
         self,
         params: ParamsT,
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
-        eps: float = 1e-7,
-        ns_steps: int | None = None,
-        adjust_lr_fn: str | None = None,
-        *,
+        *args: Any,
         beta2: float = 0.95,
         moment_eps: float = 1e-8,
         rescale: str = "norm",
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_method: str = "auto",
-        matrices: MatrixMapSpec | list = "flatten",
-        policy: str = "auto",
-        rms_scale: float = RMS_SCALE,
-        adjust_lr: str | None = None,
-        betas: tuple[float, float] = ADAMW_BETAS,
-        adamw_eps: float = ADAMW_EPS,
-        adamw_lr: float = ADAMW_LR,
-        foreach: bool | None = None,
-        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | str | None = None,
-        compile: bool = False,
-        process_group: ProcessGroup | None = None,
-        nonfinite: str = DEFAULT_NONFINITE,
-        capturable: bool = False,
-        owner_group_size: int | None = None,
-        max_exchange_bytes: int | None = None,
-        cautious_weight_decay: bool = False,
-        qk_clip_tau: float | None = None,
-        qk_clip_alpha: float = DEFAULT_ALPHA,
-        state_dtype: torch.dtype | None = None,
+        **options: Any,
     ):
-        defaults, options = muon_settings(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype,
-            ns_method=ns_method,
-            matrices=matrices,
-            policy=policy,
-            rms_scale=rms_scale,
-            adjust_lr=adjust_lr,
-            betas=betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            foreach=foreach,
-            max_bucket_bytes=max_bucket_bytes,
-            cost_model=cost_model,
-            compile=compile,
-            nonfinite=nonfinite,
-            capturable=capturable,
-            owner_group_size=owner_group_size,
-            max_exchange_bytes=max_exchange_bytes,
-            cautious_weight_decay=cautious_weight_decay,
-            qk_clip_tau=qk_clip_tau,
-            qk_clip_alpha=qk_clip_alpha,
-            state_dtype=state_dtype,
-        )
+        # Muon's settings joined by the variant's group options reach the base class at once (Muon's
+        # constructor does no more than build them)
+        defaults, settings, process_group = bind_muon_options(NorMuon.__init__, self, params, args, options)
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
-        # Muon's constructor does no more than build these two: the variant's group options join
-        # Muon's defaults, and all of them reach the base class at once
-        MatrixOptimizer.__init__(self, params, defaults, options, process_group)
+        MatrixOptimizer.__init__(self, params, defaults, settings, process_group)
 
 
 class AdaMuon(_SecondMomentMuon):
@@ -195,82 +128,22 @@ class AdaMuon(_SecondMomentMuon):
         torch.Size([16, 8])
     """
 
-    _rule = adamuon_rule
+    _rule: ClassVar[Rule] = adamuon_rule
 
+    @with_muon_options(defaults={"nesterov": False})
     def __init__(
         self,
         params: ParamsT,
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = False,
-        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
-        eps: float = 1e-7,
-        ns_steps: int | None = None,
-        adjust_lr_fn: str | None = None,
-        *,
+        *args: Any,
         beta2: float = 0.95,
         moment_eps: float = 1e-8,
         sign_momentum: bool = True,
         rescale: str = "rms",
-        ns_dtype: torch.dtype = torch.bfloat16,
-        ns_method: str = "auto",
-        matrices: MatrixMapSpec | list = "flatten",
-        policy: str = "auto",
-        rms_scale: float = RMS_SCALE,
-        adjust_lr: str | None = None,
-        betas: tuple[float, float] = ADAMW_BETAS,
-        adamw_eps: float = ADAMW_EPS,
-        adamw_lr: float = ADAMW_LR,
-        foreach: bool | None = None,
-        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-        cost_model: CostModel | str | None = None,
-        compile: bool = False,
-        process_group: ProcessGroup | None = None,
-        nonfinite: str = DEFAULT_NONFINITE,
-        capturable: bool = False,
-        owner_group_size: int | None = None,
-        max_exchange_bytes: int | None = None,
-        cautious_weight_decay: bool = False,
-        qk_clip_tau: float | None = None,
-        qk_clip_alpha: float = DEFAULT_ALPHA,
-        state_dtype: torch.dtype | None = None,
+        **options: Any,
     ):
-        defaults, options = muon_settings(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            nesterov=nesterov,
-            ns_coefficients=ns_coefficients,
-            eps=eps,
-            ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn,
-            ns_dtype=ns_dtype,
-            ns_method=ns_method,
-            matrices=matrices,
-            policy=policy,
-            rms_scale=rms_scale,
-            adjust_lr=adjust_lr,
-            betas=betas,
-            adamw_eps=adamw_eps,
-            adamw_lr=adamw_lr,
-            foreach=foreach,
-            max_bucket_bytes=max_bucket_bytes,
-            cost_model=cost_model,
-            compile=compile,
-            nonfinite=nonfinite,
-            capturable=capturable,
-            owner_group_size=owner_group_size,
-            max_exchange_bytes=max_exchange_bytes,
-            cautious_weight_decay=cautious_weight_decay,
-            qk_clip_tau=qk_clip_tau,
-            qk_clip_alpha=qk_clip_alpha,
-            state_dtype=state_dtype,
-        )
+        defaults, settings, process_group = bind_muon_options(AdaMuon.__init__, self, params, args, options)
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)
-        # Muon's constructor does no more than build these two: the variant's group options join
-        # Muon's defaults, and all of them reach the base class at once
-        MatrixOptimizer.__init__(self, params, defaults, options, process_group)
+        MatrixOptimizer.__init__(self, params, defaults, settings, process_group)
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
         super()._validate_group(group, where)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from ..ns.matrices import MatrixMap
 from ..ns.planner import counted
+from ..step.contracts import Rule
 
 #: how to get Muon where an optimizer orthogonalises nothing
 NO_MUON_FIX = (
@@ -16,12 +18,12 @@ NO_MUON_FIX = (
 
 
 class MuonShare(NamedTuple):
-    """How an optimizer's parameters split between Muon and the elementwise update."""
+    """How an optimizer's parameters split between Muon and the update of the rest (SGD, AdamW)."""
 
     parameters: int  # tensors Muon orthogonalises
     matrices: int  # the matrices they make (a tensor may hold several: see fastmuon.ns.matrices)
     elements: int
-    others: int  # tensors that take the elementwise update alone
+    others: int  # tensors that take the rule's other update alone
     other_elements: int
     other_update: str  # "SGD", "AdamW"
     all_off: bool  # every group has use_muon=False
@@ -47,11 +49,12 @@ class MuonShare(NamedTuple):
 
 
 def muon_share(
-    groups: Sequence[dict[str, Any]], rule: Any, maps_of: Callable[[dict[str, Any], int], list]
+    groups: Sequence[dict[str, Any]], rule: Rule, maps_of: Callable[[dict[str, Any], int], list[MatrixMap]]
 ) -> MuonShare:
-    """What ``rule`` orthogonalises among the groups' parameters and what takes its elementwise
-    update: counts over every group, gradients or not (``maps_of(group, index)``: its maps)."""
-    other_update = rule.elementwise
+    """What ``rule`` orthogonalises among the groups' parameters and what takes the update it
+    names for the rest (``rule.other_update``): counts over every group, gradients or not
+    (``maps_of(group, index)``: its maps)."""
+    other_update = rule.other_update
     parameters = matrices = elements = others = other_elements = 0
     for index, group in enumerate(groups):
         maps = None

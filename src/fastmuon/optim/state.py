@@ -8,15 +8,23 @@ shape error deep in a foreach call). Every saved tensor must have its parameter'
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch import Tensor
 
-#: State entries that are counters, not buffers shaped like the parameter.
-SCALAR_KEYS = frozenset({"step"})
-# per-row statistics (NorMuon's ``second_moment``): a 1-D tensor, its length checked by the step
-ROW_KEYS = frozenset({"second_moment"})
+from ..step.contracts import COUNT, LIKE_PARAM, VECTOR, Rule
+
+
+def state_kinds(rules: Iterable[Rule]) -> dict[str, frozenset[str]]:
+    """Each state entry the ``rules`` declare (their ``state_keys``), with every shape kind any
+    of them gives it: a state dict may come from any of them."""
+    kinds: dict[str, set[str]] = {}
+    for rule in rules:
+        for key, kind in rule.state_keys.items():
+            kinds.setdefault(key, set()).add(kind)
+    return {key: frozenset(k) for key, k in kinds.items()}
+
 
 _FIX = (
     "the state dict was saved for a different parameter layout; build the optimizer over the "
@@ -25,10 +33,16 @@ _FIX = (
 
 
 def check_state_layout(
-    groups: list[dict[str, Any]], param_name: Callable[[dict[str, Any], int], str], state_dict: dict[str, Any]
+    groups: list[dict[str, Any]],
+    param_name: Callable[[dict[str, Any], int], str],
+    state_dict: dict[str, Any],
+    kinds: Mapping[str, frozenset[str]],
 ) -> None:
     """Raise ``ValueError`` naming (by ``param_name(group, j)``) the first parameter of ``groups``
-    whose saved state does not fit it."""
+    whose saved state does not fit it. ``kinds`` (see :func:`state_kinds`): how each known entry
+    may be shaped; any other tensor must have its parameter's shape. An entry of its own shape
+    (:data:`~fastmuon.step.contracts.VECTOR`) is checked here for its dimension only: its length
+    depends on the group's matrix maps, which the loader checks once the groups are adapted."""
     saved_groups = state_dict.get("param_groups")
     saved_state = state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
@@ -51,17 +65,28 @@ def check_state_layout(
             for key, value in saved_buffers.items() if isinstance(saved_buffers, dict) else ():
                 if not isinstance(value, Tensor):
                     continue
-                if key in SCALAR_KEYS:
-                    fits = value.numel() == 1
-                    want = "a single number"
-                elif key in ROW_KEYS:
-                    fits = value.shape == p.shape or value.ndim == 1
-                    want = f"shape {tuple(p.shape)} or one dim"
-                else:
-                    fits = value.shape == p.shape
-                    want = f"shape {tuple(p.shape)}"
+                fits, want = _fits(value, p, kinds.get(key, _LIKE_PARAM))
                 if not fits:
                     raise ValueError(
                         f"{param_name(group, j)}: saved state {key!r} has shape "
                         f"{tuple(value.shape)} but needs {want}; {_FIX}"
                     )
+
+
+_LIKE_PARAM = frozenset({LIKE_PARAM})
+
+
+def _fits(value: Tensor, p: Tensor, kinds: frozenset[str]) -> tuple[bool, str]:
+    """Whether a saved entry fits one of its ``kinds`` for ``p``, and what they want."""
+    fits = False
+    wants = []
+    if COUNT in kinds:
+        fits |= value.numel() == 1
+        wants.append("a single number")
+    if LIKE_PARAM in kinds:
+        fits |= value.shape == p.shape
+        wants.append(f"shape {tuple(p.shape)}")
+    if VECTOR in kinds:
+        fits |= value.ndim == 1
+        wants.append("one dim")
+    return fits, " or ".join(wants)

@@ -1,19 +1,23 @@
 """Update rules: what each optimizer computes, one module per rule.
 
-A rule is a small object each optimizer class names (read as ``opt.rule``). It says, for
-its family of optimizers:
+A rule is a module each optimizer class names (read as ``opt.rule``); it satisfies
+:class:`fastmuon.step.contracts.Rule`, checked when the class is made. It says, for its family
+of optimizers:
 
 - ``family``: its name in checkpoints (see :mod:`fastmuon.optim.checkpoint`);
-- ``elementwise``: what the parameters it does not orthogonalise take ("SGD", "AdamW"), as
+- ``other_update``: what the parameters it does not orthogonalise take ("SGD", "AdamW"), as
   warnings and plan notes name it;
-- ``is_matrix(group, p)`` and ``state_roles(group, p)``: what it orthogonalises, and what each
-  state buffer it keeps holds;
-- ``collect(groups, grads, env)``: a step's work items (``Items``, one list per half: the
-  matrices first), creating missing state;
-- ``scalars(groups, lr_value)``: the step's hyperparameters as named fields, and the pattern
-  (their equality classes) that decides whether a prepared program still fits;
+- ``state_keys``: each state entry it may keep and how it is shaped (read by the loader);
+- ``is_matrix(group, p)``, ``state_roles(group, p)`` and ``state_shapes(group, p, map)``: what it
+  orthogonalises, what each buffer it keeps holds, and the shapes not simply ``p``'s;
+- ``collect(groups, grads, env)``: a step's work items (``Items``: ``matrices`` and
+  ``elementwise``), creating missing state;
+- ``scalars(groups, lr_value)``: the step's pattern (the hyperparameters' equality classes, which
+  decide whether a prepared program still fits) and its scalars, as named fields;
 - ``build(items, pattern, engine_for, options)``: the batched program for those items;
 - ``reference(items)``: the same update one parameter at a time (``foreach=False``).
 
-A new hyperparameter or variant is a change to one rule module and its optimizer's validation.
+A variant is one rule module and its optimizer class: it builds on another rule's collection
+and program, adding the stages of :mod:`fastmuon.step` it needs (a second moment after NS,
+:mod:`fastmuon.step.moments`; the momentum's sign before it, :mod:`fastmuon.step.before_ns`).
 """

@@ -17,18 +17,31 @@ its own part of it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
 from ..ns.matrices import MatrixMap
 from ..step.collecting import CollectEnv
+from ..step.contracts import LIKE_PARAM, EngineFor, StepOptions
+from ..step.matrix_item import MatrixItem
+from ..step.moments import MomentStage, SecondMoment, reference_normalize
+from ..step.program import Scalar, TwoHalves
 from . import muon as muon_rule
 from .muon import Items, is_matrix
-from .normuon import Variant, build, elementwise, family, reference, variant_scalars
+from .roles import ELEMENT_MOMENT, MUON
 
+family = MUON
+other_update = muon_rule.other_update
+MOMENT = SecondMoment("second_moment", ELEMENT_MOMENT, per_row=False)
+state_keys: Mapping[str, str] = {**muon_rule.state_keys, MOMENT.key: LIKE_PARAM}
+
+# the Rule contract (fastmuon.step.contracts), some of it Muon's
 __all__ = [
+    "family",
+    "other_update",
+    "state_keys",
     "Items",
     "is_matrix",
     "state_roles",
@@ -37,26 +50,68 @@ __all__ = [
     "scalars",
     "build",
     "reference",
-    "family",
-    "elementwise",
 ]
 
-VARIANT = Variant(per_row=False, sign_key="sign_momentum")
+
+class Pattern(NamedTuple):
+    """Muon's pattern, and the groups' settings of the sign and the second moment."""
+
+    muon: muon_rule.Pattern
+    moment: tuple[Any, ...]  # per group: its rescale and sign_momentum
+
+
+class SignedMoment:
+    """Muon's collection extended: each matrix's second moment, and the sign of its momentum
+    as its NS input where the group's ``sign_momentum`` says (the stage before NS)."""
+
+    def adjust(self, group: Mapping[str, Any]) -> str:
+        return MOMENT.adjust(group)
+
+    def attach(
+        self,
+        group: Mapping[str, Any],
+        p: Tensor,
+        m: MatrixMap,
+        state: dict[str, Any],
+        items: list[MatrixItem],
+        env: CollectEnv,
+    ) -> None:
+        MOMENT.attach(group, p, m, state, items, env)
+        sign = bool(group["sign_momentum"])
+        for it in items:
+            it.sign_input = sign
+
+
+EXTENSION = SignedMoment()
 
 
 def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
     """Muon's buffers, and a matrix's elementwise second moment."""
-    return VARIANT.roles(group, p)
+    roles = muon_rule.state_roles(group, p)
+    return {**roles, MOMENT.key: MOMENT.role} if is_matrix(group, p) else roles
 
 
 def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
     """The shape of each buffer the loader must check: ``second_moment``, ``p``'s own."""
-    return VARIANT.shapes(group, p, m)
+    return {MOMENT.key: MOMENT.shape(p, m)} if is_matrix(group, p) else {}
 
 
 def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv) -> Items:
-    return muon_rule.collect(groups, grads, env, VARIANT)
+    return muon_rule.collect(groups, grads, env, EXTENSION)
 
 
-def scalars(groups: Sequence[Mapping[str, Any]], lr_value):
-    return variant_scalars(groups, lr_value, extra=("sign_momentum",))
+def scalars(
+    groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar]
+) -> tuple[Pattern, muon_rule.Scalars]:
+    pattern, s = muon_rule.scalars(groups, lr_value)
+    moment = tuple((g["rescale"], g["sign_momentum"]) for g in groups)
+    return Pattern(pattern, moment), muon_rule.Scalars(MOMENT.scalars(groups, s.matrices), s.elementwise)
+
+
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOptions) -> TwoHalves:
+    return muon_rule.build(items, pattern.muon, engine_for, options, MomentStage)
+
+
+def reference(items: Items) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path."""
+    muon_rule.reference(items, reference_normalize)

@@ -7,8 +7,8 @@ matrices (see :mod:`fastmuon.ns.matrices`), with AdamW for the parameters Muon d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -22,26 +22,52 @@ from ..step.adamw import (
     single_tensor_adamw,
 )
 from ..step.collecting import CollectEnv, live_params, ns_config
+from ..step.contracts import COUNT, LIKE_PARAM, AfterNSStage, EngineFor, StepOptions
 from ..step.elementwise import lr_factor
 from ..step.matrix import (
-    EngineFor,
-    MatrixItem,
     MatrixProgram,
     MatrixScalars,
     matrix_items,
     single_tensor_matrix_update,
 )
-from ..step.program import TwoHalves, classes
+from ..step.matrix_item import MatrixItem
+from ..step.program import Scalar, TwoHalves, classes_each
 from ..step.state_dtype import group_state_dtype
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
-elementwise = "AdamW"  # the update of the parameters it does not orthogonalise
+other_update = "AdamW"  # the update of the parameters it does not orthogonalise
+state_keys: Mapping[str, str] = {
+    "momentum_buffer": LIKE_PARAM,
+    "exp_avg": LIKE_PARAM,
+    "exp_avg_sq": LIKE_PARAM,
+    "step": COUNT,
+}
 
 
 class Items(NamedTuple):
     matrices: list[MatrixItem]
-    adamw: list[AdamWItem]
+    elementwise: list[AdamWItem]
+
+
+class Extension(Protocol):
+    """What a variant of Muon adds to its collection (see :mod:`fastmuon.rules.normuon`)."""
+
+    def adjust(self, group: Mapping[str, Any]) -> str:
+        """The group's lr factor mode."""
+        ...
+
+    def attach(
+        self,
+        group: Mapping[str, Any],
+        p: Tensor,
+        m: MatrixMap,
+        state: dict[str, Any],
+        items: list[MatrixItem],
+        env: CollectEnv,
+    ) -> None:
+        """Give ``p``'s matrix items (one per matrix of its map ``m``) the variant's state."""
+        ...
 
 
 class Pattern(NamedTuple):
@@ -83,21 +109,20 @@ def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tu
     return {}
 
 
-def adamw_eps(group: Mapping[str, Any]) -> Any:
-    """AdamW's eps in a group: its ``eps`` where the group is AdamW's alone, else ``adamw_eps``
-    (``eps`` is then Newton–Schulz's)."""
-    return group["eps"] if group.get("use_muon") is False else group["adamw_eps"]
+def adamw_eps(groups: Sequence[Mapping[str, Any]]) -> list[float]:
+    """AdamW's eps in each group: its ``eps`` where the group is AdamW's alone, else
+    ``adamw_eps`` (``eps`` is then Newton–Schulz's)."""
+    return [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]
 
 
 def collect(
     groups: Sequence[dict[str, Any]],
     grads: Sequence[Tensor | None],
     env: CollectEnv,
-    variant: Any = None,
+    variant: Extension | None = None,
 ) -> Items:
     """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.normuon`)
-    gives each group's lr factor mode (``variant.adjust(group)``) and attaches its state to each
-    parameter's matrix items (``variant.attach(group, p, map, state, items, env)``)."""
+    gives each group's lr factor mode and attaches its state to each parameter's matrix items."""
     matrices: list[MatrixItem] = []
     others: list[AdamWItem] = []
     for gi, group, members in live_params(groups, grads, env):
@@ -108,7 +133,7 @@ def collect(
         if variant is not None:
             adjust = variant.adjust(group)
         cautious = group.get("cautious_weight_decay", False)
-        eps = adamw_eps(group)
+        (eps,) = adamw_eps([group])
         maps = env.maps(group, gi)
         state_dtype = group_state_dtype(group, gi)
         for j, p, grad, index in members:
@@ -155,14 +180,14 @@ def collect(
     return Items(matrices, others)
 
 
-def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Scalars]:
+def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar]) -> tuple[Pattern, Scalars]:
     lr = [lr_value(g["lr"]) for g in groups]
     wd = [g["weight_decay"] for g in groups]
     beta = [g["momentum"] for g in groups]
     nesterov = [bool(g["nesterov"]) for g in groups]  # a group may hold an integer, as torch's do
     decay = [1 - r * w for r, w in zip(lr, wd)]
     betas = [tuple(g["betas"]) for g in groups]
-    eps = [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]  # as adamw_eps
+    eps = adamw_eps(groups)
     structure = tuple(
         (
             g.get("use_muon"),
@@ -173,21 +198,28 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
         )
         for i, g in enumerate(groups)
     )
-    pattern = Pattern(
-        classes(beta), classes(nesterov), classes(lr), classes(betas), classes(eps), classes(wd), structure
-    )
+    beta_c, nesterov_c, lr_c, betas_c, eps_c, wd_c = classes_each(beta, nesterov, lr, betas, eps, wd)
+    pattern = Pattern(beta_c, nesterov_c, lr_c, betas_c, eps_c, wd_c, structure)
     return pattern, Scalars(MatrixScalars(beta, nesterov, lr, decay), AdamWScalars(lr, betas, eps, wd))
 
 
-def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> TwoHalves:
+def build(
+    items: Items,
+    pattern: Pattern,
+    engine_for: EngineFor,
+    options: StepOptions,
+    stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
+) -> TwoHalves:
+    """The batched program; ``stage``: a variant's stage after NS over the program's matrices."""
     adamw_classes = AdamWClasses(pattern.lr, pattern.betas, pattern.eps, pattern.weight_decay)
     return TwoHalves(
-        MatrixProgram(items.matrices, pattern.lr, engine_for),
-        AdamWProgram(items.adamw, adamw_classes, options.capturable),
+        MatrixProgram(items.matrices, pattern.lr, engine_for, stage),
+        AdamWProgram(items.elementwise, adamw_classes, options.capturable),
     )
 
 
-def reference(items: Items) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path."""
-    single_tensor_matrix_update(items.matrices)
-    single_tensor_adamw(items.adamw)
+def reference(items: Items, after_ns: Callable[[MatrixItem, Tensor], Tensor] | None = None) -> None:
+    """The same update, one parameter at a time: the per-parameter reference path
+    (``after_ns``: a variant's stage, one matrix at a time)."""
+    single_tensor_matrix_update(items.matrices, after_ns)
+    single_tensor_adamw(items.elementwise)

@@ -8,30 +8,31 @@ a ``use_muon=False`` group takes plain SGD at ``lr``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from torch import Tensor
 
 from ..ns.matrices import MatrixMap, maps_key
 from ..step.collecting import CollectEnv, live_params, ns_config
+from ..step.contracts import LIKE_PARAM, EngineFor, StepOptions
 from ..step.elementwise import lr_factor
 from ..step.matrix import (
-    EngineFor,
-    MatrixItem,
     MatrixProgram,
     MatrixScalars,
     matrix_items,
     single_tensor_matrix_update,
     state_buffer,
 )
-from ..step.program import TwoHalves, classes
+from ..step.matrix_item import MatrixItem
+from ..step.program import Scalar, TwoHalves, classes_each
 from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
 from ..step.state_dtype import group_state_dtype
 from .roles import EMA, HEAVY_BALL, MUSGD
 
 family = MUSGD
-elementwise = "SGD"  # the update of the parameters it does not orthogonalise
+other_update = "SGD"  # the update of the parameters it does not orthogonalise
+state_keys: Mapping[str, str] = {"momentum_buffer": LIKE_PARAM, "momentum_buffer_SGD": LIKE_PARAM}
 
 
 class Items(NamedTuple):
@@ -58,7 +59,7 @@ class Scalars(NamedTuple):
 
 
 def is_matrix(group: dict[str, Any], p: Tensor) -> bool:
-    return group["use_muon"] and p.ndim >= 2 and p.numel() > 0
+    return bool(group["use_muon"]) and p.ndim >= 2 and p.numel() > 0
 
 
 def state_roles(group: dict[str, Any], p: Tensor) -> dict[str, str]:
@@ -123,7 +124,7 @@ def collect(groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], en
     return Items(matrices, elementwise)
 
 
-def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Scalars]:
+def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar]) -> tuple[Pattern, Scalars]:
     lr = [lr_value(g["lr"]) for g in groups]
     beta = [g["momentum"] for g in groups]
     nesterov = [bool(g["nesterov"]) for g in groups]  # a group may hold an integer, as torch's do
@@ -134,19 +135,12 @@ def scalars(groups: Sequence[Mapping[str, Any]], lr_value) -> tuple[Pattern, Sca
         (g.get("use_muon"), lr_factor(g, i, "ultralytics"), ns_config(g), maps_key(g.get("matrices")))
         for i, g in enumerate(groups)
     )
-    pattern = Pattern(
-        classes(beta),
-        classes(nesterov),
-        classes(wd),
-        classes(base),
-        classes(sgd_lr),
-        tuple(b == 0 for b in beta),
-        structure,
-    )
+    beta_c, nesterov_c, wd_c, base_c, sgd_c = classes_each(beta, nesterov, wd, base, sgd_lr)
+    pattern = Pattern(beta_c, nesterov_c, wd_c, base_c, sgd_c, tuple(b == 0 for b in beta), structure)
     return pattern, Scalars(MatrixScalars(beta, nesterov, base), SGDScalars(beta, nesterov, wd, sgd_lr))
 
 
-def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Any) -> TwoHalves:
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOptions) -> TwoHalves:
     return TwoHalves(
         MatrixProgram(items.matrices, pattern.muon_lr, engine_for),
         SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable),

@@ -19,13 +19,12 @@ import contextlib
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from ..distributed.context import DistContext, agree_across_ranks, begin_step, build_distributed
 from ..distributed.dtensor import LocalShards, is_dtensor, localize
@@ -39,11 +38,15 @@ from ..ns.matrices import MatrixMap
 from ..ns.planner import Plan
 from .cache import StepCache
 from .collecting import CollectEnv
+from .contracts import Rule, StepOptions
 from .deferred import PendingFlags
 from .matrix import batch_order
 from .nonfinite import NonFiniteGuard
-from .program import StepProgram
+from .program import Scalar, StepProgram
 from .state_marks import drop_state_after, mark_state
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
 _is_none = functools.partial(operator.is_, None)
@@ -61,13 +64,13 @@ class StepEnv(NamedTuple):
     """What the driver reads of the optimizer for one call (never the optimizer itself)."""
 
     groups: list[dict[str, Any]]
-    state: Any  # per-parameter state dicts (a defaultdict: made on first use)
-    rule: Any  # a module of fastmuon.rules
-    options: Any  # the optimizer's Options
-    process_group: Any  # DDP's, or None
+    state: MutableMapping[Tensor, dict[str, Any]]  # per-parameter state (a defaultdict: made on first use)
+    rule: Rule  # a module of fastmuon.rules
+    options: StepOptions  # the optimizer's Options
+    process_group: ProcessGroup | None  # DDP's, or None
     optimizer: str  # its class name, for errors
     param_name: Callable[[dict[str, Any], int], str]
-    lr_value: Callable[[Any], Any]
+    lr_value: Callable[[Any], Scalar]
     check_grad: Callable[[dict[str, Any], int, Tensor], None]
     check_maps: Callable[[dict[str, Any], int], list[MatrixMap]]  # (group, index) -> its checked maps
 

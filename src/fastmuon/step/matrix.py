@@ -22,6 +22,8 @@ from ..ns.gather import Gather
 from ..ns.matrices import MatrixMap
 from ..ns.newton_schulz import newton_schulz
 from .after_ns import AfterNS
+from .before_ns import SignInputs
+from .contracts import AfterNSStage, BucketwiseEngine, Engine, EngineFor
 from .elementwise import (
     RMS_SCALE,
     ema_momentum_,
@@ -30,36 +32,9 @@ from .elementwise import (
     lr_scale,
     partition,
 )
+from .matrix_item import MatrixItem
 from .program import Scalar, scale_limit
 from .state_dtype import arithmetic_dtype
-
-
-@dataclass
-class MatrixItem:
-    """One matrix's Muon update: ``p ← decay·p − scale·NS(momentum)``."""
-
-    param: Tensor
-    grad: Tensor
-    buf: Tensor  # the EMA momentum M
-    beta: float
-    nesterov: bool
-    scale: float  # lr times the optimizer's factors
-    config: NSConfig
-    decay: float = 1.0  # 1 − lr·wd for decoupled weight decay
-    group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
-    index: int = 0  # its position among the step's parameters with gradients
-    factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
-    # for one of several matrices in a tensor (see fastmuon.ns.matrices): how a step's gradient of
-    # the tensor splits into its matrices' gradients, and which of them this one is
-    split: Callable[[Tensor], list[Tensor]] | None = None
-    piece: int = 0
-    # what the planner sees of a matrix this rank holds a shard of (a DTensor, or the
-    # description of a matrix cut out of one: see fastmuon.distributed); None: ``param`` itself
-    whole: Any = None
-    # decay only where the update and the parameter agree in sign (cautious weight decay)
-    cautious: bool = False
-    # a variant's per-matrix state read after NS (see fastmuon.step.moments); None: Muon's update
-    moment: Any = None
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -98,7 +73,7 @@ def matrix_items(
     ``state_dtype``: the dtype a missing buffer is made in (None: ``p``'s)."""
     buf = state_buffer(state, "momentum_buffer", p, state_dtype)
     if parts is not None:
-        pieces = held_pieces(m, *map(local_shard, (p, grad, buf)), parts)
+        pieces = held_pieces(m, local_shard(p), local_shard(grad), local_shard(buf), parts)
     elif m.is_flatten:
         pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
     else:
@@ -163,12 +138,12 @@ def single_tensor_matrix_update(
 ) -> None:
     """The same update, one parameter at a time: the per-parameter reference path.
 
-    ``after_ns(item, o)`` (a variant's) maps a matrix's orthogonalised update, in the
-    parameter's shape and dtype, to the update applied. A matrix whose ``moment`` says
-    ``sign_input`` orthogonalises the sign of its momentum instead of the momentum."""
+    ``after_ns(item, o)`` (a rule's stage) maps a matrix's orthogonalised update, in the
+    parameter's shape and dtype, to the update applied. A matrix with ``sign_input``
+    orthogonalises the sign of its momentum instead of the momentum."""
     for it in items:
         u = momentum_update(it)
-        if getattr(it.moment, "sign_input", False):
+        if it.sign_input:
             u = u.sign()
         c = it.config
         dtype = compute_dtype(c.dtype, u.device)  # the precision the batched path runs in too
@@ -208,12 +183,8 @@ class MatrixScalars:
     decay: Sequence[Scalar] | None = None  # 1 − lr·wd (Muon); None: no decay
 
 
-#: ``(params, configs, wholes) -> engine``: the executor of the plan over these matrices.
-EngineFor = Callable[[list, list, list], Any]
-
-
 def orthogonalize_step(
-    engine: Any,
+    engine: Engine,
     sources: Sequence[Tensor],
     dtypes: Sequence[torch.dtype],
     keep: Tensor | None,
@@ -226,9 +197,13 @@ def orthogonalize_step(
         return engine(sources, dtypes)
     if isinstance(engine, Orthogonalizer):
         return engine(sources, dtypes, keep=keep, keep_positions=keep_positions)
-    flags = keep.unbind(0)
-    flags = [flags[k] for k in keep_positions]
+    every = keep.unbind(0)
+    flags = [every[k] for k in keep_positions]
     return engine([torch.where(k, s, 0) for k, s in zip(flags, sources)], dtypes)
+
+
+#: a momentum step over one part: ``(bufs, grads, beta, nesterov, out=views) -> NS inputs``
+Momentum = Callable[..., list[Tensor]]
 
 
 class MatrixProgram:
@@ -251,8 +226,8 @@ class MatrixProgram:
         self,
         items: list[MatrixItem],
         base_class: Sequence[int],
-        engine_for: EngineFor | None = None,
-        variant: Callable[[list[MatrixItem]], Any] | None = None,
+        engine_for: EngineFor,
+        stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
     ):
         parts = batch_order(items)
         ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
@@ -276,9 +251,7 @@ class MatrixProgram:
         position = [starts[i.index] + i.piece if i.split is not None else count + i.index for i in ordered]
         # the plan's executor, and where it reads each source from (momentum is written there)
         wholes = [i.param if i.whole is None else i.whole for i in ordered]
-        self.engine = (
-            engine_for(self.params, self.configs, wholes) if engine_for is not None and ordered else None
-        )
+        self.engine: Engine | None = engine_for(self.params, self.configs, wholes) if ordered else None
         # per part: its matrices' positions in the program, and the dtype its momentum step
         # computes in where that is not the buffers' (see state_dtype.arithmetic_dtype)
         self.part_specs: list[tuple[list[int], int, torch.dtype | None]] = []
@@ -291,9 +264,9 @@ class MatrixProgram:
         self.grad_positions = position
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
-        # the matrices whose NS input is the sign of their momentum (AdaMuon's), if any
-        self.signed = [k for k, i in enumerate(ordered) if getattr(i.moment, "sign_input", False)]
-        self.signed_pick = Gather(self.signed)
+        # the stage before NS: the matrices whose NS input is the sign of their momentum, if any
+        signed = [k for k, i in enumerate(ordered) if i.sign_input]
+        self.sign = SignInputs(signed) if signed else None
         # scale = base · factor: one class per (class of the group's base, factor)
         by_scale = partition(range(len(ordered)), lambda k: (base_class[ordered[k].group], ordered[k].factor))
         self.scale_keys = [(ordered[idx[0]].group, ordered[idx[0]].factor) for idx in by_scale.values()]
@@ -303,31 +276,33 @@ class MatrixProgram:
                 scale_class[k] = c
         limit = scale_limit(self.params[0].device) if ordered else 0
         self.one_pass = len(self.scale_keys) <= limit
-        # a variant's stage after NS (``variant(items)``: see fastmuon.step.moments), or None
-        whole = variant(ordered) if variant is not None and ordered else None
-        self.variant = whole
+        # the rule's stage after NS over all the matrices (e.g. fastmuon.step.moments'), or None
+        whole = stage(ordered) if stage is not None and ordered else None
+        self.stage = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
-        self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]] | None = None
+        self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] | None = None
         self.owned_inputs = False
+        self.bucketwise_engine: BucketwiseEngine | None = None  # set where the steps below are made
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
 
     def _bucket_steps(
         self, ordered: list[MatrixItem], scale_class: list[int], whole: Any
     ) -> list[BucketStep] | None:
-        """The step bucket by bucket, where the engine runs that way (None: it does not, or a
-        variant's stage cannot take its classes one at a time)."""
+        """The step bucket by bucket, where the engine runs that way (None: it does not, or
+        the rule's stage after NS cannot take its classes one at a time)."""
         engine = self.engine
-        if engine is None or not getattr(engine, "host_bucketwise", False):
+        if not isinstance(engine, BucketwiseEngine) or not engine.host_bucketwise or engine.plan is None:
             return None
         if whole is not None and not hasattr(whole, "run_class"):
             return None
+        self.bucketwise_engine = engine
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
         classes = [c[0] for c in whole.classes] if whole is not None else []
         bucket_of = {k: b for b, members in enumerate(buckets) for k in members}
         last = [max(bucket_of[k] for k in idx) for idx in classes]
         spans = [len({bucket_of[k] for k in idx}) > 1 for idx in classes]
         place = {k: (c, j) for c, idx in enumerate(classes) for j, k in enumerate(idx)}
-        # a variant's classes are applied as each completes (its stage over them, then the rest)
+        # the stage's classes are applied as each completes (its stage over them, then the rest)
         self.class_after = [
             AfterNS.over(
                 [ordered[k] for k in idx],
@@ -340,7 +315,7 @@ class MatrixProgram:
         ]
         self.class_spans = spans
         part_of = {k: p for p, (ks, _, _) in enumerate(self.part_specs) for k in ks}
-        signed = set(self.signed)
+        signed = set(self.sign.positions) if self.sign is not None else set()
         steps = []
         for b, members in enumerate(buckets):
             ks = sorted(members)  # the program's order: each stage's batches as over all matrices
@@ -352,6 +327,7 @@ class MatrixProgram:
                 if not mine:
                     continue
                 bufs = [self.bufs[k] for k in mine]
+                momentum: Momentum
                 if work is not None:
                     momentum = functools.partial(ema_momentum_widened_, dtype=work)
                 elif any(b_.dtype != ns_dtype for b_ in bufs):
@@ -401,26 +377,24 @@ class MatrixProgram:
     ) -> None:
         """One step over this step's ``grads``; ``hooks`` (see
         ``MatrixOptimizer.register_orthogonalize_hook``) wrap its Newton–Schulz call."""
-        if not self.params:
+        engine = self.engine
+        if engine is None:  # no matrix
             return
         if self.splits:
             grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)
         scales = [scalars.base[g] * f for g, f in self.scale_keys]
-        if self.buckets is not None and not hooks and self.engine.bucketwise():
-            self._run_bucketwise(grads, scalars, scales, keep)
+        bucketwise = self.bucketwise_engine
+        if bucketwise is not None and not hooks and bucketwise.bucketwise():
+            self._run_bucketwise(bucketwise, grads, scalars, scales, keep)
             return
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
         for bufs, pick, g, out, momentum in self._momentum_parts():
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
-        if self.signed:  # in place where the momentum step wrote into NS input buffers
-            if self.owned_inputs:
-                torch._foreach_sign_(self.signed_pick(sources))
-            else:
-                for k, t in zip(self.signed, torch._foreach_sign(self.signed_pick(sources))):
-                    sources[k] = t
+        if self.sign is not None:
+            self.sign.run(sources, self.owned_inputs)
         # 2. orthogonalise, one NS call per bucket of the cached plan
-        args = (self.engine, sources, self.dtypes, keep, self.keep_positions)
+        args = (engine, sources, self.dtypes, keep, self.keep_positions)
         if hooks:
             call = functools.partial(orthogonalize_step, *args)
             for hook in hooks.values():
@@ -428,32 +402,38 @@ class MatrixProgram:
             updates = call()
         else:
             updates = orthogonalize_step(*args)
-        # 3-4. the variant's stage, decay, scale and apply
+        # 3-4. the rule's stage, decay, scale and apply
         self.after.run(updates, scalars, scales, self.groups, self.one_pass)
 
     def _run_bucketwise(
-        self, grads: Sequence[Tensor], scalars: MatrixScalars, scales: list[Scalar], keep: Tensor | None
+        self,
+        engine: BucketwiseEngine,
+        grads: Sequence[Tensor],
+        scalars: MatrixScalars,
+        scales: list[Scalar],
+        keep: Tensor | None,
     ) -> None:
         """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
         stage after it, before the next bucket reuses the buffers.
 
-        A variant's stage takes the results in the NS dtype where widening them is exact (it
+        The rule's stage after NS takes the results in the NS dtype where widening them is exact (it
         stacks them and computes in fp32, the values it gets from results cast first); the
         other stages take them cast into the parameters' dtype and layout, as one engine call
         returns them (an apply from the slots' strides and dtype runs a slower elementwise loop).
         """
-        raw = self.variant is not None
-        engine, beta, nesterov = self.engine, scalars.beta, scalars.nesterov
-        pending: dict[int, list[Tensor | None]] = {}  # a variant's classes seen in part
-        for step in self.buckets:  # type: ignore[union-attr]
+        stage = self.stage
+        beta, nesterov = scalars.beta, scalars.nesterov
+        # the stage's classes seen in part (one spanning buckets: None where not fed yet)
+        pending: dict[int, list[Any]] = {}
+        for step in self.buckets or ():
             views = engine.open_bucket(step.index)
             for bufs, pick, g, out, momentum in step.momentum:
                 momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
             if step.signed:
                 torch._foreach_sign_(step.signed(views))
-            dtype = None if raw and step.exact_cast else step.out_dtype
+            dtype = None if stage is not None and step.exact_cast else step.out_dtype
             updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
-            if not raw:
+            if stage is None:
                 step.after.run(updates, scalars, scales, self.groups, self.one_pass)
                 continue
             for c, pick, places in step.feeds:
@@ -465,10 +445,10 @@ class MatrixProgram:
                 else:
                     pending[c] = got
             for c in step.completes:
-                results = self.variant.run_class(c, pending.pop(c), scalars)  # type: ignore[union-attr]
+                results = stage.run_class(c, pending.pop(c), scalars)
                 self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
-    def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Callable]]:
+    def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]]:
         """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
         step that writes them (casting where a view's dtype is not the buffers'); made on the
         first step that takes them, since the engine's input views are kept buffers."""
@@ -476,10 +456,11 @@ class MatrixProgram:
             return self._parts
         views = getattr(self.engine, "input_views", None)
         inputs = views() if views is not None else None
-        parts = []
+        parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] = []
         for ks, group, work in self.part_specs:
             out = [inputs[k] for k in ks] if inputs is not None else None
             bufs = [self.bufs[k] for k in ks]
+            momentum: Momentum
             if work is not None:
                 momentum = functools.partial(ema_momentum_widened_, dtype=work)
             elif out is not None and any(o.dtype != b.dtype for o, b in zip(out, bufs)):
@@ -500,13 +481,13 @@ class BucketStep:
     index: int  # the bucket's place in the plan
     # per momentum part with matrices here: buffers, gradient picks, group, the picks of their
     # NS input views (among the bucket's, slot order), and the momentum step
-    momentum: list[tuple[list[Tensor], Gather, int, Gather, Callable]]
+    momentum: list[tuple[list[Tensor], Gather, int, Gather, Momentum]]
     signed: Gather  # the sign-input matrices' places among the bucket's, slot order
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'
     exact_cast: bool  # widening the NS dtype to the parameters' is exact
-    after: AfterNS  # the stages after NS over the bucket's matrices (without a variant)
-    # with a variant: per class with matrices here, where they sit among the bucket's results
+    after: AfterNS  # the stages after NS over the bucket's matrices (the rule's stage after NS apart)
+    # with one: per class with matrices here, where they sit among the bucket's results
     # (program order) and in the class; and the classes whose last matrices are here
     feeds: list[tuple[int, Gather, list[int]]]
     completes: list[int]

@@ -1,4 +1,4 @@
-"""A second moment of the orthogonalised update, after Newton–Schulz: NorMuon's and AdaMuon's stage.
+"""A second moment of the orthogonalised update, a stage after Newton–Schulz that a rule supplies.
 
 For each matrix ``O`` (the NS output, ``m×n`` as NS saw it: rows first, the other dims flattened):
 
@@ -18,17 +18,26 @@ its own dtype (a group's ``state_dtype``), rounded once per step.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .matrix import MatrixItem, MatrixScalars
+from ..ns.matrices import MatrixMap
+from .collecting import CollectEnv
+from .matrix import MatrixScalars
+from .matrix_item import MatrixItem
+from .state_dtype import group_state_dtype
 
 #: the RMS of an AdamW update that the RMS-matching rescale aims at (Moonlight; NorMuon's
 #: Algorithm 1 and AdaMuon's RMS-aligned rescaling use the same 0.2)
 ADAMW_RMS = 0.2
+
+
+#: a group's ``rescale``: keep NS's Frobenius norm, or rescale to an RMS of :data:`ADAMW_RMS`
+RESCALES = ("norm", "rms")
 
 
 @dataclass
@@ -41,16 +50,88 @@ class MomentScalars(MatrixScalars):
 
 @dataclass
 class Moment:
-    """A matrix's second-moment state and settings (``MatrixItem.moment``): ``v`` is a view of
+    """A matrix's second-moment state and settings (``MatrixItem.stage``): ``v`` is a view of
     its parameter's state buffer, per row ``(m,)`` or elementwise (the matrix's own shape)."""
 
     v: Tensor
     beta2: float
     eps: float
     rms: float | None  # None: keep NS's Frobenius norm; else rescale to this RMS
-    sign_input: bool = False  # orthogonalise the momentum's sign (AdaMuon's sign stabilisation)
     # the matrix is stored (in, out) (a "transposed" matrix map): its neurons are the columns
     transposed: bool = False
+
+
+@dataclass(frozen=True)
+class SecondMoment:
+    """A second moment kept in the state entry ``key`` of each matrix parameter: per row (one
+    1-D buffer holding each of its matrices' ``v`` in the map's order) or elementwise (the
+    parameter's shape). It reads the group keys ``beta2``, ``moment_eps`` and ``rescale``;
+    ``role`` names what it averages in checkpoints."""
+
+    key: str
+    role: str
+    per_row: bool
+
+    def shape(self, p: Tensor, m: MatrixMap) -> tuple[int, ...]:
+        """The entry's shape for ``p`` under its map ``m``."""
+        return (sum(_neurons(m, p.shape)),) if self.per_row else tuple(p.shape)
+
+    def adjust(self, group: Mapping[str, Any]) -> str:
+        """The group's lr factor mode: none where the rescale sets the update's size."""
+        if group["rescale"] == "rms":
+            return "none"
+        return str(group["adjust_lr_fn"] or "original")
+
+    def attach(
+        self,
+        group: Mapping[str, Any],
+        p: Tensor,
+        m: MatrixMap,
+        state: dict[str, Any],
+        items: list[MatrixItem],
+        env: CollectEnv,
+    ) -> None:
+        """Give each of ``p``'s matrix items its :class:`Moment` (a view of the entry, made as
+        zeros in the group's ``state_dtype`` where missing)."""
+        key = self.key
+        # the neurons: a matrix's rows, or its stored columns where the map says (in, out)
+        rows = [it.param.shape[1] if m.transposed else it.param.shape[0] for it in items]
+        wanted = (sum(rows),) if self.per_row else tuple(p.shape)
+        buf = state.get(key)
+        if buf is None:
+            dtype = group_state_dtype(group, items[0].group)
+            if self.per_row:
+                buf = state[key] = torch.zeros(wanted, dtype=dtype or p.dtype, device=p.device)
+            else:
+                buf = state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        elif not isinstance(buf, Tensor) or tuple(buf.shape) != wanted:
+            got = tuple(buf.shape) if isinstance(buf, Tensor) else type(buf).__name__
+            raise ValueError(
+                f"{env.optimizer}: the state {key!r} of a parameter of shape {tuple(p.shape)} is "
+                f"{got}, not {wanted}; it was saved for another model or optimizer: delete that "
+                "entry from the state (it restarts from zeros)"
+            )
+        views = list(torch.split(buf, rows)) if self.per_row else ([buf] if m.is_flatten else m.views(buf))
+        rms = ADAMW_RMS if group["rescale"] == "rms" else None
+        for it, v in zip(items, views):
+            it.stage = Moment(v, group["beta2"], group["moment_eps"], rms, m.transposed)
+
+    def scalars(self, groups: Sequence[Mapping[str, Any]], s: MatrixScalars) -> MomentScalars:
+        """The matrix update's scalars ``s`` with the moment's ``β₂`` and ``ε`` (read each step,
+        as every hyperparameter)."""
+        return MomentScalars(
+            s.beta,
+            s.nesterov,
+            s.base,
+            s.decay,
+            [g["beta2"] for g in groups],
+            [g["moment_eps"] for g in groups],
+        )
+
+
+def _neurons(m: MatrixMap, shape: tuple[int, ...] | torch.Size) -> list[int]:
+    """Each matrix's neurons: its rows, or its stored columns where the map says (in, out)."""
+    return [s[0] for s in m.shapes(shape)]
 
 
 def stat_dtype(dtype: torch.dtype, moment: torch.dtype | None = None) -> torch.dtype:
@@ -88,9 +169,9 @@ class MomentStage:
     """The batched stage over a program's matrices in its order (``items``: MatrixProgram's)."""
 
     def __init__(self, items: list[MatrixItem]):
-        classes: dict[tuple, list[int]] = {}
+        classes: dict[tuple[Any, ...], list[int]] = {}
         for k, it in enumerate(items):
-            m = it.moment
+            m = it.stage
             per_row_t = m.transposed and m.v.ndim == 1
             key = (
                 tuple(it.param.shape),
@@ -105,7 +186,7 @@ class MomentStage:
         # per class: positions, parameter shape and dtype, group, target RMS, rows are columns,
         # moment views
         self.classes = [
-            (idx, shape, dtype, group, rms, t, [items[k].moment.v for k in idx])
+            (idx, shape, dtype, group, rms, t, [items[k].stage.v for k in idx])
             for (shape, dtype, _device, group, rms, t, _v_dtype), idx in classes.items()
         ]
 
@@ -142,7 +223,7 @@ class MomentStage:
 def reference_normalize(it: MatrixItem, o: Tensor) -> Tensor:
     """:class:`MomentStage` for one matrix (the per-parameter path)."""
     rows, cols = matrix_shape(o.shape)
-    m = it.moment
+    m = it.stage
     dtype = stat_dtype(o.dtype, m.v.dtype)
     moment, beta2, eps, rms = m.v, m.beta2, m.eps, m.rms
     o32 = o.to(dtype).reshape(1, rows, cols)

@@ -16,18 +16,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..distributed.dtensor import LocalShards
 from ..ns import device as compute
 from ..ns.gather import Gather
+from ..ns.planner import Plan
+from .contracts import HalfProgram, MatrixHalf, UpdateProgram
+from .nonfinite import NonFiniteGuard
 
 #: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
 Scalar = Any
 
 
-def classes(values: Sequence[Hashable]) -> tuple[int, ...]:
-    """Each value's class: the index of its first equal value (equality of floats, identity of
-    tensors). Two steps with equal classes partition the parameters alike."""
-    first: dict[Hashable, int] = {}
-    return tuple(first.setdefault(v, i) for i, v in enumerate(values))
+def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
+    """Each value's class in each sequence: the index of its first equal value (equality of
+    floats, identity of tensors). Two steps with equal classes partition the parameters alike.
+    One call for all of a step's sequences."""
+    out: list[tuple[int, ...]] = []
+    for vs in values:
+        first: dict[Hashable, int] = {}
+        out += (tuple(first.setdefault(v, i) for i, v in enumerate(vs)),)  # no call per sequence
+    return out
 
 
 def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
@@ -65,9 +73,9 @@ def apply_scaled_(
                 continue
             if owned:
                 torch._foreach_mul_(us, s)
+                torch._foreach_sub_(ps, us)
             else:
-                us = torch._foreach_mul(us, s)
-            torch._foreach_sub_(ps, us)
+                torch._foreach_sub_(ps, torch._foreach_mul(us, s))
         return
     if one_pass is None:
         one_pass = len(scales) <= limit  # type: ignore[operator]
@@ -83,10 +91,9 @@ def apply_scaled_(
         return
     if owned:
         torch._foreach_mul_(all_updates, per_item)
-        scaled = all_updates
+        torch._foreach_sub_(all_params, all_updates)
     else:
-        scaled = torch._foreach_mul(all_updates, per_item)
-    torch._foreach_sub_(all_params, scaled)
+        torch._foreach_sub_(all_params, torch._foreach_mul(all_updates, per_item))
 
 
 class TwoHalves:
@@ -95,7 +102,7 @@ class TwoHalves:
     parameters after it. It reads the step's scalars as their fields ``matrices`` and
     ``elementwise``."""
 
-    def __init__(self, matrices: Any, elementwise: Any):
+    def __init__(self, matrices: MatrixHalf, elementwise: HalfProgram):
         self.matrices = matrices
         self.elementwise = elementwise
 
@@ -117,16 +124,23 @@ class StepProgram:
     program updates, whose gradients a step takes as local shards too.
     """
 
-    def __init__(self, update: Any, live: Gather, guard: Any, owners: list, shards: Any = None):
+    def __init__(
+        self,
+        update: UpdateProgram,
+        live: Gather,
+        guard: NonFiniteGuard,
+        owners: list[tuple[dict[str, Any], int]],
+        shards: LocalShards | None = None,
+    ):
         self.update = update
-        self.matrices = getattr(update, "matrices", None)
+        self.matrices = update.matrices
         self.live_pick = live
         self.guard = guard
         self.owners = owners
         self.shards = shards
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan | None:
         """The batching plan the program's Newton–Schulz runs (None: no matrix)."""
         return self.matrices.plan if self.matrices is not None else None
 
@@ -142,7 +156,7 @@ class StepProgram:
         sharded parameters still the local tensors it updates)."""
         return self.update.fits(grads) and (self.shards is None or self.shards.current())
 
-    def name_of(self, param_name: Callable[[dict, int], str]) -> Callable[[int], str]:
+    def name_of(self, param_name: Callable[[dict[str, Any], int], str]) -> Callable[[int], str]:
         """Names the ``k``-th parameter of the program, through ``param_name(group, j)``."""
         return lambda k: param_name(*self.owners[k])
 
