@@ -4,6 +4,7 @@ annotation and default (the variants' are made from Muon's declaration, so this 
 import inspect
 
 import pytest
+import torch
 
 import fastmuon
 
@@ -80,3 +81,12 @@ SIGNATURES = {
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_signature_lists_every_option_with_its_type_and_default(name):
     assert str(inspect.signature(getattr(fastmuon, name))) == SIGNATURES[name]
+
+
+@pytest.mark.parametrize("name", ["NorMuon", "AdaMuon"])
+def test_a_variant_refuses_an_unknown_argument_naming_itself(name):
+    params = torch.nn.Linear(4, 4).parameters()
+    with pytest.raises(TypeError, match=rf"^{name}\(\): got an unexpected keyword argument 'lr_scale'"):
+        getattr(fastmuon, name)(params, lr=0.02, lr_scale=2.0)
+    with pytest.raises(TypeError, match=rf"^{name}\(\): too many positional arguments"):
+        getattr(fastmuon, name)(params, *range(40))

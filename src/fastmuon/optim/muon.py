@@ -266,8 +266,12 @@ def bind_muon_options(
 ) -> tuple[dict[str, Any], Options, ProcessGroup | None]:
     """:func:`muon_settings` of a call of a variant's ``init`` (made by :func:`with_muon_options`):
     Muon's options by name, each its value or its default; and the call's ``process_group``. An
-    unknown or repeated argument raises ``TypeError`` as Python's own call would."""
-    bound = inspect.signature(init).bind(self, params, *args, **options)
+    unknown or repeated argument raises ``TypeError`` as Python's own call would, naming the
+    class."""
+    try:
+        bound = inspect.signature(init).bind(self, params, *args, **options)
+    except TypeError as e:
+        raise TypeError(f"{type(self).__name__}(): {e}") from None
     bound.apply_defaults()
     values = bound.arguments
     defaults, settings = muon_settings({name: values[name] for name in muon_options()})
