@@ -25,7 +25,6 @@ from ..ns.matrices import MatrixMap, maps_of
 from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.driver import StepDriver, StepEnv
-from ..step.elementwise import ADJUST_LR_ALIAS
 from ..step.state_dtype import cast_groups_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
@@ -42,6 +41,7 @@ from .validation import (
     check_tensor_lr,
     group_without_alias,
     param_name,
+    refuse_lr_factor_alias,
     warn_lost_decays,
     with_implied_ns_steps,
 )
@@ -68,6 +68,8 @@ class MatrixOptimizer(Optimizer):
     #: the update rule: a module of :mod:`fastmuon.rules`, read through :attr:`rule` (a property,
     #: so that ``help()`` shows what it is rather than the module's file)
     _rule: ClassVar[Any]
+    #: a second name of ``adjust_lr_fn`` this optimizer takes as a keyword and a group key
+    _lr_factor_alias: ClassVar[str | None] = None
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -116,10 +118,15 @@ class MatrixOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking it whole (filled with the defaults, as it would be stored):
         a refused group leaves the optimizer exactly as it was. The constructor adds its groups
-        through here too. The lr factor's alias ``adjust_lr`` is stored as ``adjust_lr_fn``; a group
-        that sets ``ns_coefficients`` without ``ns_steps`` runs their published count."""
+        through here too. An alias of the lr factor (MuSGD's ``adjust_lr``) is stored as
+        ``adjust_lr_fn``; a group that sets ``ns_coefficients`` without ``ns_steps`` runs their
+        published count."""
         where = f"param group {len(self.param_groups)}"
-        param_group = group_without_alias(param_group, "adjust_lr_fn", ADJUST_LR_ALIAS, where)
+        alias = self._lr_factor_alias
+        if alias is None:
+            refuse_lr_factor_alias(param_group, type(self).__name__, where)
+        else:
+            param_group = group_without_alias(param_group, "adjust_lr_fn", alias, where)
         param_group = with_implied_ns_steps(param_group, self.defaults)
         param_group, held_names = agree_on_names(param_group, self.param_groups)
         if isinstance(param_group, dict) and "params" in param_group:
@@ -424,19 +431,13 @@ class MatrixOptimizer(Optimizer):
         """Unpickling, copying and torch's ``load_state_dict`` (which passes only ``state`` and
         ``param_groups``) all come here: what ``state`` lacks is kept, else made fresh."""
         state = dict(state)
-        legacy = {name: state.pop(name) for name in (*Options.names(), "_sharded") if name in state}
         extras = {
             name: state.pop(name)
             for name in ("process_group", "last_plan", "state_initialised")
             if name in state
         }
         options = state.pop("options", None) or self.__dict__.get("options")
-        if options is None:  # pickled by fastmuon 0.4, which kept each option as an attribute
-            options = Options.from_attributes(legacy)
         super().__setstate__(state)
-        for values in (self.defaults, *self.param_groups):  # fastmuon 0.4's MuSGD: the alias
-            if ADJUST_LR_ALIAS in values and "adjust_lr_fn" not in values:
-                values["adjust_lr_fn"] = values.pop(ADJUST_LR_ALIAS)
         attributes = self.__dict__
         attributes["options"] = options
         if "process_group" in extras:

@@ -24,7 +24,6 @@ from .validation import (
     check_fraction,
     check_nonnegative,
     implied_ns_steps,
-    resolve_alias,
 )
 
 ADAMW_EPS = 1e-8
@@ -59,8 +58,7 @@ class Muon(MatrixOptimizer):
             else 5. A group that sets ``ns_coefficients`` but not ``ns_steps`` takes its
             coefficients' count likewise.
         adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
-            "spectral_unclamped" (torch's modes), or "ultralytics", "none"; ``adjust_lr`` (MuSGD's
-            former name), as a keyword or a group key, is its alias.
+            "spectral_unclamped" (torch's modes), or "ultralytics", "none".
         rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
             rms_scale·sqrt(max(rows, cols))`` (0.2 as Moonlight and torch; DeepSeek-V4 uses 0.18).
         ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
@@ -139,7 +137,6 @@ class Muon(MatrixOptimizer):
         matrices: MatrixMapSpec | list = "flatten",
         policy: str = "auto",
         rms_scale: float = RMS_SCALE,
-        adjust_lr: str | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
         adamw_lr: float = ADAMW_LR,
@@ -171,7 +168,6 @@ class Muon(MatrixOptimizer):
             matrices=matrices,
             policy=policy,
             rms_scale=rms_scale,
-            adjust_lr=adjust_lr,
             betas=betas,
             adamw_eps=adamw_eps,
             adamw_lr=adamw_lr,
@@ -248,7 +244,6 @@ def muon_settings(
     matrices: MatrixMapSpec | list,
     policy: str,
     rms_scale: float,
-    adjust_lr: str | None,
     betas: tuple[float, float],
     adamw_eps: float,
     adamw_lr: float,
@@ -278,7 +273,7 @@ def muon_settings(
         ns_coefficients=ns_coefficients,
         eps=eps,
         ns_steps=implied_ns_steps(ns_steps, ns_coefficients),
-        adjust_lr_fn=resolve_alias(adjust_lr_fn, adjust_lr, "adjust_lr_fn", "adjust_lr", None),
+        adjust_lr_fn=adjust_lr_fn,
         rms_scale=rms_scale,
         ns_dtype=ns_dtype,
         ns_method=ns_method,

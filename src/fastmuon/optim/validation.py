@@ -15,7 +15,7 @@ from torch import Tensor
 from ..distributed.parts import check_placements
 from ..ns.newton_schulz import default_steps
 from ..rules.roles import ADAM_AVG, ADAM_AVG_SQ, ELEMENT_MOMENT, EMA, HEAVY_BALL, ROW_MOMENT
-from ..step.elementwise import RMS_SCALE
+from ..step.elementwise import ADJUST_LR_ALIAS, RMS_SCALE
 from ..step.state_dtype import lost_decays
 
 
@@ -144,6 +144,16 @@ def group_without_alias(param_group: dict[str, Any], name: str, alias: str, wher
         )
     group[name] = value
     return group
+
+
+def refuse_lr_factor_alias(param_group: Any, optimizer: str, where: str) -> None:
+    """``adjust_lr`` in a group of an optimizer that has no such option: it would be stored and
+    never read, so it is refused, naming the option that sets the lr factor."""
+    if isinstance(param_group, dict) and ADJUST_LR_ALIAS in param_group:
+        raise ValueError(
+            f"{where} sets {ADJUST_LR_ALIAS}={param_group[ADJUST_LR_ALIAS]!r}, which {optimizer} does "
+            f"not read; its lr factor is adjust_lr_fn: set adjust_lr_fn={param_group[ADJUST_LR_ALIAS]!r}"
+        )
 
 
 def check_rms_scale(group: dict[str, Any], where: str) -> None:

@@ -129,13 +129,14 @@ def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
 
 def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
     """A group's per-matrix learning-rate factor: its ``adjust_lr_fn`` (``default`` where it is
-    None) and its ``rms_scale``. The alias ``adjust_lr`` is read where a group is added; one set
-    on a group afterwards would be ignored, so it is refused here, before anything changes."""
+    None) and its ``rms_scale``. An ``adjust_lr`` key (MuSGD's alias, read where a group is
+    added) set on a group afterwards would be ignored, so it is refused here, before anything
+    changes."""
     if ADJUST_LR_ALIAS in group:
         raise ValueError(
             f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "
-            f"was added; set group['adjust_lr_fn'] instead ({ADJUST_LR_ALIAS} is its alias, read when "
-            "a group is added) and delete the adjust_lr entry"
+            "was added, which the step does not read; set group['adjust_lr_fn'] instead and delete "
+            "the adjust_lr entry"
         )
     mode = group["adjust_lr_fn"]
     return (default if mode is None else mode), group.get("rms_scale", RMS_SCALE)
