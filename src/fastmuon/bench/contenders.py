@@ -29,7 +29,6 @@ from ..ns.device import compute_dtype
 from ..ns.matrices import maps_of
 from ..ns.newton_schulz import newton_schulz
 from ..ns.planner import COST_MODELS, Plan, counted, ns_flops
-from ..optim.reference import ReferenceMuon, ReferenceMuSGD
 from .fake_cuda import tensors_in
 from .manifest import Manifest
 
@@ -252,9 +251,7 @@ def bf16_state_contender(wb: Workbench) -> Contender:
 
 
 def reference_contender(wb: Workbench) -> Contender:
-    if wb.optimizer in ("musgd", "muon"):
-        cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
-        return fastmuon_variant(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
+    """The same optimizer with ``foreach=False``: its per-parameter reference loop."""
     cls = CLASSES[wb.optimizer][0]
     return fastmuon_variant(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
 
