@@ -33,9 +33,7 @@ def _fresh(name: str, saved: dict) -> tuple[torch.optim.Optimizer, list[torch.nn
     cls, kwargs = MADE[name]
     params = [torch.nn.Parameter(p.clone()) for p in saved[name]["params"]]
     groups = saved[name]["state_dict"]["param_groups"]
-    split = [
-        dict(params=[params[i] for i in g["params"]], use_muon=g["use_muon"]) for g in groups
-    ]
+    split = [dict(params=[params[i] for i in g["params"]], use_muon=g["use_muon"]) for g in groups]
     return cls(split, **kwargs), params
 
 

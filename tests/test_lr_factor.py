@@ -104,7 +104,9 @@ def test_an_optimizer_without_the_alias_refuses_adjust_lr(cls):
     with pytest.raises(TypeError, match="adjust_lr"):
         cls([p], adjust_lr="none")
     opt = cls([p])
-    with pytest.raises(ValueError, match=r"sets adjust_lr='none', which \w+ does not read; .*adjust_lr_fn='none'"):
+    with pytest.raises(
+        ValueError, match=r"sets adjust_lr='none', which \w+ does not read; .*adjust_lr_fn='none'"
+    ):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], "adjust_lr": "none"})
     assert len(opt.param_groups) == 1
 

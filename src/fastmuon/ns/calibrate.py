@@ -5,7 +5,7 @@ costs and the time one more FLOP costs. Both are measured once per (device, dtyp
 and cached; a few hundred milliseconds on a CPU, less on a GPU. Where the device type's model
 prices eigendecompositions (CPUs: ``planner.CPU_EIGH``), their cost against matmuls is measured
 too, at two sizes; where it does not (GPUs), they stay out of the plan. On a CPU fp32 is always
-measured (a bf16 request may run in it, ``compute.wider_dtype``), and a low-precision kernel's
+measured (a bf16 request may run in it, ``device.wider_dtype``), and a low-precision kernel's
 fixed cost beyond an fp32 one's (large on CPUs, from small bf16 matmuls) is added to its launches.
 """
 

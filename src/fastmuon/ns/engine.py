@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from . import device as compute
+from . import device
 from .device import compute_dtype, wider_dtype
 from .gather import Gather
 from .layout import memory_order
@@ -326,7 +326,7 @@ class Orthogonalizer:
         """Everything about ``bucket`` that is known before any data is seen."""
         layouts = tuple(self.layouts[m.index] for m in bucket.members)
         runs = _split_runs(bucket, layouts)
-        host = compute.is_host(bucket.device)
+        host = device.is_host(bucket.device)
         gathers = _gathers(layouts, runs)
         compiled = self.compile and bucket.method != "eigh"  # eigh: one LAPACK call, nothing to fuse
         pre = config.preconditioning
@@ -990,7 +990,7 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
     """The planner's spec of a >=2D tensor: flattened to (out, everything else), in the dtype
     NS will really run in there; tensors of different dtypes or NS settings never share.
     With ``method="auto"`` a native low-precision request may run in fp32 where the planner finds
-    that faster (``compute.wider_dtype``)."""
+    that faster (``device.wider_dtype``)."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
     requested = config.dtype if config.dtype != dtype else None

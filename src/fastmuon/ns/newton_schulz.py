@@ -15,7 +15,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-from . import device as compute
+from . import device
 from .matrices import MatrixMapSpec, parse
 
 Coefficients = tuple[float, float, float]
@@ -285,7 +285,7 @@ def newton_schulz(
     tall = Y.size(-2) > Y.size(-1)
     if tall:
         Y = Y.mT
-    host = compute.is_host(X.device)
+    host = device.is_host(X.device)
     # a user's torch.compile may trace this call, and a trace cannot branch on a host read
     host_reads = host_reads and host and not torch.compiler.is_compiling()
     Y = ns_kernel(method, preconditioning)(Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)

@@ -175,7 +175,7 @@ COST_MODELS: dict[str, CostModel] = {
 }
 
 
-#: CPU cost models by CPU class (``compute.cpu_class``). Without bf16 matmul units a bf16
+#: CPU cost models by CPU class (``device.cpu_class``). Without bf16 matmul units a bf16
 #: request runs in fp32 and the model above applies. With AVX512-BF16, bf16 batched matmuls run
 #: 2-3.5x faster per FLOP than fp32 (the rate constant sits between), but a small bf16 matmul has
 #: a fixed cost several times an fp32 one's, so each bf16 kernel is priced at 3x an fp32 one. Those constants pick, for each of yolo26n's shapes, the faster of bf16 and fp32

@@ -1,8 +1,8 @@
 """AdamW for the parameters Muon does not orthogonalise (embeddings, norms, biases, heads).
 
 Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``):
-torch's fused AdamW kernel where it is exact (``transforms.fusable``), one pass per tensor,
-else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
+torch's fused AdamW kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), one
+pass per tensor, else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
 their parameter's are stepped in the arithmetic dtype and written back rounded once (see
 :mod:`fastmuon.step.state_dtype`).
 """
@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, strides_of
@@ -92,8 +92,8 @@ class AdamWClasses(NamedTuple):
 
 class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
-    (``transforms.fusable``: one pass per tensor instead of a foreach call per operation),
-    fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
+    (:func:`~fastmuon.step.elementwise.fusable`: one pass per tensor instead of a foreach call per
+    operation), fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
     per class of (betas, eps, wd, device, dtypes of parameter and moments). Moments stored in
     another dtype are stepped as working copies in the arithmetic dtype, by either kernel.
 
@@ -137,7 +137,7 @@ class AdamWProgram:
         rest = by_kernel.get(False, [])
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            (*lists(part), compute.is_host(part[0].param.device))
+            (*lists(part), device.is_host(part[0].param.device))
             for part in partition(
                 rest,
                 lambda i: (
@@ -153,7 +153,7 @@ class AdamWProgram:
         ]
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
-        """The fused kernel walks memory without looking at strides (see ``transforms.fusable``)."""
+        """The fused kernel walks memory without looking at strides (see :func:`~fastmuon.step.elementwise.fusable`)."""
         for _, params, pick, _, _, _, _, grad_strides, param_strides in self.fused:
             if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from .state_dtype import arithmetic_dtype, store_, widened
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
@@ -97,7 +97,7 @@ def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
     bf16/fp16 path misreads the momentum buffer in torch 2.13, so fp32/fp64 only. Not under
     ``torch.compile`` (the ops have no fake kernel)."""
     return (
-        (compute.is_host(p.device) or (cuda and p.device.type == "cuda"))
+        (device.is_host(p.device) or (cuda and p.device.type == "cuda"))
         and p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from ..ns.layout import memory_order
 from .deferred import PendingFlags, host_buffer
@@ -59,8 +59,8 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
             groups.setdefault((g.device, g.dtype), []).append(i)
     return [
-        (indices, _finite([grads[i] for i in indices], compute.is_host(device)))
-        for (device, _), indices in groups.items()
+        (indices, _finite([grads[i] for i in indices], device.is_host(where)))
+        for (where, _), indices in groups.items()
     ]
 
 
@@ -135,12 +135,12 @@ class FiniteCheck:
                 groups.setdefault((g.device, g.dtype), []).append(i)
         # (pick, positions, whether on the host's CPU): decided here, once per program
         self._groups = [
-            (Gather(idx), torch.tensor(idx, device=self.device), compute.is_host(device))
-            for (device, _), idx in groups.items()
+            (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
+            for (where, _), idx in groups.items()
         ]
         by_device: dict[torch.device, list[int]] = {}
-        for (device, _), idx in groups.items():
-            by_device.setdefault(device, []).extend(idx)
+        for (where, _), idx in groups.items():
+            by_device.setdefault(where, []).extend(idx)
         self._by_device = [Gather(idx) for idx in by_device.values()]
 
     def __call__(self, grads: Sequence[Tensor]) -> Tensor:
@@ -167,15 +167,15 @@ class _Group:
 
     __slots__ = ("views", "sizes", "repeats", "total", "host")
 
-    def __init__(self, device: torch.device, entries: list[tuple[Tensor, int]], owners: int):
+    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]], owners: int):
         self.views = [v for v, _ in entries]
         self.sizes = [v.numel() for v in self.views]
         per_owner = [0] * owners
         for v, owner in entries:
             per_owner[owner] += v.numel()
-        self.repeats = torch.tensor(per_owner, device=device)
+        self.repeats = torch.tensor(per_owner, device=where)
         self.total = sum(self.sizes)
-        self.host = compute.is_host(device)
+        self.host = device.is_host(where)
 
 
 def _joined(group: _Group) -> Tensor:
@@ -208,11 +208,11 @@ class SkipPlan:
                 # a view of the detached tensor: the restore writes a leaf parameter in place
                 view = _memory_view(t.detach())
                 if view is None:
-                    self._loose.append((t, owner, compute.is_host(t.device)))
+                    self._loose.append((t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
         count = max(owners, default=-1) + 1
-        self._groups = [_Group(device, entries, count) for (device, _), entries in grouped.items()]
+        self._groups = [_Group(where, entries, count) for (where, _), entries in grouped.items()]
 
     def snapshot(self) -> list[Tensor]:
         """One copy per (device, dtype) of everything :meth:`restore` may put back."""
@@ -267,7 +267,7 @@ class NonFiniteGuard:
         self.mode = mode
         self.check = FiniteCheck(grads)
         self.deferred = (
-            mode == "raise" and defer and bool(params) and not all(compute.is_host(g.device) for g in grads)
+            mode == "raise" and defer and bool(params) and not all(device.is_host(g.device) for g in grads)
         )
         masking = mode == "skip" or self.deferred
         self.skip = SkipPlan(params, states, range(len(params))) if masking and params else None
@@ -278,7 +278,7 @@ class NonFiniteGuard:
             mode == "skip"
             and self.skip is not None
             and self.skip.holds_host()
-            and not all(compute.is_host(g.device) for g in grads)
+            and not all(device.is_host(g.device) for g in grads)
         )
         self._flags = host_buffer(len(grads)) if self.deferred or self.host_later else None
 

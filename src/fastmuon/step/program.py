@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 
 #: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
@@ -36,10 +36,10 @@ def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
     return list(map(Tensor.stride, tensors))
 
 
-def scale_limit(device: torch.device) -> int:
+def scale_limit(on: torch.device) -> int:
     """How many distinct scales take one fused ``add_`` each before one scaling pass and one
     subtracting pass over all of them cost less: every call is a launch on a GPU."""
-    return 8 if compute.is_host(device) else 1
+    return 8 if device.is_host(on) else 1
 
 
 def apply_scaled_(

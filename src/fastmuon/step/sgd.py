@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
@@ -102,7 +102,7 @@ class SGDProgram:
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
-        self.host = compute.is_host(items[0].param.device) if items else True
+        self.host = device.is_host(items[0].param.device) if items else True
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
