@@ -1,7 +1,7 @@
 """fastmuon: Muon-family optimizers whose step costs a few kernels per bucket, not per matrix."""
 
 from .groups.build import param_groups
-from .ns.engine import orthogonalize
+from .ns.build import orthogonalize
 from .ns.newton_schulz import PRESETS, newton_schulz
 from .ns.planner import CostModel, Plan
 from .optim.muon import Muon

@@ -28,7 +28,6 @@ from . import device
 from .device import compute_dtype, wider_dtype
 from .gather import Gather
 from .layout import memory_order
-from .matrices import MatrixMapSpec, maps_of
 from .newton_schulz import (
     METHODS,
     Coefficients,
@@ -39,14 +38,7 @@ from .newton_schulz import (
     resolve_coefficients,
     resolve_preconditioning,
 )
-from .planner import (
-    DEFAULT_MAX_BUCKET_BYTES,
-    Bucket,
-    CostModel,
-    MatrixSpec,
-    Plan,
-    plan_buckets,
-)
+from .planner import Bucket, MatrixSpec, Plan
 from .workspace import BucketLayout, SharedWorkspace
 
 
@@ -1007,81 +999,6 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
         fallback,
         config.preconditioning,
     )
-
-
-def orthogonalize(
-    tensors: Sequence[Tensor],
-    steps: int | None = None,
-    coefficients: CoefficientSpec = "jordan",
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-    policy: str = "auto",
-    max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-    cost_model: CostModel | None = None,
-    method: str = "auto",
-    matrices: MatrixMapSpec | list = None,
-    *,
-    preconditioning: str | None = None,
-) -> list[Tensor]:
-    """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
-
-    Each tensor is treated as the matrix ``t.flatten(1)``, or as the matrices its ``matrices``
-    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.ns.matrices`):
-    an expert stack ``(E, out, in)`` with ``"experts"`` is E matrices, each orthogonalised alone,
-    all of them batched by the planner like any others. ``method`` picks the NS formulation
-    ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
-    cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
-    less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
-    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). ``preconditioning``: as in :func:`fastmuon.newton_schulz`
-    (``coefficients="aol"`` selects AOL's rescaling, which "auto" runs with the standard method);
-    ``steps=None``: the count the coefficients were published for, as there.
-    For repeated calls on the same shapes, an optimizer caches the plan and
-    buffers; this function plans afresh each call.
-    """
-    tensors = list(tensors)
-    maps = maps_of(matrices, len(tensors))
-    for i, (t, m) in enumerate(zip(tensors, maps)):
-        if t.ndim < 2:
-            raise ValueError(f"tensor {i} has shape {tuple(t.shape)}; orthogonalize needs >=2D tensors")
-        if t.is_complex():
-            raise ValueError(f"tensor {i} is complex; only real tensors can be orthogonalised")
-        try:
-            m.check(t.shape)
-        except ValueError as e:
-            raise ValueError(f"tensor {i} (shape {tuple(t.shape)}): {e}") from None
-    if any(not m.is_flatten for m in maps):
-        pieces = [m.views(t) for t, m in zip(tensors, maps)]
-        flat = orthogonalize(
-            [v for vs in pieces for v in vs],
-            steps,
-            coefficients,
-            eps,
-            dtype,
-            policy,
-            max_bucket_bytes,
-            cost_model,
-            method,
-            preconditioning=preconditioning,
-        )
-        starts = [0, *itertools.accumulate(map(len, pieces))]
-        return [
-            flat[a] if m.is_flatten else m.assemble(t.shape, flat[a:b], dtype, t.device)
-            for t, m, a, b in zip(tensors, maps, starts, starts[1:])
-        ]
-    config = NSConfig.make(steps, coefficients, eps, dtype, method, preconditioning)
-    steps = config.steps
-    live = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    layouts = [TensorLayout.of(tensors[i]) for i in live]
-    specs = [spec_of(tensors[i], config, lay) for i, lay in zip(live, layouts)]
-    plan = plan_buckets(
-        specs, policy=policy, steps=steps, max_bucket_bytes=max_bucket_bytes, cost_model=cost_model
-    )
-    configs = {b.key: config for b in plan.buckets}
-    outputs = Orthogonalizer(plan, layouts, configs)([tensors[i] for i in live], [dtype] * len(live))
-    results = [torch.empty_like(t, dtype=dtype) for t in tensors]
-    for i, out in zip(live, outputs):
-        results[i] = out
-    return results
 
 
 def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:
