@@ -8,7 +8,7 @@ who decides the cost constants differs (rank 0's are sent to all, see fastmuon.d
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -66,7 +66,7 @@ def build_orthogonalizer(
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = plan_for(specs, configs, policy, resolve_cost_model(cost_model, specs), max_bucket_bytes)
-    configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+    configs_by_key: dict[Hashable, NSConfig] = {(p.dtype, c): c for p, c in zip(params, configs)}
     return Orthogonalizer(
         plan, layouts, configs_by_key, compile=compile, result_views=result_views, host_reads=host_reads
     )
@@ -82,7 +82,7 @@ def orthogonalize(
     max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
     cost_model: CostModel | None = None,
     method: str = "auto",
-    matrices: MatrixMapSpec | list = None,
+    matrices: MatrixMapSpec | list[MatrixMapSpec] = None,
     *,
     preconditioning: str | None = None,
 ) -> list[Tensor]:

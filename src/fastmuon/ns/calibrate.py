@@ -74,8 +74,8 @@ def _eigh_cost(device: torch.device, sizes: tuple[int, int] = (64, 256)) -> Eigh
         x = torch.randn(r, 2 * r, device=device)
         spd = x @ x.mT / (2 * r)
         a, out = torch.randn(4, r, r, device=device), torch.empty(4, r, r, device=device)
-        eigh = median_seconds(lambda spd=spd: torch.linalg.eigh(spd), device, rounds=3, per_round=1)
-        bmm = median_seconds(lambda a=a, out=out: torch.bmm(a, a, out=out), device, rounds=3, per_round=2)
+        eigh = median_seconds(functools.partial(torch.linalg.eigh, spd), device, rounds=3, per_round=1)
+        bmm = median_seconds(functools.partial(torch.bmm, a, a, out=out), device, rounds=3, per_round=2)
         per_r3[r] = eigh / (bmm / (4 * 2 * r**3)) / r**3  # eigh in FLOPs of that bmm (4·2r³), per r³
     small, large = sizes
     per_inverse_row = (per_r3[small] - per_r3[large]) / (1 / small - 1 / large)

@@ -11,7 +11,7 @@ import copy
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 import torch
 from torch import Tensor
@@ -209,8 +209,16 @@ class MatrixOptimizer(Optimizer):
         return lr
 
     # ----- the step ---------------------------------------------------------------------
+    @overload
+    def step(self, closure: None = None, *, logit_maxima: Mapping[str, Tensor] | None = None) -> None: ...
+    @overload
+    def step(
+        self, closure: Callable[[], float], *, logit_maxima: Mapping[str, Tensor] | None = None
+    ) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None, *, logit_maxima: Mapping[str, Tensor] | None = None):
+    def step(
+        self, closure: Callable[[], float] | None = None, *, logit_maxima: Mapping[str, Tensor] | None = None
+    ) -> float | None:
         """One update of every parameter with a gradient: the batched program the driver
         prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
         rule's per-parameter reference loop. Then, in groups with ``qk_clip_tau``, QK-clip of
@@ -304,7 +312,9 @@ class MatrixOptimizer(Optimizer):
         exchange buffers): memory the optimizer holds beyond its state."""
         return [t for engine in self._driver.cache.engines.values() for t in engine.workspaces()]
 
-    def register_orthogonalize_hook(self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]):
+    def register_orthogonalize_hook(
+        self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]
+    ) -> RemovableHandle:
         """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
         it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
         For timing and inspection (a hook must not change the results). Returns a handle whose

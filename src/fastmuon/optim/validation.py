@@ -187,7 +187,7 @@ def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
         return param_group
     steps = param_group.get("ns_steps")
     if steps is None and ("ns_coefficients" in param_group or "ns_steps" in param_group):
-        coefficients = param_group.get("ns_coefficients", defaults.get("ns_coefficients"))
+        coefficients = param_group.get("ns_coefficients", defaults["ns_coefficients"])
         return {**param_group, "ns_steps": default_steps(coefficients)}
     return param_group
 
@@ -214,7 +214,7 @@ def warn_lost_decays(group: dict[str, Any], where: str, roles: Collection[str]) 
     dtype = group.get("state_dtype")
     betas = state_betas(group, roles)
     lost = lost_decays(dtype, betas)
-    if not lost:
+    if not lost or dtype is None:
         return
     u = torch.finfo(dtype).eps / 2
     named = ", ".join(f"{name}={betas[name]!r}" for name in lost)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,7 +40,7 @@ class AdamWItem:
 
 
 def adamw_state(
-    state: dict, p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
+    state: dict[str, Any], p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The state of ``p``, created on its first step, the moments in ``dtype`` (None: ``p``'s).
     The step count is a float32 scalar on the CPU (reading it never syncs a GPU) or,
@@ -108,7 +108,9 @@ class AdamWProgram:
             items, lambda i: not capturable and fusable_stored(i.param, i.grad, [i.exp_avg, i.exp_avg_sq])
         )
 
-        def lists(part: list[AdamWItem]):
+        def lists(
+            part: list[AdamWItem],
+        ) -> tuple[int, list[Tensor], Gather, list[Tensor], list[Tensor], list[Tensor], torch.dtype | None]:
             return (
                 part[0].group,
                 [i.param for i in part],
@@ -198,7 +200,18 @@ class AdamWProgram:
                 store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
 
 
-def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:
+def _adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lrs: list[float],
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+    host: bool,
+) -> None:
     """The foreach AdamW step with the step counts read on the host (they live on the CPU)."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
@@ -215,7 +228,17 @@ def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, hos
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
 
 
-def _capturable_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, wd) -> None:
+def _capturable_adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+) -> None:
     """The foreach AdamW step with nothing read on the host: bias corrections from the step
     counts on the device, the learning rate used as given (a number or a 0-d tensor)."""
     beta1, beta2 = betas

@@ -24,7 +24,7 @@ ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped",
 #: (an AdamW update's typical RMS); DeepSeek-V4 reports 0.18
 RMS_SCALE = 0.2
 
-#: the lr-factor option's other name (MuSGD's before both optimizers took ``adjust_lr_fn``)
+#: MuSGD's second name for the lr-factor option ``adjust_lr_fn`` (a keyword and a group key)
 ADJUST_LR_ALIAS = "adjust_lr"
 
 T = TypeVar("T")
@@ -41,7 +41,8 @@ def ema_momentum_(
     """
     torch._foreach_lerp_(bufs, grads, 1 - beta)
     if out is None:
-        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs
+        # the foreach ops return a list (torch's stub says a tuple)
+        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs  # type: ignore[return-value]
     torch._foreach_copy_(out, grads if nesterov else bufs)
     if nesterov:
         torch._foreach_lerp_(out, bufs, beta)  # g + β·(M − g), as the out-of-place lerp computes it
@@ -78,10 +79,10 @@ def ema_momentum_widened_(
     written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
     computed from the unrounded ``M``, rounded once on the store into an ``out`` of another dtype."""
     m, g = widened(bufs, dtype), widened(grads, dtype)
-    casting = out is not None and any(o.dtype != dtype for o in out)
-    update = (
-        ema_momentum_cast_(m, g, beta, nesterov, out) if casting else ema_momentum_(m, g, beta, nesterov, out)
-    )
+    if out is not None and any(o.dtype != dtype for o in out):
+        update = ema_momentum_cast_(m, g, beta, nesterov, out)
+    else:
+        update = ema_momentum_(m, g, beta, nesterov, out)
     store_(bufs, m)
     return update
 

@@ -42,7 +42,7 @@ DEFAULT_NONFINITE = "raise"
 
 
 def check_mode(mode: Any) -> str:
-    if mode not in NONFINITE_MODES:
+    if not isinstance(mode, str) or mode not in NONFINITE_MODES:
         raise ValueError(f"invalid nonfinite={mode!r}; choose one of {NONFINITE_MODES}")
     return mode
 
@@ -97,10 +97,10 @@ def raise_if_nonfinite(
         if all(bool((torch.stack(torch._foreach_norm(gs)) < math.inf).all()) for gs in by_device.values()):
             return
         groups = _finite_by_group(grads)
-    by_device: dict[torch.device, list[Tensor]] = {}
+    flags_by_device: dict[torch.device, list[Tensor]] = {}
     for _, ok in groups:
-        by_device.setdefault(ok.device, []).append(ok)
-    if all(bool(torch.cat(oks).all()) for oks in by_device.values()):
+        flags_by_device.setdefault(ok.device, []).append(ok)
+    if all(bool(torch.cat(oks).all()) for oks in flags_by_device.values()):
         return
     for indices, ok in groups:
         if bool(ok.all()):
@@ -198,7 +198,7 @@ class SkipPlan:
     :meth:`restore` after it with the keep vector (one bool per owner).
     """
 
-    def __init__(self, params: Sequence[Tensor], states: Sequence[dict], owners: Sequence[int]):
+    def __init__(self, params: Sequence[Tensor], states: Sequence[dict[str, Any]], owners: Sequence[int]):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
         self._loose: list[tuple[Tensor, int, bool]] = []
@@ -222,13 +222,13 @@ class SkipPlan:
         """Put back ``saved`` wherever ``keep`` is False: the tensors on the host's CPU
         (``on_host`` True), those elsewhere (False) or all (None)."""
         for group, snap in zip(self._groups, saved):
-            if on_host is not None and group.host != on_host:
-                continue
+            if snap is None or (on_host is not None and group.host != on_host):
+                continue  # None: a copy :meth:`on_host` left out
             mask = torch.repeat_interleave(keep.to(snap.device), group.repeats, output_size=group.total)
             merged = torch.where(mask, _joined(group), snap, out=snap)
             torch._foreach_copy_(group.views, list(merged.split(group.sizes)))
         for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
-            if on_host is None or host == on_host:
+            if snap is not None and (on_host is None or host == on_host):
                 t.copy_(torch.where(keep[owner].to(t.device), t, snap))
 
     def holds_host(self) -> bool:
@@ -260,7 +260,7 @@ class NonFiniteGuard:
         mode: str,
         grads: Sequence[Tensor],
         params: Sequence[Tensor] = (),
-        states: Sequence[dict] = (),
+        states: Sequence[dict[str, Any]] = (),
         *,
         defer: bool = False,
     ):
@@ -311,8 +311,8 @@ class NonFiniteGuard:
 
     def restore(self, saved: list[Tensor] | None, keep: Tensor | None) -> None:
         """Put back every tensor of a parameter whose gradient was not finite."""
-        if saved is not None:
-            self.skip.restore(saved, keep)  # type: ignore[union-attr]
+        if saved is not None and keep is not None and self.skip is not None:
+            self.skip.restore(saved, keep)
 
     def settle(
         self, saved: list[Tensor], keep: Tensor, name: Callable[[int], str], step: int
@@ -321,11 +321,12 @@ class NonFiniteGuard:
         "raise" puts back what lives on the device, starts the flags' copy to the host and
         returns them, pending: read, they raise and put back the host's tensors too."""
         plan = self.skip
+        assert plan is not None, "a snapshot, and so a settle, is taken only with a skip plan"
         if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
-            plan.restore(saved, keep)  # type: ignore[union-attr]
+            plan.restore(saved, keep)
             return None
-        plan.restore(saved, keep, on_host=False)  # type: ignore[union-attr]
-        held = plan.on_host(saved)  # type: ignore[union-attr]
+        plan.restore(saved, keep, on_host=False)
+        held = plan.on_host(saved)
         finish = functools.partial(_restore_on_host, plan, held)
         return PendingFlags.start(
             keep,

@@ -21,6 +21,10 @@ from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
 from .state_dtype import arithmetic_dtype, store_, widened
 
+#: each tensor's strides; the (pick, parameters) of each learning-rate class
+_Strides = list[tuple[int, ...]]
+_ByScale = list[tuple[Gather, list[Tensor]]]
+
 
 @dataclass
 class SGDItem:
@@ -60,9 +64,11 @@ class SGDProgram:
             return lr_class[i.lr_slot]
 
         self.fused: list[
-            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, list, list]
+            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, _Strides, _Strides]
         ] = []
-        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list, torch.dtype | None]] = []
+        self.rest: list[
+            tuple[int, list[Tensor], Gather, list[Tensor], _ByScale, list[int], torch.dtype | None]
+        ] = []
         parts = partition(
             items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype, i.buf.dtype)
         )
@@ -89,15 +95,16 @@ class SGDProgram:
                 )
             rest = by_kernel.get(False, [])
             if rest:
-                by_lr = partition(range(len(rest)), lambda k, rest=rest: lr_key(rest[k]))
+                rest_keys = [lr_key(i) for i in rest]
+                lr_classes = partition(range(len(rest)), rest_keys.__getitem__)
                 self.rest.append(
                     (
                         g,
                         [i.param for i in rest],
                         Gather([i.index for i in rest]),
                         [i.buf for i in rest],
-                        [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
-                        [lr_key(rest[idx[0]]) for idx in by_lr.values()],
+                        [(Gather(idx), [rest[k].param for k in idx]) for idx in lr_classes.values()],
+                        [lr_key(rest[idx[0]]) for idx in lr_classes.values()],
                         dtype,
                     )
                 )
@@ -173,7 +180,8 @@ def foreach_sgd_step_(
     """
     owned = bool(weight_decay)
     if owned:  # g' as new tensors: the gradients themselves are never touched
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        # a list, as every foreach op returns (torch's stub says a tuple)
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # type: ignore[assignment]
     if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
         torch._foreach_copy_(bufs, grads)
     else:
