@@ -39,15 +39,20 @@ from .validation import (
     check_param,
     check_rms_scale,
     check_tensor_lr,
-    group_without_alias,
+    group_lr_factor,
     param_name,
-    refuse_lr_factor_alias,
     warn_lost_decays,
     with_implied_ns_steps,
 )
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+
+#: QK-clip's per-head logit maxima of a step, by layer
+_Maxima = Mapping[str, Tensor] | None
+#: a hook around a batched step's Newton–Schulz: ``hook(run)`` returns ``run()``'s matrices
+_NSHook = Callable[[Callable[[], list[Tensor]]], list[Tensor]]
 
 
 def _option(name: str) -> property:
@@ -68,8 +73,7 @@ class MatrixOptimizer(Optimizer):
     #: the update rule: a module of :mod:`fastmuon.rules`, read through :attr:`rule` (a property,
     #: so that ``help()`` shows what it is rather than the module's file)
     _rule: ClassVar[Any]
-    #: a second name of ``adjust_lr_fn`` this optimizer takes as a keyword and a group key
-    _lr_factor_alias: ClassVar[str | None] = None
+    _lr_factor_alias: ClassVar[str | None] = None  # a second name of adjust_lr_fn (a keyword, a group key)
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -118,15 +122,10 @@ class MatrixOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking it whole (filled with the defaults, as it would be stored):
         a refused group leaves the optimizer exactly as it was. The constructor adds its groups
-        through here too. An alias of the lr factor (MuSGD's ``adjust_lr``) is stored as
-        ``adjust_lr_fn``; a group that sets ``ns_coefficients`` without ``ns_steps`` runs their
-        published count."""
+        through here too. MuSGD's ``adjust_lr`` is stored as ``adjust_lr_fn``; a group that sets
+        ``ns_coefficients`` without ``ns_steps`` runs their published count."""
         where = f"param group {len(self.param_groups)}"
-        alias = self._lr_factor_alias
-        if alias is None:
-            refuse_lr_factor_alias(param_group, type(self).__name__, where)
-        else:
-            param_group = group_without_alias(param_group, "adjust_lr_fn", alias, where)
+        param_group = group_lr_factor(param_group, self._lr_factor_alias, type(self).__name__, where)
         param_group = with_implied_ns_steps(param_group, self.defaults)
         param_group, held_names = agree_on_names(param_group, self.param_groups)
         if isinstance(param_group, dict) and "params" in param_group:
@@ -210,14 +209,12 @@ class MatrixOptimizer(Optimizer):
 
     # ----- the step ---------------------------------------------------------------------
     @overload
-    def step(self, closure: None = None, *, logit_maxima: Mapping[str, Tensor] | None = None) -> None: ...
+    def step(self, closure: None = None, *, logit_maxima: _Maxima = None) -> None: ...
     @overload
-    def step(
-        self, closure: Callable[[], float], *, logit_maxima: Mapping[str, Tensor] | None = None
-    ) -> float: ...
+    def step(self, closure: Callable[[], float], *, logit_maxima: _Maxima = None) -> float: ...
     @torch.no_grad()
     def step(
-        self, closure: Callable[[], float] | None = None, *, logit_maxima: Mapping[str, Tensor] | None = None
+        self, closure: Callable[[], float] | None = None, *, logit_maxima: _Maxima = None
     ) -> float | None:
         """One update of every parameter with a gradient: the batched program the driver
         prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
@@ -312,9 +309,7 @@ class MatrixOptimizer(Optimizer):
         exchange buffers): memory the optimizer holds beyond its state."""
         return [t for engine in self._driver.cache.engines.values() for t in engine.workspaces()]
 
-    def register_orthogonalize_hook(
-        self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]
-    ) -> RemovableHandle:
+    def register_orthogonalize_hook(self, hook: _NSHook) -> RemovableHandle:
         """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
         it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
         For timing and inspection (a hook must not change the results). Returns a handle whose

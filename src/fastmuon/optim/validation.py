@@ -146,14 +146,18 @@ def group_without_alias(param_group: dict[str, Any], name: str, alias: str, wher
     return group
 
 
-def refuse_lr_factor_alias(param_group: Any, optimizer: str, where: str) -> None:
-    """``adjust_lr`` in a group of an optimizer that has no such option: it would be stored and
-    never read, so it is refused, naming the option that sets the lr factor."""
+def group_lr_factor(param_group: Any, alias: str | None, optimizer: str, where: str) -> Any:
+    """``param_group`` with the lr factor under its name: given under ``alias`` (the optimizer's
+    second name for ``adjust_lr_fn``), stored as ``adjust_lr_fn``; without an alias, a group's
+    ``adjust_lr`` is refused (stored, it would never be read), naming ``adjust_lr_fn``."""
+    if alias is not None:
+        return group_without_alias(param_group, "adjust_lr_fn", alias, where)
     if isinstance(param_group, dict) and ADJUST_LR_ALIAS in param_group:
         raise ValueError(
             f"{where} sets {ADJUST_LR_ALIAS}={param_group[ADJUST_LR_ALIAS]!r}, which {optimizer} does "
             f"not read; its lr factor is adjust_lr_fn: set adjust_lr_fn={param_group[ADJUST_LR_ALIAS]!r}"
         )
+    return param_group
 
 
 def check_rms_scale(group: dict[str, Any], where: str) -> None:
