@@ -437,9 +437,9 @@ def test_python_calls_counts_every_call_a_step_makes_from_python():
     ],
 )
 def test_cpu_class_from_the_flags(machine, flags, label):
-    from fastmuon.bench.cpuclass import cpu_class
+    from fastmuon.bench.cpuclass import cpu_label
 
-    assert cpu_class(machine, flags) == label
+    assert cpu_label(machine, flags) == label
 
 
 def test_cpu_facts_say_where_bf16_ns_really_runs():

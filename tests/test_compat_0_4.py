@@ -1,13 +1,14 @@
-"""What fastmuon 0.4.0 wrote still loads: its pickled optimizers and its module paths.
+"""What fastmuon 0.4.0 saved still loads: its optimizers' state dicts, which are data (tensors,
+numbers, strings and dicts), so they load with ``torch.load(..., weights_only=True)`` and name
+none of fastmuon's classes.
 
-``data/optimizers-0.4.0.pkl`` was made with 0.4.0: a MuSGD and a Muon after one step, pickled,
-the gradients of a second step, and the weights 0.4.0 reached after it.
+``data/state-dicts-0.4.0.pt`` was written by fastmuon 0.4.0: for a MuSGD and a Muon after one
+step, the parameters and ``optimizer.state_dict()``; the gradients of a second step; and the
+weights 0.4.0 reached after it.
 """
 
 from __future__ import annotations
 
-import importlib
-import pickle
 from pathlib import Path
 
 import pytest
@@ -15,21 +16,33 @@ import torch
 
 import fastmuon
 
-DATA = Path(__file__).parent / "data" / "optimizers-0.4.0.pkl"
+DATA = Path(__file__).parent / "data" / "state-dicts-0.4.0.pt"
+
+#: the constructor arguments of the saved optimizers (the state dict holds every group value)
+MADE = {
+    "musgd": (fastmuon.MuSGD, dict(lr=0.02, momentum=0.9, nesterov=True, ns_dtype=torch.float32)),
+    "muon": (fastmuon.Muon, dict(lr=0.02, weight_decay=0.1, adamw_lr=3e-4, ns_dtype=torch.float32)),
+}
 
 
 def _saved() -> dict:
-    with DATA.open("rb") as f:
-        return pickle.load(f)
+    return torch.load(DATA, weights_only=True)
 
 
-@pytest.mark.parametrize("name, cls", [("musgd", fastmuon.MuSGD), ("muon", fastmuon.Muon)])
-def test_a_pickled_0_4_optimizer_loads_and_steps_as_0_4_did(name, cls):
+def _fresh(name: str, saved: dict) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    cls, kwargs = MADE[name]
+    params = [torch.nn.Parameter(p.clone()) for p in saved[name]["params"]]
+    groups = saved[name]["state_dict"]["param_groups"]
+    split = [dict(params=[params[i] for i in g["params"]], use_muon=g["use_muon"]) for g in groups]
+    return cls(split, **kwargs), params
+
+
+@pytest.mark.parametrize("name", list(MADE))
+def test_a_0_4_state_dict_loads_and_steps_as_0_4_did(name):
     saved = _saved()
-    opt = saved[name]
-    assert type(opt) is cls
+    opt, params = _fresh(name, saved)
+    opt.load_state_dict(saved[name]["state_dict"])
     by_shape = {tuple(g.shape): g for g in saved["grads"]}
-    params = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         p.grad = by_shape[tuple(p.shape)].clone()
     opt.step()
@@ -39,27 +52,22 @@ def test_a_pickled_0_4_optimizer_loads_and_steps_as_0_4_did(name, cls):
         torch.testing.assert_close(p.detach(), saved[f"{name}_next"][tuple(p.shape)], rtol=0, atol=1e-6)
 
 
-def test_a_pickled_0_4_optimizer_state_dict_loads_into_a_new_one():
-    opt = _saved()["musgd"]
-    params = [torch.nn.Parameter(p.detach().clone()) for g in opt.param_groups for p in g["params"]]
-    fresh = fastmuon.MuSGD(
-        [dict(params=params[:2], use_muon=True), dict(params=params[2:], use_muon=False)],
-        lr=0.02,
-        momentum=0.9,
-        nesterov=True,
-        ns_dtype=torch.float32,
-    )
-    fresh.load_state_dict(opt.state_dict())
-    for a, b in zip(params, (p for g in opt.param_groups for p in g["params"])):
-        assert sorted(fresh.state[a]) == sorted(opt.state[b])
-        for key, value in opt.state[b].items():
-            assert torch.equal(fresh.state[a][key], value)
+@pytest.mark.parametrize("name", list(MADE))
+def test_a_0_4_state_dict_carries_every_buffer(name):
+    saved = _saved()
+    opt, params = _fresh(name, saved)
+    opt.load_state_dict(saved[name]["state_dict"])
+    for i, p in enumerate(params):
+        buffers = saved[name]["state_dict"]["state"][i]
+        assert sorted(opt.state[p]) == sorted(buffers)
+        for key, value in buffers.items():
+            assert torch.equal(opt.state[p][key], value)
 
 
-@pytest.mark.parametrize(
-    "old", ["musgd", "muon", "planner", "engine", "compute", "newton_schulz", "inflight"]
-)
-def test_0_4_module_paths_are_the_modules_themselves(old):
-    module = importlib.import_module(f"fastmuon.{old}")
-    new = importlib.import_module(f"fastmuon.{fastmuon.module_paths.MOVED[old]}")
-    assert module is new
+def test_a_0_4_musgd_state_dict_keeps_its_lr_factor():
+    saved = _saved()
+    assert saved["musgd"]["state_dict"]["param_groups"][0]["adjust_lr"] == "ultralytics"
+    opt, _ = _fresh("musgd", saved)
+    opt.load_state_dict(saved["musgd"]["state_dict"])
+    assert [g["adjust_lr_fn"] for g in opt.param_groups] == ["ultralytics", "ultralytics"]
+    assert all("adjust_lr" not in g for g in opt.param_groups)

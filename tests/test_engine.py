@@ -10,6 +10,7 @@ from fastmuon import MuSGD, orthogonalize
 from fastmuon import newton_schulz as fastmuon_newton_schulz
 from fastmuon.ns import engine
 from fastmuon.ns.device import compute_dtype, cpu_low_precision, set_cpu_low_precision
+from fastmuon.ns.planner import plan_buckets
 
 
 def reference(t):
@@ -258,7 +259,7 @@ def test_host_reads_are_decided_when_the_engine_is_built(method, monkeypatch):
     config = engine.NSConfig.make(5, "jordan", 1e-7, torch.float32, method)
     layouts = [engine.TensorLayout.of(t) for t in tensors]
     specs = [engine.spec_of(t, config, lay) for t, lay in zip(tensors, layouts)]
-    plan = engine.plan_buckets(specs, policy="min_launches")
+    plan = plan_buckets(specs, policy="min_launches")
     configs = {b.key: config for b in plan.buckets}
     outs = {}
     for host_reads in (True, False):

@@ -1,14 +1,15 @@
-"""The per-matrix learning-rate factor: one option name in both optimizers (``adjust_lr_fn``, with
-``adjust_lr`` as its alias) and the update RMS of "match_rms_adamw" as a value (``rms_scale``)."""
+"""The per-matrix learning-rate factor: one option name in every optimizer (``adjust_lr_fn``, with
+``adjust_lr`` as MuSGD's alias) and the update RMS of "match_rms_adamw" as a value (``rms_scale``)."""
 
 import copy
+import inspect
 import math
 
 import pytest
 import torch
 from helpers import clone_params, make_grads, make_params, run_optimizer
 
-from fastmuon import Muon, MuSGD
+from fastmuon import AdaMuon, Muon, MuSGD, NorMuon
 
 SHAPES = [(8, 16), (16, 8), (4, 4, 3, 3), (6,)]
 F32 = {"ns_dtype": torch.float32}
@@ -70,9 +71,9 @@ def test_rms_scale_refusals_name_the_fix(cls):
     assert len(opt.param_groups) == 1
 
 
-@pytest.mark.parametrize("cls", [MuSGD, Muon])
-def test_adjust_lr_is_an_alias_of_adjust_lr_fn(cls):
+def test_musgd_takes_adjust_lr_as_an_alias_of_adjust_lr_fn():
     """The alias as a keyword and as a group key: stored as adjust_lr_fn, the same updates."""
+    cls = MuSGD
     a, opt_a = step_once(cls, adjust_lr_fn="spectral_unclamped")
     b, opt_b = step_once(cls, adjust_lr="spectral_unclamped")
     assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -91,6 +92,23 @@ def test_adjust_lr_is_an_alias_of_adjust_lr_fn(cls):
             }
         )
     assert len(opt_a.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", [Muon, NorMuon, AdaMuon])
+def test_an_optimizer_without_the_alias_refuses_adjust_lr(cls):
+    """Its only lr-factor name is adjust_lr_fn (torch.optim.Muon's): adjust_lr as a keyword is
+    not in the signature, and as a group key it is refused, naming adjust_lr_fn, the optimizer
+    left as it was."""
+    assert "adjust_lr" not in inspect.signature(cls).parameters
+    p = torch.nn.Parameter(torch.randn(3, 5))
+    with pytest.raises(TypeError, match="adjust_lr"):
+        cls([p], adjust_lr="none")
+    opt = cls([p])
+    with pytest.raises(
+        ValueError, match=r"sets adjust_lr='none', which \w+ does not read; .*adjust_lr_fn='none'"
+    ):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], "adjust_lr": "none"})
+    assert len(opt.param_groups) == 1
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])

@@ -1,8 +1,7 @@
 """fastmuon: Muon-family optimizers whose step costs a few kernels per bucket, not per matrix."""
 
-from . import module_paths as _module_paths
 from .groups.build import param_groups
-from .ns.engine import orthogonalize
+from .ns.build import orthogonalize
 from .ns.newton_schulz import PRESETS, newton_schulz
 from .ns.planner import CostModel, Plan
 from .optim.muon import Muon
@@ -10,8 +9,6 @@ from .optim.musgd import MuSGD
 from .optim.normuon import AdaMuon, NorMuon
 
 __version__ = "0.4.0"
-
-_module_paths.register(__name__)
 
 __all__ = [
     "MuSGD",

@@ -29,7 +29,6 @@ from ..ns.device import compute_dtype
 from ..ns.matrices import maps_of
 from ..ns.newton_schulz import newton_schulz
 from ..ns.planner import COST_MODELS, Plan, counted, ns_flops
-from ..optim.reference import ReferenceMuon, ReferenceMuSGD
 from .fake_cuda import tensors_in
 from .manifest import Manifest
 
@@ -86,7 +85,7 @@ class Workbench:
         params = []
         for p in self.params:
             q = nn.Parameter(p.detach().clone())
-            q.grad = p.grad.clone()
+            q.grad = None if p.grad is None else p.grad.clone()
             params.append(q)
         return Workbench(self.manifest, params, self.device, self.optimizer, self.ns_dtype, self.policy)
 
@@ -219,7 +218,7 @@ def accepted_kwargs(cls: type, kwargs: dict[str, Any]) -> tuple[dict[str, Any], 
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
-        names = inspect.signature(klass.__init__).parameters
+        names = inspect.signature(vars(klass)["__init__"]).parameters
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in names.values()):
             break
     return {k: v for k, v in kwargs.items() if k in names}, [k for k in kwargs if k not in names]
@@ -252,9 +251,7 @@ def bf16_state_contender(wb: Workbench) -> Contender:
 
 
 def reference_contender(wb: Workbench) -> Contender:
-    if wb.optimizer in ("musgd", "muon"):
-        cls = ReferenceMuSGD if wb.optimizer == "musgd" else ReferenceMuon
-        return fastmuon_variant(wb, cls, "per-parameter", "fastmuon.optim.reference: one NS call per matrix")
+    """The same optimizer with ``foreach=False``: its per-parameter reference loop."""
     cls = CLASSES[wb.optimizer][0]
     return fastmuon_variant(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
 
@@ -496,6 +493,8 @@ def load_ultralytics_musgd(fp32_ns: bool = False) -> tuple[type, str]:
         raise Unavailable(f"ultralytics {version} has no optim/muon.py (MuSGD arrived in 8.4)")
     name = f"_fastmuon_bench_ultralytics_muon{'_fp32' if fp32_ns else ''}"
     module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise Unavailable(f"ultralytics {version}: {path} cannot be loaded as a module")
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     cls = getattr(module, "MuSGD", None)
@@ -504,7 +503,7 @@ def load_ultralytics_musgd(fp32_ns: bool = False) -> tuple[type, str]:
     if fp32_ns:
         if not callable(getattr(module, "zeropower_via_newtonschulz5", None)):
             raise Unavailable(f"ultralytics {version}: no zeropower_via_newtonschulz5 to run in fp32")
-        module.zeropower_via_newtonschulz5 = _fp32_newton_schulz5
+        vars(module)["zeropower_via_newtonschulz5"] = _fp32_newton_schulz5
     return cls, version
 
 

@@ -12,16 +12,16 @@ import platform
 
 import torch
 
-from ..ns.device import compute_dtype, cpu_flags, onednn_isa_cap
-from ..ns.device import cpu_class as planner_class
+from ..ns.device import compute_dtype, cpu_class, cpu_flags, onednn_isa_cap
 
 _X86 = ("x86_64", "amd64", "i386", "i686")
 _ARM = ("aarch64", "arm64")
 
 
-def cpu_class(machine: str, flags: set[str] | None) -> str:
-    """A short label such as ``x86-64 AVX512-BF16/AMX``, ``x86-64 AVX2-only`` or ``aarch64 BF16``
-    (a pure function of the architecture name and the CPU's flag set; None: flags unknown)."""
+def cpu_label(machine: str, flags: set[str] | None) -> str:
+    """The report's name for a CPU, such as ``x86-64 AVX512-BF16/AMX``, ``x86-64 AVX2-only`` or
+    ``aarch64 BF16``: finer than the planner's :func:`~fastmuon.ns.device.cpu_class` (a pure
+    function of the architecture name and the CPU's flag set; None: flags unknown)."""
     arch = machine.lower()
     if arch in _X86:
         if flags is None:
@@ -46,9 +46,9 @@ def cpu_facts() -> dict[str, str]:
     """The class label, torch's kernel capability level, and the dtype bf16 NS really runs in."""
     runs_in = compute_dtype(torch.bfloat16, "cpu")
     return {
-        "cpu_class": cpu_class(platform.machine(), cpu_flags()),
+        "cpu_class": cpu_label(platform.machine(), cpu_flags()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "planner_class": planner_class(),  # whose cost constants the planner uses
+        "planner_class": cpu_class(),  # whose cost constants the planner uses (CPU_CLASSES)
         "bf16_ns_runs_in": str(runs_in).removeprefix("torch."),
         "onednn_isa_cap": onednn_isa_cap() or "",  # ONEDNN_MAX_CPU_ISA: bf16 units unused below it
     }

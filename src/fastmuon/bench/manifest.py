@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -220,13 +220,13 @@ def _json_value(v: Any) -> bool:
     return True
 
 
-def _orthogonalised(p: ParamSpec, groups: list[Mapping[str, Any]], use_muon_default: bool = True) -> bool:
+def _orthogonalised(p: ParamSpec, groups: Sequence[Mapping[str, Any]], use_muon_default: bool = True) -> bool:
     """Whether an optimizer orthogonalises ``p``: >=2D, in a group that does not opt out."""
     flag = groups[p.group].get("use_muon")
     return (flag if flag is not None else use_muon_default) and len(p.shape) >= 2 and p.numel > 0
 
 
-def _map_specs(groups: list[Mapping[str, Any]], params: list[ParamSpec]) -> list[MatrixMapSpec]:
+def _map_specs(groups: Sequence[Mapping[str, Any]], params: list[ParamSpec]) -> list[MatrixMapSpec]:
     """Each parameter's map spec: its group's ``matrices``, or that list's entry at the
     parameter's position among its group's parameters."""
     seen = [0] * len(groups)
@@ -238,7 +238,7 @@ def _map_specs(groups: list[Mapping[str, Any]], params: list[ParamSpec]) -> list
     return specs
 
 
-def _check_maps(groups: list[Mapping[str, Any]], params: list[ParamSpec], where: str) -> None:
+def _check_maps(groups: Sequence[Mapping[str, Any]], params: list[ParamSpec], where: str) -> None:
     """Every group's ``matrices`` parses, has one map per parameter where it is a list, and
     fits the shape of each parameter it maps (one the optimizers orthogonalise)."""
     sizes = [0] * len(groups)

@@ -259,6 +259,7 @@ def gpt2_conv1d_groups(model: GPT2Conv1D) -> list[dict[str, Any]]:
     d = model.d
     matrices, maps, names = [], [], []
     for i, block in enumerate(model.transformer.h):
+        assert isinstance(block, _GPT2Block)
         for path, conv in (
             ("attn.c_attn", block.attn.c_attn),
             ("attn.c_proj", block.attn.c_proj),

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..ns.device import synchronize
 from ..ns.planner import counted
+from ..ns.timing import synchronize
 from .contenders import CLASSES, accepted_kwargs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

@@ -3,51 +3,33 @@
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 from torch import Tensor
 
-from ..ns.device import compute_dtype, synchronize
+from ..ns.device import compute_dtype
 from ..ns.newton_schulz import gram_restart_interval
 from ..ns.planner import Plan
+from ..ns.timing import best_seconds, matmul_flops, matmul_seconds
 
 _RATES: dict[tuple[str, torch.dtype], float] = {}
 
+#: the batch the rate is measured on: small enough to finish in a fraction of a second even
+#: where a dtype is emulated (bf16 on a CPU without bf16 instructions runs ~100x slower than
+#: fp32), large enough to be FLOP-bound
+RATE_SHAPE = (4, 128, 512)
+
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.05) -> float:
-    """FLOP/s of one Newton–Schulz iteration on a (4, 128, 512) batch in ``dtype`` (measured once).
-
-    Small enough to finish in a fraction of a second even where a dtype is emulated (bf16 on a
-    CPU without bf16 instructions runs ~100x slower than fp32), large enough to be FLOP-bound.
-    """
+    """FLOP/s of Newton–Schulz's product (:func:`fastmuon.ns.timing.matmul_seconds`) on a
+    :data:`RATE_SHAPE` batch in ``dtype``, back to back for about ``min_seconds`` (measured once)."""
     key = (str(device), dtype)
     if key not in _RATES:
-        _RATES[key] = _measure_rate(device, dtype, min_seconds)
+        once = matmul_seconds(*RATE_SHAPE, dtype, device, rounds=1)
+        per_round = max(1, int(min_seconds / 3 / max(once, 1e-9)))
+        seconds = matmul_seconds(*RATE_SHAPE, dtype, device, rounds=3, per_round=per_round)
+        _RATES[key] = matmul_flops(*RATE_SHAPE) / seconds
     return _RATES[key]
-
-
-def _measure_rate(device: torch.device, dtype: torch.dtype, min_seconds: float) -> float:
-    b, r, c = 4, 128, 512
-    X = torch.randn(b, r, c, device=device).to(dtype) / c**0.5
-
-    def iteration():
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=-4.775, alpha=2.0315)
-        return torch.baddbmm(X, B, X, beta=3.4445)
-
-    iteration()  # warm-up
-    synchronize(device)
-    reps, start = 0, time.perf_counter()
-    while True:
-        iteration()
-        reps += 1
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds or (reps >= 1 and elapsed > 10 * min_seconds):
-            break
-    flops = b * (4 * r * r * c + 2 * r * r * r)
-    return reps * flops / elapsed
 
 
 #: One step of a floor sequence: ``(bucket index, kind)``, kind one of "gram" (``X·Xᵀ``),
@@ -160,28 +142,13 @@ def _seconds(left: torch.Tensor, right: torch.Tensor, min_seconds: float) -> flo
     """Best time of ``bmm(left, right)`` into a kept output (as the engine runs them: a fresh
     85 MB output page-faults in every call) over repeats filling ``min_seconds``."""
     out = torch.empty(left.size(0), left.size(1), right.size(2), dtype=left.dtype, device=left.device)
-    return _best_seconds(lambda: torch.bmm(left, right, out=out), left.device, min_seconds)
-
-
-def _best_seconds(run, device: torch.device, min_seconds: float, min_repeats: int = 3) -> float:
-    """Best time of ``run()`` over at least ``min_repeats`` repeats, and ``min_seconds`` of them."""
-    run()
-    synchronize(device)
-    best, spent, repeats = float("inf"), 0.0, 0
-    while spent < min_seconds or repeats < min_repeats:
-        repeats += 1
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        elapsed = time.perf_counter() - start
-        best, spent = min(best, elapsed), spent + elapsed
-    return best
+    return best_seconds(lambda: torch.bmm(left, right, out=out), left.device, min_seconds)
 
 
 def _eigh_seconds(X: torch.Tensor, min_seconds: float) -> float:
     """Best time of ``eigh`` on the Gram matrices of ``X``."""
     S = _eigh_input(X)
-    return _best_seconds(lambda: torch.linalg.eigh(S), S.device, min_seconds)
+    return best_seconds(lambda: torch.linalg.eigh(S), S.device, min_seconds)
 
 
 def _eigh_input(X: Tensor) -> Tensor:

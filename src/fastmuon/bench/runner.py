@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..ns.device import synchronize
+from ..ns.timing import synchronize
 from .contenders import (
     Contender,
     Unavailable,

@@ -128,7 +128,8 @@ class Generated(NamedTuple):
 
     build: Callable[[], nn.Module]
     source: str
-    grouping: Callable[[nn.Module], list[dict[str, Any]]] = param_groups
+    # takes the model ``build`` returns (each grouping is written for its own model class)
+    grouping: Callable[[Any], list[dict[str, Any]]] = param_groups
     grouping_note: str = "groups: fastmuon.param_groups"
 
 

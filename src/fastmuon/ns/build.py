@@ -1,4 +1,5 @@
-"""From matrices and settings to a ready engine: the planner's specs, the plan, the executor.
+"""From matrices and settings to a ready engine: the planner's specs, the plan, the executor;
+and :func:`orthogonalize`, which builds one and runs it once.
 
 A single process and every rank of a distributed step plan alike; in a distributed step only
 who decides the cost constants differs (rank 0's are sent to all, see fastmuon.distributed).
@@ -6,17 +7,22 @@ who decides the cost constants differs (rank 0's are sent to all, see fastmuon.d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import itertools
+from collections.abc import Hashable, Sequence
 
+import torch
 from torch import Tensor
 
 from .calibrate import calibrated_cost_model
 from .engine import NSConfig, Orthogonalizer, TensorLayout, spec_of
-from .planner import CostModel, MatrixSpec, Plan, plan_buckets
+from .matrices import MatrixMapSpec, maps_of
+from .newton_schulz import CoefficientSpec
+from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel, MatrixSpec, Plan, plan_buckets
 
 
-def resolve_cost_model(cost_model: CostModel | str | None, specs: Sequence[MatrixSpec]) -> Any:
+def resolve_cost_model(
+    cost_model: CostModel | str | None, specs: Sequence[MatrixSpec]
+) -> CostModel | str | None:
     """``"calibrate"``: the constants measured on this machine for the specs' device and dtypes
     (once per process); a :class:`CostModel` or None (the device type's built-in one) as given."""
     if cost_model == "calibrate" and specs:
@@ -28,7 +34,7 @@ def plan_for(
     specs: Sequence[MatrixSpec],
     configs: Sequence[NSConfig],
     policy: str,
-    cost_model: Any,
+    cost_model: CostModel | str | None,
     max_bucket_bytes: int,
     threads: int | None = None,
 ) -> Plan:
@@ -50,15 +56,95 @@ def build_orthogonalizer(
     *,
     cost_model: CostModel | str | None,
     max_bucket_bytes: int,
-    compile: bool,
-    host_reads: bool,
+    compile: bool = False,
+    host_reads: bool = True,
+    result_views: bool = True,
 ) -> Orthogonalizer:
-    """The engine for matrices this process orthogonalises alone, for a step that applies its
-    results at once (so they may be views into buffers the next call reuses)."""
+    """The engine for matrices this process orthogonalises alone. ``result_views``: its results
+    may be views into buffers the next call reuses (a step that applies them at once); False
+    for results handed to a caller."""
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = plan_for(specs, configs, policy, resolve_cost_model(cost_model, specs), max_bucket_bytes)
-    configs_by_key = {(p.dtype, c): c for p, c in zip(params, configs)}
+    configs_by_key: dict[Hashable, NSConfig] = {(p.dtype, c): c for p, c in zip(params, configs)}
     return Orthogonalizer(
-        plan, layouts, configs_by_key, compile=compile, result_views=True, host_reads=host_reads
+        plan, layouts, configs_by_key, compile=compile, result_views=result_views, host_reads=host_reads
     )
+
+
+def orthogonalize(
+    tensors: Sequence[Tensor],
+    steps: int | None = None,
+    coefficients: CoefficientSpec = "jordan",
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    policy: str = "auto",
+    max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+    cost_model: CostModel | None = None,
+    method: str = "auto",
+    matrices: MatrixMapSpec | list[MatrixMapSpec] = None,
+    *,
+    preconditioning: str | None = None,
+) -> list[Tensor]:
+    """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
+
+    Each tensor is treated as the matrix ``t.flatten(1)``, or as the matrices its ``matrices``
+    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.ns.matrices`):
+    an expert stack ``(E, out, in)`` with ``"experts"`` is E matrices, each orthogonalised alone,
+    all of them batched by the planner like any others. ``method`` picks the NS formulation
+    ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
+    cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
+    less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
+    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh").
+    ``preconditioning``: as in :func:`fastmuon.newton_schulz` (``coefficients="aol"`` selects
+    AOL's rescaling, which "auto" runs with the standard method); ``steps=None``: the count the
+    coefficients were published for, as there.
+    For repeated calls on the same shapes, an optimizer caches the plan and
+    buffers; this function plans afresh each call.
+    """
+    tensors = list(tensors)
+    maps = maps_of(matrices, len(tensors))
+    for i, (t, m) in enumerate(zip(tensors, maps)):
+        if t.ndim < 2:
+            raise ValueError(f"tensor {i} has shape {tuple(t.shape)}; orthogonalize needs >=2D tensors")
+        if t.is_complex():
+            raise ValueError(f"tensor {i} is complex; only real tensors can be orthogonalised")
+        try:
+            m.check(t.shape)
+        except ValueError as e:
+            raise ValueError(f"tensor {i} (shape {tuple(t.shape)}): {e}") from None
+    if any(not m.is_flatten for m in maps):
+        pieces = [m.views(t) for t, m in zip(tensors, maps)]
+        flat = orthogonalize(
+            [v for vs in pieces for v in vs],
+            steps,
+            coefficients,
+            eps,
+            dtype,
+            policy,
+            max_bucket_bytes,
+            cost_model,
+            method,
+            preconditioning=preconditioning,
+        )
+        starts = [0, *itertools.accumulate(map(len, pieces))]
+        return [
+            flat[a] if m.is_flatten else m.assemble(t.shape, flat[a:b], dtype, t.device)
+            for t, m, a, b in zip(tensors, maps, starts, starts[1:])
+        ]
+    config = NSConfig.make(steps, coefficients, eps, dtype, method, preconditioning)
+    live = [i for i, t in enumerate(tensors) if t.numel() > 0]
+    inputs = [tensors[i] for i in live]
+    engine = build_orthogonalizer(
+        inputs,
+        [config] * len(inputs),
+        policy,
+        cost_model=cost_model,
+        max_bucket_bytes=max_bucket_bytes,
+        result_views=False,
+    )
+    outputs = engine(inputs, [dtype] * len(inputs))
+    results = [torch.empty_like(t, dtype=dtype) for t in tensors]
+    for i, out in zip(live, outputs):
+        results[i] = out
+    return results

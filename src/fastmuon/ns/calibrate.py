@@ -5,21 +5,19 @@ costs and the time one more FLOP costs. Both are measured once per (device, dtyp
 and cached; a few hundred milliseconds on a CPU, less on a GPU. Where the device type's model
 prices eigendecompositions (CPUs: ``planner.CPU_EIGH``), their cost against matmuls is measured
 too, at two sizes; where it does not (GPUs), they stay out of the plan. On a CPU fp32 is always
-measured (a bf16 request may run in it, ``compute.wider_dtype``), and a low-precision kernel's
+measured (a bf16 request may run in it, ``device.wider_dtype``), and a low-precision kernel's
 fixed cost beyond an fp32 one's (large on CPUs, from small bf16 matmuls) is added to its launches.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Iterable
 
 import torch
 
-from .device import synchronize
 from .planner import CostModel, EighCost, default_cost_model
+from .timing import matmul_flops, matmul_seconds, median_seconds
 
 
 def calibrated_cost_model(device: torch.device | str, dtypes: Iterable[torch.dtype]) -> CostModel:
@@ -34,7 +32,7 @@ def _calibrate(device: torch.device, dtypes: tuple[torch.dtype, ...], threads: i
     del threads  # part of the cache key
     fallback = default_cost_model(device)
     tiny = torch.zeros(1, device=device)
-    launch = _median_seconds(lambda: tiny.add_(1.0), device, rounds=5, per_round=40)
+    launch = median_seconds(lambda: tiny.add_(1.0), device, rounds=5, per_round=40)
     per_flop = {}
     for dtype in dtypes:
         per_flop[dtype] = _per_flop(device, dtype, launch)
@@ -58,15 +56,13 @@ def _tiny_matmul_seconds(device: torch.device, dtype: torch.dtype) -> float:
     """A matmul too small to cost FLOPs: what one kernel in ``dtype`` costs whatever its size."""
     a = torch.randn(2, 16, 16, device=device).to(dtype)
     out = torch.empty_like(a)
-    return _median_seconds(lambda: torch.baddbmm(a, a, a, beta=0.5, out=out), device, rounds=5, per_round=20)
+    return median_seconds(lambda: torch.baddbmm(a, a, a, beta=0.5, out=out), device, rounds=5, per_round=20)
 
 
 def _per_flop(device: torch.device, dtype: torch.dtype, launch: float) -> float:
     b, r, c = 8, 128, 512
-    x = torch.randn(b, r, c, device=device).to(dtype)
-    a = torch.randn(b, r, r, device=device).to(dtype)
-    seconds = _median_seconds(lambda: torch.baddbmm(x, a, x, beta=0.5), device, 5, 1)
-    return max(seconds - launch, 1e-9) / (2 * b * r * r * c)
+    seconds = matmul_seconds(b, r, c, dtype, device, rounds=5, per_round=1)
+    return max(seconds - launch, 1e-9) / matmul_flops(b, r, c)
 
 
 def _eigh_cost(device: torch.device, sizes: tuple[int, int] = (64, 256)) -> EighCost:
@@ -78,8 +74,8 @@ def _eigh_cost(device: torch.device, sizes: tuple[int, int] = (64, 256)) -> Eigh
         x = torch.randn(r, 2 * r, device=device)
         spd = x @ x.mT / (2 * r)
         a, out = torch.randn(4, r, r, device=device), torch.empty(4, r, r, device=device)
-        eigh = _median_seconds(lambda spd=spd: torch.linalg.eigh(spd), device, rounds=3, per_round=1)
-        bmm = _median_seconds(lambda a=a, out=out: torch.bmm(a, a, out=out), device, rounds=3, per_round=2)
+        eigh = median_seconds(functools.partial(torch.linalg.eigh, spd), device, rounds=3, per_round=1)
+        bmm = median_seconds(functools.partial(torch.bmm, a, a, out=out), device, rounds=3, per_round=2)
         per_r3[r] = eigh / (bmm / (4 * 2 * r**3)) / r**3  # eigh in FLOPs of that bmm (4·2r³), per r³
     small, large = sizes
     per_inverse_row = (per_r3[small] - per_r3[large]) / (1 / small - 1 / large)
@@ -87,17 +83,3 @@ def _eigh_cost(device: torch.device, sizes: tuple[int, int] = (64, 256)) -> Eigh
     if per_inverse_row < 0 or base < 0:
         return EighCost(max(per_r3.values()), 0.0)
     return EighCost(base, per_inverse_row)
-
-
-def _median_seconds(fn, device: torch.device, rounds: int, per_round: int) -> float:
-    """Median over ``rounds`` of the mean time of ``per_round`` back-to-back calls."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(per_round):
-            fn()
-        synchronize(device)
-        times.append((time.perf_counter() - start) / per_round)
-    return statistics.median(times)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from .timing import matmul_seconds
 
 #: "auto": probe; "native": always run in the requested dtype; "fp32": low precision on CPU runs in fp32.
 _MODES = ("auto", "native", "fp32")
@@ -41,13 +42,6 @@ def cpu_low_precision(mode: str) -> Iterator[None]:
         yield
     finally:
         set_cpu_low_precision(previous)
-
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queued work (a no-op on a CPU): what every timing here needs."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def is_host(device: torch.device) -> bool:
@@ -160,7 +154,11 @@ def _hardware_native(dtype: torch.dtype, threads: int) -> bool:
     if flags is not None:
         wanted = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
         return any(f in flags for f in wanted[dtype])
-    return _seconds(dtype) <= _seconds(torch.float32)
+    return _cpu_seconds(dtype) <= _cpu_seconds(torch.float32)
+
+
+def _cpu_seconds(dtype: torch.dtype) -> float:
+    return matmul_seconds(4, 128, 512, dtype, "cpu", rounds=3)
 
 
 def cpu_flags() -> set[str] | None:
@@ -174,13 +172,3 @@ def cpu_flags() -> set[str] | None:
     except OSError:
         pass
     return None
-
-
-def _seconds(dtype: torch.dtype) -> float:
-    b = torch.randn(4, 128, 128).to(dtype)
-    x = torch.randn(4, 128, 512).to(dtype)
-    torch.bmm(b, x)
-    start = time.perf_counter()
-    for _ in range(3):
-        torch.bmm(b, x)
-    return time.perf_counter() - start

@@ -20,15 +20,15 @@ import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
-from . import device as compute
+from . import device
 from .device import compute_dtype, wider_dtype
 from .gather import Gather
 from .layout import memory_order
-from .matrices import MatrixMapSpec, maps_of
 from .newton_schulz import (
     METHODS,
     Coefficients,
@@ -39,14 +39,7 @@ from .newton_schulz import (
     resolve_coefficients,
     resolve_preconditioning,
 )
-from .planner import (
-    DEFAULT_MAX_BUCKET_BYTES,
-    Bucket,
-    CostModel,
-    MatrixSpec,
-    Plan,
-    plan_buckets,
-)
+from .planner import Bucket, MatrixSpec, Plan
 from .workspace import BucketLayout, SharedWorkspace
 
 
@@ -159,7 +152,8 @@ def _cast_places(rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: to
     cached = layout.cache.get("cast")
     if cached is None or cached[0] is not flat:  # type: ignore[index]
         cached = layout.cache["cast"] = (flat, _strided_views(flat, rec, flat.storage_offset()))
-    return cached[1]  # type: ignore[index]
+    views: list[Tensor] = cached[1]  # type: ignore[index]
+    return views
 
 
 def _slot_views(batch: Tensor, rec: BucketRecord) -> list[Tensor]:
@@ -185,7 +179,7 @@ class ScratchArena:
         self._views: dict[tuple[str, torch.dtype, tuple[int, ...]], Tensor] = {}
         self._takers: dict[torch.dtype, Callable[[str, tuple[int, ...]], Tensor]] = {}
 
-    def for_dtype(self, dtype: torch.dtype):
+    def for_dtype(self, dtype: torch.dtype) -> Callable[[str, tuple[int, ...]], Tensor]:
         """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch), made
         once per dtype."""
         taker = self._takers.get(dtype)
@@ -193,7 +187,7 @@ class ScratchArena:
             taker = self._takers[dtype] = self._taker(dtype)
         return taker
 
-    def _taker(self, dtype: torch.dtype):
+    def _taker(self, dtype: torch.dtype) -> Callable[[str, tuple[int, ...]], Tensor]:
         def take(tag: str, shape: tuple[int, ...]) -> Tensor:
             view = self._views.get((tag, dtype, shape))  # made once: a view costs Python time
             if view is None:
@@ -275,7 +269,7 @@ class BucketRecord:
     cast: tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None = None
     cast_buffers: list[Tensor] = field(default_factory=list)
     # The members' flags in a keep vector, per (device, positions) of the vectors seen.
-    keep_index: dict[tuple, Tensor] = field(default_factory=dict)
+    keep_index: dict[tuple[torch.device, tuple[int, ...] | None], Tensor] = field(default_factory=dict)
     # The bucket-by-bucket path (see Orthogonalizer.open_bucket): the bucket's layout in the
     # shared workspace, which also caches the views made of it once per buffer ("inputs": its
     # members' slots; "results": their views of where NS left them; "cast": the flat view the
@@ -318,7 +312,7 @@ class Orthogonalizer:
         self._input_views: list[Tensor] | None = None
         self._scratch: ScratchArena | None = None
         self._shared: SharedWorkspace | None = None  # the bucket-by-bucket path's buffers
-        self._staged: _StagedGathers | bool | None = None  # False: nothing to stage
+        self._staged: _StagedGathers | Literal[False] | None = None  # False: nothing to stage
         # every bucket on the host and eager: a step may run them one at a time (see open_bucket)
         self.host_bucketwise = bool(self.records) and all(r.host and not r.compiled for r in self.records)
 
@@ -326,7 +320,7 @@ class Orthogonalizer:
         """Everything about ``bucket`` that is known before any data is seen."""
         layouts = tuple(self.layouts[m.index] for m in bucket.members)
         runs = _split_runs(bucket, layouts)
-        host = compute.is_host(bucket.device)
+        host = device.is_host(bucket.device)
         gathers = _gathers(layouts, runs)
         compiled = self.compile and bucket.method != "eigh"  # eigh: one LAPACK call, nothing to fuse
         pre = config.preconditioning
@@ -428,8 +422,8 @@ class Orthogonalizer:
             return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=False)
         host_reads = rec.host_reads and not compiling
         if batch.dtype != rec.bucket.dtype:  # packed in the sources' dtype (see _pack)
-            scratch = functools.partial(_normalized_into, rec.bucket.dtype, batch.device)
-            return rec.kernel(batch, rec.schedule, eps, scratch, out, host=rec.host, host_reads=host_reads)
+            wider = functools.partial(_normalized_into, rec.bucket.dtype, batch.device)
+            return rec.kernel(batch, rec.schedule, eps, wider, out, host=rec.host, host_reads=host_reads)
         if out is not None:
             return rec.kernel(
                 batch, rec.schedule, eps, _no_scratch, out, host=rec.host, host_reads=host_reads
@@ -513,7 +507,7 @@ class Orthogonalizer:
                 host_reads=rec.host_reads,
                 reuse_input=True,
             )
-            views = layout.cache["results"](out)  # type: ignore[operator]
+            views: list[Tensor] = layout.cache["results"](out)  # type: ignore[operator]
         else:  # fresh output and temporaries (see REUSE_MAX_ROWS): views made per call
             out = rec.kernel(batch, rec.schedule, eps, host=True, host_reads=rec.host_reads)
             views = _slot_views(out, rec)
@@ -587,12 +581,12 @@ class Orthogonalizer:
             # off the host a casting stack copies one input at a time (a launch each): the runs
             # are stacked in the sources' dtype (batched copies) and the NS normalisation, which
             # writes a new tensor anyway, rounds to the bucket's dtype (see _run)
-            buf = (torch.empty if rec.fresh_input else torch.zeros)(
+            packed = (torch.empty if rec.fresh_input else torch.zeros)(
                 rec.bucket.shape, dtype=wide, device=device
             )
             for run in rec.runs:
-                torch.stack([sources[i] for i in run.tensors], out=run.slots(buf))
-            return buf
+                torch.stack([sources[i] for i in run.tensors], out=run.slots(packed))
+            return packed
         buf = rec.buffer
         fresh = rec.fresh_input and rec.gather is None
         if fresh:  # every element is written below: the allocator's cache serves it, nothing is kept
@@ -628,7 +622,7 @@ class Orthogonalizer:
         rec: BucketRecord,
         out: Tensor,
         out_dtypes: Sequence[torch.dtype],
-        results: list,
+        results: list[Tensor | None],
         compiling: bool,
     ) -> None:
         """Write the bucket's results into ``results`` (tensors with each source's strides).
@@ -737,7 +731,7 @@ class _StagedGathers:
         s, base = self.outputs[rec]
         return flats[s][base : base + _numel(rec.bucket.shape)].view(rec.bucket.shape)
 
-    def unpack(self, out_dtypes: Sequence[torch.dtype], results: list) -> None:
+    def unpack(self, out_dtypes: Sequence[torch.dtype], results: list[Tensor | None]) -> None:
         flats, self._flat, self._inputs = self._flat, [], []
         for st, flat in zip(self.stages, flats):
             picked = flat.index_select(0, st.index)
@@ -851,7 +845,7 @@ def _make_places(rec: BucketRecord, buf: Tensor) -> tuple[Tensor, list[Tensor], 
     return rec.places
 
 
-def _strided_views(flat: Tensor, rec: BucketRecord, base: int = 0) -> list[Tensor]:
+def _strided_views(flat: Tensor, rec: BucketRecord, base: int | torch.SymInt = 0) -> list[Tensor]:
     """The bucket's members stored back to back in ``flat`` (slot order, each in its memory
     order), each as a view with its layout's strides; ``base``: where ``flat`` starts in its
     storage (``as_strided`` counts from the storage's start)."""
@@ -899,7 +893,7 @@ def _prepare_cast(
     return fill_runs, [views[i] for i in rec.indices]
 
 
-def _unpack_run(run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> None:
+def _unpack_run(run: _Run, out: Tensor, dtype: torch.dtype, results: list[Tensor | None]) -> None:
     """A run's results made afresh (views of the NS output where it is unpadded, upright and
     contiguous in the run's dtype)."""
     layout, count = run.layout, run.stop - run.start
@@ -920,16 +914,19 @@ def _unpack_run(run: _Run, out: Tensor, dtype: torch.dtype, results: list) -> No
         results[i] = torch.as_strided(flat, layout.shape, layout.stride, j * numel)
 
 
-class _ViewsOf:
+_V = TypeVar("_V")
+
+
+class _ViewsOf(Generic[_V]):
     """Views of the latest tensor passed in, made once per tensor (held weakly: a fresh output
     per step is not kept alive, a kept one gets its views made once)."""
 
-    def __init__(self, make: Callable[[Tensor], object]):
+    def __init__(self, make: Callable[[Tensor], _V]):
         self.make = make
-        self.ref: weakref.ref | None = None
-        self.views: object = None
+        self.ref: weakref.ref[Tensor] | None = None
+        self.views: _V  # made with ``ref``, on the first call
 
-    def __call__(self, t: Tensor):
+    def __call__(self, t: Tensor) -> _V:
         if self.ref is None or self.ref() is not t:
             self.ref, self.views = weakref.ref(t), self.make(t)
         return self.views
@@ -949,7 +946,7 @@ def _compiling() -> bool:
 
 
 @functools.cache
-def compiled_kernel(method: str, preconditioning: str = "frobenius"):
+def compiled_kernel(method: str, preconditioning: str = "frobenius") -> Callable[..., Tensor]:
     """The NS loop through ``torch.compile`` (whole graph, static shapes: one compile per bucket
     shape, then the elementwise scaling fuses into the matmul epilogues where the backend can)."""
     return torch.compile(ns_kernel(method, preconditioning), fullgraph=True, dynamic=False)
@@ -990,7 +987,7 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
     """The planner's spec of a >=2D tensor: flattened to (out, everything else), in the dtype
     NS will really run in there; tensors of different dtypes or NS settings never share.
     With ``method="auto"`` a native low-precision request may run in fp32 where the planner finds
-    that faster (``compute.wider_dtype``)."""
+    that faster (``device.wider_dtype``)."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
     requested = config.dtype if config.dtype != dtype else None
@@ -1007,81 +1004,6 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
         fallback,
         config.preconditioning,
     )
-
-
-def orthogonalize(
-    tensors: Sequence[Tensor],
-    steps: int | None = None,
-    coefficients: CoefficientSpec = "jordan",
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-    policy: str = "auto",
-    max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
-    cost_model: CostModel | None = None,
-    method: str = "auto",
-    matrices: MatrixMapSpec | list = None,
-    *,
-    preconditioning: str | None = None,
-) -> list[Tensor]:
-    """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
-
-    Each tensor is treated as the matrix ``t.flatten(1)``, or as the matrices its ``matrices``
-    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.ns.matrices`):
-    an expert stack ``(E, out, in)`` with ``"experts"`` is E matrices, each orthogonalised alone,
-    all of them batched by the planner like any others. ``method`` picks the NS formulation
-    ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
-    cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
-    less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
-    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh"). ``preconditioning``: as in :func:`fastmuon.newton_schulz`
-    (``coefficients="aol"`` selects AOL's rescaling, which "auto" runs with the standard method);
-    ``steps=None``: the count the coefficients were published for, as there.
-    For repeated calls on the same shapes, an optimizer caches the plan and
-    buffers; this function plans afresh each call.
-    """
-    tensors = list(tensors)
-    maps = maps_of(matrices, len(tensors))
-    for i, (t, m) in enumerate(zip(tensors, maps)):
-        if t.ndim < 2:
-            raise ValueError(f"tensor {i} has shape {tuple(t.shape)}; orthogonalize needs >=2D tensors")
-        if t.is_complex():
-            raise ValueError(f"tensor {i} is complex; only real tensors can be orthogonalised")
-        try:
-            m.check(t.shape)
-        except ValueError as e:
-            raise ValueError(f"tensor {i} (shape {tuple(t.shape)}): {e}") from None
-    if any(not m.is_flatten for m in maps):
-        pieces = [m.views(t) for t, m in zip(tensors, maps)]
-        flat = orthogonalize(
-            [v for vs in pieces for v in vs],
-            steps,
-            coefficients,
-            eps,
-            dtype,
-            policy,
-            max_bucket_bytes,
-            cost_model,
-            method,
-            preconditioning=preconditioning,
-        )
-        starts = [0, *itertools.accumulate(map(len, pieces))]
-        return [
-            flat[a] if m.is_flatten else m.assemble(t.shape, flat[a:b], dtype, t.device)
-            for t, m, a, b in zip(tensors, maps, starts, starts[1:])
-        ]
-    config = NSConfig.make(steps, coefficients, eps, dtype, method, preconditioning)
-    steps = config.steps
-    live = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    layouts = [TensorLayout.of(tensors[i]) for i in live]
-    specs = [spec_of(tensors[i], config, lay) for i, lay in zip(live, layouts)]
-    plan = plan_buckets(
-        specs, policy=policy, steps=steps, max_bucket_bytes=max_bucket_bytes, cost_model=cost_model
-    )
-    configs = {b.key: config for b in plan.buckets}
-    outputs = Orthogonalizer(plan, layouts, configs)([tensors[i] for i in live], [dtype] * len(live))
-    results = [torch.empty_like(t, dtype=dtype) for t in tensors]
-    for i, out in zip(live, outputs):
-        results[i] = out
-    return results
 
 
 def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:

@@ -3,7 +3,7 @@ a step's gradients without a Python loop per tensor."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -15,6 +15,7 @@ class Gather:
 
     def __init__(self, indices: Sequence[int]):
         self.indices = list(indices)
+        self._pick: Callable[[Sequence[Any]], list[Any]]
         if len(self.indices) == 1:
             (only,) = self.indices
             self._pick = lambda seq: [seq[only]]

@@ -7,5 +7,6 @@ from torch import Tensor
 
 def memory_order(t: Tensor) -> tuple[int, ...] | None:
     """The dim order that walks ``t``'s memory contiguously, or None if it has gaps or overlaps."""
-    perm = tuple(sorted(range(t.ndim), key=lambda d: -t.stride(d)))
+    strides = t.stride()
+    perm = tuple(sorted(range(t.ndim), key=lambda d: -strides[d]))
     return perm if t.permute(perm).is_contiguous() else None

@@ -39,10 +39,14 @@ import torch
 from torch import Tensor
 
 #: What a group's ``matrices`` entry holds: a map (string or dict), or a list of maps, one per parameter.
-MatrixMapSpec = Union[str, dict, None]
+MatrixMapSpec = Union[str, dict[str, Any], None]
 
 KEYS = ("batch_dims", "split", "heads", "dim", "interleaved", "transposed")
-SHORTHANDS = {"flatten": {}, "experts": {"batch_dims": 1}, "transposed": {"transposed": True}}
+SHORTHANDS: dict[str, dict[str, Any]] = {
+    "flatten": {},
+    "experts": {"batch_dims": 1},
+    "transposed": {"transposed": True},
+}
 
 #: A piece of a tensor: an index (ints for batch dims, a slice for the split dim, with a step
 #: where the parts are interleaved) into it.
@@ -289,7 +293,7 @@ def _parse_items_uncached(items: tuple[tuple[str, Any], ...]) -> MatrixMap:
     return MatrixMap(int(batch_dims), split, heads, dim, transposed, interleaved)
 
 
-def maps_of(spec: MatrixMapSpec | list, count: int) -> list[MatrixMap]:
+def maps_of(spec: MatrixMapSpec | list[MatrixMapSpec], count: int) -> list[MatrixMap]:
     """A group's ``matrices`` entry as one map per parameter (a list must have one per parameter)."""
     if isinstance(spec, (list, tuple)):
         if len(spec) != count:
@@ -330,10 +334,9 @@ def box_shape(shape: tuple[int, ...], box: Box) -> tuple[int, ...]:
     """The shape of ``t[box]`` for a tensor of ``shape``."""
     dims: list[int] = []
     for d, size in enumerate(shape):
-        if d >= len(box):
-            dims.append(size)
-        elif isinstance(box[d], slice):
-            dims.append(len(range(*box[d].indices(size))))
+        index = box[d] if d < len(box) else slice(None)
+        if isinstance(index, slice):
+            dims.append(len(range(*index.indices(size))))
     return tuple(dims)
 
 

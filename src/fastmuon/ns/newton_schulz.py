@@ -10,12 +10,12 @@ The quintic form and the "jordan" coefficients come from Keller Jordan's Muon wr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 
-from . import device as compute
+from . import device
 from .matrices import MatrixMapSpec, parse
 
 Coefficients = tuple[float, float, float]
@@ -190,9 +190,9 @@ def resolve_coefficients(spec: CoefficientSpec, steps: int) -> list[Coefficients
             )
         schedule = list(PRESETS[spec])
     elif _is_triple(spec):
-        schedule = [tuple(float(v) for v in spec)]  # type: ignore[union-attr]
+        schedule = [_floats(spec)]
     elif isinstance(spec, Sequence) and len(spec) > 0 and all(_is_triple(t) for t in spec):
-        schedule = [tuple(float(v) for v in t) for t in spec]
+        schedule = [_floats(t) for t in spec]
     else:
         raise ValueError(
             f"ns_coefficients must be a preset name {sorted(PRESETS)}, one (a, b, c) tuple "
@@ -200,7 +200,13 @@ def resolve_coefficients(spec: CoefficientSpec, steps: int) -> list[Coefficients
         )
     schedule = schedule[:steps]
     schedule += [schedule[-1]] * (steps - len(schedule))
-    return schedule  # type: ignore[return-value]
+    return schedule
+
+
+def _floats(triple: Any) -> Coefficients:
+    """One ``(a, b, c)`` (checked by ``_is_triple``) as Python floats."""
+    a, b, c = (float(v) for v in triple)
+    return (a, b, c)
 
 
 def _is_triple(value: object) -> bool:
@@ -285,7 +291,7 @@ def newton_schulz(
     tall = Y.size(-2) > Y.size(-1)
     if tall:
         Y = Y.mT
-    host = compute.is_host(X.device)
+    host = device.is_host(X.device)
     # a user's torch.compile may trace this call, and a trace cannot branch on a host read
     host_reads = host_reads and host and not torch.compiler.is_compiling()
     Y = ns_kernel(method, preconditioning)(Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
@@ -415,7 +421,8 @@ def _largest_entry(X: Tensor, host: bool) -> Tensor:
     is slower still), so it is computed from those there."""
     if host:
         return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
-    return torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
+    norm: Tensor = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
+    return norm
 
 
 _EXPONENT_BITS = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
@@ -524,8 +531,11 @@ def _aol_rescaled(X: Tensor, eps: float, scratch: Scratch, host: bool) -> tuple[
     rows = A.abs().sum(dim=-1, keepdim=True, dtype=wide)  # (B, R, 1); padding adds zeros
     # the clamp at eps of the unscaled row sums, in the scaled units: eps / scale²
     tiny = torch.finfo(wide).tiny
-    floor = (eps / scale.to(wide)).div_(scale.to(wide)).clamp_min_(tiny) if eps else tiny
-    s = torch.maximum(rows, floor).rsqrt_() if eps else rows.clamp_min_(tiny).rsqrt_()
+    if eps:
+        floor = (eps / scale.to(wide)).div_(scale.to(wide)).clamp_min_(tiny)
+        s = torch.maximum(rows, floor).rsqrt_()
+    else:
+        s = rows.clamp_min_(tiny).rsqrt_()
     Xs.mul_(s)
     A.mul_(s).mul_(s.mT)
     return Xs, A
@@ -565,10 +575,12 @@ def _iterate_gram(
     source = X
     X, A, inv_norm = _normalized_gram(X, eps, scratch, host=host, host_reads=host_reads)
     restart = gram_restart_interval(X.dtype)
-    Q = spare = None
+    Q: Tensor | None = None
+    spare: Tensor | None = None
     restarted = False
     for k, (a, b, c) in enumerate(schedule):
         if restart and k and k % restart == 0:  # start afresh from X_k = Q_k·X_0
+            assert Q is not None  # made by step 0
             if inv_norm is not None:
                 Q, inv_norm = Q.mul_(inv_norm), None
             second = k // restart % 2 == 0  # never X's own buffer
@@ -586,6 +598,7 @@ def _iterate_gram(
             spare = scratch("Q'", A.shape)
         else:
             Q, spare = torch.baddbmm(Q, B, Q, beta=a, out=spare), Q  # P·Q
+    assert Q is not None  # the schedule has a step
     if inv_norm is not None:
         Q.mul_(inv_norm)  # Q·X₀ = (Q/(‖X‖+eps))·X: the normalisation rides on the R×R side
     if reuse_input:  # into the input's buffer where it is read no more, else a free one (X1's
@@ -691,6 +704,7 @@ def _iterate_eigh(
         p = (lam * c).add_(b).mul_(lam).add_(a)  # a + b·λ + c·λ²
         h = p if h is None else h.mul_(p)
         lam.mul_(p).mul_(p)
+    assert h is not None  # the schedule has a step
     if inv_norm is not None:
         h.mul_(inv_norm.view(-1, 1))  # Q·X = (Q/(‖X‖+eps))·X, as in the Gram loop: R numbers each
     # Xw is X (as given to _normalized_gram) where the plain route ran, else X₀ (in its slots)

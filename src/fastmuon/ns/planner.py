@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -117,7 +117,8 @@ class EighCost:
     thread_exponent: float = 0.0
 
     def per_r3(self, rows: int, threads: int = 1) -> float:
-        return (self.base + self.per_inverse_row / rows) * max(threads, 1) ** self.thread_exponent
+        scale: float = max(threads, 1) ** self.thread_exponent
+        return (self.base + self.per_inverse_row / rows) * scale
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ COST_MODELS: dict[str, CostModel] = {
 }
 
 
-#: CPU cost models by CPU class (``compute.cpu_class``). Without bf16 matmul units a bf16
+#: CPU cost models by CPU class (``device.cpu_class``). Without bf16 matmul units a bf16
 #: request runs in fp32 and the model above applies. With AVX512-BF16, bf16 batched matmuls run
 #: 2-3.5x faster per FLOP than fp32 (the rate constant sits between), but a small bf16 matmul has
 #: a fixed cost several times an fp32 one's, so each bf16 kernel is priced at 3x an fp32 one. Those constants pick, for each of yolo26n's shapes, the faster of bf16 and fp32
@@ -389,6 +390,15 @@ class Plan:
         return "\n".join(lines)
 
 
+#: what splits the specs before buckets are drawn: (dtype, device, key, method, requested dtype,
+#: fallback dtype, preconditioning)
+_PartitionKey = tuple[
+    torch.dtype, torch.device, Hashable, str, "torch.dtype | None", "torch.dtype | None", str
+]
+#: a method chooser for one run's dtype: ``chooser(rows=, cols=, narrowest=)`` -> method name
+_Chooser = Callable[..., str]
+
+
 def plan_buckets(
     specs: Sequence[MatrixSpec],
     *,
@@ -412,7 +422,7 @@ def plan_buckets(
         raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")
     if max_bucket_bytes <= 0:
         raise ValueError(f"max_bucket_bytes must be positive, got {max_bucket_bytes}")
-    partitions: dict[tuple, dict[tuple[int, int], list[int]]] = {}
+    partitions: dict[_PartitionKey, dict[tuple[int, int], list[int]]] = {}
     for i, s in enumerate(specs):
         if s.rows < 1 or s.cols < 1:
             raise ValueError(f"matrix {i} has an empty shape ({s.rows}, {s.cols}); nothing to plan")
@@ -433,7 +443,13 @@ def plan_buckets(
         model = cost_model or default_cost_model(device)
         groups = [_DraftBucket(r, c, members, c / r) for (r, c), members in by_shape.items()]
 
-        def chooser_for(run_dtype, run_requested, allowed=allowed, model=model, pre=pre):
+        def chooser_for(
+            run_dtype: torch.dtype,
+            run_requested: torch.dtype | None,
+            allowed: str = allowed,
+            model: CostModel = model,
+            pre: str = pre,
+        ) -> _Chooser:
             return functools.partial(
                 choose_method,
                 allowed,
@@ -470,12 +486,22 @@ def plan_buckets(
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
 
-def _seconds(g, steps, dtype, model: CostModel, chooser, threads: int, cap: int, pre: str) -> float:
+def _seconds(
+    g: _DraftBucket,
+    steps: int,
+    dtype: torch.dtype,
+    model: CostModel,
+    chooser: _Chooser,
+    threads: int,
+    cap: int,
+    pre: str,
+) -> float:
     """What the cost model says group ``g`` costs alone in ``dtype``: FLOPs plus launches."""
     method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
     flops = len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, model.eigh, threads, pre)
     launches = g.chunks(_itemsize(dtype), cap) * kernels_per_bucket(steps, method, pre)
-    return flops * model.flop_seconds(dtype) + launches * model.launch_cost(dtype)
+    seconds: float = flops * model.flop_seconds(dtype) + launches * model.launch_cost(dtype)
+    return seconds
 
 
 @dataclass
@@ -504,7 +530,15 @@ def _per_chunk(rows: int, cols: int, itemsize: int, cap: int) -> int:
 
 
 def _merge(
-    groups, policy, steps, dtype, cap, model: CostModel, chooser, threads: int, pre: str = "frobenius"
+    groups: list[_DraftBucket],
+    policy: str,
+    steps: int,
+    dtype: torch.dtype,
+    cap: int,
+    model: CostModel,
+    chooser: _Chooser,
+    threads: int,
+    pre: str = "frobenius",
 ) -> list[_DraftBucket]:
     """Greedy agglomeration: apply the best merge until none helps (costs in matmul FLOPs)."""
     itemsize = _itemsize(dtype)
@@ -512,7 +546,8 @@ def _merge(
 
     @functools.cache  # every score asks for three groups' methods: choose each shape's once
     def method_of(rows: int, cols: int, narrowest: float) -> str:
-        return chooser(rows=rows, cols=cols, narrowest=narrowest)
+        method: str = chooser(rows=rows, cols=cols, narrowest=narrowest)
+        return method
 
     def method(g: _DraftBucket) -> str:
         return method_of(g.rows, g.cols, g.narrowest)
@@ -553,7 +588,16 @@ def _merge(
     return groups
 
 
-def _materialise(group, specs, dtype, device, key, cap, method, pre="frobenius") -> list[Bucket]:
+def _materialise(
+    group: _DraftBucket,
+    specs: Sequence[MatrixSpec],
+    dtype: torch.dtype,
+    device: torch.device,
+    key: Hashable,
+    cap: int,
+    method: str,
+    pre: str = "frobenius",
+) -> list[Bucket]:
     """Order members so identical tensors are adjacent, then split by the memory cap."""
     order = sorted(
         group.members,

@@ -11,7 +11,7 @@ import copy
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 import torch
 from torch import Tensor
@@ -26,7 +26,6 @@ from ..ns.planner import Plan, counted
 from ..step.collecting import ns_config
 from ..step.contracts import Rule, RuleHolder
 from ..step.driver import StepDriver, StepEnv
-from ..step.elementwise import ADJUST_LR_ALIAS
 from ..step.state_dtype import cast_groups_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict
 from .options import Options
@@ -41,7 +40,7 @@ from .validation import (
     check_param,
     check_rms_scale,
     check_tensor_lr,
-    group_without_alias,
+    group_lr_factor,
     param_name,
     warn_lost_decays,
     with_implied_ns_steps,
@@ -49,6 +48,12 @@ from .validation import (
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+
+#: QK-clip's per-head logit maxima of a step, by layer
+_Maxima = Mapping[str, Tensor] | None
+#: a hook around a batched step's Newton–Schulz: ``hook(run)`` returns ``run()``'s matrices
+_NSHook = Callable[[Callable[[], list[Tensor]]], list[Tensor]]
 
 
 def _option(name: str) -> property:
@@ -65,6 +70,8 @@ class MatrixOptimizer(Optimizer, RuleHolder):
     gradients, their layouts and the equality classes of the hyperparameters stay the same)
     or, with ``foreach=False``, the rule's per-parameter reference.
     """
+
+    _lr_factor_alias: ClassVar[str | None] = None  # a second name of adjust_lr_fn (a keyword, a group key)
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -113,10 +120,10 @@ class MatrixOptimizer(Optimizer, RuleHolder):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group after checking it whole (filled with the defaults, as it would be stored):
         a refused group leaves the optimizer exactly as it was. The constructor adds its groups
-        through here too. The lr factor's alias ``adjust_lr`` is stored as ``adjust_lr_fn``; a group
-        that sets ``ns_coefficients`` without ``ns_steps`` runs their published count."""
+        through here too. MuSGD's ``adjust_lr`` is stored as ``adjust_lr_fn``; a group that sets
+        ``ns_coefficients`` without ``ns_steps`` runs their published count."""
         where = f"param group {len(self.param_groups)}"
-        param_group = group_without_alias(param_group, "adjust_lr_fn", ADJUST_LR_ALIAS, where)
+        param_group = group_lr_factor(param_group, self._lr_factor_alias, type(self).__name__, where)
         param_group = with_implied_ns_steps(param_group, self.defaults)
         param_group, held_names = agree_on_names(param_group, self.param_groups)
         if isinstance(param_group, dict) and "params" in param_group:
@@ -199,8 +206,14 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         return lr
 
     # ----- the step ---------------------------------------------------------------------
+    @overload
+    def step(self, closure: None = None, *, logit_maxima: _Maxima = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float], *, logit_maxima: _Maxima = None) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None, *, logit_maxima: Mapping[str, Tensor] | None = None):
+    def step(
+        self, closure: Callable[[], float] | None = None, *, logit_maxima: _Maxima = None
+    ) -> float | None:
         """One update of every parameter with a gradient: the batched program the driver
         prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
         rule's per-parameter reference loop. Then, in groups with ``qk_clip_tau``, QK-clip of
@@ -294,7 +307,7 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         exchange buffers): memory the optimizer holds beyond its state."""
         return [t for engine in self._driver.cache.engines.values() for t in engine.workspaces()]
 
-    def register_orthogonalize_hook(self, hook: Callable[[Callable[[], list[Tensor]]], list[Tensor]]):
+    def register_orthogonalize_hook(self, hook: _NSHook) -> RemovableHandle:
         """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
         it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
         For timing and inspection (a hook must not change the results). Returns a handle whose
@@ -421,19 +434,13 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         """Unpickling, copying and torch's ``load_state_dict`` (which passes only ``state`` and
         ``param_groups``) all come here: what ``state`` lacks is kept, else made fresh."""
         state = dict(state)
-        legacy = {name: state.pop(name) for name in (*Options.names(), "_sharded") if name in state}
         extras = {
             name: state.pop(name)
             for name in ("process_group", "last_plan", "state_initialised")
             if name in state
         }
         options = state.pop("options", None) or self.__dict__.get("options")
-        if options is None:  # pickled by fastmuon 0.4, which kept each option as an attribute
-            options = Options.from_attributes(legacy)
         super().__setstate__(state)
-        for values in (self.defaults, *self.param_groups):  # fastmuon 0.4's MuSGD: the alias
-            if ADJUST_LR_ALIAS in values and "adjust_lr_fn" not in values:
-                values["adjust_lr_fn"] = values.pop(ADJUST_LR_ALIAS)
         attributes = self.__dict__
         attributes["options"] = options
         if "process_group" in extras:

@@ -29,7 +29,6 @@ from .validation import (
     check_fraction,
     check_nonnegative,
     implied_ns_steps,
-    resolve_alias,
 )
 
 ADAMW_EPS = 1e-8
@@ -64,8 +63,7 @@ class Muon(MatrixOptimizer):
             else 5. A group that sets ``ns_coefficients`` but not ``ns_steps`` takes its
             coefficients' count likewise.
         adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
-            "spectral_unclamped" (torch's modes), or "ultralytics", "none"; ``adjust_lr`` (MuSGD's
-            former name), as a keyword or a group key, is its alias.
+            "spectral_unclamped" (torch's modes), or "ultralytics", "none".
         rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
             rms_scale·sqrt(max(rows, cols))`` (0.2 as Moonlight and torch; DeepSeek-V4 uses 0.18).
         ns_dtype: the dtype the iteration runs in (bf16 by default, as torch).
@@ -144,7 +142,6 @@ class Muon(MatrixOptimizer):
         matrices: MatrixMapSpec | list = "flatten",  # type: ignore[type-arg]  # the annotation inspect shows
         policy: str = "auto",
         rms_scale: float = RMS_SCALE,
-        adjust_lr: str | None = None,
         betas: tuple[float, float] = ADAMW_BETAS,
         adamw_eps: float = ADAMW_EPS,
         adamw_lr: float = ADAMW_LR,
@@ -224,10 +221,6 @@ def muon_settings(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], Options
     :class:`~fastmuon.optim.base.MatrixOptimizer` (as ``torch.optim`` optimizers pass their
     defaults to ``Optimizer``)."""
     defaults = dict(arguments)
-    adjust_lr = defaults.pop("adjust_lr")
-    defaults["adjust_lr_fn"] = resolve_alias(
-        defaults["adjust_lr_fn"], adjust_lr, "adjust_lr_fn", "adjust_lr", None
-    )
     defaults["ns_steps"] = implied_ns_steps(defaults["ns_steps"], defaults["ns_coefficients"])
     check_foreach(defaults["foreach"])
     check_nonnegative("adamw_lr", defaults["adamw_lr"], "Muon")

@@ -13,7 +13,7 @@ from ..ns.matrices import MatrixMapSpec
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules import musgd as musgd_rule
 from ..step.contracts import Rule
-from ..step.elementwise import ADJUST_LR, RMS_SCALE
+from ..step.elementwise import ADJUST_LR, ADJUST_LR_ALIAS, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
 from .base import MatrixOptimizer
 from .options import Options
@@ -130,6 +130,7 @@ class MuSGD(MatrixOptimizer):
     """
 
     _rule: ClassVar[Rule] = musgd_rule
+    _lr_factor_alias = ADJUST_LR_ALIAS  # ``adjust_lr``: MuSGD's second name for ``adjust_lr_fn``
 
     def __init__(
         self,

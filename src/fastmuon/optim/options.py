@@ -6,8 +6,7 @@ them; a group's hyperparameters live in its dict, as in ``torch.optim``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel
 from ..step.nonfinite import DEFAULT_NONFINITE, check_mode
@@ -59,13 +58,3 @@ class Options:
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "max_bucket_bytes", int(self.max_bucket_bytes))
         object.__setattr__(self, "capturable", bool(self.capturable))
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    @classmethod
-    def from_attributes(cls, attributes: dict[str, Any]) -> Options:
-        """The options of an optimizer pickled by fastmuon 0.4, which kept each as an attribute
-        (absent ones take their defaults)."""
-        return cls(**{name: attributes[name] for name in cls.names() if name in attributes})

@@ -162,9 +162,9 @@ class QKClip:
                         # head over τ is skipped (its factors are all 1, the product unchanged)
                         idle = host_reads and device.is_host(gamma.device) and not bool((gamma < 1).any())
                         factors[key] = None if idle else gamma
-                    gamma = factors[key]
-                    if gamma is not None:
-                        clip_(p, part, gamma, alpha)
+                    factor = factors[key]
+                    if factor is not None:
+                        clip_(p, part, factor, alpha)
 
         return clip
 

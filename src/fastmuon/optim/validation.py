@@ -15,7 +15,7 @@ from torch import Tensor
 from ..distributed.parts import check_placements
 from ..ns.newton_schulz import default_steps
 from ..rules.roles import ADAM_AVG, ADAM_AVG_SQ, ELEMENT_MOMENT, EMA, HEAVY_BALL, ROW_MOMENT
-from ..step.elementwise import RMS_SCALE
+from ..step.elementwise import ADJUST_LR_ALIAS, RMS_SCALE
 from ..step.state_dtype import lost_decays
 
 
@@ -146,6 +146,20 @@ def group_without_alias(param_group: dict[str, Any], name: str, alias: str, wher
     return group
 
 
+def group_lr_factor(param_group: Any, alias: str | None, optimizer: str, where: str) -> Any:
+    """``param_group`` with the lr factor under its name: given under ``alias`` (the optimizer's
+    second name for ``adjust_lr_fn``), stored as ``adjust_lr_fn``; without an alias, a group's
+    ``adjust_lr`` is refused (stored, it would never be read), naming ``adjust_lr_fn``."""
+    if alias is not None:
+        return group_without_alias(param_group, "adjust_lr_fn", alias, where)
+    if isinstance(param_group, dict) and ADJUST_LR_ALIAS in param_group:
+        raise ValueError(
+            f"{where} sets {ADJUST_LR_ALIAS}={param_group[ADJUST_LR_ALIAS]!r}, which {optimizer} does "
+            f"not read; its lr factor is adjust_lr_fn: set adjust_lr_fn={param_group[ADJUST_LR_ALIAS]!r}"
+        )
+    return param_group
+
+
 def check_rms_scale(group: dict[str, Any], where: str) -> None:
     """``rms_scale``: a positive number, and set only where the group's lr factor reads it."""
     rms_scale = group.get("rms_scale", RMS_SCALE)
@@ -177,7 +191,7 @@ def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
         return param_group
     steps = param_group.get("ns_steps")
     if steps is None and ("ns_coefficients" in param_group or "ns_steps" in param_group):
-        coefficients = param_group.get("ns_coefficients", defaults.get("ns_coefficients"))
+        coefficients = param_group.get("ns_coefficients", defaults["ns_coefficients"])
         return {**param_group, "ns_steps": default_steps(coefficients)}
     return param_group
 
@@ -204,7 +218,7 @@ def warn_lost_decays(group: dict[str, Any], where: str, roles: Collection[str]) 
     dtype = group.get("state_dtype")
     betas = state_betas(group, roles)
     lost = lost_decays(dtype, betas)
-    if not lost:
+    if not lost or dtype is None:
         return
     u = torch.finfo(dtype).eps / 2
     named = ", ".join(f"{name}={betas[name]!r}" for name in lost)

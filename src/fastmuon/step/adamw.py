@@ -1,8 +1,8 @@
 """AdamW for the parameters Muon does not orthogonalise (embeddings, norms, biases, heads).
 
 Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``):
-torch's fused AdamW kernel where it is exact (``transforms.fusable``), one pass per tensor,
-else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
+torch's fused AdamW kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), one
+pass per tensor, else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
 their parameter's are stepped in the arithmetic dtype and written back rounded once (see
 :mod:`fastmuon.step.state_dtype`).
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, strides_of
@@ -40,7 +40,7 @@ class AdamWItem:
 
 
 def adamw_state(
-    state: dict, p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
+    state: dict[str, Any], p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The state of ``p``, created on its first step, the moments in ``dtype`` (None: ``p``'s).
     The step count is a float32 scalar on the CPU (reading it never syncs a GPU) or,
@@ -92,8 +92,8 @@ class AdamWClasses(NamedTuple):
 
 class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
-    (``transforms.fusable``: one pass per tensor instead of a foreach call per operation),
-    fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
+    (:func:`~fastmuon.step.elementwise.fusable`: one pass per tensor instead of a foreach call per
+    operation), fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
     per class of (betas, eps, wd, device, dtypes of parameter and moments). Moments stored in
     another dtype are stepped as working copies in the arithmetic dtype, by either kernel.
 
@@ -108,7 +108,9 @@ class AdamWProgram:
             items, lambda i: not capturable and fusable_stored(i.param, i.grad, [i.exp_avg, i.exp_avg_sq])
         )
 
-        def lists(part: list[AdamWItem]):
+        def lists(
+            part: list[AdamWItem],
+        ) -> tuple[int, list[Tensor], Gather, list[Tensor], list[Tensor], list[Tensor], torch.dtype | None]:
             return (
                 part[0].group,
                 [i.param for i in part],
@@ -137,7 +139,7 @@ class AdamWProgram:
         rest = by_kernel.get(False, [])
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            (*lists(part), compute.is_host(part[0].param.device))
+            (*lists(part), device.is_host(part[0].param.device))
             for part in partition(
                 rest,
                 lambda i: (
@@ -153,7 +155,7 @@ class AdamWProgram:
         ]
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
-        """The fused kernel walks memory without looking at strides (see ``transforms.fusable``)."""
+        """The fused kernel walks memory without looking at strides (see :func:`~fastmuon.step.elementwise.fusable`)."""
         for _, params, pick, _, _, _, _, grad_strides, param_strides in self.fused:
             if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
                 return False
@@ -198,7 +200,18 @@ class AdamWProgram:
                 store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
 
 
-def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, host: bool) -> None:
+def _adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lrs: list[float],
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+    host: bool,
+) -> None:
     """The foreach AdamW step with the step counts read on the host (they live on the CPU)."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
@@ -215,7 +228,17 @@ def _adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lrs, betas, eps, wd, hos
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
 
 
-def _capturable_adamw(params, grads, exp_avgs, exp_avg_sqs, steps, lr, betas, eps, wd) -> None:
+def _capturable_adamw(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    lr: float | Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    wd: float,
+) -> None:
     """The foreach AdamW step with nothing read on the host: bias corrections from the step
     counts on the device, the learning rate used as given (a number or a 0-d tensor)."""
     beta1, beta2 = betas

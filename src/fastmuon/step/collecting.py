@@ -71,7 +71,16 @@ def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: An
         return NSConfig.make(steps, coefficients, eps, dtype, method)
     try:
         # the types too: equal values of other types (5 and 5.0) make configs that differ
-        return _cached_ns_config(type(steps), steps, coefficients, type(eps), eps, dtype, method)
+        # a type is hashable (typeshed's Hashable does not say so of type[Any])
+        return _cached_ns_config(
+            type(steps),  # type: ignore[arg-type]
+            steps,
+            coefficients,
+            type(eps),  # type: ignore[arg-type]
+            eps,
+            dtype,
+            method,
+        )
     except TypeError as e:
         if "unhashable" not in str(e):
             raise
@@ -86,5 +95,7 @@ def _plain(value: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_ns_config(_steps_type, steps, coefficients, _eps_type, eps, dtype, method) -> NSConfig:
+def _cached_ns_config(
+    _steps_type: type, steps: Any, coefficients: Any, _eps_type: type, eps: Any, dtype: Any, method: Any
+) -> NSConfig:
     return NSConfig.make(steps, coefficients, eps, dtype, method)

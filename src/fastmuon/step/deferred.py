@@ -33,6 +33,7 @@ def recorded_event(device: torch.device) -> Any | None:
     fake tensors has no driver to make one."""
     if device.type == "cpu":
         return None
+    event: torch.cuda.Event | torch.Event
     try:
         if device.type == "cuda":
             event = torch.cuda.Event()
@@ -77,7 +78,7 @@ class PendingFlags:
         buffer: Tensor,
         step: int,
         name: Callable[[int], str],
-        finish: Callable,
+        finish: Callable[[Tensor], None],
         raises: bool = True,
     ) -> PendingFlags:
         """Copy ``keep`` (on its device) into ``buffer`` without waiting, behind an event."""

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from .state_dtype import arithmetic_dtype, store_, widened
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
@@ -24,7 +24,7 @@ ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped",
 #: (an AdamW update's typical RMS); DeepSeek-V4 reports 0.18
 RMS_SCALE = 0.2
 
-#: the lr-factor option's other name (MuSGD's before both optimizers took ``adjust_lr_fn``)
+#: MuSGD's second name for the lr-factor option ``adjust_lr_fn`` (a keyword and a group key)
 ADJUST_LR_ALIAS = "adjust_lr"
 
 T = TypeVar("T")
@@ -41,7 +41,8 @@ def ema_momentum_(
     """
     torch._foreach_lerp_(bufs, grads, 1 - beta)
     if out is None:
-        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs
+        # the foreach ops return a list (torch's stub says a tuple)
+        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs  # type: ignore[return-value]
     torch._foreach_copy_(out, grads if nesterov else bufs)
     if nesterov:
         torch._foreach_lerp_(out, bufs, beta)  # g + β·(M − g), as the out-of-place lerp computes it
@@ -78,10 +79,10 @@ def ema_momentum_widened_(
     written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
     computed from the unrounded ``M``, rounded once on the store into an ``out`` of another dtype."""
     m, g = widened(bufs, dtype), widened(grads, dtype)
-    casting = out is not None and any(o.dtype != dtype for o in out)
-    update = (
-        ema_momentum_cast_(m, g, beta, nesterov, out) if casting else ema_momentum_(m, g, beta, nesterov, out)
-    )
+    if out is not None and any(o.dtype != dtype for o in out):
+        update = ema_momentum_cast_(m, g, beta, nesterov, out)
+    else:
+        update = ema_momentum_(m, g, beta, nesterov, out)
     store_(bufs, m)
     return update
 
@@ -97,7 +98,7 @@ def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
     bf16/fp16 path misreads the momentum buffer in torch 2.13, so fp32/fp64 only. Not under
     ``torch.compile`` (the ops have no fake kernel)."""
     return (
-        (compute.is_host(p.device) or (cuda and p.device.type == "cuda"))
+        (device.is_host(p.device) or (cuda and p.device.type == "cuda"))
         and p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
@@ -129,13 +130,14 @@ def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
 
 def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
     """A group's per-matrix learning-rate factor: its ``adjust_lr_fn`` (``default`` where it is
-    None) and its ``rms_scale``. The alias ``adjust_lr`` is read where a group is added; one set
-    on a group afterwards would be ignored, so it is refused here, before anything changes."""
+    None) and its ``rms_scale``. An ``adjust_lr`` key (MuSGD's alias, read where a group is
+    added) set on a group afterwards would be ignored, so it is refused here, before anything
+    changes."""
     if ADJUST_LR_ALIAS in group:
         raise ValueError(
             f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "
-            f"was added; set group['adjust_lr_fn'] instead ({ADJUST_LR_ALIAS} is its alias, read when "
-            "a group is added) and delete the adjust_lr entry"
+            "was added, which the step does not read; set group['adjust_lr_fn'] instead and delete "
+            "the adjust_lr entry"
         )
     mode = group["adjust_lr_fn"]
     return (default if mode is None else mode), group.get("rms_scale", RMS_SCALE)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from ..ns.layout import memory_order
 from .deferred import PendingFlags, host_buffer
@@ -42,7 +42,7 @@ DEFAULT_NONFINITE = "raise"
 
 
 def check_mode(mode: Any) -> str:
-    if mode not in NONFINITE_MODES:
+    if not isinstance(mode, str) or mode not in NONFINITE_MODES:
         raise ValueError(f"invalid nonfinite={mode!r}; choose one of {NONFINITE_MODES}")
     return mode
 
@@ -59,8 +59,8 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
             groups.setdefault((g.device, g.dtype), []).append(i)
     return [
-        (indices, _finite([grads[i] for i in indices], compute.is_host(device)))
-        for (device, _), indices in groups.items()
+        (indices, _finite([grads[i] for i in indices], device.is_host(where)))
+        for (where, _), indices in groups.items()
     ]
 
 
@@ -97,10 +97,10 @@ def raise_if_nonfinite(
         if all(bool((torch.stack(torch._foreach_norm(gs)) < math.inf).all()) for gs in by_device.values()):
             return
         groups = _finite_by_group(grads)
-    by_device: dict[torch.device, list[Tensor]] = {}
+    flags_by_device: dict[torch.device, list[Tensor]] = {}
     for _, ok in groups:
-        by_device.setdefault(ok.device, []).append(ok)
-    if all(bool(torch.cat(oks).all()) for oks in by_device.values()):
+        flags_by_device.setdefault(ok.device, []).append(ok)
+    if all(bool(torch.cat(oks).all()) for oks in flags_by_device.values()):
         return
     for indices, ok in groups:
         if bool(ok.all()):
@@ -135,12 +135,12 @@ class FiniteCheck:
                 groups.setdefault((g.device, g.dtype), []).append(i)
         # (pick, positions, whether on the host's CPU): decided here, once per program
         self._groups = [
-            (Gather(idx), torch.tensor(idx, device=self.device), compute.is_host(device))
-            for (device, _), idx in groups.items()
+            (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
+            for (where, _), idx in groups.items()
         ]
         by_device: dict[torch.device, list[int]] = {}
-        for (device, _), idx in groups.items():
-            by_device.setdefault(device, []).extend(idx)
+        for (where, _), idx in groups.items():
+            by_device.setdefault(where, []).extend(idx)
         self._by_device = [Gather(idx) for idx in by_device.values()]
 
     def __call__(self, grads: Sequence[Tensor]) -> Tensor:
@@ -167,15 +167,15 @@ class _Group:
 
     __slots__ = ("views", "sizes", "repeats", "total", "host")
 
-    def __init__(self, device: torch.device, entries: list[tuple[Tensor, int]], owners: int):
+    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]], owners: int):
         self.views = [v for v, _ in entries]
         self.sizes = [v.numel() for v in self.views]
         per_owner = [0] * owners
         for v, owner in entries:
             per_owner[owner] += v.numel()
-        self.repeats = torch.tensor(per_owner, device=device)
+        self.repeats = torch.tensor(per_owner, device=where)
         self.total = sum(self.sizes)
-        self.host = compute.is_host(device)
+        self.host = device.is_host(where)
 
 
 def _joined(group: _Group) -> Tensor:
@@ -198,7 +198,7 @@ class SkipPlan:
     :meth:`restore` after it with the keep vector (one bool per owner).
     """
 
-    def __init__(self, params: Sequence[Tensor], states: Sequence[dict], owners: Sequence[int]):
+    def __init__(self, params: Sequence[Tensor], states: Sequence[dict[str, Any]], owners: Sequence[int]):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
         self._loose: list[tuple[Tensor, int, bool]] = []
@@ -208,11 +208,11 @@ class SkipPlan:
                 # a view of the detached tensor: the restore writes a leaf parameter in place
                 view = _memory_view(t.detach())
                 if view is None:
-                    self._loose.append((t, owner, compute.is_host(t.device)))
+                    self._loose.append((t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
         count = max(owners, default=-1) + 1
-        self._groups = [_Group(device, entries, count) for (device, _), entries in grouped.items()]
+        self._groups = [_Group(where, entries, count) for (where, _), entries in grouped.items()]
 
     def snapshot(self) -> list[Tensor]:
         """One copy per (device, dtype) of everything :meth:`restore` may put back."""
@@ -222,13 +222,13 @@ class SkipPlan:
         """Put back ``saved`` wherever ``keep`` is False: the tensors on the host's CPU
         (``on_host`` True), those elsewhere (False) or all (None)."""
         for group, snap in zip(self._groups, saved):
-            if on_host is not None and group.host != on_host:
-                continue
+            if snap is None or (on_host is not None and group.host != on_host):
+                continue  # None: a copy :meth:`on_host` left out
             mask = torch.repeat_interleave(keep.to(snap.device), group.repeats, output_size=group.total)
             merged = torch.where(mask, _joined(group), snap, out=snap)
             torch._foreach_copy_(group.views, list(merged.split(group.sizes)))
         for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
-            if on_host is None or host == on_host:
+            if snap is not None and (on_host is None or host == on_host):
                 t.copy_(torch.where(keep[owner].to(t.device), t, snap))
 
     def holds_host(self) -> bool:
@@ -260,14 +260,14 @@ class NonFiniteGuard:
         mode: str,
         grads: Sequence[Tensor],
         params: Sequence[Tensor] = (),
-        states: Sequence[dict] = (),
+        states: Sequence[dict[str, Any]] = (),
         *,
         defer: bool = False,
     ):
         self.mode = mode
         self.check = FiniteCheck(grads)
         self.deferred = (
-            mode == "raise" and defer and bool(params) and not all(compute.is_host(g.device) for g in grads)
+            mode == "raise" and defer and bool(params) and not all(device.is_host(g.device) for g in grads)
         )
         masking = mode == "skip" or self.deferred
         self.skip = SkipPlan(params, states, range(len(params))) if masking and params else None
@@ -278,7 +278,7 @@ class NonFiniteGuard:
             mode == "skip"
             and self.skip is not None
             and self.skip.holds_host()
-            and not all(compute.is_host(g.device) for g in grads)
+            and not all(device.is_host(g.device) for g in grads)
         )
         self._flags = host_buffer(len(grads)) if self.deferred or self.host_later else None
 
@@ -311,8 +311,8 @@ class NonFiniteGuard:
 
     def restore(self, saved: list[Tensor] | None, keep: Tensor | None) -> None:
         """Put back every tensor of a parameter whose gradient was not finite."""
-        if saved is not None:
-            self.skip.restore(saved, keep)  # type: ignore[union-attr]
+        if saved is not None and keep is not None and self.skip is not None:
+            self.skip.restore(saved, keep)
 
     def settle(
         self, saved: list[Tensor], keep: Tensor, name: Callable[[int], str], step: int
@@ -321,11 +321,12 @@ class NonFiniteGuard:
         "raise" puts back what lives on the device, starts the flags' copy to the host and
         returns them, pending: read, they raise and put back the host's tensors too."""
         plan = self.skip
+        assert plan is not None, "a snapshot, and so a settle, is taken only with a skip plan"
         if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
-            plan.restore(saved, keep)  # type: ignore[union-attr]
+            plan.restore(saved, keep)
             return None
-        plan.restore(saved, keep, on_host=False)  # type: ignore[union-attr]
-        held = plan.on_host(saved)  # type: ignore[union-attr]
+        plan.restore(saved, keep, on_host=False)
+        held = plan.on_host(saved)
         finish = functools.partial(_restore_on_host, plan, held)
         return PendingFlags.start(
             keep,

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..distributed.dtensor import LocalShards
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from ..ns.planner import Plan
 from .contracts import HalfProgram, MatrixHalf, UpdateProgram
@@ -44,10 +44,10 @@ def strides_of(tensors: Sequence[Tensor]) -> list[tuple[int, ...]]:
     return list(map(Tensor.stride, tensors))
 
 
-def scale_limit(device: torch.device) -> int:
+def scale_limit(on: torch.device) -> int:
     """How many distinct scales take one fused ``add_`` each before one scaling pass and one
     subtracting pass over all of them cost less: every call is a launch on a GPU."""
-    return 8 if compute.is_host(device) else 1
+    return 8 if device.is_host(on) else 1
 
 
 def apply_scaled_(

@@ -15,11 +15,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..ns import device as compute
+from ..ns import device
 from ..ns.gather import Gather
 from .elementwise import foreach_scalar, fusable_stored, partition
 from .program import Scalar, apply_scaled_, scale_limit, strides_of
 from .state_dtype import arithmetic_dtype, store_, widened
+
+#: each tensor's strides; the (pick, parameters) of each learning-rate class
+_Strides = list[tuple[int, ...]]
+_ByScale = list[tuple[Gather, list[Tensor]]]
 
 
 @dataclass
@@ -60,9 +64,11 @@ class SGDProgram:
             return lr_class[i.lr_slot]
 
         self.fused: list[
-            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, list, list]
+            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, _Strides, _Strides]
         ] = []
-        self.rest: list[tuple[int, list[Tensor], Gather, list[Tensor], list, list, torch.dtype | None]] = []
+        self.rest: list[
+            tuple[int, list[Tensor], Gather, list[Tensor], _ByScale, list[int], torch.dtype | None]
+        ] = []
         parts = partition(
             items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype, i.buf.dtype)
         )
@@ -89,20 +95,21 @@ class SGDProgram:
                 )
             rest = by_kernel.get(False, [])
             if rest:
-                by_lr = partition(range(len(rest)), lambda k, rest=rest: lr_key(rest[k]))
+                rest_keys = [lr_key(i) for i in rest]
+                lr_classes = partition(range(len(rest)), rest_keys.__getitem__)
                 self.rest.append(
                     (
                         g,
                         [i.param for i in rest],
                         Gather([i.index for i in rest]),
                         [i.buf for i in rest],
-                        [(Gather(idx), [rest[k].param for k in idx]) for idx in by_lr.values()],
-                        [lr_key(rest[idx[0]]) for idx in by_lr.values()],
+                        [(Gather(idx), [rest[k].param for k in idx]) for idx in lr_classes.values()],
+                        [lr_key(rest[idx[0]]) for idx in lr_classes.values()],
                         dtype,
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
-        self.host = compute.is_host(items[0].param.device) if items else True
+        self.host = device.is_host(items[0].param.device) if items else True
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
@@ -173,7 +180,8 @@ def foreach_sgd_step_(
     """
     owned = bool(weight_decay)
     if owned:  # g' as new tensors: the gradients themselves are never touched
-        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        # a list, as every foreach op returns (torch's stub says a tuple)
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)  # type: ignore[assignment]
     if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
         torch._foreach_copy_(bufs, grads)
     else:

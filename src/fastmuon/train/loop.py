@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from ..ns.device import synchronize
+from ..ns.timing import synchronize
 from .contenders import Contender, lr_multiplier
 from .tasks import CharsTask, DigitsTask
 
