@@ -33,6 +33,16 @@ if ! "$PY" -c "$torch_ready" 2>/dev/null && ! "$PY" -m pip install -q "torch==$T
   exit 1
 fi
 "$PY" -m pip install -q -e ".[$EXTRAS]" "torch==$TORCH"
+# Ultralytics goes in last: once it is there without its dependencies (torchvision removed, or
+# --no-deps below), every later pip install that touches one of them prints pip's "dependency
+# conflicts" ERROR for it, a line per missing requirement. So the complete installs come first.
+# The Muon peers of `fastmuon bench --optimizer muon` (the [peers] extra: heavyball, pytorch-optimizer).
+# torch is pinned to the installed build so that pip never swaps it. Best effort: without them
+# the heavyball and pytorch-optimizer rows skip.
+"$PY" -c "import importlib.metadata as m; [m.version(p) for p in ('heavyball', 'pytorch_optimizer')]" \
+  2>/dev/null \
+  || "$PY" -m pip install -q -e ".[peers]" "torch==$TORCH" \
+  || echo "setup: the [peers] extra did not install; the heavyball and pytorch-optimizer rows will skip" >&2
 # The tests run Ultralytics' trainer (the [ultralytics] extra) with torch and its torchvision pinned
 # in the same command, so that torchvision's torch requirement cannot swap the installed build.
 # Best effort: without it the trainer tests skip. Skipped once the trainer's own dependencies are
@@ -53,9 +63,3 @@ fi
 "$PY" -m pip show -q ultralytics >/dev/null 2>&1 \
   || "$PY" -m pip install -q --no-deps "ultralytics==8.4.190" \
   || echo "setup: ultralytics not installed; its benchmark rows and equivalence test will skip" >&2
-# The Muon peers of `fastmuon bench --optimizer muon` (the [peers] extra: heavyball, pytorch-optimizer).
-# torch is pinned to the installed build so that pip never swaps it. Best effort, like Ultralytics.
-"$PY" -c "import importlib.metadata as m; [m.version(p) for p in ('heavyball', 'pytorch_optimizer')]" \
-  2>/dev/null \
-  || "$PY" -m pip install -q -e ".[peers]" "torch==$TORCH" \
-  || echo "setup: the [peers] extra did not install; the heavyball and pytorch-optimizer rows will skip" >&2

@@ -8,7 +8,7 @@ from .optim.muon import Muon
 from .optim.musgd import MuSGD
 from .optim.normuon import AdaMuon, NorMuon
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "MuSGD",

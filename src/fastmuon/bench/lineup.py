@@ -57,7 +57,7 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
 }
 
 #: what each factory is called when it is unavailable
-CONTENDER_LABELS = {
+CONTENDER_LABELS: dict[Callable[[Workbench], Contender], str] = {
     fastmuon_contender: "fastmuon",
     reference_contender: "per-parameter",
     bf16_state_contender: "bf16-state",

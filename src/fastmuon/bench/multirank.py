@@ -147,8 +147,9 @@ def _worker(rank: int, world: int, config: dict[str, Any]) -> None:
         mesh = None
         if config["mode"] in ("fsdp", "hsdp"):
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+            from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
+            placements: list[Placement]
             if config["mode"] == "fsdp":
                 mesh, placements = init_device_mesh(device.type, (world,)), [Shard(0)]
             else:

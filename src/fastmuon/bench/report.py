@@ -96,6 +96,12 @@ def _flops(r: Result) -> str:
     return f"{r.ns_flops / 1e9:.2f}"
 
 
+def _speedup(base: Result, r: Result) -> str:
+    """How many times faster ``r``'s median step is than ``base``'s."""
+    b, m = base.median_ms, r.median_ms
+    return "-" if b is None or m is None else f"{b / m:.3g}×"
+
+
 def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
     """The main table: one row per contender that ran."""
     timed = [r for r in results if r.times_ms]
@@ -133,7 +139,7 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
                 _mib(r.state_bytes),
                 _mib(r.workspace_bytes),
                 _mib(r.peak_extra_bytes),
-                f"{base.median_ms / r.median_ms:.3g}×",
+                "-" if base is None else _speedup(base, r),
             ]
         )
     return header, body

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..ns.timing import synchronize
 from .contenders import (
@@ -173,7 +174,7 @@ def run_benchmark(
     device = torch.device(settings.device)
     torch.manual_seed(settings.seed)
     params = materialize(manifest, device, settings.seed)
-    grads_before = [p.grad.clone() for p in params] if len(params) < 5000 else None
+    grads_before = [_copy(p.grad) for p in params] if len(params) < 5000 else None
     wb = Workbench(
         manifest,
         params,
@@ -247,7 +248,8 @@ def run_benchmark(
     # The floors, measured next to the steps in every round so that the machine's drifts hit
     # both alike: the plan's products run back to back, timed right before each step (the
     # floor measured as a step is), and the ideal floor (each product's best time, summed).
-    floor_runs = {c.name: FloorRun(c.plan()) for c, _ in active if c.plan() is not None}
+    floor_plans = {c.name: plan for c, _ in active if (plan := c.plan()) is not None}
+    floor_runs = {name: FloorRun(plan) for name, plan in floor_plans.items()}
     for run in floor_runs.values():
         run()  # warm-up: first touches of its buffers
     run_ms: dict[str, list[float]] = {name: [] for name in floor_runs}
@@ -256,7 +258,7 @@ def run_benchmark(
         for c, steps in active:
             progress("step", c.name, done, total)
             if c.name in floor_runs:
-                ideal_ms[c.name].append(1e3 * ns_floor_seconds(c.plan()))
+                ideal_ms[c.name].append(1e3 * ns_floor_seconds(floor_plans[c.name]))
                 floor_times, step_times = timer.time_alternating([floor_runs[c.name], c.step], steps)
                 run_ms[c.name] += floor_times
                 results[c.name].times_ms += step_times
@@ -278,13 +280,24 @@ def run_benchmark(
         "params_finite": all(bool(torch.isfinite(p).all()) for p in params),
     }
     if grads_before is not None:
-        facts["grads_unchanged"] = all(torch.equal(p.grad, g) for p, g in zip(params, grads_before))
+        facts["grads_unchanged"] = all(_unchanged(p.grad, g) for p, g in zip(params, grads_before))
     return [*results.values(), *unavailable], facts
+
+
+def _copy(grad: Tensor | None) -> Tensor | None:
+    return None if grad is None else grad.clone()
+
+
+def _unchanged(now: Tensor | None, before: Tensor | None) -> bool:
+    if now is None or before is None:
+        return now is before
+    return torch.equal(now, before)
 
 
 def compile_step(c: Contender) -> None:
     """Replace ``c``'s step with ``torch.compile(step, mode=COMPILE_MODE)`` (compiled on first call)."""
-    c.step = torch.compile(c.step, mode=COMPILE_MODE)
+    # an instance attribute shadows the method: the bench calls ``c.step``, now the compiled one
+    c.step = torch.compile(c.step, mode=COMPILE_MODE)  # type: ignore[method-assign]
     c.note = f"step in torch.compile(mode={COMPILE_MODE!r}); " + c.note
 
 
@@ -312,5 +325,5 @@ def _fill_static_figures(r: Result, c: Contender, counter: KernelCounter | None,
 
 def speedups(results: list[Result]) -> dict[str, dict[str, float]]:
     """``out[a][b]``: how many times faster ``a``'s median step is than ``b``'s."""
-    timed = [r for r in results if r.median_ms]
-    return {a.name: {b.name: b.median_ms / a.median_ms for b in timed if b is not a} for a in timed}
+    timed = [(r, m) for r in results if (m := r.median_ms)]
+    return {a.name: {b.name: mb / ma for b, mb in timed if b is not a} for a, ma in timed}

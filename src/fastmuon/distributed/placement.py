@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 import torch
 from numpy.typing import NDArray
 
@@ -67,7 +68,7 @@ class Holding:
     ranks holding it (ascending), and the bytes per element it travels in (the NS dtype)."""
 
     def __init__(
-        self, numel: int, part_numel: Sequence[int], part_ranks: Sequence[Sequence[int]], itemsize: int
+        self, numel: int, part_numel: npt.ArrayLike, part_ranks: Sequence[npt.ArrayLike], itemsize: int
     ):
         self.numel, self.itemsize = int(numel), int(itemsize)
         self.part_numel = np.asarray(part_numel, dtype=np.int64)

@@ -77,11 +77,12 @@ def latent_attention(module: nn.Module) -> Iterator[tuple[Tensor, dict[str, Any]
     """DeepSeek's multi-head latent attention: see the module docstring."""
     kv = _linear(module, "kv_b_proj")
     q = _linear(module, "q_b_proj") or _linear(module, "q_proj")
-    dims = [_count(getattr(module, n, None)) for n in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim")]
-    v_dim = _count(getattr(module, "v_head_dim", None))
-    if kv is None or q is None or None in dims or v_dim is None:
+    heads, nope, rope, v_dim = (
+        _count(getattr(module, n, None))
+        for n in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    )
+    if kv is None or q is None or heads is None or nope is None or rope is None or v_dim is None:
         return
-    heads, nope, rope = dims
     if q.out_features != heads * (nope + rope) or kv.out_features != heads * (nope + v_dim):
         return
     yield from _rows(q, {"part": "mla_query", "heads": heads, "nope_dim": nope, "rope_dim": rope})

@@ -174,10 +174,10 @@ def param_groups(
         )
     if routers not in ("other", "muon"):
         raise ValueError(f"routers= is 'other' (the non-Muon part, the default) or 'muon'; got {routers!r}")
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable: list[tuple[str, Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     auto_head = isinstance(head, str) and head == "auto"
     heads = output_layers(model) if auto_head else head
-    reasons = {}  # id -> why it is kept out of Muon, first reason wins
+    reasons: dict[int, str] = {}  # id -> why it is kept out of Muon, first reason wins
     for why, ids in (
         ("exclude", selected(model, exclude, "exclude")),
         ("head", selected(model, heads, "head")),
@@ -427,7 +427,8 @@ def output_layers(model: nn.Module) -> list[nn.Module]:
         if isinstance(m, nn.Linear) and tuple(m.weight.shape) in tables and all(m is not f for f in found)
     ]
     if not found and isinstance(root, nn.Sequential):
-        found = [m for m in root.modules() if isinstance(m, nn.Linear)][-1:]
+        linears: list[nn.Module] = [m for m in root.modules() if isinstance(m, nn.Linear)]
+        found = linears[-1:]
     return found
 
 
@@ -479,7 +480,7 @@ def join(prefix: str, name: str) -> str:
 
 def logical_param_names(model: nn.Module) -> list[tuple[str, Tensor]]:
     """``(name, param)`` for every parameter under its name without wrappers' path parts."""
-    out = []
+    out: list[tuple[str, Tensor]] = []
     for name, module in logical_names(model):
         out += [(join(name, n), p) for n, p in module.named_parameters(recurse=False)]
     return out
@@ -490,7 +491,7 @@ def selected(model: nn.Module, selector: Selector, what: str) -> set[int]:
     if selector is None:
         return set()
     items = [selector] if isinstance(selector, (nn.Module, Tensor, str)) or callable(selector) else selector
-    named_params = list(model.named_parameters(remove_duplicate=False))
+    named_params: list[tuple[str, Tensor]] = list(model.named_parameters(remove_duplicate=False))
     ids: set[int] = set()
     for item in items:
         found = _select_one(model, named_params, item, what)

@@ -101,11 +101,14 @@ def dbrx_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     but ``h @ w2[e]`` (so ``w2``'s blocks are stored (in, out))."""
     if type(module).__name__ != "DbrxExpertGLU":
         return
-    experts, ffn = module.moe_num_experts, module.ffn_hidden_size
+    experts, ffn = getattr(module, "moe_num_experts", None), getattr(module, "ffn_hidden_size", None)
+    w1, v1, w2 = (_tensor(module, name) for name in ("w1", "v1", "w2"))
+    if not isinstance(experts, int) or not isinstance(ffn, int) or w1 is None or v1 is None or w2 is None:
+        return  # another layout: not this rule's
     blocks = (ffn,) * experts
-    yield module.w1, MatrixMap(split=blocks)
-    yield module.v1, MatrixMap(split=blocks)
-    yield module.w2, MatrixMap(split=blocks, dim=1, transposed=True)
+    yield w1, MatrixMap(split=blocks)
+    yield v1, MatrixMap(split=blocks)
+    yield w2, MatrixMap(split=blocks, dim=1, transposed=True)
 
 
 # ----- fused projections ----------------------------------------------------------------------
@@ -114,8 +117,9 @@ def dbrx_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
 def conv1d(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     """Transformers' ``Conv1D`` (GPT-2, OpenAI GPT, ImageGPT, ...) stores its weight (in, out)
     and computes ``x @ W + b``."""
-    if is_conv1d(module):
-        yield module.weight, MatrixMap(transposed=True)
+    weight = _tensor(module, "weight")
+    if is_conv1d(module) and weight is not None:
+        yield weight, MatrixMap(transposed=True)
 
 
 def conv1d_attention(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
@@ -123,8 +127,17 @@ def conv1d_attention(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     parts of ``split_size`` (query, key, value; key, value in cross-attention, where ``q_attn``
     makes the query); each part is its own matrix."""
     c_attn, size = getattr(module, "c_attn", None), getattr(module, "split_size", None)
-    if is_conv1d(c_attn) and isinstance(size, int) and size > 0 and c_attn.nf % size == 0:
-        yield c_attn.weight, MatrixMap(split=(size,) * (c_attn.nf // size), transposed=True)
+    if not is_conv1d(c_attn) or not isinstance(size, int) or size <= 0:
+        return
+    nf, weight = getattr(c_attn, "nf", None), _tensor(c_attn, "weight")
+    if isinstance(nf, int) and nf % size == 0 and weight is not None:
+        yield weight, MatrixMap(split=(size,) * (nf // size), transposed=True)
+
+
+def _tensor(module: object, name: str) -> Tensor | None:
+    """``module.name`` where it is a tensor (a rule checks the layout it relies on)."""
+    value = getattr(module, name, None)
+    return value if isinstance(value, Tensor) else None
 
 
 def is_conv1d(module: object) -> bool:
@@ -201,10 +214,11 @@ def matrix_weights(model: nn.Module) -> set[int]:
 
 def layer_weight(module: nn.Module) -> list[Tensor]:
     """The parameter(s) holding a matrix layer's ``weight``."""
-    if parametrize.is_parametrized(module, "weight"):
+    parametrizations = getattr(module, "parametrizations", None)
+    if parametrize.is_parametrized(module, "weight") and isinstance(parametrizations, nn.ModuleDict):
         shape = module.weight.shape
-        return [p for p in module.parametrizations["weight"].parameters() if p.shape == shape]
-    found = [
+        return [p for p in parametrizations["weight"].parameters() if p.shape == shape]
+    found: list[Tensor] = [
         p
         for name in ("weight_orig", "weight_v")
         if isinstance(p := getattr(module, name, None), nn.Parameter)

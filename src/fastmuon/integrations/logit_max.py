@@ -80,7 +80,8 @@ class LogitMaxRecorder:
     def __init__(self, model: nn.Module):
         config = getattr(model, "config", None)
         base = getattr(config, "_attn_implementation", None)
-        if not callable(getattr(model, "set_attn_implementation", None)) or base not in RECORDING:
+        switch = getattr(model, "set_attn_implementation", None)
+        if not callable(switch) or base not in RECORDING:
             raise ValueError(
                 f"LogitMaxRecorder records from Transformers models with eager or sdpa attention; this "
                 f"{type(model).__name__} has attention implementation {base!r}: switch it with "
@@ -90,9 +91,10 @@ class LogitMaxRecorder:
         _register(base)
         self.model = model
         self.base = base
+        self._switch = switch
         self._names = {id(m): name for name, m in model.named_modules()}
         self._maxima: dict[str, Tensor] = {}
-        model.set_attn_implementation(RECORDING[base])
+        switch(RECORDING[base])
         self._hook = model.register_forward_pre_hook(self._hand_in, with_kwargs=True)
 
     def _hand_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -141,8 +143,8 @@ class LogitMaxRecorder:
     def close(self) -> None:
         """Stop recording: the model's attention implementation and forward are as they were."""
         self._hook.remove()
-        if self.model.config._attn_implementation == RECORDING[self.base]:
-            self.model.set_attn_implementation(self.base)
+        if getattr(getattr(self.model, "config", None), "_attn_implementation", None) == RECORDING[self.base]:
+            self._switch(self.base)
 
     def __enter__(self) -> LogitMaxRecorder:
         return self

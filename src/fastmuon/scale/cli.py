@@ -274,10 +274,10 @@ def _plot(args, path: str, worlds: list[int]) -> None:
     series: dict[str, dict[str, list]] = {}
     for world in worlds:
         results = compute(args, layout_of(sweep_spec(args.layout, world), world, w, args.expert_shard))
-        for design, fig in results.items():
-            if isinstance(fig, str):
+        for design, figs in results.items():
+            if isinstance(figs, str):
                 continue
-            s = summary(fig)
+            s = summary(figs)
             d = series.setdefault(design, {"world": [], "imbalance": [], "bytes": []})
             d["world"].append(world)
             d["imbalance"].append(s["imbalance"])

@@ -267,12 +267,9 @@ class Figures:
 
 def _ranges(ranks: list[int]) -> str:
     """``0-3,8,10-11``: a sorted rank list written short."""
-    parts, start = [], ranks[0]
-    for a, b in zip(ranks, ranks[1:] + [None]):
-        if b != a + 1:
-            parts.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(parts)
+    ends = [i for i, r in enumerate(ranks) if i + 1 == len(ranks) or ranks[i + 1] != r + 1]
+    starts = [0] + [e + 1 for e in ends[:-1]]
+    return ",".join(f"{ranks[s]}" if s == e else f"{ranks[s]}-{ranks[e]}" for s, e in zip(starts, ends))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -475,13 +472,13 @@ def _target_bytes(m: Matrix, h: Holding, owner: int, block, per, sent, received,
     for n, ranks in zip(n_parts.tolist(), m.part_ranks):
         if n <= 0:
             continue
-        src = _nearest(ranks, owner)
-        gsend[src] += n
+        holder = _nearest(ranks, owner)
+        gsend[holder] += n
         grecv[owner] += n
         ssend[owner] += n * len(ranks)
         srecv[ranks] += n
-        if src != owner:
-            sent[src] += n * item
+        if holder != owner:
+            sent[holder] += n * item
             received[owner] += n * item
         has_owner = bool(np.any(ranks == owner))
         sent[owner] += n * item * (len(ranks) - has_owner)

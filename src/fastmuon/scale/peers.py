@@ -323,7 +323,7 @@ def titan_buckets(w: Workload) -> list[list[Tensor]]:
     ``_dist_muon_optimizer``): layer 0 alone, then layers in pairs, each pair's expert stacks in
     a bucket after the rest's; tensors without a layer index in one last bucket. Items sorted
     by name, as ``_build_bucket_plans`` sorts them."""
-    buckets: dict[tuple[int, bool], list[Tensor]] = {}
+    buckets: dict[tuple[float, bool], list[Tensor]] = {}  # a pair index, inf for no layer
     for t in w.tensors:
         m = _LAYER.search(t.name)
         layer = int(m.group(1)) if m else None
@@ -463,14 +463,12 @@ def torchtitan(
 def megatron_params(w: Workload, experts: bool) -> list[tuple[Tensor, tuple[int, int]]]:
     """The 2-D parameters of one of Megatron's buffers (dense or expert), each with its shape: a
     stack's experts are parameters of their own (Megatron keeps one weight per local expert)."""
-    out = []
+    out: list[tuple[Tensor, tuple[int, int]]] = []
     for t in w.tensors:
         if t.experts != experts:
             continue
-        if len(t.shape) > 2:
-            out += [(t, t.shape[1:])] * math.prod(t.shape[:-2])
-        else:
-            out.append((t, t.shape))
+        matrix = (t.shape[-2], t.shape[-1])
+        out += [(t, matrix)] * math.prod(t.shape[:-2])  # one for a 2-D tensor
     return out
 
 

@@ -162,4 +162,3 @@ def print_table(results: list[dict], rows: int, cols: int) -> None:
             f"{r['input']:{iw}s} {r['variant']:{vw}s} {r['sv_min']:6.3f} {r['sv_max']:6.3f}  "
             f"{r['rel_err_vs_fp64']:11.2e}"
         )
-    return 0
