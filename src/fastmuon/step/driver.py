@@ -183,7 +183,7 @@ class StepDriver:
                 guard.restore(saved, keep)
             raise
         self.steps += 1
-        if saved is not None:
+        if saved is not None and keep is not None:
             self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
 
     def site(self, env: StepEnv) -> Site:

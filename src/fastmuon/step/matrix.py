@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..distributed.dtensor import local_shard
-from ..distributed.sharded import held_pieces
+from ..distributed.sharded import Piece, held_pieces
 from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.gather import Gather
@@ -72,15 +72,18 @@ def matrix_items(
     where each rank's part of ``p`` lies (the matrices are then this rank's parts of them).
     ``state_dtype``: the dtype a missing buffer is made in (None: ``p``'s)."""
     buf = state_buffer(state, "momentum_buffer", p, state_dtype)
+    pieces: list[Piece]
     if parts is not None:
         pieces = held_pieces(m, local_shard(p), local_shard(grad), local_shard(buf), parts)
     elif m.is_flatten:
         pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
     else:
-        split = m.views
+        views_of = m.views
         pieces = [
-            (*views, shape, split, k, None)
-            for k, (*views, shape) in enumerate(zip(split(p), split(grad), split(buf), m.shapes(p.shape)))
+            (pv, gv, bv, shape, views_of, k, None)
+            for k, (pv, gv, bv, shape) in enumerate(
+                zip(views_of(p), views_of(grad), views_of(buf), m.shapes(p.shape))
+            )
         ]
     items = []
     for view, grad_view, buf_view, shape, split, piece, whole in pieces:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any
 
 
-def mark_state(state: dict[Any, dict[str, Any]]) -> list[int]:
+def mark_state(state: MutableMapping[Any, dict[str, Any]]) -> list[int]:
     """How many entries each parameter's state holds now (a step only ever adds entries, and
     dicts keep their insertion order), for :func:`drop_state_after` to undo a refused step.
     An entry that is not a parameter's dict (a hook may store anything) counts as -1: kept."""
     return [len(entry) if isinstance(entry, dict) else -1 for entry in state.values()]
 
 
-def drop_state_after(state: dict[Any, dict[str, Any]], mark: list[int]) -> None:
+def drop_state_after(state: MutableMapping[Any, dict[str, Any]], mark: list[int]) -> None:
     """Remove every state entry added since ``mark``: the zero buffers a step that was then
     refused created (for parameters it had not seen, or new keys of ones it had)."""
     entries = list(state.items())
