@@ -156,10 +156,10 @@ class StepDriver:
     def step(self, env: StepEnv) -> None:
         """One batched update of every parameter with a gradient."""
         pattern, scalars = env.rule.scalars(env.groups, env.lr_value)
-        flat, _ = self.cache.params(env.groups)
+        flat, sharded = self.cache.params(env.groups)
         site = self._site  # the last step's, checked here as :meth:`site` does (no call per step)
         if site is None or site.params is not flat or site.process_group is not env.process_group:
-            site = self.site(env)
+            site = self._site = Site.of(env.groups, flat, sharded, env.process_group)
         compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
         agree = None if site.kind == SINGLE else functools.partial(self._agree, site)
         # the gradients, then the kept program; a distributed run's first gradients make every
