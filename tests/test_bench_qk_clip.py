@@ -14,6 +14,7 @@ from fastmuon import param_groups
 from fastmuon.bench import manifest_from_module
 from fastmuon.bench import workloads as workloads_module
 from fastmuon.bench.contenders import Unavailable, Workbench, fastmuon_contender
+from fastmuon.bench.lineup import CLASSES
 from fastmuon.bench.manifest import Manifest, materialize
 from fastmuon.bench.mapped import moe_decoder, moe_groups
 from fastmuon.bench.qk_clip import OVER, TAU, qk_clip_contender, workload_parts
@@ -34,7 +35,9 @@ TINY_MOE = Generated(
 
 def _workbench(manifest: Manifest, optimizer: str) -> Workbench:
     params = materialize(manifest, torch.device("cpu"), seed=0)
-    return Workbench(manifest, params, torch.device("cpu"), optimizer, torch.float32, "auto")
+    return Workbench(
+        manifest, params, torch.device("cpu"), optimizer, torch.float32, "auto", fastmuon=CLASSES[optimizer]
+    )
 
 
 def _clip_against_reference(manifest: Manifest, optimizer: str, layers: dict[str, str]) -> None:

@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 
 from ..ns.planner import counted
 from ..ns.timing import synchronize
-from .contenders import CLASSES, accepted_kwargs
+from .contenders import accepted_kwargs
+from .lineup import CLASSES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 MODES = ("ddp", "fsdp", "hsdp")
@@ -47,7 +48,7 @@ def setup_problem(optimizer: str, mode: str, nproc: int) -> str | None:
     if mode not in MODES:
         return f"unknown mode {mode!r}; choose one of {', '.join(MODES)}"
     if optimizer in REPLICATED_ONLY and mode != "ddp":
-        name = CLASSES[optimizer][1]
+        name = CLASSES[optimizer].__name__
         return (
             f"--optimizer {optimizer} with --dist-mode {mode}: {name} refuses sharded (DTensor) matrices; "
             f"run it with --dist-mode ddp, or benchmark {mode} with --optimizer muon or musgd"
@@ -83,7 +84,7 @@ def run_multirank_bench(
     warmup: int = 2,
     optimizer: str = "musgd",
 ) -> dict[str, Any]:
-    """Run the benchmark of ``optimizer`` (a key of :data:`.contenders.CLASSES`); returns its
+    """Run the benchmark of ``optimizer`` (a key of :data:`.lineup.CLASSES`); returns its
     figures (times in seconds, medians over ``steps`` steps)."""
     problem = setup_problem(optimizer, mode, nproc)
     if problem:
@@ -230,7 +231,7 @@ def _optimizer(
 ) -> Any:
     """The fastmuon optimizer of the update rule ``optimizer`` on the manifest's groups, with the
     manifest's optimizer kwargs that it takes (MuSGD's ``muon`` and ``sgd`` mean nothing to the others)."""
-    cls = CLASSES[optimizer][0]
+    cls = CLASSES[optimizer]
     kwargs, _ = accepted_kwargs(cls, manifest["optimizer_kwargs"])
     return cls(_groups(manifest, params), ns_dtype=ns_dtype, **kwargs, **extra)
 
