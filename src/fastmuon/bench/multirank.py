@@ -22,7 +22,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from importlib import resources
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from ..ns.planner import counted
 from ..ns.timing import synchronize
 from .contenders import accepted_kwargs
 from .lineup import CLASSES
+from .workloads import bundled_data
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 MODES = ("ddp", "fsdp", "hsdp")
@@ -60,12 +60,7 @@ def setup_problem(optimizer: str, mode: str, nproc: int) -> str | None:
 
 def load_manifest(model: str) -> dict[str, Any]:
     """A bundled model manifest: ``params`` [{name, shape, group}], ``param_groups``, ``optimizer_kwargs``."""
-    path = resources.files("fastmuon").joinpath(f"models/{model}.json")
-    if not path.is_file():
-        raise ValueError(
-            f"unknown model {model!r}; bundled manifests: yolo26n, yolo26s, yolo26m, yolo26l, yolo26x"
-        )
-    return json.loads(path.read_text())
+    return bundled_data(model)
 
 
 def _free_port() -> int:
