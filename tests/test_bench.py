@@ -204,7 +204,7 @@ def test_bench_says_once_that_its_contenders_run_without_musgds_manifest_kwargs(
 
 
 def test_a_manifest_kwarg_no_optimizer_takes_is_named_as_not_the_classes_argument():
-    from fastmuon.bench.contenders import unused_kwargs_line
+    from fastmuon.bench.report import unused_kwargs_line
 
     assert unused_kwargs_line("muon", {"ns_stpes": 4}, ["fastmuon Muon"]) == (
         "manifest optimizer kwargs ns_stpes=4 are not Muon's arguments: fastmuon Muon runs without them"

@@ -20,6 +20,7 @@ from fastmuon.bench.contenders import (
     torch_muon_fp32_contender,
     ultralytics_fp32_contender,
 )
+from fastmuon.bench.lineup import CLASSES
 from fastmuon.bench.manifest import materialize
 from fastmuon.bench.mapped import GPT2Conv1D, gpt2_conv1d_groups, moe_decoder, moe_groups
 from fastmuon.bench.workloads import Generated, manifest_of
@@ -165,7 +166,9 @@ def _ns_flops(rows, cols, steps=5):
 # ----- every contender orthogonalises the same matrices -------------------------------------
 def _workbench(manifest, optimizer):
     params = materialize(manifest, torch.device("cpu"), 0)
-    return Workbench(manifest, params, torch.device("cpu"), optimizer, torch.float32, "auto")
+    return Workbench(
+        manifest, params, torch.device("cpu"), optimizer, torch.float32, "auto", fastmuon=CLASSES[optimizer]
+    )
 
 
 @pytest.mark.parametrize(

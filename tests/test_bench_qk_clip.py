@@ -14,15 +14,17 @@ from fastmuon import param_groups
 from fastmuon.bench import manifest_from_module
 from fastmuon.bench import workloads as workloads_module
 from fastmuon.bench.contenders import Unavailable, Workbench, fastmuon_contender
+from fastmuon.bench.lineup import CLASSES
 from fastmuon.bench.manifest import Manifest, materialize
 from fastmuon.bench.mapped import moe_decoder, moe_groups
+from fastmuon.bench.models import Llama
 from fastmuon.bench.qk_clip import OVER, TAU, qk_clip_contender, workload_parts
-from fastmuon.bench.workloads import Generated, _Llama, manifest_of
+from fastmuon.bench.workloads import Generated, manifest_of
 from fastmuon.tools.cli import main
 
 #: llama-1b's layout at test size: 2 layers, 4 query heads, 2 key heads of 8
 TINY_LLAMA = Generated(
-    functools.partial(_Llama, vocab=64, d=32, layers=2, heads=4, kv_heads=2, hidden=48),
+    functools.partial(Llama, vocab=64, d=32, layers=2, heads=4, kv_heads=2, hidden=48),
     "Llama 3.2 1B's layout, small",
 )
 TINY_MOE = Generated(
@@ -34,7 +36,9 @@ TINY_MOE = Generated(
 
 def _workbench(manifest: Manifest, optimizer: str) -> Workbench:
     params = materialize(manifest, torch.device("cpu"), seed=0)
-    return Workbench(manifest, params, torch.device("cpu"), optimizer, torch.float32, "auto")
+    return Workbench(
+        manifest, params, torch.device("cpu"), optimizer, torch.float32, "auto", fastmuon=CLASSES[optimizer]
+    )
 
 
 def _clip_against_reference(manifest: Manifest, optimizer: str, layers: dict[str, str]) -> None:

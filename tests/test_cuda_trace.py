@@ -45,7 +45,8 @@ CUDA = torch.device("cuda")
 def NARROW_GPT2():
     """The bench's gpt2 workload cut to 2 of its 768-wide blocks: every kind of its tensors, a
     sixth of the lists (for the configurations checked beyond the kernel limits)."""
-    from fastmuon.bench.workloads import GPT2, Generated, manifest_of
+    from fastmuon.bench.models import GPT2
+    from fastmuon.bench.workloads import Generated, manifest_of
 
     return manifest_of(Generated(lambda: GPT2(layers=2), "GPT-2 small's layout, 2 blocks"), "gpt2-narrow")
 

@@ -42,6 +42,7 @@ from fastmuon.bench.contenders import (
     torch_muon_fp32_contender,
     ultralytics_fp32_contender,
 )
+from fastmuon.bench.lineup import CLASSES
 from fastmuon.bench.manifest import materialize
 from fastmuon.bench.mapped import gpt_oss_like_decoder, gpt_oss_like_groups
 from fastmuon.bench.workloads import Generated, manifest_of
@@ -664,7 +665,7 @@ def test_every_bench_contender_steps_the_same_interleaved_matrices(optimizer):
     steps = {}
     for factory in (fastmuon_contender, reference_contender, peer):
         params = materialize(m, torch.device("cpu"), 0)
-        wb = Workbench(m, params, torch.device("cpu"), optimizer, F32, "auto")
+        wb = Workbench(m, params, torch.device("cpu"), optimizer, F32, "auto", fastmuon=CLASSES[optimizer])
         before = [p.detach().clone() for p in wb.params]
         try:
             contender = factory(wb)

@@ -95,7 +95,7 @@ def _workbench():
 
     manifest = manifest_from_dict(TINY_MUON)
     params = materialize(manifest, torch.device("cpu"), seed=0)
-    return Workbench(manifest, params, torch.device("cpu"), "muon", torch.bfloat16, "auto")
+    return Workbench(manifest, params, torch.device("cpu"), "muon", torch.bfloat16, "auto", fastmuon=Muon)
 
 
 def _contender_params(contender):

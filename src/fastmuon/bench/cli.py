@@ -16,9 +16,8 @@ from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
 from ..tools.cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
 from ..tools.tables import terminal_width, wrapped
-from .contenders import OPTIMIZERS
 from .fake_cuda import fake_cuda_problem
-from .lineup import CONTENDER_LABELS, CONTENDERS
+from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS, OPTIMIZERS
 from .manifest import Manifest, ManifestError
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
@@ -377,7 +376,15 @@ def _run_trace(args: argparse.Namespace) -> int:
     def workbench() -> Workbench:
         params = materialize(manifest, device, args.seed)
         return Workbench(
-            manifest, params, device, args.optimizer, ns_dtype, args.policy, args.ns_method, args.cost_model
+            manifest,
+            params,
+            device,
+            args.optimizer,
+            ns_dtype,
+            args.policy,
+            args.ns_method,
+            args.cost_model,
+            fastmuon=CLASSES[args.optimizer],
         )
 
     traces = trace_lineup(workbench, factories_for(args.optimizer, _chosen(args.contenders)))

@@ -3,12 +3,14 @@
 Each factory takes the :class:`Workbench` (the materialised parameters, their fixed synthetic
 gradients and the manifest's groups) and returns a :class:`Contender`, or raises
 :class:`Unavailable` with the reason it cannot run (shown in the report instead of a row).
-Factories are listed per update rule in :data:`.lineup.CONTENDERS`; add one there to compare another.
+Factories are listed per update rule in :data:`.lineup.CONTENDERS`, with their labels; add one
+there to compare another.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import importlib.metadata
 import importlib.util
@@ -24,24 +26,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import AdaMuon, Muon, MuSGD, NorMuon
 from ..ns.device import compute_dtype
 from ..ns.matrices import maps_of
 from ..ns.newton_schulz import newton_schulz
 from ..ns.planner import COST_MODELS, Plan, counted, ns_flops
+from ..optim.base import MatrixOptimizer
 from .fake_cuda import tensors_in
 from .manifest import Manifest
 
-OPTIMIZERS = ("musgd", "muon", "normuon", "adamuon")
 #: ``Contender.extra`` key: the manifest's optimizer kwargs the contender's class does not take
 UNUSED_KWARGS = "manifest_kwargs_not_taken"
-#: each update rule's fastmuon class and its name in the report
-CLASSES = {
-    "musgd": (MuSGD, "MuSGD"),
-    "muon": (Muon, "Muon"),
-    "normuon": (NorMuon, "NorMuon"),
-    "adamuon": (AdaMuon, "AdaMuon"),
-}
 
 
 class Unavailable(Exception):
@@ -61,6 +55,18 @@ class Workbench:
     ns_method: str = "auto"
     cost_model: str = "device"
     step_mode: str = "eager"
+    #: fastmuon's class for ``optimizer`` (:data:`.lineup.CLASSES`); the fastmuon rows need it
+    fastmuon: type[MatrixOptimizer] | None = None
+
+    @property
+    def fastmuon_class(self) -> type[MatrixOptimizer]:
+        """:attr:`fastmuon`, which a fastmuon row cannot do without."""
+        if self.fastmuon is None:
+            raise ValueError(
+                f"this Workbench names no fastmuon class for {self.optimizer!r}: "
+                "give Workbench(..., fastmuon=fastmuon.bench.lineup.CLASSES[optimizer])"
+            )
+        return self.fastmuon
 
     def groups(self, select: Callable[[nn.Parameter, dict[str, Any]], bool] | None = None) -> list[dict]:
         """Fresh param-group dicts (the manifest's hyperparameters); each optimizer gets its own.
@@ -87,7 +93,7 @@ class Workbench:
             q = nn.Parameter(p.detach().clone())
             q.grad = None if p.grad is None else p.grad.clone()
             params.append(q)
-        return Workbench(self.manifest, params, self.device, self.optimizer, self.ns_dtype, self.policy)
+        return dataclasses.replace(self, params=params)
 
     def is_matrix(self, p: Tensor, group: dict[str, Any]) -> bool:
         flag = group.get("use_muon")
@@ -238,7 +244,7 @@ def dtype_label(c: Contender) -> str:
 # ----- the contenders --------------------------------------------------------------------------
 def fastmuon_contender(wb: Workbench) -> Contender:
     note = f"policy={wb.policy}, ns_method={wb.ns_method}, cost_model={wb.cost_model}"
-    return fastmuon_variant(wb, CLASSES[wb.optimizer][0], "fastmuon", note)
+    return fastmuon_variant(wb, wb.fastmuon_class, "fastmuon", note)
 
 
 def bf16_state_contender(wb: Workbench) -> Contender:
@@ -247,13 +253,14 @@ def bf16_state_contender(wb: Workbench) -> Contender:
     if all(p.dtype == torch.bfloat16 for p in wb.params):
         raise Unavailable("the parameters are bfloat16: their state is bfloat16 already")
     note = "state_dtype=torch.bfloat16: buffers stored in bf16, each step's arithmetic in fp32"
-    return fastmuon_variant(wb, CLASSES[wb.optimizer][0], "bf16-state", note, state_dtype=torch.bfloat16)
+    return fastmuon_variant(wb, wb.fastmuon_class, "bf16-state", note, state_dtype=torch.bfloat16)
 
 
 def reference_contender(wb: Workbench) -> Contender:
     """The same optimizer with ``foreach=False``: its per-parameter reference loop."""
-    cls = CLASSES[wb.optimizer][0]
-    return fastmuon_variant(wb, cls, "per-parameter", "foreach=False: one NS call per matrix", foreach=False)
+    return fastmuon_variant(
+        wb, wb.fastmuon_class, "per-parameter", "foreach=False: one NS call per matrix", foreach=False
+    )
 
 
 def fastmuon_variant(
@@ -282,7 +289,7 @@ def fastmuon_variant(
         tensors = counted(len(wb.manifest.matrices()), "tensor")
         note += f"; the manifest's matrix maps: {tensors}, {counted(mapped, 'matrix', 'matrices')}"
 
-    name = f"{label} {CLASSES[wb.optimizer][1]}"
+    name = f"{label} {cls.__name__}"
     useful = wb.matrix_flops()
     # the batched path reports its padded FLOPs through its plan; the loop computes exactly the useful ones
     computed = useful if getattr(opt, "foreach", None) is False else None
@@ -291,24 +298,9 @@ def fastmuon_variant(
     # the tensors the cached NS executors keep between steps (bucket buffers, indices)
     contender.ns_flops, contender.workspaces = computed, opt.workspaces
     contender.compute_dtype = compute_dtype(wb.ns_dtype, wb.device)
-    if dropped:  # the report says it once for the run (see unused_kwargs_line)
+    if dropped:  # the report says it once for the run (see .report.unused_kwargs_line)
         contender.extra[UNUSED_KWARGS] = {k: wb.manifest.optimizer_kwargs[k] for k in dropped}
     return contender
-
-
-def unused_kwargs_line(optimizer: str, unused: dict[str, Any], contenders: list[str]) -> str:
-    """What the report says, once, of the manifest's optimizer kwargs that ``optimizer``'s
-    fastmuon class does not take and so ``contenders`` run without: a manifest written for
-    MuSGD (the bundled yolo26 ones) gives MuSGD's weights of its two halves, ``muon`` and ``sgd``."""
-    name = CLASSES[optimizer][1]
-    given = ", ".join(f"{k}={v!r}" for k, v in unused.items())
-    ran = f"{' and '.join(contenders)} {'runs' if len(contenders) == 1 else 'run'} without them"
-    if optimizer != "musgd" and not accepted_kwargs(MuSGD, unused)[1]:
-        return (
-            f"manifest optimizer kwargs {given} are MuSGD's, not {name}'s "
-            f"(the manifest was written for MuSGD): {ran}"
-        )
-    return f"manifest optimizer kwargs {given} are not {name}'s arguments: {ran}"
 
 
 def torch_muon_contender(wb: Workbench) -> Contender:

@@ -238,20 +238,11 @@ QUICK_YOLO, QUICK_GPT2 = "yolo26n-quick.json", "gpt2-quick.json"
 
 
 def write_quick_manifests(work: Path) -> None:
-    """Toy-size stand-ins for --quick: yolo26n's first 60 tensors (its groups and hyperparameters),
-    and GPT-2's layout with two 128-wide blocks and a 512-token vocabulary."""
-    from ..groups.build import param_groups
-    from .manifest import manifest_from_module
-    from .workloads import GPT2, MATRIX_GROUP, OTHER_GROUP, bundled_manifest
+    """The toy-size stand-ins for --quick (:func:`.workloads.quick_manifests`), as ``work/<name>.json``."""
+    from .workloads import quick_manifests
 
-    yolo = bundled_manifest("yolo26n").to_dict()
-    yolo.update(model="yolo26n-quick", params=yolo["params"][:60])
-    (work / QUICK_YOLO).write_text(json.dumps(yolo))
-    with torch.device("meta"):
-        model = GPT2(vocab=512, context=64, d=128, layers=2)
-    groups = [{**g, **(MATRIX_GROUP if g["use_muon"] else OTHER_GROUP)} for g in param_groups(model)]
-    source = "GPT-2 layout, 2 blocks of width 128"
-    manifest_from_module(model, groups, name="gpt2-quick", source=source).save(work / QUICK_GPT2)
+    for name, manifest in quick_manifests().items():
+        manifest.save(work / f"{name}.json")
 
 
 def main(argv: list[str] | None = None) -> int:

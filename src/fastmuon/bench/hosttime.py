@@ -171,6 +171,7 @@ def _run_cli() -> None:  # pragma: no cover - a measuring tool, run by hand
     import torch
 
     from .contenders import Workbench, fastmuon_contender
+    from .lineup import CLASSES
     from .manifest import materialize
     from .workloads import resolve_workload
 
@@ -192,6 +193,7 @@ def _run_cli() -> None:  # pragma: no cover - a measuring tool, run by hand
         torch.bfloat16,
         "auto",
         cost_model=args.cost_model,
+        fastmuon=CLASSES[args.optimizer],
     )
     contender = fastmuon_contender(wb)
     contender.step()  # builds the plan and the step program

@@ -1,9 +1,16 @@
-"""Which contenders a benchmark run puts side by side, per update rule, in report order."""
+"""The one register of the bench's contenders: per update rule, fastmuon's class for it and the
+contenders a run puts side by side, in report order, each with its label.
+
+Adding a contender is one factory (in :mod:`.contenders`, :mod:`.peers` or :mod:`.qk_clip`) and
+its entries here; the factories take fastmuon's class from the :class:`.contenders.Workbench`
+(``fastmuon``, set from :data:`CLASSES` by whoever builds it), so none of them imports this module.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from .. import AdaMuon, Muon, MuSGD, NorMuon
 from .contenders import (
     Contender,
     Workbench,
@@ -18,6 +25,15 @@ from .contenders import (
 )
 from .peers import heavyball_contender, pytorch_optimizer_contender, pytorch_optimizer_variant_contender
 from .qk_clip import qk_clip_contender
+
+#: update rule (``--optimizer``) -> fastmuon's class for it; the class's name is the rule's in the report
+CLASSES: dict[str, type[MuSGD | Muon | NorMuon | AdaMuon]] = {
+    "musgd": MuSGD,
+    "muon": Muon,
+    "normuon": NorMuon,
+    "adamuon": AdaMuon,
+}
+OPTIMIZERS = tuple(CLASSES)
 
 #: update rule -> contender factories, in report order (the first is the one the others are compared to)
 CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
@@ -56,7 +72,7 @@ CONTENDERS: dict[str, list[Callable[[Workbench], Contender]]] = {
     ],
 }
 
-#: what each factory is called when it is unavailable
+#: what each factory is called (``--contenders`` selects by it, and it names the row of one unavailable)
 CONTENDER_LABELS: dict[Callable[[Workbench], Contender], str] = {
     fastmuon_contender: "fastmuon",
     reference_contender: "per-parameter",

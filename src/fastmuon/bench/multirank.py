@@ -22,7 +22,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from importlib import resources
 from typing import Any
 
 import torch
@@ -31,7 +30,9 @@ import torch.multiprocessing as mp
 
 from ..ns.planner import counted
 from ..ns.timing import synchronize
-from .contenders import CLASSES, accepted_kwargs
+from .contenders import accepted_kwargs
+from .lineup import CLASSES
+from .workloads import bundled_data
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 MODES = ("ddp", "fsdp", "hsdp")
@@ -47,7 +48,7 @@ def setup_problem(optimizer: str, mode: str, nproc: int) -> str | None:
     if mode not in MODES:
         return f"unknown mode {mode!r}; choose one of {', '.join(MODES)}"
     if optimizer in REPLICATED_ONLY and mode != "ddp":
-        name = CLASSES[optimizer][1]
+        name = CLASSES[optimizer].__name__
         return (
             f"--optimizer {optimizer} with --dist-mode {mode}: {name} refuses sharded (DTensor) matrices; "
             f"run it with --dist-mode ddp, or benchmark {mode} with --optimizer muon or musgd"
@@ -59,12 +60,7 @@ def setup_problem(optimizer: str, mode: str, nproc: int) -> str | None:
 
 def load_manifest(model: str) -> dict[str, Any]:
     """A bundled model manifest: ``params`` [{name, shape, group}], ``param_groups``, ``optimizer_kwargs``."""
-    path = resources.files("fastmuon").joinpath(f"models/{model}.json")
-    if not path.is_file():
-        raise ValueError(
-            f"unknown model {model!r}; bundled manifests: yolo26n, yolo26s, yolo26m, yolo26l, yolo26x"
-        )
-    return json.loads(path.read_text())
+    return bundled_data(model)
 
 
 def _free_port() -> int:
@@ -83,7 +79,7 @@ def run_multirank_bench(
     warmup: int = 2,
     optimizer: str = "musgd",
 ) -> dict[str, Any]:
-    """Run the benchmark of ``optimizer`` (a key of :data:`.contenders.CLASSES`); returns its
+    """Run the benchmark of ``optimizer`` (a key of :data:`.lineup.CLASSES`); returns its
     figures (times in seconds, medians over ``steps`` steps)."""
     problem = setup_problem(optimizer, mode, nproc)
     if problem:
@@ -230,7 +226,7 @@ def _optimizer(
 ) -> Any:
     """The fastmuon optimizer of the update rule ``optimizer`` on the manifest's groups, with the
     manifest's optimizer kwargs that it takes (MuSGD's ``muon`` and ``sgd`` mean nothing to the others)."""
-    cls = CLASSES[optimizer][0]
+    cls = CLASSES[optimizer]
     kwargs, _ = accepted_kwargs(cls, manifest["optimizer_kwargs"])
     return cls(_groups(manifest, params), ns_dtype=ns_dtype, **kwargs, **extra)
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..groups.attention_parts import detected_parts
 from ..step.qk_clip import parse_part
-from .contenders import CLASSES, Contender, Unavailable, Workbench, fastmuon_variant
+from .contenders import Contender, Unavailable, Workbench, fastmuon_variant
 from .manifest import Manifest
 from .workloads import GENERATED
 
@@ -90,7 +90,6 @@ def qk_clip_contender(wb: Workbench) -> Contender:
         f"qk_clip_tau={TAU:g}; every step's maxima {OVER * TAU:g} for all {heads} query heads of "
         f"{len(maxima)} layers (every head clipped, γ = 1/{OVER:g}), made once outside the timed step"
     )
-    cls = CLASSES[wb.optimizer][0]
-    contender = fastmuon_variant(wb, cls, "qk-clip", note, groups=groups, qk_clip_tau=TAU)
+    contender = fastmuon_variant(wb, wb.fastmuon_class, "qk-clip", note, groups=groups, qk_clip_tau=TAU)
     contender.step_kwargs = {"logit_maxima": maxima}
     return contender

@@ -20,9 +20,10 @@ from .. import __version__
 from ..ns.planner import counted
 from ..tools.cli import write_json_output
 from ..tools.tables import grid_width, stacked, terminal_width, wrapped
-from .contenders import UNUSED_KWARGS, unused_kwargs_line
+from .contenders import UNUSED_KWARGS, accepted_kwargs
 from .cpuclass import cpu_facts, describe_cpu
 from .hosttime import HOW
+from .lineup import CLASSES
 from .runner import HOST_STEPS, Progress, Result, speedups
 
 SCHEMA = "fastmuon-bench/1"
@@ -214,6 +215,21 @@ def _unused_kwargs_lines(document: dict[str, Any]) -> list[str]:
         return []
     unused = {k: v for r in ran for k, v in r["extra"][UNUSED_KWARGS].items()}
     return [unused_kwargs_line(document["settings"]["optimizer"], unused, [r["name"] for r in ran])]
+
+
+def unused_kwargs_line(optimizer: str, unused: dict[str, Any], contenders: list[str]) -> str:
+    """What the report says, once, of the manifest's optimizer kwargs that ``optimizer``'s
+    fastmuon class does not take and so ``contenders`` run without: a manifest written for
+    MuSGD (the bundled yolo26 ones) gives MuSGD's weights of its two halves, ``muon`` and ``sgd``."""
+    name = CLASSES[optimizer].__name__
+    given = ", ".join(f"{k}={v!r}" for k, v in unused.items())
+    ran = f"{' and '.join(contenders)} {'runs' if len(contenders) == 1 else 'run'} without them"
+    if optimizer != "musgd" and not accepted_kwargs(CLASSES["musgd"], unused)[1]:
+        return (
+            f"manifest optimizer kwargs {given} are MuSGD's, not {name}'s "
+            f"(the manifest was written for MuSGD): {ran}"
+        )
+    return f"manifest optimizer kwargs {given} are not {name}'s arguments: {ran}"
 
 
 def _mapped_clause(workload: dict[str, Any]) -> str:

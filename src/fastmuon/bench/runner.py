@@ -33,7 +33,7 @@ from .contenders import (
 )
 from .counter import KernelCounter
 from .hosttime import cuda_activity, host_ms, python_calls
-from .lineup import CONTENDER_LABELS, CONTENDERS
+from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
@@ -185,6 +185,7 @@ def run_benchmark(
         settings.ns_method,
         settings.cost_model,
         settings.step_mode,
+        CLASSES[settings.optimizer],
     )
     contenders, unavailable = build_contenders(wb, settings.contenders)
     if settings.step_mode == "compiled":

@@ -1,14 +1,22 @@
-"""The workloads ``fastmuon bench --model`` knows by name.
+"""Every workload the bench knows by name, and where each comes from.
 
-The yolo26 manifests are shipped as JSON (their real shapes and the groups Ultralytics' trainer
-builds). The transformer and ResNet workloads are generated here from their published
-configurations: the model is built from ``torch.nn`` modules on the ``meta`` device (no memory,
-no weights) and grouped with :func:`fastmuon.param_groups`, exactly as a user would; the ones
-whose tensors hold several matrices (:mod:`.mapped`) with their groups and matrix maps written out.
+- :data:`YOLO_MODELS`: manifests shipped as JSON in ``fastmuon/models/`` (their real shapes and
+  the groups Ultralytics' trainer builds).
+- :data:`GENERATED`: the transformer and ResNet workloads, generated from their published
+  configurations: the model (:mod:`.models`, or :mod:`.mapped` for those whose tensors hold
+  several matrices) is built from ``torch.nn`` modules on the ``meta`` device (no memory, no
+  weights) and grouped with :func:`fastmuon.param_groups`, exactly as a user would, or with its
+  groups and matrix maps written out (:mod:`.mapped`).
+- :func:`quick_manifests`: toy-size stand-ins of two of them, which
+  ``python -m fastmuon.bench.gpucheck --quick`` writes out and benches by path.
+
+``fastmuon bench --model`` takes any of :data:`WORKLOADS` or a manifest's path.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -21,13 +29,13 @@ from ..groups.build import param_groups
 from .manifest import Manifest, ManifestError, load_manifest, manifest_from_dict, manifest_from_module
 from .mapped import (
     GPT2Conv1D,
-    attention_config,
     gpt2_conv1d_groups,
     gpt_oss_like_decoder,
     gpt_oss_like_groups,
     moe_decoder,
     moe_groups,
 )
+from .models import GPT2, Llama, ResNet50
 
 YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 
@@ -35,91 +43,6 @@ YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 # rest at an AdamW-like learning rate (MuSGD steps them with SGD momentum at the same values).
 MATRIX_GROUP = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.01}
 OTHER_GROUP = {"lr": 3e-4, "momentum": 0.95, "nesterov": True, "weight_decay": 0.0}
-
-
-# ----- GPT-2 small and a Llama-style decoder --------------------------------------------------
-class _GPT2Block(nn.Module):
-    def __init__(self, d: int):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d)
-        self.attn_qkv = nn.Linear(d, 3 * d)
-        self.attn_proj = nn.Linear(d, d)
-        self.ln_2 = nn.LayerNorm(d)
-        self.mlp_fc = nn.Linear(d, 4 * d)
-        self.mlp_proj = nn.Linear(4 * d, d)
-
-
-class GPT2(nn.Module):
-    """GPT-2's parameters (Radford et al. 2019; the 124M "small" config by default), tied head."""
-
-    def __init__(self, vocab=50257, context=1024, d=768, layers=12):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(context, d)
-        self.h = nn.ModuleList(_GPT2Block(d) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-
-class _LlamaBlock(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, hidden: int):
-        super().__init__()
-        head_dim = d // heads
-        self.head_dim, self.config = head_dim, attention_config(heads, kv_heads)  # as Transformers' layers
-        self.input_norm = nn.RMSNorm(d)
-        self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, d, bias=False)
-        self.post_norm = nn.RMSNorm(d)
-        self.gate_proj = nn.Linear(d, hidden, bias=False)
-        self.up_proj = nn.Linear(d, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d, bias=False)
-
-
-class _Llama(nn.Module):
-    """A Llama-style decoder; defaults are the public Llama 3.2 1B config (1.24B parameters)."""
-
-    def __init__(self, vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, hidden=8192, tied=True):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(_LlamaBlock(d, heads, kv_heads, hidden) for _ in range(layers))
-        self.norm = nn.RMSNorm(d)
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.lm_head.weight = self.embed_tokens.weight
-
-
-# ----- ResNet-50 ------------------------------------------------------------------------------
-class _Bottleneck(nn.Module):
-    def __init__(self, cin: int, width: int, stride: int):
-        super().__init__()
-        cout = 4 * width
-        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-
-class _ResNet(nn.Module):
-    """ResNet-50's parameters (He et al. 2016: bottlenecks [3, 4, 6, 3], 1000 classes): 25.6M."""
-
-    def __init__(self, blocks=(3, 4, 6, 3), classes=1000):
-        super().__init__()
-        self.conv1, self.bn1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64)
-        cin, stages = 64, []
-        for i, n in enumerate(blocks):
-            width = 64 * 2**i
-            stage = []
-            for j in range(n):
-                stage.append(_Bottleneck(cin, width, 2 if (j == 0 and i > 0) else 1))
-                cin = 4 * width
-            stages.append(nn.Sequential(*stage))
-        self.layers = nn.Sequential(*stages)
-        self.fc = nn.Linear(cin, classes)
 
 
 class Generated(NamedTuple):
@@ -168,10 +91,10 @@ GENERATED: dict[str, Generated] = {
         _WRITTEN_OUT,
     ),
     "llama-1b": Generated(
-        _Llama,
+        Llama,
         "Llama 3.2 1B config: vocab 128256, d 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192, tied",
     ),
-    "resnet50": Generated(_ResNet, "ResNet-50: bottlenecks [3, 4, 6, 3], 1000 classes (He et al. 2016)"),
+    "resnet50": Generated(ResNet50, "ResNet-50: bottlenecks [3, 4, 6, 3], 1000 classes (He et al. 2016)"),
 }
 
 WORKLOADS = (*YOLO_MODELS, *GENERATED)
@@ -191,11 +114,30 @@ def manifest_of(workload: Generated, name: str) -> Manifest:
     return manifest_from_module(model, groups, name=name, source=source)
 
 
-def bundled_manifest(name: str) -> Manifest:
-    text = resources.files("fastmuon").joinpath(f"models/{name}.json").read_text()
-    import json
+def bundled_data(name: str) -> dict[str, Any]:
+    """The shipped manifest ``name`` (one of :data:`YOLO_MODELS`) as its JSON reads."""
+    if name not in YOLO_MODELS:
+        raise ValueError(f"unknown model {name!r}; bundled manifests: {', '.join(YOLO_MODELS)}")
+    data: dict[str, Any] = json.loads(resources.files("fastmuon").joinpath(f"models/{name}.json").read_text())
+    return data
 
-    return manifest_from_dict(json.loads(text), where=f"fastmuon/models/{name}.json")
+
+def bundled_manifest(name: str) -> Manifest:
+    return manifest_from_dict(bundled_data(name), where=f"fastmuon/models/{name}.json")
+
+
+def quick_manifests() -> dict[str, Manifest]:
+    """``name -> manifest`` of the toy-size stand-ins: yolo26n's first 60 tensors (its groups and
+    hyperparameters), and GPT-2's layout with two 128-wide blocks and a 512-token vocabulary."""
+    yolo = bundled_data("yolo26n")
+    yolo.update(model="yolo26n-quick", params=yolo["params"][:60])
+    gpt2 = Generated(
+        functools.partial(GPT2, vocab=512, context=64, d=128, layers=2), "GPT-2 layout, 2 blocks of width 128"
+    )
+    return {
+        "yolo26n-quick": manifest_from_dict(yolo, where="yolo26n's first 60 tensors"),
+        "gpt2-quick": manifest_of(gpt2, "gpt2-quick"),
+    }
 
 
 def resolve_workload(model: str) -> Manifest:
