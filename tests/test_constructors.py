@@ -240,3 +240,10 @@ def test_a_variant_with_nothing_to_orthogonalise_warns_at_the_callers_line():
     with pytest.warns(UserWarning, match="orthogonalises no parameter") as caught:
         fastmuon.NorMuon([nn.Parameter(torch.randn(3))])
     assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon], ids=lambda c: c.__name__)
+def test_constructor_checks_its_arguments_before_reading_params(cls):
+    # the call torch's generic optimizer tests (test_errors) make for every optimizer
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        cls(None, lr=torch.tensor([0.001, 0.001]))
