@@ -55,7 +55,7 @@ def test_complex_parameter_rejected_with_name():
 
 def test_sparse_gradient_rejected_with_name():
     emb = torch.nn.Embedding(10, 4, sparse=True)
-    opt = MuSGD(list(emb.named_parameters()))
+    opt = MuSGD([{"params": list(emb.named_parameters()), "use_muon": True}])
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="parameter 'weight' .* sparse gradient"):
         opt.step()

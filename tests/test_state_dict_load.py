@@ -4,10 +4,11 @@ of it is cast back, and checkpoints saved by other optimizers with keys or buffe
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
-from helpers import clone_params, make_grads, make_params, run_optimizer
+from helpers import by_ndim, clone_params, make_grads, make_params, run_optimizer, warns_no_muon
 
 import fastmuon
 
@@ -48,7 +49,8 @@ def test_torch_state_dicts_without_momentum_keep_their_buffers(source):
     w = torch.nn.Parameter(torch.randn(20, 30))
     if source == "sgd":
         peer = torch.optim.SGD([w], lr=0.05, momentum=0.9)
-        target = fastmuon.MuSGD([dict(params=[w], use_muon=False)], lr=0.05, momentum=0.9)
+        with warns_no_muon():  # SGD's state dict, loaded where every parameter takes SGD
+            target = fastmuon.MuSGD([dict(params=[w], use_muon=False)], lr=0.05, momentum=0.9)
     else:
         peer = torch.optim.Muon([w], lr=0.05, momentum=0.9)
         target = fastmuon.Muon([w], lr=0.05, momentum=0.9)
@@ -74,8 +76,11 @@ def test_none_buffers_load_as_no_buffer_and_restart(use_muon, momentum):
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(20, 30))
     twin = torch.nn.Parameter(w.detach().clone())
-    opt = fastmuon.MuSGD([dict(params=[w], use_muon=use_muon)], lr=0.05, momentum=momentum)
-    fresh = fastmuon.MuSGD([dict(params=[twin], use_muon=use_muon)], lr=0.05, momentum=momentum)
+    with warnings.catch_warnings():
+        if not use_muon:  # every parameter takes SGD
+            warnings.filterwarnings("ignore", "MuSGD orthogonalises no parameter", UserWarning)
+        opt = fastmuon.MuSGD([dict(params=[w], use_muon=use_muon)], lr=0.05, momentum=momentum)
+        fresh = fastmuon.MuSGD([dict(params=[twin], use_muon=use_muon)], lr=0.05, momentum=momentum)
     saved = {"state": {0: {"momentum_buffer": None}}, "param_groups": [_sgd_group(momentum=momentum)]}
     opt.load_state_dict(saved)
     assert all(v is not None for v in opt.state[w].values())
@@ -101,14 +106,14 @@ def test_state_dict_resume_is_identical(cls):
     params = make_params(SHAPES)
     grads = make_grads(params, steps=4)
     straight = clone_params(params)
-    run_optimizer(cls(straight, **KW), straight, grads)
+    run_optimizer(cls(by_ndim(straight), **KW), straight, grads)
 
     first = clone_params(params)
-    opt = cls(first, **KW)
+    opt = cls(by_ndim(first), **KW)
     run_optimizer(opt, first, grads[:2])
     saved = opt.state_dict()
     resumed = clone_params(first)
-    opt2 = cls(resumed, **KW)
+    opt2 = cls(by_ndim(resumed), **KW)
     opt2.load_state_dict(saved)
     run_optimizer(opt2, resumed, grads[2:])
     for a, b in zip(straight, resumed):
@@ -119,14 +124,14 @@ def test_state_dict_resume_is_identical(cls):
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
 def test_fp16_checkpoint_is_cast_back(cls):
     params = make_params(SHAPES)
-    opt = cls(params, **KW)
+    opt = cls(by_ndim(params), **KW)
     run_optimizer(opt, params, make_grads(params, steps=1))
     sd = opt.state_dict()
     for st in sd["state"].values():
         for k, v in st.items():
             if torch.is_tensor(v) and v.is_floating_point() and k != "step":
                 st[k] = v.half()
-    opt2 = cls(params, **KW)
+    opt2 = cls(by_ndim(params), **KW)
     opt2.load_state_dict(sd)
     for p in params:
         for k, v in opt2.state[p].items():
