@@ -81,7 +81,8 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path: Path):
         f"import runpy, sys; sys.argv = {cmd[1:]!r}; runpy.run_path({cmd[1]!r}, run_name='__main__')"
         for *_, cmd in jobs
     )
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+    # warnings are errors in the child too (pytest's filters do not reach it)
+    subprocess.run([sys.executable, "-W", "error", "-c", script], env=env, check=True, timeout=120)
     for kind, out, _ in jobs:
         model, opt, sched = _uninterrupted(kind)
         model2, opt2, sched2, step = resume_job.load(out, kind)
