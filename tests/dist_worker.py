@@ -1,7 +1,8 @@
 """One rank of the distributed tests (gloo on CPU); ``test_distributed.py`` launches a world of them.
 
-Each world runs every check in turn, so the seconds a torch process takes to start are paid
-once per rank: DDP equivalence (MuSGD and Muon), a parameter some ranks have no gradient for,
+One world runs every check of :data:`CHECKS` in turn, so the seconds a torch process takes to
+start are paid once per rank, and writes each one's outcome for its own test (``--only NAME``
+runs one alone): DDP equivalence (MuSGD and Muon), a parameter some ranks have no gradient for,
 FSDP2 equivalence (uneven and empty shards), a torch.distributed.checkpoint round trip, and
 step programs kept across steps. Distributed results are compared with fastmuon run on one
 process (exact or within fp32 rounding) and with the plain per-parameter references in
@@ -16,9 +17,11 @@ import gc
 import os
 import sys
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from gloo_rank import run_checks
 from reference_impl import (
     adamw_reference_step,
     muon_reference_pieces,
@@ -667,7 +670,7 @@ def check_errors() -> None:
     net, _ = sharded_net(3)
     plain = nn.Parameter(torch.randn(4, 4))
     cases = [
-        (fastmuon.MuSGD(net.parameters(), foreach=False, ns_dtype=F32), "foreach=True"),
+        (fastmuon.MuSGD(net.parameters(), use_muon=True, foreach=False, ns_dtype=F32), "foreach=True"),
         (fastmuon.MuSGD([net.fc2.weight, plain], use_muon=True, ns_dtype=F32), "fully_shard"),
     ]
     for opt, hint in cases:
@@ -731,41 +734,28 @@ def check_variants_ddp(group) -> None:
         log("DDP NorMuon, AdaMuon and cautious Muon: equal to one process and the reference")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--dir", required=True)
-    ap.add_argument("--only", default=None, help="run this one check (a function name) alone")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
-    )
-    try:
-        if args.only:
-            globals()[args.only](dist.group.WORLD)
-            dist.barrier()
-            return 0
-        check_variants_ddp(dist.group.WORLD)
-        check_ddp(dist.group.WORLD)
-        check_ddp(dist.new_group(list(range(args.world))))
-        check_missing_grads(dist.group.WORLD)
-        check_thread_counts_differ(dist.group.WORLD)
-        check_fsdp(args.dir)
-        check_fsdp_reference()
-        check_matrix_maps(dist.group.WORLD)
-        check_cached_programs(dist.group.WORLD)
-        check_new_local_shard()
-        check_one_ranks_misfit(dist.group.WORLD)
-        check_state_dict_api(args.dir)
-        check_errors()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def subgroup() -> dist.ProcessGroup:
+    """A group of every rank that is not the default one (made by all ranks, in step)."""
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+#: Every check, in the order one world runs them; ``test_distributed`` has a test for each.
+CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "variants_ddp": lambda args: check_variants_ddp(dist.group.WORLD),
+    "ddp": lambda args: check_ddp(dist.group.WORLD),
+    "ddp_in_a_subgroup": lambda args: check_ddp(subgroup()),
+    "missing_grads": lambda args: check_missing_grads(dist.group.WORLD),
+    "thread_counts_differ": lambda args: check_thread_counts_differ(dist.group.WORLD),
+    "fsdp": lambda args: check_fsdp(args.dir),
+    "fsdp_reference": lambda args: check_fsdp_reference(),
+    "matrix_maps": lambda args: check_matrix_maps(dist.group.WORLD),
+    "cached_programs": lambda args: check_cached_programs(dist.group.WORLD),
+    "new_local_shard": lambda args: check_new_local_shard(),
+    "one_ranks_misfit": lambda args: check_one_ranks_misfit(dist.group.WORLD),
+    "state_dict_api": lambda args: check_state_dict_api(args.dir),
+    "errors": lambda args: check_errors(),
+}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_checks(CHECKS))

@@ -1,25 +1,40 @@
 """What every gloo worker script does first: read its rank, the world size, the rendezvous port
 and a working directory from the command line (as ``test_distributed.launch`` passes them), join
-a gloo process group with one thread, run its checks, and leave the group."""
+a gloo process group with one thread, run its checks, and leave the group.
+
+:func:`run_checks` runs named checks in one world and writes each one's outcome on this rank to
+``<dir>/checks/rank<r>.jsonl`` as it ends, so a test per check can read its own (see
+``test_distributed.check_outcome``). A failed check stops the rank: the other ranks may be
+waiting in one of its collectives, and a world out of step says nothing about the checks after.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 
-def run_rank(body: Callable[[argparse.Namespace], None]) -> int:
-    """Run ``body(args)`` as one rank of a gloo group; the process's exit status."""
+def rank_args(only: bool = False) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
+    if only:
+        parser.add_argument("--only", default=None, help="run this check alone (a name of the checks)")
+    return parser.parse_args()
+
+
+def run_rank(body: Callable[[argparse.Namespace], None], args: argparse.Namespace | None = None) -> int:
+    """Run ``body(args)`` as one rank of a gloo group; the process's exit status."""
+    args = rank_args() if args is None else args
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
@@ -28,3 +43,31 @@ def run_rank(body: Callable[[argparse.Namespace], None]) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def results_path(workdir: str | Path, rank: int) -> Path:
+    return Path(workdir) / "checks" / f"rank{rank}.jsonl"
+
+
+def run_checks(checks: Mapping[str, Callable[[argparse.Namespace], None]]) -> int:
+    """Run ``checks`` in order (or the one ``--only`` names) as one rank, each outcome written as
+    it ends; exit status 1 at the first that fails."""
+    args = rank_args(only=True)
+    names = list(checks) if args.only is None else [args.only]
+    path = results_path(args.dir, args.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def body(args: argparse.Namespace) -> None:
+        with path.open("a") as out:
+            for name in names:
+                try:
+                    checks[name](args)
+                    dist.barrier()
+                except BaseException:
+                    out.write(json.dumps({"check": name, "error": traceback.format_exc()}) + "\n")
+                    out.flush()
+                    raise
+                out.write(json.dumps({"check": name, "error": None}) + "\n")
+                out.flush()
+
+    return run_rank(body, args)

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
+
+
+def warns_no_muon():
+    """Asserts the warning of an optimizer given no parameter for Muon (every group
+    ``use_muon=False``: MuSGD's default for a plain parameter list, as in Ultralytics)."""
+    return pytest.warns(UserWarning, match="orthogonalises no parameter")
 
 
 def make_params(shapes, channels_last=(), dtype=torch.float32):

@@ -7,7 +7,7 @@ import gc
 
 import pytest
 import torch
-from helpers import make_grads, make_params
+from helpers import make_grads, make_params, run_optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -41,6 +41,8 @@ CHANNELS_LAST = (0, 1)
 
 #: small enough that the plan has several buckets, of several shapes
 CAP = 16_384
+#: the hyperparameters of the optimizer-level tests here
+OPTIMIZER_KW = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=1e-3, ns_dtype=torch.float32)
 
 
 def _optimizers(**kw):
@@ -152,3 +154,24 @@ def test_bucket_by_bucket_steps_are_those_of_one_engine_call(name, method):
     assert len(finals[0]) == len(finals[1])
     for ours, reference in zip(*finals):
         assert torch.equal(ours, reference)
+
+
+def test_the_cpu_workspace_persists_and_a_bucket_opens_with_zero_padding():
+    """The CPU step's one workspace is kept from step to step; a bucket opened in it has zeros
+    around each matrix (the padding NS needs) and the matrix in its corner."""
+    params = make_params([(8, 30), (16, 40)])
+    opt = fastmuon.MuSGD(params, **OPTIMIZER_KW, use_muon=True, policy="min_launches")
+    grads = make_grads(params, steps=3)
+    run_optimizer(opt, params, grads[:2])  # the first steps size it
+    (engine,) = opt.orthogonalizers()
+    kept = [t.untyped_storage().data_ptr() for t in engine.workspaces()]
+    run_optimizer(opt, params, grads[2:])
+    assert [t.untyped_storage().data_ptr() for t in engine.workspaces()] == kept
+    (small,) = [k for k, m in enumerate(engine.plan.buckets[0].members) if m.rows == 8]
+    inputs = engine.open_bucket(0)
+    buf = engine.records[0].shared.batch()
+    assert buf.shape == (2, 16, 40)
+    slot = engine.plan.buckets[0].members[small].slot
+    inputs[small].copy_(torch.ones(8, 30))
+    assert torch.count_nonzero(buf[slot, 8:, :]) == 0 and torch.count_nonzero(buf[slot, :, 30:]) == 0
+    assert torch.count_nonzero(buf[slot, :8, :30]) == 8 * 30

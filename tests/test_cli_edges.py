@@ -226,12 +226,24 @@ def test_bench_modules_run_with_python_m_without_runpy_warnings():
     assert "found in sys.modules" not in done.stderr and done.stdout.startswith("usage:")
 
 
-def test_the_bench_package_still_exports_its_public_names():
+def test_the_bench_package_exports_each_name_of_its_all_from_the_module_that_defines_it():
+    import importlib
+
     import fastmuon.bench as bench
 
+    assert len(set(bench.__all__)) == len(bench.__all__), "a name listed twice in fastmuon.bench.__all__"
+    star: dict[str, object] = {}
+    exec("from fastmuon.bench import *", star)
+    assert set(star) - {"__builtins__"} == set(bench.__all__)
     for name in bench.__all__:
-        assert getattr(bench, name) is not None
-    from fastmuon.bench import Settings, manifest_from_module  # noqa: F401
+        value = getattr(bench, name)
+        home = getattr(value, "__module__", None)
+        if home is not None:  # a class or function: the defining module's own object
+            assert home.startswith("fastmuon.bench."), (name, home)
+            assert getattr(importlib.import_module(home), name) is value, (name, home)
+    from fastmuon.bench import Settings, manifest_from_module, run_benchmark
+
+    assert isinstance(Settings, type) and callable(manifest_from_module) and callable(run_benchmark)
 
 
 def test_accuracy_table_shows_every_name_whole_with_its_columns_apart(capsys):

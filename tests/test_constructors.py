@@ -15,6 +15,7 @@ from helpers import (
     run_musgd_reference,
     run_optimizer,
     ultralytics_musgd_class,
+    warns_no_muon,
 )
 from torch import nn
 
@@ -52,7 +53,8 @@ def test_positional_call_sets_what_ultralytics_sets():
     )
     assert (opt.muon, opt.sgd, group["muon"], group["sgd"]) == (0.3, 0.7, 0.3, 0.7)
     # the third and fourth positionals are weight decay and nesterov, not the reverse
-    opt = MuSGD([p], 0.01, 0.9, 5e-4)
+    with warns_no_muon():
+        opt = MuSGD([p], 0.01, 0.9, 5e-4)
     assert (opt.param_groups[0]["weight_decay"], opt.param_groups[0]["nesterov"]) == (5e-4, False)
 
 
@@ -75,7 +77,8 @@ def test_a_group_without_use_muon_is_plain_sgd_as_in_ultralytics():
     hp = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, muon=0.5, sgd=0.5)
     ref, _ = run_musgd_reference(params, grads, [(list(range(len(params))), {"use_muon": False})], hp)
     ours = clone_params(params)
-    opt = MuSGD(ours, **hp)
+    with warns_no_muon():
+        opt = MuSGD(ours, **hp)
     run_optimizer(opt, ours, grads)
     for o, r in zip(ours, ref):
         assert torch.allclose(o.detach(), r, rtol=1e-6, atol=1e-7)
@@ -105,7 +108,7 @@ def test_muon_keeps_torch_optim_muons_signature_and_its_spectral_unclamped_mode(
     assert lr_scale("spectral_unclamped", (8, 4, 3, 3)) == pytest.approx(math.sqrt(8 / 36))
     p = nn.Parameter(torch.randn(4, 16))
     Muon([p], adjust_lr_fn="spectral_unclamped")
-    MuSGD([p], adjust_lr="spectral_unclamped")
+    MuSGD([p], use_muon=True, adjust_lr="spectral_unclamped")
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
@@ -195,7 +198,7 @@ def test_tensor_lr_must_be_one_element(cls):
     p = nn.Parameter(torch.randn(4, 4))
     with pytest.raises(ValueError, match="^Tensor lr must be 1-element"):
         cls([p], lr=torch.tensor([1e-3, 1e-3]))
-    opt = cls([p], lr=torch.tensor(0.01))
+    opt = cls([{"params": [p], "use_muon": True}], lr=torch.tensor(0.01))
     p.grad = torch.randn(4, 4)
     opt.step()
     assert torch.isfinite(p).all()
@@ -240,3 +243,10 @@ def test_a_variant_with_nothing_to_orthogonalise_warns_at_the_callers_line():
     with pytest.warns(UserWarning, match="orthogonalises no parameter") as caught:
         fastmuon.NorMuon([nn.Parameter(torch.randn(3))])
     assert caught[0].filename == __file__
+
+
+@pytest.mark.parametrize("cls", [MuSGD, Muon], ids=lambda c: c.__name__)
+def test_constructor_checks_its_arguments_before_reading_params(cls):
+    # the call torch's generic optimizer tests (test_errors) make for every optimizer
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        cls(None, lr=torch.tensor([0.001, 0.001]))

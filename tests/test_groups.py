@@ -157,10 +157,10 @@ def test_add_param_group_after_param_groups(opt_cls):
     assert opt.param_groups[0]["param_names"] == ["param_groups[0][0]", "param_groups[0][1]"]
     assert opt.param_groups[1]["param_names"] == ["0.weight"]
     # a refused add leaves the existing groups' names as they were
-    opt = opt_cls([{"params": extra.parameters(), "use_muon": False}])
+    opt = opt_cls([{"params": [extra.weight], "use_muon": True}, {"params": [extra.bias], "use_muon": False}])
     with pytest.raises(ValueError, match="more than one parameter group"):
         opt.add_param_group({"params": list(extra.named_parameters())})
-    assert ["param_names" in g for g in opt.param_groups] == [False]
+    assert ["param_names" in g for g in opt.param_groups] == [False, False]
     extra(torch.randn(5, 3)).square().mean().backward()
     before = extra.weight.detach().clone()
     opt.step()  # still usable
@@ -264,4 +264,4 @@ def test_top_level_api_is_what_users_need():
         "PRESETS", "CostModel", "Plan", "__version__",
     }  # fmt: skip
     assert all(hasattr(fastmuon, name) for name in fastmuon.__all__)
-    assert isinstance(MuSGD(nn.Linear(4, 4).parameters()).plan(), fastmuon.Plan)
+    assert isinstance(MuSGD(nn.Linear(4, 4).parameters(), use_muon=True).plan(), fastmuon.Plan)

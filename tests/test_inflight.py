@@ -75,10 +75,16 @@ def test_views_the_caller_keeps_do_not_make_settle_wait():
 
 def test_an_unfinished_collective_is_not_waited_for():
     t = torch.zeros(6)
+    before = t._use_count()
     inflight = InFlight()
     inflight.issue(stand_in_collective, t, done=False)
     inflight.wait()
-    inflight.settle(_sleep=never_sleep)
+    lost = list(inflight._works)  # a thread that never lets go, as a lost peer's would
+    inflight.settle(_sleep=never_sleep)  # returns at once, although the tensor is still held
+    assert t._use_count() > before
+    assert not inflight._works and not inflight._held and not inflight._pending
+    del lost
+    assert t._use_count() == before
 
 
 @pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy])

@@ -65,7 +65,7 @@ def test_rms_scale_refusals_name_the_fix(cls):
     for bad in (0.0, -1.0, math.inf, math.nan, "0.2", True):
         with pytest.raises(ValueError, match="invalid rms_scale"):
             cls([p], adjust_lr_fn="match_rms_adamw", rms_scale=bad)
-    opt = cls([p], adjust_lr_fn="match_rms_adamw")
+    opt = cls([{"params": [p], "use_muon": True}], adjust_lr_fn="match_rms_adamw")
     with pytest.raises(ValueError, match="invalid rms_scale"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], "rms_scale": -1})
     assert len(opt.param_groups) == 1

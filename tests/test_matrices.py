@@ -7,6 +7,7 @@ pieces are written out by hand here (index and orientation), not taken from fast
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -19,6 +20,8 @@ from reference_impl import muon_reference_pieces, musgd_reference_pieces, ns_ref
 
 from fastmuon import Muon, MuSGD, newton_schulz, orthogonalize
 from fastmuon.ns.matrices import MatrixMap, count, parse
+
+OPTIMIZERS = [MuSGD, Muon]
 
 ALL = slice(None)
 
@@ -343,3 +346,65 @@ def test_mapped_step_on_the_device_matches_the_per_matrix_reference(device):
         opt.step()
     for name, p, r in zip(names, ours, ref):
         assert rel_err(p.detach().cpu(), r) < (1e-5 if device == "cpu" else 1e-4), name
+
+
+@pytest.mark.parametrize(
+    "good, bad",
+    [
+        ({"heads": 2}, {"heads": 2.0}),
+        ({"batch_dims": 1}, {"batch_dims": True}),
+        ({"split": [4, 4]}, {"split": [4.0, 4.0]}),
+        ({"transposed": True}, {"transposed": 1}),
+        ({"split": [4, 4], "dim": 1}, {"split": [4, 4], "dim": 1.0}),
+    ],
+)
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_map_is_refused_whatever_equal_map_was_parsed_before(cls, good, bad):
+    shape = (2, 8, 8) if "batch_dims" in good else (8, 8)
+    cls([{"params": [torch.nn.Parameter(torch.randn(shape))], "matrices": good, "use_muon": True}])
+    with pytest.raises(ValueError, match="of a matrix map must be"):
+        cls([{"params": [torch.nn.Parameter(torch.randn(shape))], "matrices": bad, "use_muon": True}])
+
+
+@pytest.mark.parametrize(
+    "shape, edited",
+    [
+        ((6, 10), "experts"),
+        ((4, 5, 6), {"batch_dims": 2}),
+        ((8, 3, 3, 3), "transposed"),
+        ((6, 10), {"heads": 4}),
+    ],
+)
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_a_map_set_on_a_group_after_construction_is_checked_by_the_next_step(cls, foreach, shape, edited):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(shape))
+    twin = torch.nn.Parameter(p.detach().clone())
+    opt, reference = _build(cls, p, foreach), _build(cls, twin, foreach)
+    grads = [torch.randn(shape) for _ in range(3)]
+    p.grad, twin.grad = grads[0].clone(), grads[0].clone()
+    opt.step()
+    reference.step()
+    before = copy.deepcopy(opt.state_dict())
+    weights = p.detach().clone()
+    opt.param_groups[0]["matrices"] = edited
+    p.grad = grads[1].clone()
+    with pytest.raises(ValueError, match=r"parameter 0 of param group 0 \(shape .*matrix map"):
+        opt.step()
+    assert torch.equal(p, weights)
+    assert str(opt.state_dict()["state"]) == str(before["state"])
+    # put back, it steps on as an optimizer that never saw the edit
+    opt.param_groups[0]["matrices"] = "flatten"
+    for grad in grads[1:]:
+        p.grad, twin.grad = grad.clone(), grad.clone()
+        opt.step()
+        reference.step()
+    torch.testing.assert_close(p, twin, rtol=0, atol=0)
+
+
+def _build(cls, p: torch.nn.Parameter, foreach: bool | None) -> torch.optim.Optimizer:
+    group = {"params": [p], "use_muon": True}
+    if cls is MuSGD:
+        return cls([group], lr=0.05, momentum=0.9, foreach=foreach)
+    return cls([group], lr=0.05, foreach=foreach)

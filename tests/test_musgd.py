@@ -10,6 +10,7 @@ from helpers import (
     run_checking_grads_untouched,
     run_musgd_reference,
     run_optimizer,
+    warns_no_muon,
 )
 
 from fastmuon import MuSGD
@@ -160,7 +161,8 @@ def test_zero_momentum_and_zero_weight_decay():
 
 def test_defaults_match_ultralytics_signature():
     p = torch.nn.Parameter(torch.randn(4, 4))
-    d = MuSGD([p]).defaults
+    with warns_no_muon():  # the default use_muon=False
+        d = MuSGD([p]).defaults
     assert (d["lr"], d["momentum"], d["nesterov"], d["weight_decay"], d["use_muon"], d["muon"], d["sgd"]) == (
         1e-3,
         0.0,

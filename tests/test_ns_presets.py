@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers import by_ndim
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -334,7 +335,7 @@ def test_optimizers_take_aol_by_name_for_every_bucket(cls):
         model = _model()
         before = [p.detach().clone() for p in model.parameters()]
         opt = cls(
-            model.parameters(),
+            model.parameters() if cls is fastmuon.Muon else by_ndim(model.parameters()),
             lr=0.02,
             weight_decay=0.0,
             ns_coefficients="aol",

@@ -4,7 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_grads, make_params, run_optimizer
 
+import fastmuon
 from fastmuon.ns.planner import (
     COST_MODELS,
     CPU_EIGH,
@@ -18,6 +20,8 @@ from fastmuon.ns.planner import (
 )
 
 MODELS = Path(__file__).resolve().parents[1] / "src" / "fastmuon" / "models"
+#: the hyperparameters of the optimizer-level tests here
+OPTIMIZER_KW = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=1e-3, ns_dtype=torch.float32)
 
 
 @pytest.fixture(autouse=True)
@@ -269,3 +273,30 @@ def test_kernels_per_bucket_is_what_the_kernel_dispatches(method, steps):
     with KernelCounter() as counter:
         METHODS[method](X, schedule, 1e-7, scratch, out, **facts)
     assert abs(counter.count - kernels_per_bucket(steps, method)) <= 2, counter.ops
+
+
+def test_plan_cached_and_invalidated():
+    params = make_params([(8, 16), (16, 8), (4, 4)])
+    opt = fastmuon.MuSGD(params, **OPTIMIZER_KW, use_muon=True)
+    run_optimizer(opt, params, make_grads(params, steps=1))
+    plan = opt.plan()
+    assert plan is not None and plan.num_matrices == 3
+    run_optimizer(opt, params, make_grads(params, steps=1, seed=2))
+    assert opt.plan() is plan  # same set of matrices: reused
+    # a parameter without a gradient this step: a different plan
+    run_optimizer(opt, params, [[torch.randn(8, 16), None, torch.randn(4, 4)]])
+    assert opt.plan() is not plan and opt.plan().num_matrices == 2
+    # adding a param group clears the cache
+    extra = make_params([(5, 7)])
+    opt.add_param_group({"params": extra})
+    run_optimizer(opt, params + extra, make_grads(params + extra, steps=1))
+    assert opt.plan().num_matrices == 4
+
+
+def test_dtypes_bucketed_apart():
+    params = [torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.randn(8, 16).double())]
+    opt = fastmuon.MuSGD(params, **OPTIMIZER_KW, use_muon=True, policy="min_launches")
+    run_optimizer(opt, params, make_grads(params, steps=1))
+    plan = opt.plan()
+    assert len(plan.buckets) == 2
+    assert params[1].dtype == torch.float64

@@ -81,7 +81,8 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path: Path):
         f"import runpy, sys; sys.argv = {cmd[1:]!r}; runpy.run_path({cmd[1]!r}, run_name='__main__')"
         for *_, cmd in jobs
     )
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
+    # warnings are errors in the child too (pytest's filters do not reach it)
+    subprocess.run([sys.executable, "-W", "error", "-c", script], env=env, check=True, timeout=120)
     for kind, out, _ in jobs:
         model, opt, sched = _uninterrupted(kind)
         model2, opt2, sched2, step = resume_job.load(out, kind)
@@ -127,8 +128,13 @@ def test_state_saved_on_another_device_loads_bitwise(kind):
     _assert_bitwise(_states(ref, ref_opt), _states(model, opt))
 
 
+def _with_muon(opt_cls) -> dict:
+    """MuSGD's matrices in Muon (its default, as Ultralytics', is SGD for a plain list)."""
+    return {"use_muon": True} if opt_cls is fastmuon.MuSGD else {}
+
+
 def _stepped(opt_cls, params, **kw):
-    opt = opt_cls(params, **kw)
+    opt = opt_cls(params, **_with_muon(opt_cls), **kw)
     for p in params:
         p.grad = torch.ones_like(p)
     opt.step()
@@ -154,11 +160,11 @@ def test_state_from_another_layout_is_refused(opt_cls):
     for k, v in opt.state[swapped[0]].items():  # a refused load changes nothing
         assert torch.equal(v, before[k])
 
-    fewer = opt_cls([nn.Parameter(torch.zeros(4, 3))], momentum=0.9)
+    fewer = opt_cls([nn.Parameter(torch.zeros(4, 3))], momentum=0.9, **_with_muon(opt_cls))
     with pytest.raises(ValueError, match="has 3 parameters in the state dict and 1 in this optimizer"):
         fewer.load_state_dict(saved)
 
-    two_groups = opt_cls([{"params": [a[0]]}, {"params": a[1:]}], momentum=0.9)
+    two_groups = opt_cls([{"params": [a[0]]}, {"params": a[1:]}], momentum=0.9, **_with_muon(opt_cls))
     with pytest.raises(ValueError, match="1 param groups, this optimizer 2"):
         two_groups.load_state_dict(saved)
 
@@ -167,7 +173,7 @@ def test_named_parameters_appear_in_layout_errors():
     model = nn.Linear(3, 4)
     saved = _stepped(fastmuon.MuSGD, list(model.parameters()), momentum=0.9).state_dict()
     other = nn.Linear(4, 3)
-    opt = fastmuon.MuSGD(list(other.named_parameters()), momentum=0.9)
+    opt = fastmuon.MuSGD(list(other.named_parameters()), momentum=0.9, use_muon=True)
     with pytest.raises(
         ValueError, match=r"parameter 'weight' \(shape \(3, 4\)\): saved state 'momentum_buffer'"
     ):

@@ -357,7 +357,8 @@ def test_install_twice_then_uninstall_restores_ultralytics(yolo):
     integration.install()
     integration.install(ns_dtype=torch.float32)
     assert integration.installed() and trainer_module.MuSGD is not originals[0]
-    assert trainer_module.MuSGD([torch.nn.Parameter(torch.zeros(2, 2))]).defaults["ns_dtype"] == torch.float32
+    installed = trainer_module.MuSGD([{"params": [torch.nn.Parameter(torch.zeros(2, 2))], "use_muon": True}])
+    assert installed.defaults["ns_dtype"] == torch.float32
     assert dist.generate_ddp_file.original is originals[1]  # wrapped once, not twice
     integration.uninstall()
     assert (trainer_module.MuSGD, dist.generate_ddp_file) == originals and not integration.installed()
