@@ -116,9 +116,9 @@ def deferred_raise_worker(rank: int, world: int, init_file: str, out_dir: str) -
     whose rank 1 alone sees a NaN gradient at step 1: each step's outcome, and the weights."""
     import torch.distributed as dist
 
-    from fastmuon.ns import device as compute
+    from fastmuon.ns import device as ns_device
 
-    compute.is_host = lambda device: False
+    ns_device.is_host = lambda device: False
     params, opt = _replicated_musgd(rank, world, init_file)
     try:
         outcomes, weights = [], []

@@ -27,7 +27,7 @@ from reference_impl import muon_reference_pieces, musgd_reference_pieces
 
 from fastmuon import Muon, MuSGD
 from fastmuon.bench.hosttime import host_syncs
-from fastmuon.ns import device as compute
+from fastmuon.ns import device as ns_device
 from fastmuon.ns.planner import COST_MODELS
 
 SHAPES = MIXED_SHAPES + [(24,), (7,)]
@@ -38,7 +38,7 @@ ADAMW = dict(lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 @pytest.fixture
 def accelerator_paths(monkeypatch):
-    monkeypatch.setattr(compute, "is_host", lambda device: False)
+    monkeypatch.setattr(ns_device, "is_host", lambda device: False)
 
 
 def _musgd(params, **kw):

@@ -113,16 +113,16 @@ def test_muon_keeps_torch_optim_muons_signature_and_its_spectral_unclamped_mode(
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
 def test_foreach_none_is_the_batched_path(cls, monkeypatch):
-    from fastmuon.step import matrix as matrix_update
+    from fastmuon.step import matrix
 
     calls = []
-    real = matrix_update.MatrixProgram.run
+    real = matrix.MatrixProgram.run
 
     def spy(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(matrix_update.MatrixProgram, "run", spy)
+    monkeypatch.setattr(matrix.MatrixProgram, "run", spy)
     params = make_params([(8, 4), (6, 10)])
     kw = {"use_muon": True} if cls is MuSGD else {}
     opt = cls(params, **kw)

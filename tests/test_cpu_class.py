@@ -7,7 +7,7 @@ from conftest import rel_err
 from reference_impl import ns_reference
 
 from fastmuon import orthogonalize
-from fastmuon.ns import device as compute
+from fastmuon.ns import device as ns_device
 from fastmuon.ns.planner import (
     COST_MODELS,
     CPU_COST_MODELS,
@@ -22,7 +22,7 @@ from fastmuon.ns.planner import (
 def bf16_cpu(monkeypatch):
     """A CPU whose matmul units take bf16, whatever CPU runs the test."""
     monkeypatch.setenv("FASTMUON_CPU_CLASS", "avx512_bf16")
-    monkeypatch.setattr(compute, "_native_is_fast", lambda dtype, threads: dtype == torch.bfloat16)
+    monkeypatch.setattr(ns_device, "_native_is_fast", lambda dtype, threads: dtype == torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -35,13 +35,13 @@ def bf16_cpu(monkeypatch):
 )
 def test_cpu_class_is_read_from_the_flags(monkeypatch, flags, expected):
     monkeypatch.delenv("FASTMUON_CPU_CLASS", raising=False)
-    monkeypatch.setattr(compute, "cpu_flags", lambda: flags)
-    compute._hardware_cpu_class.cache_clear()
+    monkeypatch.setattr(ns_device, "cpu_flags", lambda: flags)
+    ns_device._hardware_cpu_class.cache_clear()
     try:
-        assert compute.cpu_class() == expected
+        assert ns_device.cpu_class() == expected
         assert default_cost_model("cpu") is CPU_COST_MODELS[expected]
     finally:
-        compute._hardware_cpu_class.cache_clear()
+        ns_device._hardware_cpu_class.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -58,22 +58,22 @@ def test_a_onednn_isa_cap_lowers_the_class_and_where_bf16_runs(monkeypatch, cap,
     so the CPU plans, and runs bf16 requests, as one without them."""
     monkeypatch.delenv("FASTMUON_CPU_CLASS", raising=False)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
-    monkeypatch.setattr(compute, "cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
-    compute._hardware_cpu_class.cache_clear()
-    compute._hardware_native.cache_clear()
+    monkeypatch.setattr(ns_device, "cpu_flags", lambda: {"avx512_bf16", "amx_tile", "amx_bf16"})
+    ns_device._hardware_cpu_class.cache_clear()
+    ns_device._hardware_native.cache_clear()
     try:
-        assert compute.cpu_class() == expected
+        assert ns_device.cpu_class() == expected
         native = expected != "no_bf16"
-        assert compute.compute_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if native else torch.float32)
+        assert ns_device.compute_dtype(torch.bfloat16, "cpu") == (torch.bfloat16 if native else torch.float32)
     finally:
-        compute._hardware_cpu_class.cache_clear()
-        compute._hardware_native.cache_clear()
+        ns_device._hardware_cpu_class.cache_clear()
+        ns_device._hardware_native.cache_clear()
 
 
 def test_forcing_the_class_without_bf16_runs_bf16_requests_in_fp32(monkeypatch):
     monkeypatch.setenv("FASTMUON_CPU_CLASS", "no_bf16")
-    assert compute.compute_dtype(torch.bfloat16, "cpu") == torch.float32
-    assert compute.compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
+    assert ns_device.compute_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert ns_device.compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16
 
 
 def test_each_class_has_its_constants(monkeypatch):
@@ -90,14 +90,14 @@ def test_each_class_has_its_constants(monkeypatch):
 
 
 def test_fp32_fallback_is_offered_only_where_bf16_runs_natively(monkeypatch):
-    monkeypatch.setattr(compute, "_native_is_fast", lambda dtype, threads: False)
-    assert compute.wider_dtype(torch.bfloat16, "cpu") is None  # bf16 runs in fp32 already
-    monkeypatch.setattr(compute, "_native_is_fast", lambda dtype, threads: True)
-    assert compute.wider_dtype(torch.bfloat16, "cpu") == torch.float32
-    assert compute.wider_dtype(torch.float32, "cpu") is None
-    assert compute.wider_dtype(torch.bfloat16, "cuda") is None
-    with compute.cpu_low_precision("native"):  # the caller insists on bf16
-        assert compute.wider_dtype(torch.bfloat16, "cpu") is None
+    monkeypatch.setattr(ns_device, "_native_is_fast", lambda dtype, threads: False)
+    assert ns_device.wider_dtype(torch.bfloat16, "cpu") is None  # bf16 runs in fp32 already
+    monkeypatch.setattr(ns_device, "_native_is_fast", lambda dtype, threads: True)
+    assert ns_device.wider_dtype(torch.bfloat16, "cpu") == torch.float32
+    assert ns_device.wider_dtype(torch.float32, "cpu") is None
+    assert ns_device.wider_dtype(torch.bfloat16, "cuda") is None
+    with ns_device.cpu_low_precision("native"):  # the caller insists on bf16
+        assert ns_device.wider_dtype(torch.bfloat16, "cpu") is None
 
 
 def test_bf16_class_runs_each_shape_in_the_faster_dtype(bf16_cpu):

@@ -18,7 +18,7 @@ from helpers import clone_params, make_grads, make_params, run_muon_reference, r
 
 import fastmuon
 from fastmuon import Muon, MuSGD
-from fastmuon.ns import device as compute
+from fastmuon.ns import device as ns_device
 from fastmuon.ns.planner import COST_MODELS
 from fastmuon.step import deferred
 from fastmuon.step.nonfinite import NonFiniteGuard
@@ -34,7 +34,7 @@ NAMED = r"parameter 1 of param group 0 \(shape \(32, 16, 3, 3\)\) \(and 1 more\)
 
 @pytest.fixture
 def accelerator_paths(monkeypatch):
-    monkeypatch.setattr(compute, "is_host", lambda device: False)
+    monkeypatch.setattr(ns_device, "is_host", lambda device: False)
 
 
 def _optimizer(cls, params, **kw):

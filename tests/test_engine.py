@@ -191,14 +191,14 @@ def test_momentum_written_into_ns_inputs_of_another_dtype_is_the_packed_step(
     """Where NS runs in another dtype than the parameters, the momentum step writes each input
     into its bucket slot rounded once on the store: bit for bit the step that computes the
     momentum in the parameters' dtype and casts it while packing."""
-    from fastmuon.ns import device as compute
+    from fastmuon.ns import device as ns_device
     from fastmuon.ns.engine import Orthogonalizer
 
     shapes = [(8, 4, 3, 3), (12, 20), (30, 6)]
     params = make_params(shapes, dtype=param_dtype)
     grads = make_grads(params, steps=3)
     runs = []
-    with compute.cpu_low_precision("native"):  # bf16 NS in bf16 on any CPU
+    with ns_device.cpu_low_precision("native"):  # bf16 NS in bf16 on any CPU
         for views in (True, False):
             if not views:
                 monkeypatch.setattr(Orthogonalizer, "input_views", lambda self: None)

@@ -600,7 +600,7 @@ def test_each_rank_views_its_part_of_every_interleaved_matrix(case):
 
 
 def test_the_scale_figures_count_an_interleaved_part_as_the_ranks_hold_it():
-    """``fastmuon plan``'s array arithmetic (bench/scale/figures.py) finds every interleaved
+    """``fastmuon plan``'s array arithmetic (scale/figures.py) finds every interleaved
     matrix's parts and their holders as marking each rank's box and reading it through the
     matrix's box does, under FSDP, FSDP + TP and expert parallelism."""
     tensors = (

@@ -197,7 +197,7 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     (one pass); a channels_last weight with a contiguous gradient (the kernel would walk them
     out of step) and bf16 tensors (its low-precision path misreads the buffer) take foreach.
     Either way: the reference's steps, and the gradients untouched."""
-    from fastmuon.step import elementwise as transforms
+    from fastmuon.step import elementwise
 
     fused_sizes = count_fused_tensors(monkeypatch, "_fused_sgd_")
     shapes = [(8, 4, 3, 3), (8, 4, 3, 3), (24, 40), (40,)]
@@ -211,5 +211,5 @@ def test_sgd_half_is_fused_only_where_torchs_kernel_is_exact(monkeypatch):
     for o, r in zip(ours, ref):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
     assert sorted(fused_sizes) == sorted([40, 24 * 40, 8 * 4 * 3 * 3] * 2)  # not weight 1
-    assert transforms.fusable(*[torch.zeros(4)] * 3)
-    assert not transforms.fusable(*[torch.zeros(4, dtype=torch.bfloat16)] * 3)
+    assert elementwise.fusable(*[torch.zeros(4)] * 3)
+    assert not elementwise.fusable(*[torch.zeros(4, dtype=torch.bfloat16)] * 3)

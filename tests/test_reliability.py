@@ -20,7 +20,7 @@ from torch import nn
 
 import fastmuon
 from fastmuon.bench.memory import AllocationTracker
-from fastmuon.ns import device as compute
+from fastmuon.ns import device as ns_device
 from fastmuon.ns.newton_schulz import _normalize, _normalize_safe
 from fastmuon.step.nonfinite import DEFAULT_NONFINITE
 
@@ -345,7 +345,7 @@ def test_huge_tiny_zero_and_rank_one_matrices(ns_dtype, dtype, accelerator, monk
     matrices give the reference. On the accelerators' paths too (the fp64 normalisation, the
     shared packing of gather buckets)."""
     if accelerator:
-        monkeypatch.setattr(compute, "is_host", lambda device: False)
+        monkeypatch.setattr(ns_device, "is_host", lambda device: False)
     gen = torch.Generator().manual_seed(7)
     base = [torch.randn(s, generator=gen) for s in EXTREME_SHAPES]
     base.append(torch.outer(torch.randn(6, generator=gen), torch.randn(10, generator=gen)))  # rank 1

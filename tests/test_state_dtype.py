@@ -32,7 +32,7 @@ from reference_impl import (
 
 from fastmuon import AdaMuon, Muon, MuSGD, NorMuon
 from fastmuon.bench.hosttime import host_syncs
-from fastmuon.ns import device as compute
+from fastmuon.ns import device as ns_device
 from fastmuon.ns.planner import COST_MODELS
 
 BF16 = torch.bfloat16
@@ -223,7 +223,7 @@ def test_matrix_maps_step_views_of_a_bf16_buffer(cls):
 @pytest.fixture
 def accelerator_paths(monkeypatch):
     """CPU tensors take the paths a GPU takes (see tests/test_accelerator_paths.py)."""
-    monkeypatch.setattr(compute, "is_host", lambda device: False)
+    monkeypatch.setattr(ns_device, "is_host", lambda device: False)
 
 
 @pytest.mark.parametrize("cls", [Muon, MuSGD])
