@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ns.timing import synchronize
+
 
 @dataclass
 class CommStats:
@@ -30,6 +32,5 @@ class Timer:
     def now(self) -> float:
         if not self.enabled:
             return 0.0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return time.perf_counter()

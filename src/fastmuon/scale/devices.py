@@ -25,14 +25,13 @@ runs far below the rate of the large products NS at scale computes).
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..ns.calibrate import calibrated_cost_model
 from ..ns.planner import COST_MODELS, CostModel
+from ..ns.timing import matmul_flops, matmul_seconds
 
 GPU_EFFICIENCY = 0.6  # assumed fraction of dense peak reached by NS's batched matmuls
 
@@ -87,14 +86,4 @@ def device(name: str, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> Dev
 
 def _seconds_per_flop(dtype: torch.dtype, b: int = 4, r: int = 512, c: int = 2048) -> float:
     """Seconds per FLOP of an NS-sized ``A·X`` (``b`` of ``r×r`` by ``r×c``) here: median of 3."""
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(b, r, r, generator=gen).to(dtype)
-    x = torch.randn(b, r, c, generator=gen).to(dtype)
-    out = torch.empty(b, r, c, dtype=dtype)
-    torch.bmm(a, x, out=out)
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        torch.bmm(a, x, out=out)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / (2 * b * r * r * c)
+    return matmul_seconds(b, r, c, dtype, "cpu", rounds=3) / matmul_flops(b, r, c)

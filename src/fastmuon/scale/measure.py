@@ -7,8 +7,6 @@ the same work priced by the cost model the plan was made with.
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -18,7 +16,10 @@ from ..distributed.group_ns import group_newton_schulz
 from ..distributed.owners import owner_plan
 from ..ns.engine import Orthogonalizer
 from ..ns.planner import Plan
+from ..ns.timing import median_seconds
 from .figures import Figures, Settings
+
+CPU = torch.device("cpu")  # where the measured work runs
 
 #: timed runs of each NS call (after one warm-up), their median kept
 ROUNDS = 3
@@ -29,13 +30,7 @@ def _member_seconds(m: int, n_j: int, settings: Settings, rounds: int) -> float:
     the reduce adds nothing, as the plan prices the Gram sums as exchange time)."""
     config = settings.config()
     block = torch.randn(1, m, n_j, generator=torch.Generator().manual_seed(0)).to(settings.param_dtype)
-    group_newton_schulz(block, config, lambda t: None)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        group_newton_schulz(block, config, lambda t: None)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: group_newton_schulz(block, config, lambda t: None), CPU, rounds, 1)
 
 
 def _run_seconds(plan: Plan, settings: Settings, rounds: int) -> float:
@@ -52,13 +47,7 @@ def _run_seconds(plan: Plan, settings: Settings, rounds: int) -> float:
     layouts = [contiguous_layout(s.shape) for s in sources]
     engine = Orthogonalizer(plan, layouts, {(settings.param_dtype, config): config})
     out = [settings.param_dtype] * len(sources)
-    engine(sources, out)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        engine(sources, out)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: engine(sources, out), CPU, rounds, 1)
 
 
 def busiest_rank(fig: Figures) -> int:
