@@ -24,12 +24,15 @@ PY="$VENV/bin/python"
 if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
-# torch first and pinned: an unpinned torch would pull whatever build is newest.
+# torch first and pinned: an unpinned torch would pull whatever build is newest. Without pip's
+# cache: a CUDA build's wheels are several GB, and the cache would keep a second copy of them.
 torch_ready="import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH')"
-if ! "$PY" -c "$torch_ready" 2>/dev/null && ! "$PY" -m pip install -q "torch==$TORCH"; then
+if ! "$PY" -c "$torch_ready" 2>/dev/null && ! "$PY" -m pip install -q --no-cache-dir "torch==$TORCH"; then
   echo "setup: pip could not install torch==$TORCH; if it says '(constraint) torch<=...', a pip" \
     "constraint file caps torch on this machine (pip config list shows which): lift it, or run" \
-    "the other releases alone (FASTMUON_TEST_TORCH=\"2.13.0 2.14.1\" ./test.sh)" >&2
+    "the other releases alone (FASTMUON_TEST_TORCH=\"2.13.0 2.14.1\" ./test.sh). If it says" \
+    "'No space left on device': a CUDA build takes about 7 GB in its venv; free here:" \
+    "$(df -h --output=avail "$ROOT" 2>/dev/null | tail -n 1 | tr -d ' ')" >&2
   exit 1
 fi
 "$PY" -m pip install -q -e ".[$EXTRAS]" "torch==$TORCH"

@@ -56,4 +56,4 @@ def checks(args) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_rank(checks))
+    run_rank(checks)

@@ -12,12 +12,9 @@ reference (rel. 1e-5); the matrices exchanged are counted against a count worked
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-
 import torch
 import torch.distributed as dist
+from gloo_rank import run_rank
 from reference_impl import deinterleaved, interleaved, muon_reference_pieces
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -165,28 +162,14 @@ def check(layout: str, opt_name: str, want: list[torch.Tensor], ref: list[torch.
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        ref = reference()
-        for opt_name in ("muon", "musgd"):
-            single = Holder()
-            want = run(single, make_opt(single, opt_name))
-            for layout in ("ddp", "fsdp2", "tp", "ep"):
-                check(layout, opt_name, want, ref)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    ref = reference()
+    for opt_name in ("muon", "musgd"):
+        single = Holder()
+        want = run(single, make_opt(single, opt_name))
+        for layout in ("ddp", "fsdp2", "tp", "ep"):
+            check(layout, opt_name, want, ref)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(checks)

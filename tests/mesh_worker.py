@@ -14,14 +14,13 @@ is loaded on another and on one process, and the run goes on with the same updat
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from gloo_rank import run_rank
 from reference_impl import adamw_reference_step, muon_reference_pieces, muon_reference_step
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -477,33 +476,17 @@ def check_trainer_mesh_groups(workdir: str) -> None:
     log("Transformers' Trainer, groups per device mesh (fastmuon.Muon and MuonFactory): equal to one process")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    # what a launcher sets, for accelerate and Transformers
-    rank, world = str(args.rank), str(args.world)
-    os.environ.update(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        mesh_shape = (2, args.world // 2) if args.world >= 4 else (args.world, 1)
-        for layout in LAYOUTS:
-            shape = (1, args.world) if layout == "fsdp+tp" and args.world < 4 else mesh_shape
-            for opt_name in ("muon", "musgd"):
-                check_layout(layout, shape, opt_name)
-        check_checkpoint_across_layouts(args.dir, mesh_shape)
-        check_refusals()
-        check_accelerate_fsdp2()
-        check_trainer_mesh_groups(args.dir)
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    mesh_shape = (2, args.world // 2) if args.world >= 4 else (args.world, 1)
+    for layout in LAYOUTS:
+        shape = (1, args.world) if layout == "fsdp+tp" and args.world < 4 else mesh_shape
+        for opt_name in ("muon", "musgd"):
+            check_layout(layout, shape, opt_name)
+    check_checkpoint_across_layouts(args.dir, mesh_shape)
+    check_refusals()
+    check_accelerate_fsdp2()
+    check_trainer_mesh_groups(args.dir)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(checks, launcher_env=True)

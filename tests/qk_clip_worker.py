@@ -6,11 +6,9 @@ maxima: the clip must use every rank's largest, and the replicas must stay equal
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 import torch.distributed as dist
+from gloo_rank import run_rank
 from reference_impl import qk_clip_reference
 from torch import nn
 
@@ -29,40 +27,26 @@ def rank_maxima(rank: int) -> torch.Tensor:
     return torch.tensor([[0.5, 3.0, 0.8, 1.5], [2.0, 0.7, 4.0, 0.9]][rank])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    for name in ("--rank", "--world", "--port"):
-        ap.add_argument(name, type=int, required=True)
-    ap.add_argument("--dir", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=2)
-    try:
-        params = replicated_params()
-        opt = fastmuon.Muon(
-            [{"params": params, "attention": PARTS}],
-            lr=0.0,
-            weight_decay=0.0,
-            qk_clip_tau=TAU,
-            process_group=dist.group.WORLD,
-        )
-        for p in params:
-            p.grad = torch.zeros_like(p)  # lr 0: the clip alone changes the weights
-        opt.step(logit_maxima={"attn": rank_maxima(args.rank)})
-        largest = torch.maximum(rank_maxima(0), rank_maxima(1))
-        want_q, want_k = qk_clip_reference(
-            *replicated_params(), largest, heads=H, kv_heads=K, tau=TAU, alpha=0.5
-        )
-        assert torch.allclose(params[0], want_q, rtol=1e-6) and torch.allclose(params[1], want_k, rtol=1e-6)
-        gathered = [torch.empty_like(params[0]) for _ in range(2)]
-        dist.all_gather(gathered, params[0].detach().contiguous())
-        assert torch.equal(gathered[0], gathered[1])
-        print(f"[rank {args.rank}] QK-clip under DDP: the ranks' largest maxima, replicas equal", flush=True)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    params = replicated_params()
+    opt = fastmuon.Muon(
+        [{"params": params, "attention": PARTS}],
+        lr=0.0,
+        weight_decay=0.0,
+        qk_clip_tau=TAU,
+        process_group=dist.group.WORLD,
+    )
+    for p in params:
+        p.grad = torch.zeros_like(p)  # lr 0: the clip alone changes the weights
+    opt.step(logit_maxima={"attn": rank_maxima(args.rank)})
+    largest = torch.maximum(rank_maxima(0), rank_maxima(1))
+    want_q, want_k = qk_clip_reference(*replicated_params(), largest, heads=H, kv_heads=K, tau=TAU, alpha=0.5)
+    assert torch.allclose(params[0], want_q, rtol=1e-6) and torch.allclose(params[1], want_k, rtol=1e-6)
+    gathered = [torch.empty_like(params[0]) for _ in range(2)]
+    dist.all_gather(gathered, params[0].detach().contiguous())
+    assert torch.equal(gathered[0], gathered[1])
+    print(f"[rank {args.rank}] QK-clip under DDP: the ranks' largest maxima, replicas equal", flush=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(checks)

@@ -10,14 +10,12 @@ an expert dim 1 that does not divide over the ranks."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
+from gloo_rank import run_rank
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -220,26 +218,13 @@ def check_uneven() -> None:
     print(f"SCALE-UNEVEN {json.dumps({'rows': UNEVEN_ROWS, 'what': what})}", flush=True)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dir", required=True)
-    args = parser.parse_args()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    try:
-        for layout, experts, dim, _ in cases(args.world):
-            check(layout, experts, dim, args.world)
-            if layout != "ddp" and experts == EXPERTS and dim == 0:  # DDP keeps whole-matrix owners
-                check(layout, experts, dim, args.world, "groups-rounds")
-        check_uneven()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    for layout, experts, dim, _ in cases(args.world):
+        check(layout, experts, dim, args.world)
+        if layout != "ddp" and experts == EXPERTS and dim == 0:  # DDP keeps whole-matrix owners
+            check(layout, experts, dim, args.world, "groups-rounds")
+    check_uneven()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(checks)

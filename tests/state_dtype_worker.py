@@ -9,9 +9,7 @@ in bf16 on every rank (FSDP2: as bf16 DTensors, sharded like the parameters), an
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -26,6 +24,7 @@ from dist_worker import (
     set_grads,
     sharded_net,
 )
+from gloo_rank import run_rank
 
 import fastmuon
 from fastmuon.distributed.dtensor import is_dtensor, local_shard
@@ -108,25 +107,10 @@ def check_fsdp(workdir: str) -> None:
             log(f"FSDP2 {cls.__name__} with bf16 state: checkpoint save/load/resume identical")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--dir", required=True)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank, world_size=args.world
-    )
-    try:
-        check_ddp(dist.group.WORLD)
-        check_fsdp(args.dir)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+def checks(args) -> None:
+    check_ddp(dist.group.WORLD)
+    check_fsdp(args.dir)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_rank(checks)

@@ -63,6 +63,47 @@ def test_settle_waits_until_the_thread_still_holding_the_work_lets_go():
     assert t._use_count() == before
 
 
+class StandInGatherWork:
+    """Holds every output of an ``all_gather``-style collective, as gloo's work object does."""
+
+    def __init__(self, outputs: list[torch.Tensor]):
+        self.views = [t.view(-1) for t in outputs]
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def stand_in_gather(outputs: list[torch.Tensor], send: torch.Tensor, async_op: bool) -> StandInGatherWork:
+    assert async_op
+    for t in outputs:
+        t.copy_(send)
+    return StandInGatherWork(outputs)
+
+
+def test_the_tensors_of_a_list_argument_are_held_until_the_thread_lets_go():
+    outputs = [torch.zeros(3) for _ in range(2)]
+    inflight = InFlight()
+    inflight.issue(stand_in_gather, outputs, torch.ones(3))
+    inflight.wait()
+    assert all(torch.equal(t, torch.ones(3)) for t in outputs)
+    ids = {id(t) for t in outputs}
+    held = [t for t, _ in inflight._held.values()]
+    assert ids <= {id(t) for t in held}  # the caller may drop its list: InFlight keeps them
+    del outputs
+    holder = list(inflight._works)  # the helper thread's reference to the work
+    sleeps = []
+
+    def sleep(_: float) -> None:
+        sleeps.append(True)
+        holder.clear()  # the thread lets go
+
+    inflight.settle(_sleep=sleep)
+    assert sleeps  # settle waited for the work's views of the outputs to go
+
+
 def test_views_the_caller_keeps_do_not_make_settle_wait():
     t = torch.zeros(6)
     inflight = InFlight()

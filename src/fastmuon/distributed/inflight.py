@@ -44,6 +44,17 @@ def _refs(t: Tensor) -> int:
     return t._use_count()  # type: ignore[attr-defined, no-any-return]  # torch's stubs omit it
 
 
+def _tensors(args: tuple[Any, ...]) -> list[Tensor]:
+    """The tensors among a collective's arguments, and those in its list or tuple arguments."""
+    found: list[Tensor] = []
+    for a in args:
+        if isinstance(a, Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found += [t for t in a if isinstance(t, Tensor)]
+    return found
+
+
 class InFlight:
     """The work objects and tensors of one exchange's collectives, kept until settled."""
 
@@ -54,9 +65,10 @@ class InFlight:
 
     def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Start ``collective(*args, async_op=True, **kwargs)``, holding its work object and
-        every tensor among ``args`` (the buffers it reads and writes) until :meth:`settle`."""
-        for t in args:
-            if isinstance(t, Tensor) and id(t) not in self._pending:
+        every tensor among ``args`` (the buffers it reads and writes), those in a list or tuple
+        argument included (``all_gather``'s outputs), until :meth:`settle`."""
+        for t in _tensors(args):
+            if id(t) not in self._pending:
                 _, held = self._held.pop(id(t), (t, 0))
                 self._pending[id(t)] = (t, _refs(t) - held)
         work = collective(*args, async_op=True, **kwargs)
