@@ -31,7 +31,7 @@ if ! "$PY" -c "$torch_ready" 2>/dev/null && ! "$PY" -m pip install -q --no-cache
   echo "setup: pip could not install torch==$TORCH; if it says '(constraint) torch<=...', a pip" \
     "constraint file caps torch on this machine (pip config list shows which): lift it, or run" \
     "the other releases alone (FASTMUON_TEST_TORCH=\"2.13.0 2.14.1\" ./test.sh). If it says" \
-    "'No space left on device': a CUDA build takes about 7 GB in its venv; free here:" \
+    "'No space left on device': a CUDA build takes 6 to 7 GB in its venv; free here:" \
     "$(df -h --output=avail "$ROOT" 2>/dev/null | tail -n 1 | tr -d ' ')" >&2
   exit 1
 fi

@@ -64,9 +64,10 @@ def run_rank(
 def leave(status: int) -> NoReturn:
     """End the process with its output flushed but without the interpreter's teardown. The
     workers compare results with ``DTensor.full_tensor``, whose functional collectives leave
-    their work objects to gloo's threads (device meshes keep those groups alive past
-    ``destroy_process_group``); a thread that frees one while the interpreter tears down aborts
-    the process ("terminate called without an active exception") after every check has passed.
+    their work objects to gloo's threads, and those threads can still be running after
+    ``destroy_process_group``; one that frees such a work object while the interpreter tears
+    down aborts the process ("terminate called without an active exception") after every check
+    has passed.
     Whether fastmuon's own collectives let a rank exit cleanly is tested on its own, in
     ``test_reliability.py``."""
     sys.stdout.flush()
