@@ -313,8 +313,11 @@ class Orthogonalizer:
         self._scratch: ScratchArena | None = None
         self._shared: SharedWorkspace | None = None  # the bucket-by-bucket path's buffers
         self._staged: _StagedGathers | Literal[False] | None = None  # False: nothing to stage
-        # every bucket on the host and eager: a step may run them one at a time (see open_bucket)
-        self.host_bucketwise = bool(self.records) and all(r.host and not r.compiled for r in self.records)
+        # a step may run the buckets one at a time (see open_bucket): every bucket eager, and
+        # either all on the host (one shared workspace) or all off it and packed by runs (a
+        # fresh buffer per bucket, freed before the next; gather buckets share one packing)
+        self.by_bucket = _runs_bucket_by_bucket(self.records)
+        self._opened: tuple[int, Tensor] | None = None  # off the host: the bucket handed out
 
     def _record(self, bucket: Bucket, config: NSConfig) -> BucketRecord:
         """Everything about ``bucket`` that is known before any data is seen."""
@@ -442,8 +445,9 @@ class Orthogonalizer:
 
     def bucketwise(self) -> bool:
         """Whether a step may run the plan one bucket at a time, through :meth:`open_bucket` and
-        :meth:`run_bucket`: every bucket on the host's CPU and eager, and no compiler tracing."""
-        return self.host_bucketwise and not _compiling()
+        :meth:`run_bucket`: every bucket eager (on the host's CPU, or off it and packed by runs),
+        and no compiler tracing."""
+        return self.by_bucket and not _compiling()
 
     def members(self, b: int) -> tuple[int, ...]:
         """Bucket ``b``'s members, as positions among the engine's tensors, in slot order."""
@@ -458,12 +462,15 @@ class Orthogonalizer:
         member's own shape and in the bucket's NS dtype: write them all (the momentum step does,
         with ``out=``), then call :meth:`run_bucket`.
 
-        Every bucket lays its input, the kernel's temporaries and its cast results out in one
-        workspace buffer (:mod:`fastmuon.ns.workspace`), so what a step keeps is the largest
-        bucket's layout; the padding is zeroed here, on every call, since the other buckets and
-        the kernels write there too.
+        On the host every bucket lays its input, the kernel's temporaries and its cast results
+        out in one workspace buffer (:mod:`fastmuon.ns.workspace`), so what a step keeps is the
+        largest bucket's layout; the padding is zeroed here, on every call, since the other
+        buckets and the kernels write there too. Off the host each bucket gets a fresh buffer
+        (see :meth:`_open_fresh`).
         """
         rec = self.records[b]
+        if not rec.host:
+            return self._open_fresh(b, rec)
         layout = rec.shared
         if layout is None:
             if self._shared is None:
@@ -492,6 +499,8 @@ class Orthogonalizer:
         ``keep_positions``: as in :meth:`__call__`.
         """
         rec = self.records[b]
+        if not rec.host:
+            return self._run_fresh(b, rec, out_dtype, keep, keep_positions)
         layout: BucketLayout = rec.shared  # type: ignore[assignment]
         batch = layout.batch()
         if keep is not None:
@@ -516,6 +525,40 @@ class Orthogonalizer:
         cast = _cast_places(rec, layout, out, out_dtype)
         torch._foreach_copy_(cast, views)
         return cast
+
+    def _open_fresh(self, b: int, rec: BucketRecord) -> list[Tensor]:
+        """:meth:`open_bucket` off the host: a fresh input buffer in the NS dtype (zeros only
+        where some member leaves padding), held until :meth:`run_bucket` takes it. The caching
+        allocator hands the next bucket the memory this one frees, so a step holds one bucket's
+        inputs and temporaries at a time and keeps nothing between steps."""
+        bucket = rec.bucket
+        make = torch.zeros if rec.padded else torch.empty
+        batch = make(bucket.shape, dtype=bucket.dtype, device=bucket.device)
+        self._opened = (b, batch)
+        return _slot_views(batch, rec)
+
+    def _run_fresh(
+        self,
+        b: int,
+        rec: BucketRecord,
+        out_dtype: torch.dtype | None,
+        keep: Tensor | None,
+        keep_positions: tuple[int, ...] | None,
+    ) -> list[Tensor]:
+        """:meth:`run_bucket` off the host: NS of the buffer :meth:`open_bucket` handed out, the
+        kernel free to write into it once read (it is this call's alone)."""
+        opened, self._opened = self._opened, None
+        if opened is None or opened[0] != b:
+            raise RuntimeError(f"run_bucket({b}) without open_bucket({b}) first")
+        batch = opened[1]
+        if keep is not None:
+            zero_rejected_(batch, keep.index_select(0, self._keep_index(rec, keep.device, keep_positions)))
+        out = rec.kernel(batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True)
+        del batch
+        views = _slot_views(out, rec)
+        if out_dtype is None or out_dtype == out.dtype:
+            return views
+        return [v.to(out_dtype) for v in views]
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
@@ -768,6 +811,18 @@ def _normalized_into(
 def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
     """The kernels' scratch where nothing is kept: every temporary is fresh."""
     return None
+
+
+def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:
+    """Whether a step may run these buckets one at a time (see ``Orthogonalizer.open_bucket``):
+    every bucket eager, and all on the host, or all off it, on one device, each packed by runs
+    (a gather bucket off the host is packed with the others, five launches for all of them)."""
+    if not records or any(r.compiled for r in records):
+        return False
+    if all(r.host for r in records):
+        return True
+    devices = {r.bucket.device for r in records}
+    return len(devices) == 1 and not any(r.host or r.gathers for r in records)
 
 
 def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:

@@ -64,7 +64,7 @@ class Engine(Protocol):
 class BucketwiseEngine(Engine, Protocol):
     """An engine a step may run one bucket at a time (``fastmuon.ns.engine.Orthogonalizer``)."""
 
-    host_bucketwise: bool
+    by_bucket: bool
 
     def bucketwise(self) -> bool: ...
     def members(self, b: int) -> tuple[int, ...]: ...

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..distributed.dtensor import local_shard
 from ..distributed.sharded import Piece, held_pieces
+from ..ns import device as ns_device
 from ..ns.device import compute_dtype
 from ..ns.engine import NSConfig, Orthogonalizer
 from ..ns.gather import Gather
@@ -205,6 +206,11 @@ def orthogonalize_step(
     return engine([torch.where(k, s, 0) for k, s in zip(flags, sources)], dtypes)
 
 
+#: Off the host, matrices of at least this many elements are applied straight from their NS
+#: results' dtype: a launch per matrix (the foreach add takes one dtype) costs less than the
+#: bytes of a cast copy of them (6 per element from bf16 to fp32) from about this size on.
+NARROW_APPLY_MIN_ELEMENTS = 2**20
+
 #: a momentum step over one part: ``(bufs, grads, beta, nesterov, out=views) -> NS inputs``
 Momentum = Callable[..., list[Tensor]]
 
@@ -286,6 +292,7 @@ class MatrixProgram:
         self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] | None = None
         self.owned_inputs = False
         self.bucketwise_engine: BucketwiseEngine | None = None  # set where the steps below are made
+        self.any_narrow = False  # some bucket applies from the NS dtype (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
 
     def _bucket_steps(
@@ -294,7 +301,7 @@ class MatrixProgram:
         """The step bucket by bucket, where the engine runs that way (None: it does not, or
         the rule's stage after NS cannot take its classes one at a time)."""
         engine = self.engine
-        if not isinstance(engine, BucketwiseEngine) or not engine.host_bucketwise or engine.plan is None:
+        if not isinstance(engine, BucketwiseEngine) or not engine.by_bucket or engine.plan is None:
             return None
         if whole is not None and not hasattr(whole, "run_class"):
             return None
@@ -347,6 +354,17 @@ class MatrixProgram:
                     feeds[c][0].append(n)
                     feeds[c][1].append(j)
             out_dtype = self.dtypes[ks[0]]
+            # off the host the results are applied in the NS dtype they come in (the add widens
+            # each value exactly, as a cast would, without writing and reading a cast copy): a
+            # launch per matrix where the dtypes differ, which pays on matrices this large
+            narrow = (
+                not ns_device.is_host(self.params[ks[0]].device)
+                and whole is None
+                and not any(ordered[k].cautious for k in ks)
+                and min(self.params[k].numel() for k in ks) >= NARROW_APPLY_MIN_ELEMENTS
+            )
+            narrow = narrow and torch.promote_types(ns_dtype, out_dtype) == out_dtype
+            self.any_narrow = self.any_narrow or narrow
             steps.append(
                 BucketStep(
                     index=b,
@@ -355,6 +373,7 @@ class MatrixProgram:
                     order=Gather([slot[k] for k in ks]),
                     out_dtype=out_dtype,
                     exact_cast=torch.promote_types(ns_dtype, out_dtype) == out_dtype,
+                    narrow_apply=narrow,
                     after=AfterNS.over(
                         [ordered[k] for k in ks],
                         [self.params[k] for k in ks],
@@ -417,7 +436,8 @@ class MatrixProgram:
         keep: Tensor | None,
     ) -> None:
         """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
-        stage after it, before the next bucket reuses the buffers.
+        stage after it, before the next bucket reuses the buffers (on the host: the shared
+        workspace; off it: the memory the caching allocator hands back).
 
         The rule's stage after NS takes the results in the NS dtype where widening them is exact (it
         stacks them and computes in fp32, the values it gets from results cast first); the
@@ -428,16 +448,20 @@ class MatrixProgram:
         beta, nesterov = scalars.beta, scalars.nesterov
         # the stage's classes seen in part (one spanning buckets: None where not fed yet)
         pending: dict[int, list[Any]] = {}
+        # a tensor scale multiplies the updates in place: those must come in the full dtype
+        narrow_ok = self.any_narrow and not any(isinstance(s, Tensor) for s in scales)
         for step in self.buckets or ():
             views = engine.open_bucket(step.index)
             for bufs, pick, g, out, momentum in step.momentum:
                 momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
             if step.signed:
                 torch._foreach_sign_(step.signed(views))
-            dtype = None if stage is not None and step.exact_cast else step.out_dtype
+            narrow = narrow_ok and step.narrow_apply
+            dtype = None if narrow or (stage is not None and step.exact_cast) else step.out_dtype
             updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
             if stage is None:
-                step.after.run(updates, scalars, scales, self.groups, self.one_pass)
+                # narrow: one add per scale class, each a launch per matrix anyway
+                step.after.run(updates, scalars, scales, self.groups, narrow or self.one_pass)
                 continue
             for c, pick, places in step.feeds:
                 got = pick(updates)
@@ -489,6 +513,7 @@ class BucketStep:
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'
     exact_cast: bool  # widening the NS dtype to the parameters' is exact
+    narrow_apply: bool  # off the host, large matrices: applied from the NS dtype, not a cast copy
     after: AfterNS  # the stages after NS over the bucket's matrices (the rule's stage after NS apart)
     # with one: per class with matrices here, where they sit among the bucket's results
     # (program order) and in the class; and the classes whose last matrices are here
