@@ -263,3 +263,55 @@ def test_a_bucket_by_bucket_step_skips_a_non_finite_matrix(accelerator_paths, mo
     for i, (o, r) in enumerate(zip(ours, reference)):
         if i != 1:
             assert rel_err(o.detach(), r) <= 1e-5, o.shape
+
+
+def _only_program(opt):
+    (program,) = opt._driver.cache.programs.values()
+    return program
+
+
+def test_masked_buckets_copy_nothing_and_a_finite_step_is_bitwise_the_unmasked_one(
+    accelerator_paths, monkeypatch
+):
+    """The matrices of a bucket-by-bucket step mask a rejected gradient themselves: the guard
+    copies none of them (only the AdamW half's vector), and with every gradient finite the
+    masked step ("skip") is bit for bit the plain one ("ignore"), decay included."""
+    params = make_params(BY_BUCKET_SHAPES)
+    grads = make_grads(params, steps=3)
+    masked, plain = clone_params(params), clone_params(params)
+    opt_masked = _same_shape_muon(masked, monkeypatch, nonfinite="skip", max_bucket_bytes=3 * 24 * 40 * 4)
+    opt_plain = _same_shape_muon(plain, monkeypatch, nonfinite="ignore", max_bucket_bytes=3 * 24 * 40 * 4)
+    run_optimizer(opt_masked, masked, grads)
+    run_optimizer(opt_plain, plain, grads)
+    program = _only_program(opt_masked)
+    assert program.update.self_masked() == frozenset(range(5))
+    assert program.guard.skip is not None
+    copied = program.guard.skip.snapshot()
+    assert sum(t.numel() for t in copied) == 16 * 3 + 1  # the vector, its two moments, its step
+    for a, b in zip(masked, plain):
+        assert torch.equal(a.detach(), b.detach())
+    for a, b in zip(masked[:5], plain[:5]):
+        assert torch.equal(opt_masked.state[a]["momentum_buffer"], opt_plain.state[b]["momentum_buffer"])
+
+
+def test_a_deferred_raise_on_masked_buckets_leaves_the_matrix_and_raises_at_the_next_step(
+    accelerator_paths, monkeypatch
+):
+    """The default "raise", off the host: the step with a NaN runs masked (the matrix and its
+    momentum untouched, nothing copied for them) and the next step raises naming it."""
+    params = make_params(BY_BUCKET_SHAPES)
+    grads = make_grads(params, steps=3)
+    ours = clone_params(params)
+    opt = _same_shape_muon(ours, monkeypatch, max_bucket_bytes=3 * 24 * 40 * 4)
+    run_optimizer(opt, ours, grads[:1])
+    before = ours[4].detach().clone()
+    momentum = opt.state[ours[4]]["momentum_buffer"].clone()
+    bad = [g.clone() for g in grads[1]]
+    bad[4][0, 0] = float("inf")
+    run_optimizer(opt, ours, [bad])
+    assert torch.equal(ours[4].detach(), before)
+    assert torch.equal(opt.state[ours[4]]["momentum_buffer"], momentum)
+    for p, g in zip(ours, grads[2]):
+        p.grad = g.clone()
+    with pytest.raises(FloatingPointError, match="non-finite gradient"):
+        opt.step()

@@ -102,6 +102,7 @@ class AdamWProgram:
     reads its step count on the host)."""
 
     def __init__(self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool):
+        self.positions = frozenset(i.index for i in items)  # the step's parameters it updates
         lr_c, betas_c, eps_c, wd_c = classes.lr, classes.betas, classes.eps, classes.weight_decay
         self.capturable = capturable
         by_kernel = partition(

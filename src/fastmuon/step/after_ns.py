@@ -77,14 +77,22 @@ class AfterNS:
         groups: Sequence[int],
         one_pass: bool,
         owned: bool = True,
+        keep: Sequence[Tensor] | None = None,
     ) -> None:
         """Apply ``updates`` (NS results of these matrices, in their order); ``scales``: the
         program's, one per scale class; ``groups``: the program's param groups; ``one_pass``:
-        whether the program applies with one ``add_`` per scale class (see ``apply_scaled_``)."""
+        whether the program applies with one ``add_`` per scale class (see ``apply_scaled_``).
+        ``keep``: per matrix a 0-d bool on the device, False where its gradient was rejected
+        (its update is then zero): its decay is masked to 1, one multiply per matrix."""
         if self.variant is not None:
             updates = self.variant(updates, scalars)
         decay = scalars.decay
-        if decay is not None:
+        if decay is not None and keep is not None:
+            for p, g, k in zip(self.params, self.item_groups, keep):
+                d = decay[g]
+                if isinstance(d, Tensor) or d != 1:
+                    p.mul_(torch.where(k, d, 1.0))
+        elif decay is not None:
             if self.cautious is not None:
                 cautious_decay_(updates, decay, *self.cautious)
             params, item_groups = self.plain

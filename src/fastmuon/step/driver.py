@@ -183,7 +183,7 @@ class StepDriver:
                 guard.restore(saved, keep)
             raise
         self.steps += 1
-        if saved is not None and keep is not None:
+        if keep is not None:
             self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
 
     def site(self, env: StepEnv) -> Site:
@@ -359,10 +359,14 @@ class StepDriver:
         states = (
             [{k: _local(v) for k, v in env.state[params[k]].items()} for k in positions] if masking else ()
         )
+        update = env.rule.build(items, pattern, engine_for, env.options)
+        guard = NonFiniteGuard(
+            env.options.nonfinite, live_grads, local, states, defer=True, self_masked=update.self_masked()
+        )
         return StepProgram(
-            env.rule.build(items, pattern, engine_for, env.options),
+            update,
             Gather(positions),
-            NonFiniteGuard(env.options.nonfinite, live_grads, local, states, defer=True),
+            guard,
             [site.owners[k] for k in positions],
             shards=LocalShards([params[k] for k in positions]) if site.kind == SHARDED else None,
         )

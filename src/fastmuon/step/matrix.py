@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -293,6 +293,7 @@ class MatrixProgram:
         self.owned_inputs = False
         self.bucketwise_engine: BucketwiseEngine | None = None  # set where the steps below are made
         self.any_narrow = False  # some bucket applies from the NS dtype (set there too)
+        self.masked_positions: frozenset[int] = frozenset()  # see self_masked (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
 
     def _bucket_steps(
@@ -327,15 +328,19 @@ class MatrixProgram:
         part_of = {k: p for p, (ks, _, _) in enumerate(self.part_specs) for k in ks}
         signed = set(self.sign.positions) if self.sign is not None else set()
         steps = []
+        masked_here: set[int] = set()
+        unmasked_here: set[int] = set()
         for b, members in enumerate(buckets):
             ks = sorted(members)  # the program's order: each stage's batches as over all matrices
             slot = {k: j for j, k in enumerate(members)}
             ns_dtype = engine.bucket_dtype(b)
             moms = []
+            parts_here = []
             for p, (_, group, work) in enumerate(self.part_specs):
                 mine = [k for k in ks if part_of[k] == p]
                 if not mine:
                     continue
+                parts_here.append(p)
                 bufs = [self.bufs[k] for k in mine]
                 momentum: Momentum
                 if work is not None:
@@ -365,6 +370,8 @@ class MatrixProgram:
             )
             narrow = narrow and torch.promote_types(ns_dtype, out_dtype) == out_dtype
             self.any_narrow = self.any_narrow or narrow
+            masked = whole is None and all(_masks_itself(ordered[k]) for k in ks)
+            (masked_here if masked else unmasked_here).update(ordered[k].index for k in ks)
             steps.append(
                 BucketStep(
                     index=b,
@@ -383,12 +390,27 @@ class MatrixProgram:
                     ),
                     feeds=[(c, Gather(at), js) for c, (at, js) in sorted(feeds.items())],
                     completes=[c for c in range(len(classes)) if last[c] == b],
+                    masked=masked,
+                    flag_places=tuple(self.keep_positions[k] for k in ks),
+                    momentum_flags=[Gather([ks.index(k) for k in ks if part_of[k] == p]) for p in parts_here],
                 )
             )
+        self.masked_positions = frozenset(masked_here - unmasked_here)
         return steps
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         return True
+
+    def self_masked(self) -> frozenset[int]:
+        """The matrices' parameters (places among the step's gradients) that this half leaves
+        as they were, with their momentum, where ``keep`` rejects their gradient, without a
+        copy to put back: off the host, stepped bucket by bucket, each such bucket takes a
+        rejected gradient's place by its own momentum (so the buffer's step is exact), its
+        matrix's NS input is zeroed (its update is exactly zero) and its decay is 1. Only plain
+        fp32 matrices qualify: no rule stage before or after NS, no cautious decay, momentum
+        kept in the parameter's dtype (a mask on the decay factor rounds as a Python one does
+        only in fp32), the whole parameter here (not a shard)."""
+        return self.masked_positions
 
     @property
     def plan(self) -> Any:
@@ -452,8 +474,15 @@ class MatrixProgram:
         narrow_ok = self.any_narrow and not any(isinstance(s, Tensor) for s in scales)
         for step in self.buckets or ():
             views = engine.open_bucket(step.index)
-            for bufs, pick, g, out, momentum in step.momentum:
-                momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
+            flags = step.flags(keep) if keep is not None and step.masked else None
+            if flags is None:
+                for bufs, pick, g, out, momentum in step.momentum:
+                    momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
+            else:
+                for (bufs, pick, g, out, momentum), mine in zip(step.momentum, step.momentum_flags):
+                    _masked_momentum(
+                        momentum, bufs, pick(grads), mine(flags), beta[g], nesterov[g], out(views)
+                    )
             if step.signed:
                 torch._foreach_sign_(step.signed(views))
             narrow = narrow_ok and step.narrow_apply
@@ -461,7 +490,7 @@ class MatrixProgram:
             updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
             if stage is None:
                 # narrow: one add per scale class, each a launch per matrix anyway
-                step.after.run(updates, scalars, scales, self.groups, narrow or self.one_pass)
+                step.after.run(updates, scalars, scales, self.groups, narrow or self.one_pass, keep=flags)
                 continue
             for c, pick, places in step.feeds:
                 got = pick(updates)
@@ -501,6 +530,34 @@ class MatrixProgram:
         return parts
 
 
+def _masks_itself(item: MatrixItem) -> bool:
+    """Whether a matrix may take the masked bucket step (see ``MatrixProgram.self_masked``)."""
+    p = item.param
+    return (
+        not ns_device.is_host(p.device)
+        and p.dtype == torch.float32
+        and item.buf.dtype == p.dtype
+        and not (item.cautious or item.sign_input)
+        and item.whole is None
+    )
+
+
+def _masked_momentum(
+    momentum: Momentum,
+    bufs: list[Tensor],
+    grads: list[Tensor],
+    flags: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    out: list[Tensor],
+) -> None:
+    """The momentum step of a masked bucket: a rejected gradient replaced by the buffer it
+    would step (``M ← β·M + (1−β)·M`` leaves ``M`` exactly as it was, and no NaN reaches it),
+    one matrix at a time so that one replacement lives at once."""
+    for buf, grad, keep, o in zip(bufs, grads, flags, out):
+        momentum([buf], [torch.where(keep, grad, buf)], beta, nesterov, out=[o])
+
+
 @dataclass
 class BucketStep:
     """One bucket's share of a step (see ``MatrixProgram._run_bucketwise``)."""
@@ -519,3 +576,18 @@ class BucketStep:
     # (program order) and in the class; and the classes whose last matrices are here
     feeds: list[tuple[int, Gather, list[int]]]
     completes: list[int]
+    # the bucket masks a rejected gradient itself (see MatrixProgram.self_masked), with its
+    # members' places in the step's keep vector (program order) and, per momentum part, where
+    # its members sit among them
+    masked: bool
+    flag_places: tuple[int, ...]
+    momentum_flags: list[Gather]
+    flag_index: dict[torch.device, Tensor] = field(default_factory=dict)
+
+    def flags(self, keep: Tensor) -> list[Tensor]:
+        """The members' keep flags (program order), as 0-d tensors on the keep vector's device:
+        one index select, no host read."""
+        index = self.flag_index.get(keep.device)
+        if index is None:
+            index = self.flag_index[keep.device] = torch.tensor(self.flag_places, device=keep.device)
+        return list(keep.index_select(0, index).unbind(0))

@@ -194,11 +194,18 @@ class SkipPlan:
     grouped by (device, dtype).
 
     ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
-    ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and
-    :meth:`restore` after it with the keep vector (one bool per owner).
+    ``params[i]`` and its ``states[i]``; ``count``: the keep vector's length (default: one past
+    the last owner). Per step: :meth:`snapshot` before the update, and :meth:`restore` after it
+    with the keep vector.
     """
 
-    def __init__(self, params: Sequence[Tensor], states: Sequence[dict[str, Any]], owners: Sequence[int]):
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        states: Sequence[dict[str, Any]],
+        owners: Sequence[int],
+        count: int | None = None,
+    ):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
         self._loose: list[tuple[Tensor, int, bool]] = []
@@ -211,7 +218,8 @@ class SkipPlan:
                     self._loose.append((t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
-        count = max(owners, default=-1) + 1
+        if count is None:  # the keep vector's length: one flag per owner
+            count = max(owners, default=-1) + 1
         self._groups = [_Group(where, entries, count) for (where, _), entries in grouped.items()]
 
     def snapshot(self) -> list[Tensor]:
@@ -263,6 +271,7 @@ class NonFiniteGuard:
         states: Sequence[dict[str, Any]] = (),
         *,
         defer: bool = False,
+        self_masked: frozenset[int] = frozenset(),
     ):
         self.mode = mode
         self.check = FiniteCheck(grads)
@@ -270,7 +279,14 @@ class NonFiniteGuard:
             mode == "raise" and defer and bool(params) and not all(device.is_host(g.device) for g in grads)
         )
         masking = mode == "skip" or self.deferred
-        self.skip = SkipPlan(params, states, range(len(params))) if masking and params else None
+        # what the update leaves as it was by itself (see UpdateProgram.self_masked) is never copied
+        rest = [i for i in range(len(params)) if i not in self_masked]
+        self.skip = (
+            SkipPlan([params[i] for i in rest], [states[i] for i in rest], rest, len(params))
+            if masking and rest
+            else None
+        )
+        self.masking = masking and bool(params)
         # a "skip" over accelerator gradients whose state lies partly on the host (AdamW's step
         # counts) puts that part back when the flags reach the host, as a deferred "raise" does:
         # reading them at once would make the host wait for the device every step
@@ -306,7 +322,8 @@ class NonFiniteGuard:
         return agree(keep) if agree is not None else keep
 
     def snapshot(self, keep: Tensor | None) -> list[Tensor] | None:
-        """What the update may overwrite, saved (only where something may have to go back)."""
+        """What the update may overwrite, saved (only where something may have to go back and
+        the update does not keep it as it was by itself)."""
         return self.skip.snapshot() if keep is not None and self.skip is not None else None
 
     def restore(self, saved: list[Tensor] | None, keep: Tensor | None) -> None:
@@ -315,19 +332,22 @@ class NonFiniteGuard:
             self.skip.restore(saved, keep)
 
     def settle(
-        self, saved: list[Tensor], keep: Tensor, name: Callable[[int], str], step: int
+        self, saved: list[Tensor] | None, keep: Tensor, name: Callable[[int], str], step: int
     ) -> PendingFlags | None:
-        """After a completed update: "skip" puts everything back now (None). A deferred
+        """After a completed update: "skip" puts everything copied back now (None). A deferred
         "raise" puts back what lives on the device, starts the flags' copy to the host and
         returns them, pending: read, they raise and put back the host's tensors too."""
-        plan = self.skip
-        assert plan is not None, "a snapshot, and so a settle, is taken only with a skip plan"
-        if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
-            plan.restore(saved, keep)
+        if not self.masking:
             return None
-        plan.restore(saved, keep, on_host=False)
-        held = plan.on_host(saved)
-        finish = functools.partial(_restore_on_host, plan, held)
+        plan = self.skip
+        if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
+            if plan is not None and saved is not None:
+                plan.restore(saved, keep)
+            return None
+        finish: Callable[[Tensor], None] = _nothing_to_finish
+        if plan is not None and saved is not None:
+            plan.restore(saved, keep, on_host=False)
+            finish = functools.partial(_restore_on_host, plan, plan.on_host(saved))
         return PendingFlags.start(
             keep,
             self._flags,  # type: ignore[arg-type]
@@ -340,3 +360,7 @@ class NonFiniteGuard:
 
 def _restore_on_host(plan: SkipPlan, held: list[Tensor | None], flags: Tensor) -> None:
     plan.restore(held, flags, on_host=True)
+
+
+def _nothing_to_finish(flags: Tensor) -> None:
+    """Where nothing was copied: the update left every rejected parameter as it was."""

@@ -113,6 +113,12 @@ class TwoHalves:
         self.matrices.run(grads, s.matrices, keep, hooks)
         self.elementwise.run(grads, s.elementwise)
 
+    def self_masked(self) -> frozenset[int]:
+        """The parameters (places among the step's gradients) whose update leaves them and all
+        their state as they were where ``keep`` rejects their gradient, with nothing put back:
+        the matrix half's, unless the elementwise half steps them too (MuSGD's SGD step)."""
+        return self.matrices.self_masked() - self.elementwise.positions
+
 
 class StepProgram:
     """One step, prepared: the update's program and what every step around it needs.

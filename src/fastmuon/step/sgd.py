@@ -60,6 +60,8 @@ class SGDProgram:
     (one per ``lr_slot``)."""
 
     def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool):
+        self.positions = frozenset(i.index for i in items)  # the step's parameters it updates
+
         def lr_key(i: SGDItem) -> int:
             return lr_class[i.lr_slot]
 
