@@ -159,7 +159,7 @@ def test_skip_leaves_the_non_finite_parameter_and_its_state_unchanged(accelerato
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
 @pytest.mark.parametrize("policy", ["auto", "min_launches"])
 def test_the_cuda_step_is_the_reference_step(cls, policy):
-    """On a GPU (torch's fused CUDA SGD, the fp64 normalisation, buckets packed together, the
+    """On a GPU (torch's fused CUDA SGD, the normalisation that reads nothing on the host, buckets packed together, the
     deferred "raise"): three steps are the per-parameter fp32 reference's."""
     params = make_params(SHAPES, channels_last=(1, 2))
     grads = make_grads(params, steps=3)
