@@ -324,8 +324,10 @@ def choose_method(
         if low_precision_gram and narrowest >= 2:
             return min(
                 ("standard", "gram"),
-                key=lambda m: count * ns_flops(rows, cols, steps, m, dtype)
-                + launch_flops * kernels_per_bucket(steps, m),
+                key=lambda m: (
+                    count * ns_flops(rows, cols, steps, m, dtype)
+                    + launch_flops * kernels_per_bucket(steps, m)
+                ),
             )
         return "standard"
     tolerant = requested in (torch.bfloat16, torch.float16)
