@@ -28,7 +28,9 @@ from reference_impl import muon_reference_pieces, musgd_reference_pieces
 from fastmuon import Muon, MuSGD
 from fastmuon.bench.hosttime import host_syncs
 from fastmuon.ns import device as ns_device
+from fastmuon.ns.engine import Orthogonalizer
 from fastmuon.ns.planner import COST_MODELS
+from fastmuon.step import matrix as fastmuon_matrix
 
 SHAPES = MIXED_SHAPES + [(24,), (7,)]
 MUSGD = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.5, sgd=0.5)
@@ -159,7 +161,7 @@ def test_skip_leaves_the_non_finite_parameter_and_its_state_unchanged(accelerato
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
 @pytest.mark.parametrize("policy", ["auto", "min_launches"])
 def test_the_cuda_step_is_the_reference_step(cls, policy):
-    """On a GPU (torch's fused CUDA SGD, the normalisation that reads nothing on the host, buckets packed together, the
+    """On a GPU (torch's fused CUDA SGD, the fp64 normalisation, buckets packed together, the
     deferred "raise"): three steps are the per-parameter fp32 reference's."""
     params = make_params(SHAPES, channels_last=(1, 2))
     grads = make_grads(params, steps=3)
@@ -192,3 +194,72 @@ def test_buckets_packed_together_are_each_the_reference(accelerator_paths):
     reference = run_musgd_reference(params, grads, [(list(range(len(shapes))), {"use_muon": True})], MUSGD)[0]
     for o, r in zip(ours, reference):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
+
+
+def _same_shape_muon(params, monkeypatch, **kw):
+    """Muon over matrices of two shapes (a tall one packed transposed), whose buckets are packed
+    by runs: the step runs them one at a time, each applied from its NS dtype (the size from
+    which that pays lowered to these small matrices)."""
+    monkeypatch.setattr(fastmuon_matrix, "NARROW_APPLY_MIN_ELEMENTS", 64)
+    return Muon(
+        [{"params": params[:5], "use_muon": True}, {"params": params[5:], "use_muon": False}],
+        **MUON,
+        adamw_lr=ADAMW["lr"],
+        ns_dtype=torch.float32,
+        cost_model=COST_MODELS["cuda"],
+        **kw,
+    )
+
+
+BY_BUCKET_SHAPES = [(24, 40), (24, 40), (24, 40), (40, 24), (40, 24), (16,)]
+
+
+def test_buckets_packed_by_runs_run_one_at_a_time_and_keep_nothing(accelerator_paths, monkeypatch):
+    """Off the host a plan whose buckets are packed by runs is stepped bucket by bucket: each
+    bucket's momentum written into a fresh buffer in the NS dtype, NS, the results applied
+    straight from it; nothing is kept between steps, and every matrix takes the reference's step."""
+    params = make_params(BY_BUCKET_SHAPES)
+    grads = make_grads(params, steps=3)
+    ours = clone_params(params)
+    opt = _same_shape_muon(ours, monkeypatch, max_bucket_bytes=3 * 24 * 40 * 4)
+    asked: list[torch.dtype | None] = []
+    run_bucket = Orthogonalizer.run_bucket
+
+    def spy(engine, b, dtype, *args):
+        asked.append(dtype)
+        return run_bucket(engine, b, dtype, *args)
+
+    monkeypatch.setattr(Orthogonalizer, "run_bucket", spy)
+    run_checking_grads_untouched(opt, ours, grads)
+    (engine,) = opt.orthogonalizers()
+    assert engine.bucketwise() and len(engine.records) >= 2
+    assert asked and set(asked) == {None}
+    assert engine.workspaces() == []
+    groups = [(list(range(5)), {"use_muon": True}), ([5], {"use_muon": False})]
+    reference = run_muon_reference(params, grads, groups, MUON, ADAMW)[0]
+    for o, r in zip(ours, reference):
+        assert rel_err(o.detach(), r) <= 1e-5, o.shape
+
+
+def test_a_bucket_by_bucket_step_skips_a_non_finite_matrix(accelerator_paths, monkeypatch):
+    """``nonfinite="skip"`` on the bucket-by-bucket path: the bad matrix and its state stay as
+    they were, its bucket mates take the reference's step."""
+    params = make_params(BY_BUCKET_SHAPES)
+    grads = make_grads(params, steps=2)
+    ours = clone_params(params)
+    opt = _same_shape_muon(ours, monkeypatch, nonfinite="skip", max_bucket_bytes=3 * 24 * 40 * 4)
+    run_optimizer(opt, ours, grads[:1])
+    before = ours[1].detach().clone()
+    momentum = opt.state[ours[1]]["momentum_buffer"].clone()
+    bad = [g.clone() for g in grads[1]]
+    bad[1][3, 5] = float("nan")
+    run_optimizer(opt, ours, [bad])
+    assert torch.equal(ours[1].detach(), before)
+    assert torch.equal(opt.state[ours[1]]["momentum_buffer"], momentum)
+    groups = [(list(range(5)), {"use_muon": True}), ([5], {"use_muon": False})]
+    reference = run_muon_reference(
+        params, [grads[0], [None if i == 1 else g for i, g in enumerate(bad)]], groups, MUON, ADAMW
+    )[0]
+    for i, (o, r) in enumerate(zip(ours, reference)):
+        if i != 1:
+            assert rel_err(o.detach(), r) <= 1e-5, o.shape

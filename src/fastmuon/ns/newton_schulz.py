@@ -355,18 +355,35 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: b
     A matrix far below ``eps`` is damped towards zero, as the formula says; with ``eps=0`` NS
     is scale invariant and a zero matrix still gives zero (not 0/0).
 
-    Off the host too: no fp64 is involved, nothing is read on the host, and every device gives
-    the CPU's values. (A norm accumulated in fp64 would need no prescale, but torch's reductions
-    accumulate in the input's precision, fp32 at best on CUDA: ``vector_norm(X, dtype=float64)``
-    first writes an fp64 copy of ``X``, more memory traffic than the prescale's passes in the
-    NS dtype.) ``out`` may be narrower than ``X`` (a batch packed wider than its bucket): the
-    prescaled ``X`` is rounded once into it, which, a power of two commuting with rounding, is
-    ``X`` cast first and normalised in ``out``'s dtype, bit for bit.
+    Off the host (``host`` False), below fp64 and on a device with it, the same guarantee costs three kernels
+    instead of eleven: see :func:`_normalize_in_fp64`.
     """
+    if not host and X.dtype != torch.float64 and X.device.type not in _NO_FP64:
+        return _normalize_in_fp64(X, eps, out)
     scale = _power_of_two_below(_largest_entry(X, host))
     X = torch.div(X, scale, out=out)  # a new tensor: the division below may work in place
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
     return X.div_(norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny))
+
+
+#: Device types without float64 arithmetic (they take the power-of-two route).
+_NO_FP64 = frozenset({"mps"})
+
+
+def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None) -> Tensor:
+    """``X / (‖X‖ + eps)`` with the norm and the division in fp64, rounded once to ``X``'s dtype.
+
+    Squares of fp32/bf16 entries cannot overflow or underflow in fp64 (their exponents span
+    ±2·128 of fp64's ±1022), so no rescaling pass is needed: one norm, one add, one division,
+    each a single kernel, where the power-of-two route takes eleven. The value is the exact
+    quotient rounded once, so it can differ from the fp32 formula's in the last bit. fp64 work
+    is elementwise only (no matmul), cheap even where fp64 throughput is low.
+    """
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    denom = norm.add_(eps) if eps else norm.clamp_min_(torch.finfo(X.dtype).tiny)
+    if out is None:
+        out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+    return torch.div(X, denom, out=out)
 
 
 #: Norms in this range come from sums of squares that stayed normal fp32 numbers, so the plain
