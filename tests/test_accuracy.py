@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fastmuon.tools.accuracy import make_inputs, run_accuracy
+from fastmuon.tools.accuracy import cuda_choice, make_inputs, run_accuracy
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,28 @@ def test_the_default_inputs_keep_their_names_and_values():
     assert torch.equal(inputs["random"], draw[2])
     assert torch.equal(inputs["low-rank (4) + 1e-4 noise"], draw[3] @ draw[4] + 1e-4 * noise)
     assert _significant(inputs["low-rank (4) + 1e-4 noise"]) == 4
+
+
+def _holds_standard_bf16_accuracy(measured: dict, variant: str) -> None:
+    """The bound the suite holds bf16 Gram-space NS to (test_newton_schulz): on each input, the
+    singular values within 0.05 of standard bf16 NS's band, the error at most 3x its error."""
+    for kind in {k[0] for k in measured}:
+        ours, base = measured[(kind, variant)], measured[(kind, "standard bf16")]
+        assert ours["sv_min"] >= base["sv_min"] - 0.05 and ours["sv_max"] <= base["sv_max"] + 0.05, kind
+        assert ours["rel_err_vs_fp64"] <= 3 * base["rel_err_vs_fp64"], kind
+
+
+@pytest.mark.parametrize("rows, cols", [(32, 288), (32, 64), (24, 84)])  # 9x, 2x, 3.5x as wide
+def test_the_cuda_choice_for_wide_bf16_buckets_holds_standard_bf16_accuracy(table, rows, cols):
+    """What a CUDA plan runs for wide bf16 buckets (Gram-space NS in bf16, restarting), computed
+    here in bf16 beside standard bf16 NS, from twice as wide as tall (where the planner may
+    choose it) to a Llama MLP's 3.5x and a 3x3 conv's 9x."""
+    choice = cuda_choice()
+    assert (choice.method, choice.dtype) == ("gram", torch.bfloat16)
+    measured = (
+        table
+        if (rows, cols) == (32, 288)
+        else {(r["input"], r["variant"]): r for r in run_accuracy(rows=rows, cols=cols)}
+    )
+    _holds_standard_bf16_accuracy(measured, choice.name)
+    assert all(measured[(k, choice.name)]["restart_every"] == 2 for k in {k[0] for k in measured})

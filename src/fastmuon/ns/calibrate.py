@@ -49,6 +49,7 @@ def _calibrate(device: torch.device, dtypes: tuple[torch.dtype, ...], threads: i
         eigh,
         launches,
         fallback.low_precision_gram,
+        fallback.gram_weighs_launches,
     )
 
 

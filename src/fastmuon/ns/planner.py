@@ -127,8 +127,12 @@ class CostModel:
     eigendecomposition costs there (``eigh=None``: too slow to consider, as on GPUs).
     ``launch_seconds_by_dtype`` overrides the launch cost for kernels in one dtype (on CPUs a
     small bf16 matmul costs several times a small fp32 one). ``low_precision_gram``: whether
-    Gram-space NS in bf16/fp16 (with restarts) competes, where it was measured to pay (CPUs with
-    bf16 matmul units, on buckets at least twice as wide as tall)."""
+    Gram-space NS in bf16/fp16 (with restarts) competes, on buckets at least twice as wide as
+    tall: on GPUs, whose bf16 matmuls run at one rate whatever their shape, and on CPUs with bf16
+    matmul units, where it was measured to pay. ``gram_weighs_launches``: whether that choice
+    also weighs the Gram loop's extra kernel launches against the FLOPs it saves (GPUs, where a
+    launch is worth ~10⁹ FLOPs and a small bucket's saving is worth less); on CPUs, where FLOPs
+    were measured to decide, it does not."""
 
     launch_seconds: float
     seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
@@ -136,6 +140,7 @@ class CostModel:
     eigh: EighCost | None = None
     launch_seconds_by_dtype: dict[torch.dtype, float] = field(default_factory=dict)
     low_precision_gram: bool = False
+    gram_weighs_launches: bool = False
 
     def flop_seconds(self, dtype: torch.dtype) -> float:
         return self.seconds_per_flop.get(dtype, self.default_seconds_per_flop)
@@ -154,6 +159,9 @@ CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
 # small matrices; a GPU launch costs ~6 µs while the GPU does tens to hundreds of TFLOP/s, so
 # on CUDA one saved launch is worth ~10^8-10^9 padded FLOPs and on a CPU only ~10^6. GPUs run
 # eigendecompositions slowly (and with host synchronisation), so their model leaves eigh out.
+# On a GPU bf16 Gram-space NS (restarting as newton_schulz.gram_restart_interval says) holds
+# standard bf16 NS's accuracy from twice as wide as tall on (``fastmuon accuracy``, computed on
+# a CPU in bf16) and saves FLOPs there (a 4096×14336 matrix: 64·R³ against 80·R³), so it competes.
 COST_MODELS: dict[str, CostModel] = {
     "cpu": CostModel(
         launch_seconds=15e-6,
@@ -172,6 +180,8 @@ COST_MODELS: dict[str, CostModel] = {
             torch.float16: 1 / 2e14,
         },
         default_seconds_per_flop=1 / 4e13,
+        low_precision_gram=True,
+        gram_weighs_launches=True,
     ),
 }
 
@@ -284,6 +294,8 @@ def choose_method(
     threads: int = 1,
     low_precision_gram: bool = False,
     preconditioning: str = "frobenius",
+    count: int = 1,
+    launch_flops: float = 0.0,
 ) -> str:
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
@@ -299,8 +311,10 @@ def choose_method(
     In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restart_interval``), which keeps
     it in standard bf16 NS's band from twice as wide as tall on (random, graded and
     ill-conditioned inputs at 128..768 rows, 2..3x as wide: errors against fp64 NS no larger);
-    it competes there where the cost model says it was measured to pay (``low_precision_gram``),
-    by FLOPs, which track its measured time against standard NS's on such CPUs.
+    it competes there where the cost model says it pays (``low_precision_gram``), by the FLOPs
+    of the bucket's ``count`` matrices, which track its measured time against standard NS's on
+    CPUs with bf16 units, plus, where the model weighs them (GPUs), each method's launches at
+    ``launch_flops`` FLOPs apiece: a small bucket keeps standard NS's fewer launches.
     AOL preconditioning runs in the standard loop only, so "auto" is "standard" there."""
     if allowed != "auto":
         return allowed
@@ -308,7 +322,13 @@ def choose_method(
         return "standard"
     if dtype not in (torch.float32, torch.float64):
         if low_precision_gram and narrowest >= 2:
-            return min(("standard", "gram"), key=lambda m: ns_flops(rows, cols, steps, m, dtype))
+            return min(
+                ("standard", "gram"),
+                key=lambda m: (
+                    count * ns_flops(rows, cols, steps, m, dtype)
+                    + launch_flops * kernels_per_bucket(steps, m)
+                ),
+            )
         return "standard"
     tolerant = requested in (torch.bfloat16, torch.float16)
     candidates = ["standard"]
@@ -395,7 +415,7 @@ class Plan:
 _PartitionKey = tuple[
     torch.dtype, torch.device, Hashable, str, "torch.dtype | None", "torch.dtype | None", str
 ]
-#: a method chooser for one run's dtype: ``chooser(rows=, cols=, narrowest=)`` -> method name
+#: a method chooser for one run's dtype: ``chooser(rows=, cols=, narrowest=, count=)`` -> method name
 _Chooser = Callable[..., str]
 
 
@@ -450,6 +470,7 @@ def plan_buckets(
             model: CostModel = model,
             pre: str = pre,
         ) -> _Chooser:
+            launch = model.launch_cost(run_dtype) / model.flop_seconds(run_dtype)
             return functools.partial(
                 choose_method,
                 allowed,
@@ -460,6 +481,7 @@ def plan_buckets(
                 threads=threads,
                 low_precision_gram=model.low_precision_gram,
                 preconditioning=pre,
+                launch_flops=launch if model.gram_weighs_launches else 0.0,
             )
 
         runs = [(dtype, requested, groups)]
@@ -481,7 +503,7 @@ def plan_buckets(
                     run_groups, policy, steps, run_dtype, max_bucket_bytes, model, chooser, threads, pre
                 )
             for g in sorted(run_groups, key=lambda g: (-g.rows * g.cols, g.rows)):
-                method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
+                method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest, count=len(g.members))
                 buckets.extend(_materialise(g, specs, run_dtype, device, key, max_bucket_bytes, method, pre))
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
@@ -497,7 +519,7 @@ def _seconds(
     pre: str,
 ) -> float:
     """What the cost model says group ``g`` costs alone in ``dtype``: FLOPs plus launches."""
-    method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest)
+    method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest, count=len(g.members))
     flops = len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, model.eigh, threads, pre)
     launches = g.chunks(_itemsize(dtype), cap) * kernels_per_bucket(steps, method, pre)
     seconds: float = flops * model.flop_seconds(dtype) + launches * model.launch_cost(dtype)
@@ -545,12 +567,12 @@ def _merge(
     per_flop = model.flop_seconds(dtype)
 
     @functools.cache  # every score asks for three groups' methods: choose each shape's once
-    def method_of(rows: int, cols: int, narrowest: float) -> str:
-        method: str = chooser(rows=rows, cols=cols, narrowest=narrowest)
+    def method_of(rows: int, cols: int, narrowest: float, count: int) -> str:
+        method: str = chooser(rows=rows, cols=cols, narrowest=narrowest, count=count)
         return method
 
     def method(g: _DraftBucket) -> str:
-        return method_of(g.rows, g.cols, g.narrowest)
+        return method_of(g.rows, g.cols, g.narrowest, len(g.members))
 
     def flops(g: _DraftBucket) -> float:
         return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads, pre)

@@ -2,7 +2,8 @@
 
 For each input kind (random, low-rank plus noise, ill-conditioned; each named for what it is at
 the size asked for) and each variant (standard, Gram-space or eigendecomposition formulation,
-dtype, coefficient preset, AOL preconditioning) it reports the band of output singular values
+dtype, coefficient preset, AOL preconditioning; among them what a CUDA plan runs for wide bf16
+buckets, :func:`cuda_choice`) it reports the band of output singular values
 over the input's significant directions, next to standard 5-step "jordan" NS in fp32, and the
 error against standard NS computed in fp64 with the same coefficients (and the same
 preconditioning, which the "aol" preset selects).
@@ -17,7 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..ns.device import cpu_low_precision
-from ..ns.newton_schulz import newton_schulz
+from ..ns.newton_schulz import gram_restart_interval, newton_schulz
+from ..ns.planner import COST_MODELS, MatrixSpec, plan_buckets
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,21 @@ class Variant:
     steps: int = 5
 
 
+def cuda_choice(rows: int = 1024, cols: int = 4096, count: int = 8) -> Variant:
+    """What a CUDA plan runs for a bucket of ``count`` wide bf16 matrices (the planner's choice
+    with the CUDA cost model: Gram-space NS from twice as wide as tall, restarting as
+    ``newton_schulz.gram_restart_interval`` says), to be computed here on the CPU in that dtype."""
+    spec = MatrixSpec(rows, cols, torch.bfloat16, torch.device("cuda"))
+    bucket = plan_buckets([spec] * count, cost_model=COST_MODELS["cuda"]).buckets[0]
+    dtype = str(bucket.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
+    return Variant(f"{bucket.method} {dtype} (CUDA's choice)", method=bucket.method, dtype=bucket.dtype)
+
+
 VARIANTS = (
     Variant("standard fp32 (baseline)"),
     Variant("gram fp32", method="gram"),
     Variant("standard bf16", dtype=torch.bfloat16),
-    Variant("gram bf16 (restarts)", method="gram", dtype=torch.bfloat16),
+    cuda_choice(),
     Variant("eigh fp32", method="eigh"),
     Variant("eigh bf16", method="eigh", dtype=torch.bfloat16),
     Variant("polar_express fp32", coefficients="polar_express"),
@@ -113,6 +125,7 @@ def run_accuracy(rows: int = 64, cols: int = 576, seed: int = 0) -> list[dict]:
 def _describe(v: Variant) -> dict:
     d = asdict(v)
     d["dtype"] = str(v.dtype).removeprefix("torch.")
+    d["restart_every"] = gram_restart_interval(v.dtype) if v.method == "gram" else None
     return d
 
 
