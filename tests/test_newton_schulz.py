@@ -287,3 +287,29 @@ def test_a_tall_matrix_is_never_iterated_into_a_transposed_buffer(method, dtype)
         assert mode.contiguous
     wide = newton_schulz(G.T.contiguous(), dtype=dtype, method=method).T
     assert rel_err(tall.float(), wide.float()) <= (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_off_the_host_either_normalisation_route_matches_the_reference_at_every_scale(monkeypatch, large):
+    """Off the host a small batch is normalised through fp64 and a large one (here: any, the
+    size lowered) through the power-of-two prescale in its own dtype: both give the
+    reference's answer for matrices whose squares leave the fp32 range, and zero for zero."""
+    from fastmuon.ns import newton_schulz as ns
+
+    if large:
+        monkeypatch.setattr(ns, "FP64_ROUTE_MAX_ELEMENTS", 0)
+    calls = []
+    fp64 = ns._normalize_in_fp64
+    monkeypatch.setattr(ns, "_normalize_in_fp64", lambda *a: calls.append(1) or fp64(*a))
+    torch.manual_seed(0)
+    base = torch.randn(4, 12, 40)
+    scales = torch.tensor([2.0**e for e in (-110, 0, 20, 110)]).view(-1, 1, 1)
+    batch = torch.cat([base * scales, torch.zeros(1, 12, 40)])
+    out = ns.ns_kernel("standard")(
+        batch, resolve_coefficients("jordan", 5), 1e-7, host=False, host_reads=False
+    )
+    assert bool(calls) != large
+    for k, matrix in enumerate(batch):
+        expected = _reference_at_scale(matrix, 1e-7)
+        assert rel_err(out[k], expected) <= 1e-5 or expected.abs().max() == 0, k
+        assert torch.isfinite(out[k]).all()

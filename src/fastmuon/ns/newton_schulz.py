@@ -355,10 +355,19 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: b
     A matrix far below ``eps`` is damped towards zero, as the formula says; with ``eps=0`` NS
     is scale invariant and a zero matrix still gives zero (not 0/0).
 
-    Off the host (``host`` False), below fp64 and on a device with it, the same guarantee costs three kernels
-    instead of eleven: see :func:`_normalize_in_fp64`.
+    Off the host (``host`` False), below fp64 and on a device with it, a batch of fewer than
+    :data:`FP64_ROUTE_MAX_ELEMENTS` gets the same guarantee in three kernels instead of eleven
+    (see :func:`_normalize_in_fp64`); a larger one takes this route, whose passes stream the
+    batch in its own dtype (about 12 bytes per bf16 element, against 22 through the fp64 copy
+    that torch's fp64-accumulating norm writes first). So off the host a matrix's last bit may
+    depend on the size of the bucket the plan gives it (fixed for a given set of parameters).
     """
-    if not host and X.dtype != torch.float64 and X.device.type not in _NO_FP64:
+    if (
+        not host
+        and X.dtype != torch.float64
+        and X.device.type not in _NO_FP64
+        and X.numel() < FP64_ROUTE_MAX_ELEMENTS
+    ):
         return _normalize_in_fp64(X, eps, out)
     scale = _power_of_two_below(_largest_entry(X, host))
     X = torch.div(X, scale, out=out)  # a new tensor: the division below may work in place
@@ -368,6 +377,11 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: b
 
 #: Device types without float64 arithmetic (they take the power-of-two route).
 _NO_FP64 = frozenset({"mps"})
+
+#: Off the host, batches of at least this many elements take the power-of-two route: its eight
+#: more launches (a few µs each) cost less than the ~10 bytes per element it saves from here on
+#: (tens of MB at a GPU's few TB/s); smaller batches take the fp64 route's three launches.
+FP64_ROUTE_MAX_ELEMENTS = 2**24
 
 
 def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None) -> Tensor:
