@@ -156,7 +156,10 @@ def op_bytes(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str,
             name in ("index_put_", "_index_put_impl_") and _arg(args, kwargs, 3, "accumulate", False)
         ):
             moved.read += _scattered(name, args, kwargs)
-    for ret, value in zip(func._schema.returns, result if isinstance(result, tuple) else (result,)):
+    returns = func._schema.returns
+    # one return (a Tensor or a Tensor[] list, which may come back as a tuple) or a tuple of them
+    values = result if len(returns) > 1 and isinstance(result, tuple) else (result,)
+    for ret, value in zip(returns, values):
         if ret.alias_info is None:
             written = _size(_tensors(value))
             moved.written += written
