@@ -226,6 +226,7 @@ def test_the_bench_reports_the_cost_columns_in_text_markdown_and_json(tmp_path, 
     document = json.loads(out.read_text())
     assert document["settings"]["modelled_gpu"]["bandwidth_tbs"] == 3.0
     assert document["settings"]["nonfinite"] == "ignore"
+    assert "nonfinite='ignore'" in {r["name"]: r for r in document["results"]}["fastmuon MuSGD"]["note"]
     rows = {r["name"]: r for r in document["results"]}
     fastmuon, sgd = rows["fastmuon MuSGD"], rows["torch.optim.SGD foreach"]
     for key in ("kernels", "aten_ops", "host_syncs", "python_calls", "ns_flops", "state_bytes", "kept_bytes"):
@@ -236,6 +237,8 @@ def test_the_bench_reports_the_cost_columns_in_text_markdown_and_json(tmp_path, 
     assert fastmuon["peak_extra_bytes"] > 0 and fastmuon["modelled_ms"] > 0
     assert fastmuon["modelled_gpu"]["name"] == "H100" and fastmuon["modelled_gpu"]["launch_us"] == 4.0
     assert sgd["matmul_flops_total"] == 0 and sgd["bytes_moved"] > 0
+    assert main([*argv, "--gpu-launch-us", "-1"]) == 2
+    assert "--gpu-launch-us must be 0 or more, got -1.0" in capsys.readouterr().err
     assert sgd["modelled_ms"] == pytest.approx(
         sum(sgd["modelled_gpu"][k] for k in ("compute_bound_ms", "memory_bound_ms", "launch_ms"))
     )

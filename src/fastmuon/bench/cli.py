@@ -463,6 +463,7 @@ def _run_trace(args: argparse.Namespace) -> int:
             args.ns_method,
             args.cost_model,
             fastmuon=CLASSES[args.optimizer],
+            nonfinite=args.nonfinite,
         )
 
     gpu = gpu_model(args)

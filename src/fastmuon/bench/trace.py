@@ -310,6 +310,7 @@ class Trace:
     modelled_ms: float | None = None
     modelled_gpu: dict[str, Any] = field(default_factory=dict)
     roots: list[str] = field(default_factory=list)
+    note: str = ""  # how the contender was built (its options)
     error: str | None = None
 
     @property
@@ -441,7 +442,7 @@ def trace_contender(contender: Contender, steps: int = TRACE_STEPS, gpu: GpuMode
     """
     optimizers = [inner for opt in contender.optimizers for inner in delegates(opt)]
     roots = package_roots(contender.optimizers)
-    trace = Trace(contender.name, roots=roots)
+    trace = Trace(contender.name, roots=roots, note=contender.note)
 
     def kept() -> None:
         trace.kept_bytes = _kept_bytes(optimizers)
