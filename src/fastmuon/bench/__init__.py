@@ -17,6 +17,7 @@ from typing import Any
 _PUBLIC = {
     "KernelCounter": "counter",
     "fake_cuda_problem": "fake_cuda",
+    "GpuModel": "gpu_cost",
     "Trace": "trace",
     "TraceCounter": "trace",
     "trace_contender": "trace",
@@ -50,6 +51,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllocationTracker",
+    "GpuModel",
     "KernelCounter",
     "Trace",
     "TraceCounter",

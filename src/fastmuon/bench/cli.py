@@ -14,15 +14,17 @@ import torch
 
 from ..ns.device import set_cpu_low_precision
 from ..ns.planner import POLICIES
+from ..step.nonfinite import NONFINITE_MODES
 from ..tools.cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
 from ..tools.tables import terminal_width, wrapped
 from .fake_cuda import fake_cuda_problem
+from .gpu_cost import GpuModel
 from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS, OPTIMIZERS
 from .manifest import Manifest, ManifestError
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
 from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark, selected
-from .workloads import WORKLOADS, resolve_workload
+from .workloads import WORKLOADS, gpu_only_problem, resolve_workload
 
 #: ``--json``'s schema for a trace (the timed run's is report.SCHEMA)
 TRACE_SCHEMA = "fastmuon-bench-trace/1"
@@ -120,6 +122,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(kernels, host syncs, Python calls, NS FLOPs, memory: counts, not times; no GPU needed); "
         "implied where this torch sees no CUDA device",
     )
+    p.add_argument(
+        "--nonfinite",
+        choices=NONFINITE_MODES,
+        default=None,
+        help="nonfinite= for fastmuon's rows (what a NaN/Inf gradient does: see fastmuon.Muon); "
+        "unset: the class's default",
+    )
+    gpu = GpuModel()
+    p.add_argument(
+        "--gpu-model",
+        metavar="NAME",
+        default=gpu.name,
+        help="a trace's modelled time: the GPU it is for, named in the report (its rates are the --gpu-* options)",
+    )
+    p.add_argument(
+        "--gpu-tflops",
+        type=float,
+        default=gpu.matmul_tflops,
+        help="a trace's modelled time: dense bf16/fp16 matmul TFLOP/s",
+    )
+    p.add_argument(
+        "--gpu-fp32-tflops",
+        type=float,
+        default=gpu.fp32_tflops,
+        help="a trace's modelled time: fp32 matmul TFLOP/s (torch's default: no TF32)",
+    )
+    p.add_argument(
+        "--gpu-bandwidth", type=float, default=gpu.bandwidth_tbs, help="a trace's modelled time: memory TB/s"
+    )
+    p.add_argument(
+        "--gpu-launch-us",
+        type=float,
+        default=gpu.launch_us,
+        help="a trace's modelled time: µs added per kernel launch",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic parameters and gradients")
     p.add_argument("--json", metavar="FILE", help=json_help("every figure and the machine facts"))
     p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
@@ -164,6 +201,7 @@ def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Setti
         seed=args.seed,
         step_mode=args.step_mode,
         contenders=_chosen(args.contenders),
+        nonfinite=args.nonfinite,
     )
     return settings, why
 
@@ -219,6 +257,9 @@ def usage_error(args: argparse.Namespace) -> str | None:
             return problem
     if args.trace and args.device != "cuda":
         return "--trace traces the CUDA step on fake cuda tensors: give --device cuda with it"
+    problem = gpu_only_problem(args.model, args.device)
+    if problem:
+        return problem
     if args.device == "cuda" and not torch.cuda.is_available():
         problem = fake_cuda_problem()
         if problem:
@@ -230,6 +271,14 @@ def usage_error(args: argparse.Namespace) -> str | None:
         problem = trace_usage_error(args)
         if problem:
             return problem
+    else:
+        given = [f"--{k.replace('_', '-')}" for k, v in _gpu_options(args).items() if v != GPU_DEFAULTS[k]]
+        if given:
+            return f"{', '.join(given)} set a trace's modelled time: give --device cuda (with --trace on a GPU machine)"
+    try:
+        gpu_model(args)
+    except ValueError as e:
+        return str(e)
     for option in ("json", "markdown", "plot"):
         if option == "json" and args.json == STDOUT:
             continue
@@ -267,6 +316,35 @@ def trace_usage_error(args: argparse.Namespace) -> str | None:
     if args.plot:
         return f"--plot draws measured times; a trace has none (use --json or --markdown){why}"
     return None
+
+
+#: ``--gpu-*`` option -> the GpuModel field it sets
+_GPU_FIELDS = {
+    "gpu_model": "name",
+    "gpu_tflops": "matmul_tflops",
+    "gpu_fp32_tflops": "fp32_tflops",
+    "gpu_bandwidth": "bandwidth_tbs",
+    "gpu_launch_us": "launch_us",
+}
+GPU_DEFAULTS = {option: getattr(GpuModel(), name) for option, name in _GPU_FIELDS.items()}
+
+
+def _gpu_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {option: getattr(args, option, GPU_DEFAULTS[option]) for option in _GPU_FIELDS}
+
+
+def gpu_model(args: argparse.Namespace) -> GpuModel:
+    """The GPU a trace's time is modelled on, from the ``--gpu-*`` options (ValueError naming
+    the option when a rate is not positive)."""
+    values = _gpu_options(args)
+    for option, value in values.items():
+        if option == "gpu_model":
+            continue
+        zero_ok = option == "gpu_launch_us"
+        if not (value >= 0 if zero_ok else value > 0):
+            wanted = "0 or more" if zero_ok else "a positive number"
+            raise ValueError(f"--{option.replace('_', '-')} must be {wanted}, got {value}")
+    return GpuModel(**{_GPU_FIELDS[k]: v for k, v in values.items()})
 
 
 def _chosen(names: str | None) -> tuple[str, ...] | None:
@@ -385,9 +463,11 @@ def _run_trace(args: argparse.Namespace) -> int:
             args.ns_method,
             args.cost_model,
             fastmuon=CLASSES[args.optimizer],
+            nonfinite=args.nonfinite,
         )
 
-    traces = trace_lineup(workbench, factories_for(args.optimizer, _chosen(args.contenders)))
+    gpu = gpu_model(args)
+    traces = trace_lineup(workbench, factories_for(args.optimizer, _chosen(args.contenders)), gpu=gpu)
     settings = {
         "optimizer": args.optimizer,
         "device": "cuda (fake tensors)",
@@ -398,6 +478,8 @@ def _run_trace(args: argparse.Namespace) -> int:
         "cost_model": args.cost_model,
         "seed": args.seed,
         "contenders": _chosen(args.contenders),
+        "nonfinite": args.nonfinite,
+        "modelled_gpu": gpu.__dict__,
     }
     machine = machine_facts(torch.device("cpu")) | {"device": "cuda (fake tensors)"}
     document = {

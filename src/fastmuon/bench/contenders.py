@@ -57,6 +57,8 @@ class Workbench:
     step_mode: str = "eager"
     #: fastmuon's class for ``optimizer`` (:data:`.lineup.CLASSES`); the fastmuon rows need it
     fastmuon: type[MatrixOptimizer] | None = None
+    #: ``nonfinite=`` for every fastmuon row (None: the class's default)
+    nonfinite: str | None = None
 
     @property
     def fastmuon_class(self) -> type[MatrixOptimizer]:
@@ -268,6 +270,9 @@ def fastmuon_variant(
 ) -> Contender:
     """fastmuon's ``cls`` on ``groups`` (default: the workbench's), with ``extra`` keywords."""
     kwargs, dropped = accepted_kwargs(cls, wb.manifest.optimizer_kwargs)
+    if wb.nonfinite is not None:
+        kwargs["nonfinite"] = wb.nonfinite
+        note += f", nonfinite={wb.nonfinite!r}"
     kwargs.update(extra)
     cost_model = {"device": None, "calibrate": "calibrate"}.get(wb.cost_model) or COST_MODELS.get(
         wb.cost_model

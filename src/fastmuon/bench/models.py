@@ -38,16 +38,18 @@ class GPT2(nn.Module):
 
 
 class _LlamaBlock(nn.Module):
-    def __init__(self, d: int, heads: int, kv_heads: int, hidden: int):
+    def __init__(self, d: int, heads: int, kv_heads: int, hidden: int, norms: bool = True):
         super().__init__()
         head_dim = d // heads
         self.head_dim, self.config = head_dim, attention_config(heads, kv_heads)  # as Transformers' layers
-        self.input_norm = nn.RMSNorm(d)
+        if norms:
+            self.input_norm = nn.RMSNorm(d)
         self.q_proj = nn.Linear(d, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, d, bias=False)
-        self.post_norm = nn.RMSNorm(d)
+        if norms:
+            self.post_norm = nn.RMSNorm(d)
         self.gate_proj = nn.Linear(d, hidden, bias=False)
         self.up_proj = nn.Linear(d, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, d, bias=False)
@@ -64,6 +66,19 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)
         if tied:
             self.lm_head.weight = self.embed_tokens.weight
+
+
+class LlamaLayers(nn.Module):
+    """Decoder layers' matrices alone, by default 4 of Llama 3 8B's 32 (d 4096, 32 heads / 8 KV
+    heads of 128, MLP 14336): per layer q, k, v, o, gate, up and down, 28 matrices, 872M
+    parameters, 3.25 GiB in fp32. No norms, embedding or head: every parameter is one the
+    optimizer orthogonalises, so a step is the matrix update alone."""
+
+    def __init__(self, layers=4, d=4096, heads=32, kv_heads=8, hidden=14336):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            _LlamaBlock(d, heads, kv_heads, hidden, norms=False) for _ in range(layers)
+        )
 
 
 # ----- ResNet-50 ------------------------------------------------------------------------------

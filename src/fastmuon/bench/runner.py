@@ -66,6 +66,7 @@ class Settings:
     seed: int = 0
     step_mode: str = "eager"  # or "compiled": see STEP_MODES
     contenders: tuple[str, ...] | None = None  # label prefixes to run (None: the whole lineup)
+    nonfinite: str | None = None  # fastmuon's rows' ``nonfinite=`` (None: the class default)
 
 
 @dataclass
@@ -186,6 +187,7 @@ def run_benchmark(
         settings.cost_model,
         settings.step_mode,
         CLASSES[settings.optimizer],
+        settings.nonfinite,
     )
     contenders, unavailable = build_contenders(wb, settings.contenders)
     if settings.step_mode == "compiled":

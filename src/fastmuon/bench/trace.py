@@ -12,11 +12,14 @@ Under ``torch._subclasses.fake_tensor.FakeTensorMode`` parameters, gradients and
   ``_local_scalar_dense``; ``equal``; blocking copies between the host and the device; ops whose
   output size depends on the values), each with the line of the contender's own code that made
   it. A read gets a stand-in answer (see :func:`_stand_in`): the one finite values give, so a
-  step's checks find nothing to report.
+  step's checks find nothing to report;
+* what a GPU pays (:mod:`.gpu_cost`): the bytes its kernels read and write, its matmul FLOPs,
+  the peak of the storages it creates, and a time modelled from them (a roofline per op plus a
+  cost per launch, labelled "modelled": not a measurement).
 
 Python calls are counted with :func:`sys.setprofile`, only those made from the contender's own
-code. All of it is counts, not times: kernel times, what cuBLAS fuses and the caching
-allocator are not seen.
+code. All of it is counts: kernel times, what cuBLAS fuses and the caching allocator are not
+seen.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .contenders import Contender, Unavailable, Workbench, delegates, storage_id
 from .counter import is_kernel
 from .fake_cuda import fake_cuda_problem, is_fused_optimizer_op, launches, tensors_in
+from .gpu_cost import GpuModel, OpCost, PeakTracker, flops_by_dtype, modelled_time, op_cost
 
 aten = torch.ops.aten
 
@@ -109,6 +113,13 @@ class TraceCounter(TorchDispatchMode):
         self.ops: Counter[str] = Counter()  # op name -> CUDA launches
         self.syncs: list[Sync] = []
         self.fallbacks: list[Fallback] = []
+        self.costs: list[OpCost] = []  # per kernel-launching op: its kernels, bytes, matmul FLOPs
+        self.op_bytes: Counter[str] = Counter()  # op name -> bytes moved
+        self.peak = PeakTracker()  # the storages the recorded ops create
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(c.bytes for c in self.costs)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,12 +149,17 @@ class TraceCounter(TorchDispatchMode):
             raise
         if isinstance(result, Tensor) and result.dtype == torch.bool and result.dim() == 0:
             result.fastmuon_trace_made_by = func.overloadpacket.__name__  # read by _stand_in
+        if self.recording:
+            self.peak.saw((args, kwargs), result)
         if self.recording and is_kernel(func) and func.namespace not in _NON_KERNEL_NAMESPACES:
             n, why = launches(func, args, kwargs, result)
             self.aten_ops += 1
             if n:
                 self.kernels += n
                 self.ops[str(func.overloadpacket.__name__)] += n
+                cost = op_cost(func, args, kwargs, result, n)
+                self.costs.append(cost)
+                self.op_bytes[str(func.overloadpacket.__name__)] += cost.bytes
             else:
                 self.host_ops += 1
             if why is not None:
@@ -284,7 +300,17 @@ class Trace:
     state_bytes: int | None = None
     workspace_bytes: int | None = None
     kept_bytes: int | None = None
+    #: what the GPU pays (fastmuon.bench.gpu_cost): bytes the kernels read and write, matmul FLOPs
+    #: per dtype, the most bytes of storages made during the step alive at once
+    bytes_moved: int | None = None
+    top_bytes: dict[str, int] = field(default_factory=dict)  # the ops moving the most, op name -> bytes
+    matmul_flops: dict[str, int] = field(default_factory=dict)
+    peak_extra_bytes: int | None = None
+    #: the step's time on ``modelled_gpu`` by the roofline of gpu_cost.modelled_time (not measured)
+    modelled_ms: float | None = None
+    modelled_gpu: dict[str, Any] = field(default_factory=dict)
     roots: list[str] = field(default_factory=list)
+    note: str = ""  # how the contender was built (its options)
     error: str | None = None
 
     @property
@@ -299,6 +325,7 @@ class Trace:
             syncs=[s.__dict__ for s in self.syncs],
             sync_sites=dict(Counter(f"{s.what} at {s.where}" for s in self.syncs)),
             fallbacks=[f.__dict__ for f in self.fallbacks],
+            matmul_flops_total=None if self.error else sum(self.matmul_flops.values()),
         )
         return d
 
@@ -395,13 +422,18 @@ def trace_step(
         if before_last is not None:
             before_last()
         counter.recording = True
-        with own_calls(roots) as calls:
-            step()
+        try:
+            with own_calls(roots) as calls:
+                step()
+        finally:
+            counter.recording = False
+            counter.peak.close()
     return counter, calls[0]
 
 
-def trace_contender(contender: Contender, steps: int = TRACE_STEPS) -> Trace:
-    """Run ``contender``'s step ``steps`` times (inside an active fake mode) and trace the last.
+def trace_contender(contender: Contender, steps: int = TRACE_STEPS, gpu: GpuModel | None = None) -> Trace:
+    """Run ``contender``'s step ``steps`` times (inside an active fake mode) and trace the last;
+    its modelled time is on ``gpu`` (default: :class:`.gpu_cost.GpuModel`'s H200).
 
     "Kept" is every storage alive before the last step (after two, by default) that is
     neither a parameter or gradient of its optimizers nor held by a tensor marked older than
@@ -410,7 +442,7 @@ def trace_contender(contender: Contender, steps: int = TRACE_STEPS) -> Trace:
     """
     optimizers = [inner for opt in contender.optimizers for inner in delegates(opt)]
     roots = package_roots(contender.optimizers)
-    trace = Trace(contender.name, roots=roots)
+    trace = Trace(contender.name, roots=roots, note=contender.note)
 
     def kept() -> None:
         trace.kept_bytes = _kept_bytes(optimizers)
@@ -425,6 +457,12 @@ def trace_contender(contender: Contender, steps: int = TRACE_STEPS) -> Trace:
     trace.top_ops = dict(counter.ops.most_common(8))
     trace.syncs, trace.fallbacks, trace.python_calls = counter.syncs, counter.fallbacks, calls
     trace.state_bytes, trace.workspace_bytes = contender.state_bytes(), contender.workspace_bytes()
+    gpu = gpu or GpuModel()
+    modelled = modelled_time(counter.costs, gpu)
+    trace.bytes_moved, trace.matmul_flops = counter.bytes_moved, flops_by_dtype(counter.costs)
+    trace.top_bytes = dict(counter.op_bytes.most_common(8))
+    trace.peak_extra_bytes, trace.modelled_ms = counter.peak.peak, modelled.ms
+    trace.modelled_gpu = {**gpu.__dict__, **{k: v for k, v in modelled.__dict__.items() if k != "ms"}}
     plan = contender.plan()
     if plan is not None:
         trace.ns_flops, trace.ns_useful_flops = plan.flops(), plan.useful_flops()
@@ -469,9 +507,10 @@ def trace_lineup(
     workbench: Callable[[], Workbench],
     factories: Sequence[tuple[str, Callable[[Workbench], Contender]]],
     steps: int = TRACE_STEPS,
+    gpu: GpuModel | None = None,
 ) -> list[Trace]:
-    """Build ``workbench()`` on fake cuda tensors and trace each ``(label, factory)``'s step; a
-    contender that cannot be built is a trace with ``error`` set (its reason)."""
+    """Build ``workbench()`` on fake cuda tensors and trace each ``(label, factory)``'s step
+    (modelled on ``gpu``); a contender that cannot be built is a trace with ``error`` set (its reason)."""
     traces = []
     with fake_cuda():
         wb = workbench()
@@ -485,7 +524,7 @@ def trace_lineup(
             except Exception as e:
                 traces.append(Trace(label, error=f"failed to build: {type(e).__name__}: {e}"[:300]))
                 continue
-            traces.append(trace_contender(contender, steps))
+            traces.append(trace_contender(contender, steps, gpu))
             del contender
     return traces
 
@@ -519,13 +558,26 @@ HEADER = [
     "workspace MiB",
     "kept MiB",
 ]
+#: what the GPU pays (fastmuon.bench.gpu_cost), after :data:`HEADER`'s columns
+COST_HEADER = ["GiB moved", "matmul GFLOP", "peak extra MiB"]
+
+
+def header(traces: Sequence[Trace]) -> list[str]:
+    """The table's columns; the last names the GPU the time is modelled on."""
+    gpu = next((t.modelled_gpu.get("name") for t in traces if t.modelled_gpu), None) or GpuModel().name
+    return [*HEADER, *COST_HEADER, f"modelled {gpu} ms"]
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
 
 
 def rows(traces: Sequence[Trace]) -> list[list[str]]:
+    width = len(HEADER) + len(COST_HEADER) + 1
     body = []
     for t in traces:
         if t.error:
-            body.append([t.name, t.error, "", "", "", "", "", ""])
+            body.append([t.name, t.error, *[""] * (width - 2)])
             continue
         body.append(
             [
@@ -537,6 +589,10 @@ def rows(traces: Sequence[Trace]) -> list[list[str]]:
                 _mib(t.state_bytes),
                 _mib(t.workspace_bytes),
                 _mib(t.kept_bytes),
+                _gib(t.bytes_moved),
+                f"{sum(t.matmul_flops.values()) / 1e9:.2f}",
+                _mib(t.peak_extra_bytes),
+                "-" if t.modelled_ms is None else f"{t.modelled_ms:.2f}",
             ]
         )
     return body
@@ -545,16 +601,17 @@ def rows(traces: Sequence[Trace]) -> list[list[str]]:
 def table_lines(traces: Sequence[Trace], title: str = "", details: int = 6) -> list[str]:
     """The table under its label, then per contender its top ops, host syncs (with their lines)
     and per-tensor fallbacks (at most ``details`` lines of each)."""
-    body = rows(traces)
-    shown = [HEADER, *(r for t, r in zip(traces, body) if not t.error)]
-    widths = [max(len(r[i]) for r in shown) for i in range(len(HEADER))]
+    body, head = rows(traces), header(traces)
+    shown = [head, *(r for t, r in zip(traces, body) if not t.error)]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(head))]
     fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
-    lines = [f"{title}{' — ' if title else ''}{LABEL}", fmt(HEADER)]
+    lines = [f"{title}{' — ' if title else ''}{LABEL}", fmt(head)]
     lines += [fmt(r) if not t.error else f"{t.name}: {t.error}" for t, r in zip(traces, body)]
     for t in traces:
         if t.error:
             continue
         lines.append(f"{t.name}: top ops " + ", ".join(f"{k} {v}" for k, v in t.top_ops.items()))
+        lines.append("    most bytes (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in t.top_bytes.items()))
         sites = Counter(f"{s.what} at {s.where}" for s in t.syncs)
         for site, n in list(sites.items())[:details]:
             lines.append(f"    host sync ×{n}: {site}")
@@ -566,9 +623,10 @@ def table_lines(traces: Sequence[Trace], title: str = "", details: int = 6) -> l
 
 def markdown_table(traces: Sequence[Trace], title: str = "") -> str:
     """The table as Markdown, under its label."""
-    lines = [f"**{title}{' — ' if title else ''}{LABEL}**", "", "| " + " | ".join(HEADER) + " |"]
-    lines.append("|" + "|".join(["---"] + ["---:"] * (len(HEADER) - 1)) + "|")
+    head = header(traces)
+    lines = [f"**{title}{' — ' if title else ''}{LABEL}**", "", "| " + " | ".join(head) + " |"]
+    lines.append("|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|")
     for t, r in zip(traces, rows(traces)):
-        cells = [t.name, t.error, *[""] * (len(HEADER) - 2)] if t.error else r
+        cells = [t.name, t.error, *[""] * (len(head) - 2)] if t.error else r
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -35,7 +35,7 @@ from .mapped import (
     moe_decoder,
     moe_groups,
 )
-from .models import GPT2, Llama, ResNet50
+from .models import GPT2, Llama, LlamaLayers, ResNet50
 
 YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 
@@ -54,6 +54,8 @@ class Generated(NamedTuple):
     # takes the model ``build`` returns (each grouping is written for its own model class)
     grouping: Callable[[Any], list[dict[str, Any]]] = param_groups
     grouping_note: str = "groups: fastmuon.param_groups"
+    #: why it is not stepped on a CPU ("" where it is): a step there would take minutes
+    gpu_only: str = ""
 
 
 _WRITTEN_OUT = "groups and matrix maps written out (fastmuon.bench.mapped)"
@@ -94,10 +96,27 @@ GENERATED: dict[str, Generated] = {
         Llama,
         "Llama 3.2 1B config: vocab 128256, d 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192, tied",
     ),
+    "llama-8b-layers": Generated(
+        LlamaLayers,
+        "Llama 3 8B's decoder-layer matrices (d 4096, 32 heads / 8 KV heads of 128, MLP 14336), "
+        "4 of its 32 layers: q, k, v, o, gate, up, down per layer, 28 fp32 matrices (3.25 GiB); "
+        "no norms, embedding or head",
+        functools.partial(param_groups, head=None),
+        "groups: fastmuon.param_groups(model, head=None)",
+        gpu_only="a step of Newton–Schulz on its 28 matrices of up to 14336x4096 takes minutes on a CPU: run it with --device cuda (traced on fake cuda tensors where there is no GPU, or timed on one)",
+    ),
     "resnet50": Generated(ResNet50, "ResNet-50: bottlenecks [3, 4, 6, 3], 1000 classes (He et al. 2016)"),
 }
 
 WORKLOADS = (*YOLO_MODELS, *GENERATED)
+
+
+def gpu_only_problem(model: str, device: str) -> str | None:
+    """Why workload ``model`` is not run on ``device`` (None: it is)."""
+    workload = GENERATED.get(model)
+    if workload is None or not workload.gpu_only or device != "cpu":
+        return None
+    return f"--model {model} is meant for a GPU: {workload.gpu_only}"
 
 
 def generated_manifest(name: str) -> Manifest:
