@@ -203,11 +203,10 @@ def _same_shape_muon(params, monkeypatch, **kw):
     monkeypatch.setattr(fastmuon_matrix, "NARROW_APPLY_MIN_ELEMENTS", 64)
     return Muon(
         [{"params": params[:5], "use_muon": True}, {"params": params[5:], "use_muon": False}],
-        **MUON,
+        **{**MUON, **kw},
         adamw_lr=ADAMW["lr"],
         ns_dtype=torch.float32,
         cost_model=COST_MODELS["cuda"],
-        **kw,
     )
 
 
@@ -270,8 +269,9 @@ def _only_program(opt):
     return program
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
 def test_masked_buckets_copy_nothing_and_a_finite_step_is_bitwise_the_unmasked_one(
-    accelerator_paths, monkeypatch
+    accelerator_paths, monkeypatch, nesterov
 ):
     """The matrices of a bucket-by-bucket step mask a rejected gradient themselves: the guard
     copies none of them (only the AdamW half's vector), and with every gradient finite the
@@ -279,8 +279,13 @@ def test_masked_buckets_copy_nothing_and_a_finite_step_is_bitwise_the_unmasked_o
     params = make_params(BY_BUCKET_SHAPES)
     grads = make_grads(params, steps=3)
     masked, plain = clone_params(params), clone_params(params)
-    opt_masked = _same_shape_muon(masked, monkeypatch, nonfinite="skip", max_bucket_bytes=3 * 24 * 40 * 4)
-    opt_plain = _same_shape_muon(plain, monkeypatch, nonfinite="ignore", max_bucket_bytes=3 * 24 * 40 * 4)
+    size = 3 * 24 * 40 * 4
+    opt_masked = _same_shape_muon(
+        masked, monkeypatch, nonfinite="skip", max_bucket_bytes=size, nesterov=nesterov
+    )
+    opt_plain = _same_shape_muon(
+        plain, monkeypatch, nonfinite="ignore", max_bucket_bytes=size, nesterov=nesterov
+    )
     run_optimizer(opt_masked, masked, grads)
     run_optimizer(opt_plain, plain, grads)
     program = _only_program(opt_masked)

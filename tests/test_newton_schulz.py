@@ -313,3 +313,32 @@ def test_off_the_host_either_normalisation_route_matches_the_reference_at_every_
         expected = _reference_at_scale(matrix, 1e-7)
         assert rel_err(out[k], expected) <= 1e-5 or expected.abs().max() == 0, k
         assert torch.isfinite(out[k]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gram_space_on_its_own_input_gives_the_same_bits_in_two_batch_sized_buffers(dtype):
+    """Off the host with nothing kept, Gram-space NS may write its input: normalised in place,
+    each restart into the buffer the last one freed. The values are the untouched-input call's,
+    bit for bit, and the result lands in one of the two buffers (the input's or one other)."""
+    from fastmuon.ns import newton_schulz as ns
+
+    torch.manual_seed(0)
+    batch = torch.randn(3, 16, 48).to(dtype)
+    schedule = resolve_coefficients("jordan", 5)
+    kernel = ns.ns_kernel("gram")
+    expected = kernel(batch, schedule, 1e-7, host=False, host_reads=False)
+    own = batch.clone()
+    made = []
+    bmm = torch.bmm
+
+    def counting_bmm(*args, out=None):
+        result = bmm(*args, out=out)
+        if out is None and result.shape == batch.shape:
+            made.append(result)
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "bmm", counting_bmm)
+        got = kernel(own, schedule, 1e-7, host=False, host_reads=False, reuse_input=True)
+    assert torch.equal(got, expected)
+    assert len(made) <= 1  # besides the input, at most one batch-sized buffer

@@ -587,27 +587,37 @@ def _iterate_gram(
     them is free (``out`` is used only where the last iterate is still the input itself).
     """
     source = X
-    X, A, inv_norm = _normalized_gram(X, eps, scratch, host=host, host_reads=host_reads)
+    # nothing kept (every temporary fresh) and the input ours: it is normalised in place, and
+    # each restart writes into the batch-sized buffer the one before it left free, so that
+    # two such buffers live at once, not four
+    rotate = reuse_input and scratch is _fresh and X.is_contiguous()
+    X, A, inv_norm = _normalized_gram(
+        X, eps, scratch, host=host, host_reads=host_reads, into=X if rotate else None
+    )
     restart = gram_restart_interval(X.dtype)
     Q: Tensor | None = None
     spare: Tensor | None = None
+    free: Tensor | None = None  # with ``rotate``: a batch-sized buffer read no more
     restarted = False
     for k, (a, b, c) in enumerate(schedule):
         if restart and k and k % restart == 0:  # start afresh from X_k = Q_k·X_0
             assert Q is not None  # made by step 0
             if inv_norm is not None:
                 Q, inv_norm = Q.mul_(inv_norm), None
-            second = k // restart % 2 == 0  # never X's own buffer
-            target = source if reuse_input and second else scratch(f"X{k // restart % 2}", X.shape)
-            X, restarted = torch.bmm(Q, X, out=target), True
+            if rotate:
+                target = free
+            else:
+                second = k // restart % 2 == 0  # never X's own buffer
+                target = source if reuse_input and second else scratch(f"X{k // restart % 2}", X.shape)
+            X, free, restarted = torch.bmm(Q, X, out=target), X, True
             A = torch.bmm(X, X.mT, out=A)
             Q = None
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))  # P = a·I + B
         if k + 1 < len(schedule) and not (restart and (k + 1) % restart == 0):
             PA = torch.baddbmm(A, B, A, beta=a, out=scratch("PA", A.shape))  # P·A
             A = torch.baddbmm(PA, PA, B, beta=a, out=A)  # P·A·P, over A (not an input here)
-        if Q is None:  # Q₁ = P = a·I + B
-            Q = torch.add(B, 0, out=scratch("Q", A.shape))
+        if Q is None:  # Q₁ = P = a·I + B (with nothing kept, B itself: fresh, read no more)
+            Q = B if rotate else torch.add(B, 0, out=scratch("Q", A.shape))
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
             spare = scratch("Q'", A.shape)
         else:
@@ -615,7 +625,9 @@ def _iterate_gram(
     assert Q is not None  # the schedule has a step
     if inv_norm is not None:
         Q.mul_(inv_norm)  # Q·X₀ = (Q/(‖X‖+eps))·X: the normalisation rides on the R×R side
-    if reuse_input:  # into the input's buffer where it is read no more, else a free one (X1's
+    if rotate:
+        out = free
+    elif reuse_input:  # into the input's buffer where it is read no more, else a free one (X1's
         # after an even number of restarts, which leave X in the input's buffer)
         out = source if X is not source else scratch("X1" if restarted else "out", X.shape)
     return torch.bmm(Q, X, out=out)
@@ -635,9 +647,10 @@ def gram_segments(steps: int, dtype: torch.dtype | None) -> int:
 
 
 def _normalized_gram(
-    X: Tensor, eps: float, scratch: Scratch, *, host: bool, host_reads: bool
+    X: Tensor, eps: float, scratch: Scratch, *, host: bool, host_reads: bool, into: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten.
+    ``into``: where the second form's ``X₀`` goes (``X`` itself may be given: normalised in place).
 
     ``‖X‖²`` is the trace of ``X·Xᵀ``, so the normalisation costs two ``R×R`` passes instead of
     three passes over ``X``. Where that would not be exact (norms out of the safe range), or a
@@ -663,7 +676,7 @@ def _normalized_gram(
             A0 = torch.bmm(X0, X0.mT)
             A = torch.where(plain, A.mul_(inv_norm.square()), A0, out=A)
             return X0, A, torch.where(plain, inv_norm, 1.0)
-    X0 = _normalize_safe(X, eps, out=scratch("X", X.shape), host=host)
+    X0 = _normalize_safe(X, eps, out=into if into is not None else scratch("X", X.shape), host=host)
     return X0, torch.bmm(X0, X0.mT, out=scratch("A", gram_shape)), None
 
 

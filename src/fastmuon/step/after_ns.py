@@ -77,21 +77,25 @@ class AfterNS:
         groups: Sequence[int],
         one_pass: bool,
         owned: bool = True,
-        keep: Sequence[Tensor] | None = None,
+        keep: Tensor | None = None,
     ) -> None:
         """Apply ``updates`` (NS results of these matrices, in their order); ``scales``: the
         program's, one per scale class; ``groups``: the program's param groups; ``one_pass``:
         whether the program applies with one ``add_`` per scale class (see ``apply_scaled_``).
-        ``keep``: per matrix a 0-d bool on the device, False where its gradient was rejected
-        (its update is then zero): its decay is masked to 1, one multiply per matrix."""
+        ``keep``: one bool per matrix on the device, False where its gradient was rejected (its
+        update is then zero): its decay factor is masked to 1 (``where(keep, decay, 1)``, the
+        same fp32 value a Python factor gives where kept), one multiply per matrix."""
         if self.variant is not None:
             updates = self.variant(updates, scalars)
         decay = scalars.decay
         if decay is not None and keep is not None:
-            for p, g, k in zip(self.params, self.item_groups, keep):
-                d = decay[g]
-                if isinstance(d, Tensor) or d != 1:
-                    p.mul_(torch.where(k, d, 1.0))
+            factors: dict[int, list[Tensor]] = {}
+            for g in sorted(set(self.item_groups)):
+                if isinstance(decay[g], Tensor) or decay[g] != 1:
+                    factors[g] = list(torch.where(keep, decay[g], 1.0).unbind(0))
+            for j, (p, g) in enumerate(zip(self.params, self.item_groups)):
+                if g in factors:
+                    p.mul_(factors[g][j])
         elif decay is not None:
             if self.cautious is not None:
                 cautious_decay_(updates, decay, *self.cautious)

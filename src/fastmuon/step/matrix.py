@@ -479,18 +479,25 @@ class MatrixProgram:
                 for bufs, pick, g, out, momentum in step.momentum:
                     momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
             else:
-                for (bufs, pick, g, out, momentum), mine in zip(step.momentum, step.momentum_flags):
+                rejected = list((~flags).unbind(0))
+                for (bufs, pick, g, out, _), mine in zip(step.momentum, step.momentum_flags):
                     _masked_momentum(
-                        momentum, bufs, pick(grads), mine(flags), beta[g], nesterov[g], out(views)
+                        bufs, pick(grads), flags, mine, mine(rejected), beta[g], nesterov[g], out(views)
                     )
             if step.signed:
                 torch._foreach_sign_(step.signed(views))
             narrow = narrow_ok and step.narrow_apply
             dtype = None if narrow or (stage is not None and step.exact_cast) else step.out_dtype
-            updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
+            # a masked bucket's rejected inputs are exact zeros already (see _masked_momentum)
+            zeroed = keep if flags is None else None
+            updates = step.order(engine.run_bucket(step.index, dtype, zeroed, self.keep_positions))
+            # off the host the bucket's input and, once applied, its results are freed here, so
+            # that the next bucket's memory is theirs (names held over would keep them alive)
+            del views
             if stage is None:
                 # narrow: one add per scale class, each a launch per matrix anyway
                 step.after.run(updates, scalars, scales, self.groups, narrow or self.one_pass, keep=flags)
+                del updates
                 continue
             for c, pick, places in step.feeds:
                 got = pick(updates)
@@ -500,6 +507,7 @@ class MatrixProgram:
                         held[j] = u.to(step.out_dtype, copy=True)
                 else:
                     pending[c] = got
+            del updates
             for c in step.completes:
                 results = stage.run_class(c, pending.pop(c), scalars)
                 self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
@@ -543,19 +551,33 @@ def _masks_itself(item: MatrixItem) -> bool:
 
 
 def _masked_momentum(
-    momentum: Momentum,
     bufs: list[Tensor],
     grads: list[Tensor],
-    flags: list[Tensor],
+    flags: Tensor,
+    mine: Gather,
+    rejected: list[Tensor],
     beta: float,
     nesterov: bool,
     out: list[Tensor],
 ) -> None:
-    """The momentum step of a masked bucket: a rejected gradient replaced by the buffer it
-    would step (``M ← β·M + (1−β)·M`` leaves ``M`` exactly as it was, and no NaN reaches it),
-    one matrix at a time so that one replacement lives at once."""
-    for buf, grad, keep, o in zip(bufs, grads, flags, out):
-        momentum([buf], [torch.where(keep, grad, buf)], beta, nesterov, out=[o])
+    """The EMA momentum step of a masked bucket (``flags``: the bucket's keep flags, ``mine``
+    picks this part's), one matrix at a time, its weights 0-d tensors on the device: where the
+    gradient is kept, ``1−β`` and ``β``, the values (rounded alike) and operations the plain
+    step uses (``M.lerp_(g, 1−β)``, NS input ``g.lerp(M, β)`` or ``M``); where it is rejected,
+    its entries are read as zeros (no NaN is ever multiplied) and both weights are 0:
+    ``M + 0·(0 − M)`` is ``M`` exactly and the NS input ``0 + 0·M`` exactly zero."""
+    weights = mine(list(torch.mul(flags, 1 - beta).unbind(0)))
+    if nesterov:
+        lerps = mine(list(torch.mul(flags, beta).unbind(0)))
+        for buf, grad, r, w, b, o in zip(bufs, grads, rejected, weights, lerps, out):
+            g = grad.masked_fill(r, 0)
+            buf.lerp_(g, w)
+            torch.lerp(g, buf, b, out=o)
+        return
+    ones = mine(list(flags.to(bufs[0].dtype).unbind(0)))
+    for buf, grad, r, w, one, o in zip(bufs, grads, rejected, weights, ones, out):
+        buf.lerp_(grad.masked_fill(r, 0), w)
+        torch.mul(buf, one, out=o)
 
 
 @dataclass
@@ -584,10 +606,10 @@ class BucketStep:
     momentum_flags: list[Gather]
     flag_index: dict[torch.device, Tensor] = field(default_factory=dict)
 
-    def flags(self, keep: Tensor) -> list[Tensor]:
-        """The members' keep flags (program order), as 0-d tensors on the keep vector's device:
-        one index select, no host read."""
+    def flags(self, keep: Tensor) -> Tensor:
+        """The members' keep flags (program order), a vector on the keep vector's device: one
+        index select, no host read."""
         index = self.flag_index.get(keep.device)
         if index is None:
             index = self.flag_index[keep.device] = torch.tensor(self.flag_places, device=keep.device)
-        return list(keep.index_select(0, index).unbind(0))
+        return keep.index_select(0, index)
