@@ -432,7 +432,7 @@ class MatrixProgram:
             views = engine.open_bucket(step.index)
             for bufs, pick, g, out, momentum in step.momentum:
                 momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
-            if step.signed:
+            if len(step.signed):  # a Gather is always true (see ns.gather)
                 torch._foreach_sign_(step.signed(views))
             dtype = None if stage is not None and step.exact_cast else step.out_dtype
             updates = step.order(engine.run_bucket(step.index, dtype, keep, self.keep_positions))
