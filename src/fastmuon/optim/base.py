@@ -323,8 +323,9 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         return super().state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's; first a deferred non-finite verdict raises if it reached the host (no wait)."""
-        self._driver.raise_pending(wait=False)
+        """torch's. A deferred non-finite verdict is not read here but by the next ``step()``
+        or ``state_dict()``: whether its flags have reached the host differs by rank, and a
+        raise on some ranks only would leave the others waiting in the next collective."""
         super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
