@@ -29,6 +29,7 @@ from .inflight import InFlight, collective_device
 from .placement import default_links, holding_of, place, ranks_per_node
 from .replicated import ReplicatedOrthogonalizer
 from .sharded import ShardedMatrix, SplitShardedOrthogonalizer
+from .subgroups import host_twin, splits_default
 
 
 # ----- the optimizer side: building, agreeing, localising ------------------------------------
@@ -92,7 +93,7 @@ def build_distributed(
                 holdings,
                 model,
                 links,
-                ctx.options.owner_group_size,
+                _owner_group_size(ctx.options.owner_group_size, group),
                 threads,
                 splittable=[len(matrices[i].shape) == 2 for i in spread],
                 max_piece_bytes=min(caps),
@@ -127,6 +128,16 @@ def build_distributed(
         compile=ctx.options.compile,
         host_reads=not ctx.options.capturable,
     )
+
+
+def _owner_group_size(asked: int | None, group: Any) -> int | None:
+    """``asked``, or 1 (no owner groups) over a mesh of only some ranks of a default group
+    bound to a device: its owner groups would be made by their members alone, and torch then
+    splits the default communicator, which every rank of the job must enter (see
+    :mod:`.subgroups`)."""
+    if group is not None and dist.get_world_size(group) != dist.get_world_size() and splits_default():
+        return 1
+    return asked
 
 
 def _plan(
@@ -210,10 +221,6 @@ def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict
     return zeros
 
 
-#: Per default group: the host-side (gloo) twin of the whole world, made once (see host_group)
-_HOST_TWINS: dict[int, tuple[Any, Any]] = {}
-
-
 def host_group(group: Any) -> Any | None:
     """A group over ``group``'s ranks whose backend takes host tensors, or None where none can
     be had without risk: ``group`` itself if its backend takes them (gloo, or a backend per
@@ -226,13 +233,11 @@ def host_group(group: Any) -> Any | None:
     group never do, so the job would hang."""
     if _takes_host_tensors(group):
         return group
+    if not dist.is_gloo_available():
+        return None
     if group is not None and dist.get_world_size(group) != dist.get_world_size():
         return None
-    world = dist.group.WORLD
-    kept = _HOST_TWINS.get(id(world))
-    if kept is None or kept[0] is not world:  # none yet, or one of a destroyed default group
-        kept = _HOST_TWINS[id(world)] = (world, dist.new_group(backend="gloo"))
-    return kept[1]
+    return host_twin()
 
 
 def _takes_host_tensors(group: Any) -> bool:

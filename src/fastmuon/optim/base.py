@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from torch.utils.hooks import RemovableHandle
 
+from ..distributed.dtensor import is_dtensor
 from ..distributed.dtensor import local_shard as _local
 from ..ns import device
 from ..ns.matrices import MatrixMap, maps_of
@@ -33,6 +34,7 @@ from .param_names import agree_on_names, restore_names
 from .qk_clip import QKClip, refuse_unreached_default
 from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
+    check_capturable_setup,
     check_flag,
     check_fraction,
     check_grad,
@@ -144,6 +146,15 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         if not all(isinstance(t, Tensor) for t in tensors):
             return params  # torch refuses non-tensors with its own message
         candidate = {**self.defaults, **param_group, "params": tensors}
+        sharded = any(map(is_dtensor, tensors))
+        distributed = "a process_group (DDP)" if self.process_group is not None else None
+        check_capturable_setup(
+            self.options.capturable,
+            "DTensor parameters (FSDP2)" if sharded else distributed,
+            candidate["lr"],
+            tensors,
+            f"param group {len(self.param_groups)}",
+        )
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
             candidate["param_names"] = names
