@@ -52,8 +52,9 @@ def main() -> None:
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
-    rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    # the GPU index within this node (torchrun's LOCAL_RANK), not the rank in the job
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -78,7 +79,7 @@ def main() -> None:
         # DTensor parameters are detected: no process group argument needed
         opt = fastmuon.MuSGD(fastmuon.param_groups(model), **opt_kwargs)
     else:
-        net = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if cuda else None)
+        net = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
         # the process group makes each rank orthogonalise only its share of the matrices
         opt = fastmuon.MuSGD(fastmuon.param_groups(model), process_group=dist.group.WORLD, **opt_kwargs)
 

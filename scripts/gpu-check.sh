@@ -13,6 +13,14 @@
 # rich for tables, ultralytics / heavyball / pytorch_optimizer for the peer rows (their rows
 # say "not installed" otherwise).
 #
+# Peers without a network: beforehand, on a machine with the registry, put their wheels in
+# .gpu-wheels/ (ignored by git) for the GPU machine's Python (3.12 on the lent image):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu-wheels \
+#     ultralytics==8.4.190 heavyball==3.2.1 pytorch_optimizer==4.1.0
+# (no dependencies, so pip never fetches or swaps torch). Where the folder holds wheels, the
+# check installs them with --no-index --no-deps into a scratch folder put on PYTHONPATH after
+# src/, so the Ultralytics MuSGD and peer rows run; nothing is installed into the environment.
+#
 # Usage: scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--out DIR] [--budget-s S]
 #   --device cpu --quick runs the same flow on a CPU in well under a minute (a dry run).
 # Exit status: 0 when every part ran (or was skipped for a stated reason), 1 when one failed or
@@ -33,6 +41,14 @@ if ! "$PY" -c "import fastmuon" 2>/dev/null; then
     || echo "gpu-check: pip install -e . did not work; using src/ on PYTHONPATH" >&2
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".gpu-wheels/*.whl" >/dev/null; then
+  SCRATCH="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-peers.XXXXXX")"
+  if timeout 60 "$PY" -m pip install -q --no-index --no-deps --target "$SCRATCH" .gpu-wheels/*.whl; then
+    export PYTHONPATH="$PYTHONPATH:$SCRATCH"
+  else
+    echo "gpu-check: the wheels in .gpu-wheels/ did not install; the peer rows will say not installed" >&2
+  fi
+fi
 
 # the parts share what is left of 8 minutes (470 s, with a margin for the summary)
 LEFT=$((470 - (SECONDS - START)))

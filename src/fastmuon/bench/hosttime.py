@@ -72,7 +72,9 @@ def python_calls(step: Callable[[], object]) -> int:
 def _profiled(run: Callable[[], object], activities: list[ProfilerActivity]) -> profile:
     """The profiler after one call of ``run`` under it (its back end logs its start and stop on
     the native stderr, silenced)."""
-    prof = profile(activities=activities)
+    # one cycle only, so keeping events "across cycles" changes nothing; it keeps torch 2.11 from
+    # warning, on the first start, that a new cycle would clear them
+    prof = profile(activities=activities, acc_events=True)
     with _native_stderr_silenced():
         prof.start()
     try:

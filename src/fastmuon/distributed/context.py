@@ -29,6 +29,7 @@ from .inflight import InFlight, collective_device
 from .placement import default_links, holding_of, place, ranks_per_node
 from .replicated import ReplicatedOrthogonalizer
 from .sharded import ShardedMatrix, SplitShardedOrthogonalizer
+from .subgroups import host_twin, splits_default
 
 
 # ----- the optimizer side: building, agreeing, localising ------------------------------------
@@ -92,7 +93,7 @@ def build_distributed(
                 holdings,
                 model,
                 links,
-                ctx.options.owner_group_size,
+                _owner_group_size(ctx.options.owner_group_size, group),
                 threads,
                 splittable=[len(matrices[i].shape) == 2 for i in spread],
                 max_piece_bytes=min(caps),
@@ -127,6 +128,16 @@ def build_distributed(
         compile=ctx.options.compile,
         host_reads=not ctx.options.capturable,
     )
+
+
+def _owner_group_size(asked: int | None, group: Any) -> int | None:
+    """``asked``, or 1 (no owner groups) over a mesh of only some ranks of a default group
+    bound to a device: its owner groups would be made by their members alone, and torch then
+    splits the default communicator, which every rank of the job must enter (see
+    :mod:`.subgroups`)."""
+    if group is not None and dist.get_world_size(group) != dist.get_world_size() and splits_default():
+        return 1
+    return asked
 
 
 def _plan(
@@ -171,11 +182,13 @@ def _broadcast_object(
 
 def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
     """Every rank's keep flags combined (finite only where finite on every rank), one
-    all-reduce (held by ``inflight``, see inflight.py)."""
-    ok = torch.stack([f.to(keep[0].device) for f in keep]).float()
+    all-reduce on the device the group's backend takes (held by ``inflight``, see
+    inflight.py), returned on ``keep``'s device. Nothing is read on the host: on an
+    accelerator the combined flags stay there."""
+    ok = keep.to(collective_device(keep.device, group), torch.float32)
     inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
     inflight.wait()
-    return ok > 0.5
+    return (ok > 0.5).to(keep.device)
 
 
 def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict[Tensor, Tensor]:
@@ -183,16 +196,51 @@ def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict
 
     A parameter steps on every rank if any rank has a gradient for it (a rank without one
     treats it as zero), so all ranks build the same plan and issue the same collectives.
-    ``inflight`` keeps the all_reduce's buffer until the next step settles it.
+    The flags are the host's: they go through a group that carries host tensors
+    (:func:`host_group`), so the host waits for the other ranks but never for the device;
+    only over an accelerator-only group of some ranks do they go through the device, and
+    reading them back then waits for the device's queue. ``inflight`` keeps the all_reduce's
+    buffer until the next step settles it.
     """
     if not params:
         return {}
-    device = collective_device(local_shard(params[0]).device, group)
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
+    flags = [p.grad is not None for p in params]
+    over = host_group(group)
+    if over is not None:
+        has = torch.tensor(flags, dtype=torch.int32)
+        inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=over)
+    else:
+        device = collective_device(local_shard(params[0]).device, group)
+        has = torch.tensor(flags, dtype=torch.int32).to(device)
+        inflight.issue(dist.all_reduce, has, op=dist.ReduceOp.MAX, group=group)
     inflight.wait()
     zeros = {}
-    for p, anywhere in zip(params, has.tolist()):
-        if anywhere and p.grad is None:
+    for p, anywhere, here in zip(params, has.tolist(), flags):
+        if anywhere and not here:
             zeros[p] = torch.zeros_like(p)
     return zeros
+
+
+def host_group(group: Any) -> Any | None:
+    """A group over ``group``'s ranks whose backend takes host tensors, or None where none can
+    be had without risk: ``group`` itself if its backend takes them (gloo, or a backend per
+    device such as ``"cpu:gloo,cuda:nccl"``); for an accelerator-only group (NCCL) over every
+    rank of the job, a gloo twin of the world, made once by every rank (``new_group`` over
+    every rank is a collective of the default group, which every rank enters alike); for one
+    over only some ranks, None: a twin would be made by its members alone, and under a
+    default group bound to a device (``init_process_group(device_id=...)``) torch makes every
+    rank outside a new group split the default communicator, which the members of a gloo
+    group never do, so the job would hang."""
+    if _takes_host_tensors(group):
+        return group
+    if not dist.is_gloo_available():
+        return None
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        return None
+    return host_twin()
+
+
+def _takes_host_tensors(group: Any) -> bool:
+    """Whether ``group``'s backend runs collectives on host (CPU) tensors."""
+    config = str(dist.get_backend_config(group))
+    return "cpu:" in config or config in ("gloo", "mpi", "fake")

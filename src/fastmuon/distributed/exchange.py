@@ -30,6 +30,7 @@ from .inflight import InFlight
 from .owners import WorkUnit, assign_work, owner_plan
 from .parts import Region, region_numel, region_sizes, whole_region
 from .stats import CommStats, Timer
+from .subgroups import local_subgroup, world_subgroup
 
 #: A rank's gather sizes (to each owner, from each rank) and scatter sizes (to each rank, from
 #: each owner) of one round, in elements (see :meth:`Routes.round_sizes`).
@@ -551,20 +552,23 @@ def _my_part(got: list[tuple[Region, Tensor]], region: Region | None, dtype: tor
 
 
 def _owner_groups(units: Sequence[WorkUnit], rank: int, group: Any) -> dict[tuple[int, ...], Any]:
-    """A process group for each owner group this rank belongs to. Over every rank of the job,
+    """A process group for each owner group this rank belongs to, each made once per set of
+    ranks (see :mod:`.subgroups`: a rebuilt engine reuses them). Over every rank of the job,
     every rank creates every owner group, in one order (``new_group`` is then a collective of
-    the default group, as torch asks); over a mesh of only some ranks, only the members do."""
+    the default group, as torch asks); over a mesh of only some ranks, only the members do,
+    which :func:`.context.build_distributed` allows only where no split of a device-bound
+    default group is involved (owner groups of one rank otherwise)."""
     wanted = sorted({u.group for u in units if u.group})
     out: dict[tuple[int, ...], Any] = {}
     everyone = group is None or dist.get_world_size(group) == dist.get_world_size()
     for members in wanted:
-        ranks = [r if group is None else dist.get_global_rank(group, r) for r in members]
+        ranks = tuple(r if group is None else dist.get_global_rank(group, r) for r in members)
         if everyone:
-            made = dist.new_group(ranks)
-            if rank in members:
+            made = world_subgroup(ranks, rank in members)
+            if made is not None:
                 out[members] = made
         elif rank in members:
-            out[members] = dist.new_group(ranks, use_local_synchronization=True)
+            out[members] = local_subgroup(ranks)
     return out
 
 

@@ -223,22 +223,65 @@ def _region(row: list[int]) -> Region | None:
     return tuple((row[i], row[i + 1]) for i in range(0, len(row), 2))
 
 
+#: Random directions a gradient is projected on to compare it across ranks (see replica_sketch)
+SKETCH_DIRECTIONS = 8
+_SKETCH_CHUNK = 1 << 20  # elements projected at a time
+
+
+def replica_sketch(grad: Tensor) -> Tensor:
+    """What ranks compare of a gradient that should be the same everywhere, in float64: its
+    projections on :data:`SKETCH_DIRECTIONS` fixed random directions (the same on every rank,
+    from a fixed seed) and its norm. Two different gradients (another rank's batch, a
+    gradient nobody averaged) differ in a projection by about the norm of their difference;
+    rounding differences (kernels that sum in another order) by a few units in the last
+    place of the norm. Sums would not tell them apart: a sum can be near zero whatever the
+    gradient, and a relative test of it refuses rounding."""
+    flat = grad.detach().reshape(-1)
+    generator = torch.Generator(flat.device).manual_seed(0)
+    sketch = torch.zeros(SKETCH_DIRECTIONS + 1, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), _SKETCH_CHUNK):  # bounded memory for a large tensor
+        chunk = flat[start : start + _SKETCH_CHUNK].to(torch.float64)
+        directions = torch.randn(
+            SKETCH_DIRECTIONS, chunk.numel(), generator=generator, dtype=torch.float64, device=flat.device
+        )
+        sketch[:-1] += directions @ chunk
+        sketch[-1] += chunk.square().sum()
+    sketch[-1] = sketch[-1].sqrt()
+    return sketch
+
+
+def replica_tolerance(dtype: torch.dtype) -> float:
+    """How far (relative to the gradient's norm) replicas' sketches may differ: far above the
+    rounding of ``dtype`` (32 units in its last place, at least 1e-4), far below the distance
+    between different gradients (about their norm)."""
+    return max(1e-4, 32 * torch.finfo(dtype).eps)
+
+
+def replicas_differ(high: Tensor, low: Tensor, tolerance: float) -> Tensor:
+    """Per gradient, whether the ranks' sketches (``high``/``low``: their largest and smallest,
+    each ``(count, SKETCH_DIRECTIONS + 1)``, the norm last) differ by more than ``tolerance``
+    times the largest norm."""
+    scale = high[:, -1:].abs()
+    return ((high - low).abs() > tolerance * scale).any(dim=1)
+
+
 def check_replicated(
     grads: Sequence[Tensor | None], names: Sequence[str], group: Any, inflight: InFlight, optimizer: str
 ) -> None:
     """A plain tensor beside DTensors is taken as replicated, its update computed once for all
     ranks: refuse one whose gradient differs across ranks (a module left out of ``fully_shard``,
-    whose gradients nobody averages), naming it. One ``all_reduce`` of two checksums each."""
+    whose gradients nobody averages), naming it. One ``all_reduce`` of every gradient's
+    :func:`replica_sketch` and its negative."""
     live = [(g, n) for g, n in zip(grads, names) if g is not None]
     if not live:
         return
-    sums = torch.stack([torch.stack([g.double().sum(), g.double().abs().sum()]) for g, _ in live]).reshape(-1)
-    both = torch.cat([sums, -sums]).to(collective_device(sums.device, group))
+    sketches = torch.stack([replica_sketch(g) for g, _ in live])
+    both = torch.cat([sketches, -sketches]).to(collective_device(sketches.device, group))
     inflight.issue(dist.all_reduce, both, op=dist.ReduceOp.MAX, group=group)
     inflight.wait()
-    high, low = both[: sums.numel()].cpu(), -both[sums.numel() :].cpu()
-    differs = (high - low).abs() > 1e-6 * torch.maximum(high.abs(), low.abs()).clamp_min(1e-30)
-    for (_, n), bad in zip(live, differs.reshape(-1, 2).any(dim=1).tolist()):
+    high, low = both[: len(live)].cpu(), -both[len(live) :].cpu()
+    tolerance = max(replica_tolerance(g.dtype) for g, _ in live)
+    for (_, n), bad in zip(live, replicas_differ(high, low, tolerance).tolist()):
         if bad:
             raise ValueError(
                 f"{n} is a plain tensor beside DTensors and its gradient differs across ranks; "

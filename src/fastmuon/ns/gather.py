@@ -30,3 +30,9 @@ class Gather:
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def __bool__(self) -> bool:
+        """Always true, empty or not (a picker is a callable, not a container): torch.compile
+        tests a callable's truth before calling it, and torch 2.11's Dynamo does so on a Gather
+        built inside the traced step before its ``__init__`` has run (no ``indices`` yet)."""
+        return True

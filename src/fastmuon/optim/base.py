@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from torch.utils.hooks import RemovableHandle
 
+from ..distributed.dtensor import is_dtensor
 from ..distributed.dtensor import local_shard as _local
 from ..ns import device
 from ..ns.matrices import MatrixMap, maps_of
@@ -33,6 +34,7 @@ from .param_names import agree_on_names, restore_names
 from .qk_clip import QKClip, refuse_unreached_default
 from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
+    check_capturable_setup,
     check_flag,
     check_fraction,
     check_grad,
@@ -144,6 +146,15 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         if not all(isinstance(t, Tensor) for t in tensors):
             return params  # torch refuses non-tensors with its own message
         candidate = {**self.defaults, **param_group, "params": tensors}
+        sharded = any(map(is_dtensor, tensors))
+        distributed = "a process_group (DDP)" if self.process_group is not None else None
+        check_capturable_setup(
+            self.options.capturable,
+            "DTensor parameters (FSDP2)" if sharded else distributed,
+            candidate["lr"],
+            tensors,
+            f"param group {len(self.param_groups)}",
+        )
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
             candidate["param_names"] = names
@@ -323,8 +334,9 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         return super().state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's; first a deferred non-finite verdict raises if it reached the host (no wait)."""
-        self._driver.raise_pending(wait=False)
+        """torch's. A deferred non-finite verdict is not read here but by the next ``step()``
+        or ``state_dict()``: whether its flags have reached the host differs by rank, and a
+        raise on some ranks only would leave the others waiting in the next collective."""
         super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -85,8 +85,7 @@ class MuSGD(MatrixOptimizer):
             of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
         nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter: on a CPU the
             step is refused; on an accelerator that parameter is skipped for the step and the
-            next ``step()``, ``state_dict()`` or ``zero_grad()`` raises, so no step waits for
-            the device), "skip"s that parameter for the step (weights and state untouched, no
+            next ``step()`` or ``state_dict()`` raises, so no step waits for the device), "skip"s that parameter for the step (weights and state untouched, no
             host sync) or is "ignore"d.
         capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
             fused CPU kernel, no host-side NS range check), so that a step can be captured in a

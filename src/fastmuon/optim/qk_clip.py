@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..distributed.dtensor import is_dtensor
+from ..distributed.inflight import collective_device
 from ..ns import device
 from ..step.qk_clip import AttentionPart, clip_, clip_factors, parts_of
 from .validation import is_number
@@ -222,11 +223,15 @@ def _as_maxima(value: Any, layer: str) -> Tensor:
 
 def _agreed(layers: dict[str, Tensor], process_group: Any) -> dict[str, Tensor]:
     """Every rank's maxima combined (their largest): data-parallel ranks see different batches,
-    and replicated weights must be clipped alike."""
+    and replicated weights must be clipped alike. The all-reduce runs where the group's backend
+    takes tensors (NCCL: on the GPU, whatever device the maxima were recorded on); the
+    combined maxima come back to where the first layer's were."""
     names = sorted(layers)
-    flat = torch.cat([layers[n] for n in names])
+    home = layers[names[0]].device
+    flat = torch.cat([layers[n].to(home) for n in names])
+    flat = flat.to(collective_device(home, process_group))
     torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=process_group)
-    return dict(zip(names, flat.split([layers[n].numel() for n in names])))
+    return dict(zip(names, flat.to(home).split([layers[n].numel() for n in names])))
 
 
 def _nothing() -> None:

@@ -78,6 +78,32 @@ def check_capturable(capturable: bool, nonfinite: str) -> None:
         )
 
 
+def check_capturable_setup(
+    capturable: bool, distributed: str | None, lr: Any, params: list[Tensor], where: str
+) -> None:
+    """What a captured step could not replay, refused naming both settings: a distributed step
+    (``distributed`` says which) agrees with the other ranks on the host at every step, and a
+    host ``lr`` tensor beside accelerator parameters would be read once, at capture, and baked
+    into the graph (its later values never seen)."""
+    if not capturable:
+        return
+    if distributed is not None:
+        raise ValueError(
+            f"capturable=True cannot be combined with {distributed}: every distributed step "
+            "agrees with the other ranks on the host (which gradients exist) and waits for their "
+            "collectives, which a captured step cannot replay; pass capturable=False, or step "
+            "one process's parameters without a process group or DTensors"
+        )
+    on_device = [p for p in params if p.device.type != "cpu"]
+    if isinstance(lr, Tensor) and lr.device.type == "cpu" and on_device:
+        raise ValueError(
+            f"capturable=True cannot be combined with a CPU tensor lr beside {on_device[0].device} "
+            f"parameters in {where}: a captured step would keep the value the lr had at capture; "
+            f"put the lr tensor on {on_device[0].device} (lr=torch.tensor(..., "
+            f"device='{on_device[0].device}')) or pass capturable=False"
+        )
+
+
 def check_tensor_lr(lr: Any, where: str) -> None:
     """A tensor learning rate holds one number (torch.optim's wording)."""
     if isinstance(lr, Tensor) and lr.numel() != 1:

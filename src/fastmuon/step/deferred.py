@@ -4,9 +4,21 @@ Asking before the update whether every gradient is finite would make the host wa
 device's whole queue every step. So on an accelerator the step runs masked, as ``"skip"`` runs
 (a parameter with a bad gradient keeps its weights and every state tensor), and only its flags
 travel: a non-blocking copy into a small pinned host buffer with an event recorded behind it.
-The next call that may raise -- the next ``step()`` before it changes anything, ``state_dict()``,
-or ``zero_grad()`` if the event has already passed -- reads them, by then long finished, and
-raises naming the parameters that step left untouched.
+The next ``step()`` (before it changes anything) or ``state_dict()`` reads them, waiting for
+the event if it has not passed, and raises naming the parameters that step left untouched.
+
+Why the next step waits rather than reading the flags only once they have arrived:
+
+- the ranks of a distributed run must raise alike (the other ranks would wait in the step's
+  collectives). The flags are agreed across ranks before their copy, so every rank reads the
+  same verdict; whether the copy has arrived differs by rank, so "read if arrived" would not;
+- what the step keeps on the host (AdamW's step counts beside accelerator parameters) is put
+  back when the flags are read, and must be before the next step changes it;
+- the wait costs nothing in a training loop: the event is recorded at the end of the step's
+  work, and the next ``step()`` comes after the forward and backward of the next batch have
+  been queued behind it. It blocks only a host more than a whole iteration ahead of the device.
+
+``zero_grad()`` reads nothing, for the first reason.
 """
 
 from __future__ import annotations

@@ -131,13 +131,12 @@ class StepDriver:
         self.pending: PendingFlags | None = None  # the last step's deferred "raise" verdict
         self._site: Site | None = None  # the last step's, while its parameter list holds
 
-    def raise_pending(self, wait: bool = True) -> None:
+    def raise_pending(self) -> None:
         """Read the last step's deferred non-finite verdict, if any (see
         :mod:`fastmuon.step.deferred`), and raise if a gradient was not finite. The verdict is
-        read once: after the error the next call goes on. Without ``wait`` it is read only if
-        it has reached the host already (never waiting for the device)."""
+        read once: after the error the next call goes on."""
         pending = self.pending
-        if pending is None or (not wait and not pending.finished()):
+        if pending is None:
             return
         self.pending = None
         pending.check()

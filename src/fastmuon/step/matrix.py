@@ -484,7 +484,7 @@ class MatrixProgram:
                     _masked_momentum(
                         bufs, pick(grads), flags, mine, mine(rejected), beta[g], nesterov[g], out(views)
                     )
-            if step.signed:
+            if len(step.signed):  # a Gather is always true (see ns.gather)
                 torch._foreach_sign_(step.signed(views))
             narrow = narrow_ok and step.narrow_apply
             dtype = None if narrow or (stage is not None and step.exact_cast) else step.out_dtype
