@@ -28,6 +28,7 @@ from reference_impl import muon_reference_pieces, musgd_reference_pieces
 from fastmuon import Muon, MuSGD
 from fastmuon.bench.hosttime import host_syncs
 from fastmuon.ns import device as ns_device
+from fastmuon.ns import engine as fastmuon_engine
 from fastmuon.ns.engine import Orthogonalizer
 from fastmuon.ns.planner import COST_MODELS
 from fastmuon.step import matrix as fastmuon_matrix
@@ -198,9 +199,10 @@ def test_buckets_packed_together_are_each_the_reference(accelerator_paths):
 
 def _same_shape_muon(params, monkeypatch, **kw):
     """Muon over matrices of two shapes (a tall one packed transposed), whose buckets are packed
-    by runs: the step runs them one at a time, each applied from its NS dtype (the size from
-    which that pays lowered to these small matrices)."""
+    by runs: the step runs them one at a time, each applied from its NS dtype (the sizes from
+    which those pay lowered to these small matrices)."""
     monkeypatch.setattr(fastmuon_matrix, "NARROW_APPLY_MIN_ELEMENTS", 64)
+    monkeypatch.setattr(fastmuon_engine, "BY_BUCKET_MIN_BYTES", 0)
     return Muon(
         [{"params": params[:5], "use_muon": True}, {"params": params[5:], "use_muon": False}],
         **{**MUON, **kw},

@@ -813,16 +813,26 @@ def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
     return None
 
 
+#: Off the host a plan runs bucket by bucket only from this many bytes of NS inputs on: below,
+#: all of them at once are small beside any model, and packing them together costs fewer
+#: launches than writing each matrix's momentum into its slot.
+BY_BUCKET_MIN_BYTES = 64 * 2**20
+
+
 def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:
     """Whether a step may run these buckets one at a time (see ``Orthogonalizer.open_bucket``):
     every bucket eager, and all on the host, or all off it, on one device, each packed by runs
-    (a gather bucket off the host is packed with the others, five launches for all of them)."""
+    (a gather bucket off the host is packed with the others, five launches for all of them),
+    and together at least :data:`BY_BUCKET_MIN_BYTES`."""
     if not records or any(r.compiled for r in records):
         return False
     if all(r.host for r in records):
         return True
     devices = {r.bucket.device for r in records}
-    return len(devices) == 1 and not any(r.host or r.gathers for r in records)
+    inputs = sum(_numel(r.bucket.shape) * r.bucket.dtype.itemsize for r in records)
+    return (
+        len(devices) == 1 and not any(r.host or r.gathers for r in records) and inputs >= BY_BUCKET_MIN_BYTES
+    )
 
 
 def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
