@@ -36,12 +36,8 @@ from .hosttime import cuda_activity, host_ms, python_calls
 from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
+from .options import COMPILE_MODE, STEP_MODES
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
-
-#: how each contender's step runs: as written, or wrapped in torch.compile's "reduce-overhead"
-#: mode, which on CUDA captures the compiled step in CUDA graphs and replays them
-STEP_MODES = ("eager", "compiled")
-COMPILE_MODE = "reduce-overhead"
 
 #: profiled steps per contender for its host time (not timed: the profiler adds overhead)
 HOST_STEPS = 3

@@ -18,11 +18,10 @@ from ..ns.engine import Orthogonalizer
 from ..ns.planner import Plan
 from ..ns.timing import median_seconds
 from .figures import Figures, Settings
+from .options import ROUNDS
 
 CPU = torch.device("cpu")  # where the measured work runs
 
-#: timed runs of each NS call (after one warm-up), their median kept
-ROUNDS = 3
 
 
 def _member_seconds(m: int, n_j: int, settings: Settings, rounds: int) -> float:
