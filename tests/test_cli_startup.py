@@ -61,7 +61,9 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 @pytest.mark.parametrize(
-    ("name", "example"), [(n, e) for n, s in SUBCOMMANDS.items() for e in s.examples], ids=lambda v: str(v)[:40]
+    ("name", "example"),
+    [(n, e) for n, s in SUBCOMMANDS.items() for e in s.examples],
+    ids=lambda v: str(v)[:40],
 )
 def test_every_example_parses(name, example):
     argv = shlex.split(example, comments=True)[1:]
@@ -90,11 +92,11 @@ def test_the_options_name_what_the_registries_hold():
     from fastmuon.train.tasks import TASKS
 
     bench, scale, train = fastmuon.bench.options, fastmuon.scale.options, fastmuon.train.options
-    assert bench.WORKLOAD_NAMES == tuple(WORKLOADS)
+    assert tuple(WORKLOADS) == bench.WORKLOAD_NAMES
     assert bench.OPTIMIZERS == OPTIMIZERS
     assert bench.POLICIES == POLICIES
-    assert scale.WORKLOAD_NAMES == tuple(SCALE_WORKLOADS)
+    assert tuple(SCALE_WORKLOADS) == scale.WORKLOAD_NAMES
     assert scale.DESIGNS == DESIGNS
     assert scale.DEVICE_NAMES == DEVICE_NAMES
-    assert train.CONTENDER_LABELS == {name: c.label for name, c in CONTENDERS.items()}
+    assert {name: c.label for name, c in CONTENDERS.items()} == train.CONTENDER_LABELS
     assert train.TASK_NAMES == TASKS

@@ -28,13 +28,16 @@ _PUBLIC = {
 __all__ = [*_PUBLIC, "__version__"]
 
 if TYPE_CHECKING:
-    from .groups.build import param_groups
-    from .ns.build import orthogonalize
-    from .ns.newton_schulz import PRESETS, newton_schulz
-    from .ns.planner import CostModel, Plan
-    from .optim.muon import Muon
-    from .optim.musgd import MuSGD
-    from .optim.normuon import AdaMuon, NorMuon
+    from .groups.build import param_groups as param_groups
+    from .ns.build import orthogonalize as orthogonalize
+    from .ns.newton_schulz import PRESETS as PRESETS
+    from .ns.newton_schulz import newton_schulz as newton_schulz
+    from .ns.planner import CostModel as CostModel
+    from .ns.planner import Plan as Plan
+    from .optim.muon import Muon as Muon
+    from .optim.musgd import MuSGD as MuSGD
+    from .optim.normuon import AdaMuon as AdaMuon
+    from .optim.normuon import NorMuon as NorMuon
 
 
 def __getattr__(name: str) -> Any:

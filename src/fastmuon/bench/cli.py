@@ -18,7 +18,7 @@ from ..tools.tables import terminal_width, wrapped
 from .fake_cuda import fake_cuda_problem
 from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, ManifestError
-from .options import DEFAULT_MAX_STEP_SECONDS, NS_DTYPE_NAMES, add_arguments
+from .options import DEFAULT_MAX_STEP_SECONDS, NS_DTYPE_NAMES
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
 from .runner import Settings, run_benchmark, selected
@@ -28,6 +28,7 @@ from .workloads import resolve_workload
 TRACE_SCHEMA = "fastmuon-bench-trace/1"
 
 NS_DTYPES = dict(zip(NS_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
+
 
 def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Settings, str]:
     """The run's settings, and why its NS dtype was chosen."""

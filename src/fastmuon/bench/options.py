@@ -30,7 +30,9 @@ DEFAULT_MAX_STEP_SECONDS = 15.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """All of ``bench``'s options; extensions (e.g. ``--nproc``) add theirs after these."""
     p.formatter_class = DefaultsHelpFormatter
-    p.add_argument("--model", default="yolo26n", help=f"workload: {', '.join(WORKLOAD_NAMES)} or a manifest .json")
+    p.add_argument(
+        "--model", default="yolo26n", help=f"workload: {', '.join(WORKLOAD_NAMES)} or a manifest .json"
+    )
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="musgd", help="update rule to compare")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the parameters live")
     p.add_argument(

@@ -36,7 +36,7 @@ from .hosttime import cuda_activity, host_ms, python_calls
 from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
-from .options import COMPILE_MODE, STEP_MODES
+from .options import COMPILE_MODE
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
 
 #: profiled steps per contender for its host time (not timed: the profiler adds overhead)

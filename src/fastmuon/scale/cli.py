@@ -13,7 +13,6 @@ import torch
 from ..tools.cli import (
     UsageError,
     check_output_file,
-    json_help,
     plot_format_problem,
     require_packages,
     write_json_output,
@@ -26,14 +25,11 @@ from .measure import busiest_rank, predicted_measure_seconds
 from .models import Workload, workload
 from .options import (
     DEFAULT_LAYOUT,
-    DEFAULT_MAX_MEASURE_SECONDS,
     DEFAULT_MODEL,
     DEFAULT_WORLD,
     DTYPE_NAMES,
     ROUNDS,
-    SHOWN_CLASSES,
     SWEEP,
-    add_arguments,
 )
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32, torch.float16)))

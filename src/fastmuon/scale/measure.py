@@ -23,7 +23,6 @@ from .options import ROUNDS
 CPU = torch.device("cpu")  # where the measured work runs
 
 
-
 def _member_seconds(m: int, n_j: int, settings: Settings, rounds: int) -> float:
     """Median seconds of one owner-group member's NS on its ``m x n_j`` block (a group of one:
     the reduce adds nothing, as the plan prices the Gram sums as exchange time)."""

@@ -60,7 +60,6 @@ Ready = tuple[StepProgram, list[Tensor], "Tensor | None"]
 Agree = Callable[[Tensor], Tensor]
 
 
-
 class StepEnv(NamedTuple):
     """What the driver reads of the optimizer for one call (never the optimizer itself)."""
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class Subcommand:
     """A subcommand: its options live in a module that imports no torch (so that ``--help``

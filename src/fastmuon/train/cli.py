@@ -19,7 +19,7 @@ from ..tools.cli import (
 )
 from .contenders import WARMUP_FRACTION, parse_optimizers
 from .loop import RunResult, train_run
-from .options import BAR_LOSS, NS_DTYPE_NAMES, add_arguments, default_threads, description
+from .options import BAR_LOSS, NS_DTYPE_NAMES
 from .tasks import TASKS, make_task
 
 NS_DTYPES = dict(zip(NS_DTYPE_NAMES, (torch.float32, torch.bfloat16)))

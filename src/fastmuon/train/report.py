@@ -10,7 +10,7 @@ from typing import Any
 
 from ..tools.tables import grid_width, stacked, wrapped
 from .loop import RunResult
-from .options import BAR_LOSS, LOSSES
+from .options import LOSSES
 
 #: one colour per contender, the same in every panel
 COLOURS = {
