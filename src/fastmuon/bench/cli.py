@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     }
     document = to_json(results, machine_facts(device), workload, settings_doc, run_facts)
     if args.json != STDOUT:
-        print_report(document, results)
+        print_report(document, results, verbose=args.verbose)
     if args.json:
         write_json(args.json, document)
     if args.markdown:

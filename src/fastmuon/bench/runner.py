@@ -71,6 +71,7 @@ class Result:
     name: str
     note: str = ""
     ns_dtype: str = "-"
+    label: str = ""  # the lineup's name for the contender (lineup.CONTENDER_LABELS), e.g. "Ultralytics MuSGD"
     skipped: str | None = None
     times_ms: list[float] = field(default_factory=list)
     kernels_per_step: int | None = None
@@ -122,10 +123,11 @@ def build_contenders(
             continue
         try:
             contenders.append(factory(wb))
+            contenders[-1].label = label
         except Unavailable as e:
-            skipped.append(Result(label, skipped=str(e)))
+            skipped.append(Result(label, label=label, skipped=str(e)))
         except Exception as e:  # e.g. a manifest group an optimizer rejects: report it, run the rest
-            skipped.append(Result(label, skipped=f"failed to build: {type(e).__name__}: {e}"))
+            skipped.append(Result(label, label=label, skipped=f"failed to build: {type(e).__name__}: {e}"))
     return contenders, skipped
 
 
@@ -187,7 +189,9 @@ def run_benchmark(
     if settings.step_mode == "compiled":
         for c in contenders:
             compile_step(c)
-    results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
+    results = {
+        c.name: Result(c.name, c.note, dtype_label(c), c.label, extra=dict(c.extra)) for c in contenders
+    }
 
     rates: dict[torch.dtype, float] = {}
     for c in contenders:
