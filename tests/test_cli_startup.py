@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import fastmuon.bench.options
-import fastmuon.scale.options
+import fastmuon.tools.plan_options
 import fastmuon.train.options
 from fastmuon.tools.cli import SUBCOMMANDS, build_parser, named_command
 
@@ -41,7 +41,7 @@ def test_help_imports_no_torch(argv):
 
 def test_help_imports_only_the_named_subcommands_options():
     loaded = modules_after(HELP.format(argv=["plan", "--help"]))
-    assert "fastmuon.scale.options" in loaded
+    assert "fastmuon.tools.plan_options" in loaded
     assert not {"fastmuon.bench.options", "fastmuon.train.options", "fastmuon.scale.cli"} & loaded
 
 
@@ -91,7 +91,7 @@ def test_the_options_name_what_the_registries_hold():
     from fastmuon.train.contenders import CONTENDERS
     from fastmuon.train.tasks import TASKS
 
-    bench, scale, train = fastmuon.bench.options, fastmuon.scale.options, fastmuon.train.options
+    bench, scale, train = fastmuon.bench.options, fastmuon.tools.plan_options, fastmuon.train.options
     assert tuple(WORKLOADS) == bench.WORKLOAD_NAMES
     assert bench.OPTIMIZERS == OPTIMIZERS
     assert bench.POLICIES == POLICIES

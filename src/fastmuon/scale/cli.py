@@ -17,13 +17,7 @@ from ..tools.cli import (
     require_packages,
     write_json_output,
 )
-from .designs import DESIGNS, figures, summary
-from .devices import device
-from .figures import Figures, Settings
-from .layouts import INNER_DIM, NODE, Layout, given_mesh, layout_for, mesh_world
-from .measure import busiest_rank, predicted_measure_seconds
-from .models import Workload, workload
-from .options import (
+from ..tools.plan_options import (
     DEFAULT_LAYOUT,
     DEFAULT_MODEL,
     DEFAULT_WORLD,
@@ -31,6 +25,12 @@ from .options import (
     ROUNDS,
     SWEEP,
 )
+from .designs import DESIGNS, figures, summary
+from .devices import device
+from .figures import Figures, Settings
+from .layouts import INNER_DIM, NODE, Layout, given_mesh, layout_for, mesh_world
+from .measure import busiest_rank, predicted_measure_seconds
+from .models import Workload, workload
 
 DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32, torch.float16)))
 

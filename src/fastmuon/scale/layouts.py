@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..distributed import shard_rows
+from ..tools.plan_options import EXPERT_SHARDS, LAYOUT_HELP
 from .models import COLWISE, ROWWISE, Tensor, Workload
-from .options import EXPERT_SHARDS, LAYOUT_HELP
 
 #: A box of a tensor, ``(start, stop)`` per dim (as :mod:`fastmuon.distributed.parts` writes it).
 Region = tuple[tuple[int, int], ...]

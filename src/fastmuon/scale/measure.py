@@ -17,8 +17,8 @@ from ..distributed.owners import owner_plan
 from ..ns.engine import Orthogonalizer
 from ..ns.planner import Plan
 from ..ns.timing import median_seconds
+from ..tools.plan_options import ROUNDS
 from .figures import Figures, Settings
-from .options import ROUNDS
 
 CPU = torch.device("cpu")  # where the measured work runs
 

@@ -53,7 +53,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         ),
     ),
     "plan": Subcommand(
-        "fastmuon.scale.options",
+        "fastmuon.tools.plan_options",
         "fastmuon.scale.cli",
         "NS FLOPs, bytes and memory per rank at 8 to 1,024 ranks, per layout, beside the peers",
         (

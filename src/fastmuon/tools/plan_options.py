@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..tools.cli import json_help
+from .cli import json_help
 
 #: fastmuon.scale.models.WORKLOADS
 WORKLOAD_NAMES = ("gpt2", "llama-1b", "llama3-8b", "llama3-70b", "mixtral-8x7b", "deepseek-v3")
