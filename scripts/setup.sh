@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Make (or reuse) a virtual environment with a pinned torch and fastmuon installed editable with
-# EXTRAS: `setup.sh [EXTRAS] [TORCH]`. TORCH is one of the tested releases:
+# EXTRAS: `setup.sh [EXTRAS] [TORCH]`. TORCH is one of these releases:
+#   2.11.0:           the oldest supported, PyPI's build (CUDA, runs on a CPU too), in .venv-torch2.11,
+#                     without torchvision (PyPI's 0.26.0 pairs with it, but the [ultralytics] extra
+#                     asks for 0.28 or later): the trainer tests skip there;
 #   2.13.0 (default): the CPU build, in .venv, beside PyPI's torchvision 0.28.0, which does not
 #                     import beside it and is removed again (the tests that need it skip here);
 #   2.14.1:           PyPI's build (CUDA, runs on a CPU too), in .venv-torch2.14, beside
@@ -13,16 +16,25 @@ set -euo pipefail
 EXTRAS="${1:-test}"
 TORCH="${2:-2.13.0}"
 case "$TORCH" in
+  2.11.0) VENV=.venv-torch2.11 TORCHVISION= ;;
   2.13.0) VENV=.venv TORCHVISION=0.28.0 ;;
   2.14.1) VENV=.venv-torch2.14 TORCHVISION=0.29.1 ;;
   2.15.0) VENV=.venv-torch2.15 TORCHVISION= ;;
-  *) echo "setup: torch $TORCH is not one of the tested releases (2.13.0, 2.14.1, 2.15.0)" >&2; exit 2 ;;
+  *) echo "setup: torch $TORCH is not one of the releases set up here (2.11.0, 2.13.0, 2.14.1, 2.15.0)" >&2; exit 2 ;;
 esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="$VENV/bin/python"
 if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
+fi
+# Ultralytics goes in last, without the dependencies it cannot have here (see the end): once it is
+# there, a later install that adds one of them makes pip print its "dependency conflicts" ERROR. So
+# where this run asks for extras the venv has not had yet (./bench.sh made it, ./test.sh now adds
+# the test extra, or the other way round), it is taken out first and put back at the end.
+STAMP="$VENV/fastmuon-extras"
+if ! grep -qxF "$EXTRAS" "$STAMP" 2>/dev/null && "$PY" -m pip show -q ultralytics >/dev/null 2>&1; then
+  "$PY" -m pip uninstall -q -y ultralytics
 fi
 # torch first and pinned: an unpinned torch would pull whatever build is newest. Without pip's
 # cache: a CUDA build's wheels are several GB, and the cache would keep a second copy of them.
@@ -66,3 +78,4 @@ fi
 "$PY" -m pip show -q ultralytics >/dev/null 2>&1 \
   || "$PY" -m pip install -q --no-deps "ultralytics==8.4.190" \
   || echo "setup: ultralytics not installed; its benchmark rows and equivalence test will skip" >&2
+grep -qxF "$EXTRAS" "$STAMP" 2>/dev/null || echo "$EXTRAS" >>"$STAMP"

@@ -147,27 +147,74 @@ def test_bundled_yolo_manifest():
 
 
 # ----- a smoke run of the command ------------------------------------------------------------
-def test_bench_report_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("verbose", [False, True])
+def test_bench_report_fits_an_80_column_terminal(tmp_path, capsys, monkeypatch, verbose):
     monkeypatch.setenv("COLUMNS", "80")
     manifest = tmp_path / "tiny.json"
     manifest.write_text(json.dumps(_manifest_dict()))  # a manifest without a "source"
     args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--contenders", "fastmuon,per-param"]
-    assert main([*args, "--steps", "1", "--rounds", "1", "--threads", "1", "--quiet"]) == 0
+    args += ["--steps", "1", "--rounds", "1", "--threads", "1", "--quiet"] + ["--verbose"] * verbose
+    assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) <= 80, [line for line in lines if len(line) > 80]
-    assert "workload tiny: 5 tensors, 0.00M values, 3 matrices (1 with >2 dims)" in lines  # no stray "; "
+    # the details only with --verbose (there, no stray "; " where the manifest has no source)
+    workload = "workload tiny: 5 tensors, 0.00M values, 3 matrices (1 with >2 dims)"
+    assert (workload in lines) == verbose
     for name in ("fastmuon MuSGD", "per-parameter MuSGD"):  # each contender's block, every figure
-        block = lines[lines.index(name) + 1 :][:5]
-        assert any("ms/step: " in line for line in block) and any("kernels/step: " in line for line in block)
-        assert any("speedup vs per-parameter MuSGD: " in line for line in block)
+        block = lines[lines.index(name) + 1 :][:8]
+        assert any("ms/step: " in line for line in block) and any("kernels: " in line for line in block)
+        assert any("speed-up: " in line for line in block)
+    assert any(line.startswith("speed-up: per-parameter MuSGD's ms/step") for line in lines)
 
 
-def _tiny_bench(tmp_path, capsys, *options: str) -> tuple[list[str], dict]:
-    """The printed report's lines and the JSON of a one-step run on the tiny manifest."""
+def test_bench_default_report_is_one_table_against_the_headline_peer(tmp_path, capsys):
+    options = ["--steps", "1", "--contenders", "fastmuon,ultralytics,per-param"]
+    lines, doc = _tiny_bench(tmp_path, capsys, *options, verbose=False)
+    ran = {r["label"]: r for r in doc["results"] if r["median_ms"]}
+    if "Ultralytics MuSGD" not in ran:
+        pytest.skip("ultralytics is not installed here")
+    text = " ".join(" ".join(lines).split())  # wrapped lines joined again
+    # one line above the table says the machine class and the precision
+    above = text[text.index("tiny musgd on ") :]
+    assert above.index(doc["machine"]["cpu_class"]) < above.index("NS in float32") < above.index("contender")
+    # --ns-dtype float32: the peer with its NS swapped to float32 is the fair baseline
+    base = ran["Ultralytics MuSGD (NS in float32)"]
+    assert f"speed-up: {base['name']}'s ms/step over each row's" in text
+    for r in ran.values():
+        assert f"{base['median_ms'] / r['median_ms']:.2f}×" in text
+    assert ": NS floor" not in text and "faster than →" not in text  # those are --verbose's
+
+
+def test_the_fair_row_is_the_baseline_where_bf16_is_emulated():
+    from fastmuon.bench.report import baseline
+    from fastmuon.bench.runner import Result
+
+    shipped = Result(
+        "Ultralytics MuSGD 8.4.190", ns_dtype="bfloat16", label="Ultralytics MuSGD", times_ms=[90.0]
+    )
+    fair = Result(
+        "Ultralytics MuSGD 8.4.190 (NS in float32)",
+        ns_dtype="float32",
+        label="Ultralytics MuSGD (NS in float32)",
+        times_ms=[3.0],
+    )
+    ours = Result("fastmuon MuSGD", ns_dtype="bfloat16→float32", label="fastmuon", times_ms=[1.0])
+    base, why = baseline([ours, shipped, fair], "musgd")
+    assert base is fair and "fair row" in why and "emulates" in why
+    assert "emulates" not in baseline([ours, shipped, fair], "musgd", bf16_native=True)[1]
+    assert baseline([ours, shipped], "musgd")[0] is shipped
+    loop = Result("per-parameter Muon", label="per-parameter", times_ms=[2.0])
+    assert baseline([ours, loop], "muon")[0] is loop  # no torch.optim.Muon row ran
+    assert baseline([ours, Result("x", label="x", skipped="no")], "normuon")[0] is ours
+
+
+def _tiny_bench(tmp_path, capsys, *options: str, verbose: bool = True) -> tuple[list[str], dict]:
+    """The printed report's lines (with the details of ``--verbose``, by default) and the JSON of
+    a one-step run on the tiny manifest."""
     manifest, out = tmp_path / "tiny.json", tmp_path / "out.json"
     manifest.write_text(json.dumps(_manifest_dict()))  # MuSGD's kwargs: muon=0.2, sgd=1.0
     args = ["bench", "--model", str(manifest), "--ns-dtype", "float32", "--rounds", "1", "--threads", "1"]
-    assert main([*args, "--json", str(out), "--quiet", *options]) == 0
+    assert main([*args, "--json", str(out), "--quiet", *options] + ["--verbose"] * verbose) == 0
     return capsys.readouterr().out.splitlines(), json.loads(out.read_text())
 
 
@@ -277,7 +324,7 @@ def test_bench_smoke(tmp_path, optimizer, capsys):
     out = tmp_path / "out.json"
     args = ["bench", "--model", str(manifest), "--optimizer", optimizer, "--ns-dtype", "float32"]
     args += ["--steps", "1", "--rounds", "1", "--threads", "1", "--json", str(out), "--quiet"]
-    assert main([*args, "--markdown", str(tmp_path / "table.md")]) == 0
+    assert main([*args, "--verbose", "--markdown", str(tmp_path / "table.md")]) == 0
     assert "| fastmuon" in (tmp_path / "table.md").read_text()
     doc = json.loads(out.read_text())
     assert doc["machine"]["num_threads"] == 1 and doc["machine"]["torch"] == torch.__version__

@@ -107,6 +107,7 @@ def test_distributed_report_counts_one_thread_and_one_step_in_the_singular():
     assert first.endswith("ns_dtype=float32, 1 thread per rank, median of 5 steps")
 
 
+@pytest.mark.slow
 def test_bench_nproc_steps_the_optimizer_asked_for_on_every_rank():
     """Each rank builds the optimizer of --optimizer (AdaMuon takes none of the yolo manifest's
     MuSGD kwargs) and says which class it stepped; the report's first line names it."""

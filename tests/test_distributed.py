@@ -153,7 +153,7 @@ def check_names() -> list[str]:
 
 
 @pytest.mark.parametrize("check", check_names())
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_distributed_check(world, check, shared_worlds, tmp_path):
     errors, report = shared_worlds.outcome(world, check)
     if errors is None:  # the shared world stopped before it: the check runs alone

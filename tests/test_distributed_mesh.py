@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 LAYOUTS = ("hsdp", "tp", "tp+heads", "fsdp+tp", "ep", "hsdp+ep", "fsdp-experts-dim1", "ep+fsdp-experts-dim1")
 
 
-@pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize("world", [pytest.param(4, marks=pytest.mark.slow), 2])
 def test_mesh_layouts(world, tmp_path):
     report = launch(world, tmp_path, script="mesh_worker.py")
     for layout in LAYOUTS:

@@ -92,6 +92,7 @@ def test_low_precision_output_dtype_and_cpu_compute_modes():
         set_cpu_low_precision("fast")
 
 
+@pytest.mark.slow
 def test_compiled_ns_matches_eager():
     shapes = [(6, 4, 3, 3), (6, 4, 3, 3), (10, 8)]
     grads = [torch.randn(s) for s in shapes]

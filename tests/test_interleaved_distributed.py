@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_interleaved_parts_under_every_layout(world, tmp_path):
     report = launch(world, tmp_path, script="interleave_worker.py")
     for opt in ("muon", "musgd"):

@@ -522,6 +522,7 @@ COMPILE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("info, kwargs", COMPILE_CASES)
 def test_compiled_step_matches_eager_also_after_add_param_group(info, kwargs):
     """The compiled step (the AOT tracer, as inductor uses it, without inductor's slow codegen)

@@ -66,3 +66,11 @@ def test_the_torch_bound_is_one_release_past_the_newest_tested():
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     for v in _tested_releases():
         assert f"  {v})" in setup, f"scripts/setup.sh has no case for torch {v}"
+
+
+def test_the_torch_lower_bound_is_the_oldest_tested_release():
+    from packaging.version import Version
+
+    oldest = min(Version(v) for v in _tested_releases())
+    assert _torch_requirement().specifier.contains(oldest)
+    assert not _torch_requirement().specifier.contains(Version(f"{oldest.major}.{oldest.minor - 1}.0"))

@@ -98,7 +98,8 @@ def test_the_readme_says_why_its_quick_start_plan_may_pad_much():
     root = Path(__file__).resolve().parents[1]
     text = (root / "README.md").read_text()
     quick_start = text[text.index("## Quick start") :]
-    after_code = quick_start[quick_start.index("```\n", quick_start.index("```python")) + 4 :]
+    # the paragraph after the code's expected output
+    after_code = quick_start[quick_start.index("```\n", quick_start.index("```text")) + 4 :]
     paragraph = " ".join(after_code.strip().split("\n\n")[0].split())
     assert "padding overhead" in paragraph and "kernel launches" in paragraph
     # what it says holds: the quick start's convs as matrices, merged they pad the smaller to

@@ -7,6 +7,8 @@ import io
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -23,6 +25,14 @@ def test_quick_start_runs_and_the_loss_falls():
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.getvalue())]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.1
     assert "bucket 0" in out.getvalue()
+    # the expected output the README shows under it: the same losses, the same matrices
+    text = (ROOT / "README.md").read_text()
+    shown = re.search(r"```text\n(.*?)```", text[text.index("## Quick start") :], re.S).group(1)
+    shown_losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", shown)]
+    assert shown_losses == pytest.approx(losses, abs=0.01)
+    assert re.search(r"^plan: 2 matrices", shown, re.M) and re.search(
+        r"^plan: 2 matrices", out.getvalue(), re.M
+    )
 
 
 def test_llm_layers_example_runs_and_plans_every_matrix():

@@ -538,6 +538,7 @@ SLOW = os.environ.get("FASTMUON_SLOW_TESTS") == "1"
 )
 # Dynamo, resuming after the step's graph break, reads the returned loss's .grad: torch's
 # warning, raised inside its tracer, where an error would abort the trace
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
 def test_compiled_training_step_matches_eager(backend):
     """Smoke test on the tiniest model: the compiled step runs (with graph breaks where the
@@ -566,6 +567,7 @@ def test_compiled_training_step_matches_eager(backend):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
 @pytest.mark.parametrize("mode", ["skip", "raise"])
 def test_ranks_agree_on_a_nan_only_one_of_them_sees(mode, tmp_path):
@@ -588,6 +590,7 @@ def test_ranks_agree_on_a_nan_only_one_of_them_sees(mode, tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_ranks_that_return_right_after_a_step_exit_cleanly(tmp_path):
     """A 2-rank world whose ranks return straight after ``opt.step()``: no rank may abort at

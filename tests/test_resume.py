@@ -67,6 +67,7 @@ def test_resume_in_process_is_bitwise(kind, channels_last):
     assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"]
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_is_bitwise(tmp_path: Path):
     """The second half runs in a new interpreter: nothing but the checkpoint carries over."""
     src = str(Path(fastmuon.__file__).resolve().parents[1])

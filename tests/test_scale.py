@@ -51,7 +51,9 @@ def layout_of(name: str, world: int, experts: int, expert_shard: str = "auto"):
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
-@pytest.mark.parametrize("world", [8, 4, 2])
+@pytest.mark.parametrize(
+    "world", [pytest.param(8, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 2]
+)
 def test_plan_equals_what_gloo_runs_hold_and_count(world, tmp_path):
     """Every case of scale_worker.py (expert stacks on dim 0 as FSDP2 leaves them, on dim 1 by
     hand, and where torchtitan's rule picks it): the plan's boxes, bytes and FLOPs are the run's."""
@@ -188,6 +190,7 @@ def test_every_element_is_in_one_box_and_every_rank_has_one():
             assert len(ranks) == len(set(ranks))
 
 
+@pytest.mark.slow
 def test_70b_at_1024_ranks_figures():
     """What docs/scale.md reports: whole-matrix owners stop at one MLP matrix's NS per rank on
     1,024 ranks (560 matrices); owner groups go below it, within 2x the balanced ideal."""

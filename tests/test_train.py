@@ -35,6 +35,7 @@ def tiny_tasks():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task, steps", tiny_tasks(), ids=["digits", "chars"])
 def test_every_contender_learns(task, steps):
     torch.set_num_threads(1)
@@ -54,6 +55,7 @@ def test_every_contender_learns(task, steps):
         assert 0 < r.optimizer_s < r.wall_s
 
 
+@pytest.mark.slow
 def test_cli_json_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     png, out = tmp_path / "curves.png", tmp_path / "runs.json"

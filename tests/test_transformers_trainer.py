@@ -92,6 +92,7 @@ def test_trainer_trains_gpt2_with_muon_on_its_matrices(transformers, first_run):
     assert all(float(opt.state[p]["step"]) == STEPS for p in other["params"] + no_decay["params"])
 
 
+@pytest.mark.slow
 def test_trainer_resumes_from_its_checkpoint(transformers, first_run, tmp_path):
     out, trainer, opt = first_run
     resumed, resumed_opt = train(transformers, tmp_path, resume_from=str(out / f"checkpoint-{SAVE_EVERY}"))
@@ -163,6 +164,7 @@ def test_muon_factory_builds_fastmuons_groups_from_the_model(transformers, first
         assert torch.equal(a, b), name
 
 
+@pytest.mark.slow
 def test_factory_run_resumes_with_the_same_updates(transformers, factory_run, tmp_path):
     out, kwargs, trainer = factory_run
     factory = fastmuon.integrations.transformers.MuonFactory

@@ -203,6 +203,7 @@ def fastmuon_run(yolo):
     return {"last": last, "lockstep": lockstep}
 
 
+@pytest.mark.slow
 def test_lockstep_updates_match_ultralytics_musgd(fastmuon_run):
     errors = fastmuon_run["lockstep"].errors
     print("lockstep update errors per step:", errors)
@@ -248,6 +249,7 @@ def resume(yolo, last, *, with_fastmuon: bool):
     return seen
 
 
+@pytest.mark.slow
 def test_ultralytics_checkpoint_resumes_under_fastmuon(yolo):
     last = train(
         yolo,
@@ -261,12 +263,14 @@ def test_ultralytics_checkpoint_resumes_under_fastmuon(yolo):
     assert seen["epoch"] == 1 and seen["finite"]
 
 
+@pytest.mark.slow
 def test_fastmuon_checkpoint_resumes_under_ultralytics(yolo, fastmuon_run):
     seen = resume(yolo, fastmuon_run["last"], with_fastmuon=False)
     assert type(seen["optimizer"]).__module__.startswith("ultralytics")
     assert seen["epoch"] == 1 and seen["finite"]
 
 
+@pytest.mark.slow
 def test_nan_gradient_keeps_ultralytics_recovery_from_last_pt(yolo):
     """A NaN gradient mid-run: fastmuon steps through it as Ultralytics' MuSGD does, the loss goes
     NaN, and Ultralytics' trainer reloads last.pt and redoes the epoch instead of aborting."""
@@ -299,6 +303,7 @@ def test_nan_gradient_keeps_ultralytics_recovery_from_last_pt(yolo):
     assert epochs_started == [0, 1, 1], "Ultralytics did not redo the poisoned epoch from last.pt"
 
 
+@pytest.mark.slow
 def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
     """The trainer state Ultralytics pickles for its DDP workers carries the integration: a fresh
     interpreter running the generated worker file builds fastmuon.MuSGD with install()'s options."""

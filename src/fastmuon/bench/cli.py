@@ -13,170 +13,22 @@ from typing import Any
 import torch
 
 from ..ns.device import set_cpu_low_precision
-from ..ns.planner import POLICIES
-from ..step.nonfinite import NONFINITE_MODES
-from ..tools.cli import STDOUT, DefaultsHelpFormatter, json_help, plot_format_problem
+from ..tools.cli import STDOUT, plot_format_problem
 from ..tools.tables import terminal_width, wrapped
 from .fake_cuda import fake_cuda_problem
 from .gpu_cost import GpuModel
-from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS, OPTIMIZERS
+from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, ManifestError
+from .options import DEFAULT_MAX_STEP_SECONDS, NS_DTYPE_NAMES
 from .probe import choose_ns_dtype
 from .report import machine_facts, markdown, print_report, progress_display, to_json, write_json, write_plot
-from .runner import COMPILE_MODE, STEP_MODES, Settings, run_benchmark, selected
-from .workloads import WORKLOADS, gpu_only_problem, resolve_workload
+from .runner import Settings, run_benchmark, selected
+from .workloads import gpu_only_problem, resolve_workload
 
 #: ``--json``'s schema for a trace (the timed run's is report.SCHEMA)
 TRACE_SCHEMA = "fastmuon-bench-trace/1"
 
-NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-#: --max-step-seconds when neither it nor --steps is given
-DEFAULT_MAX_STEP_SECONDS = 15.0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """All of ``bench``'s options; extensions (e.g. ``--nproc``) add theirs after these."""
-    p.formatter_class = DefaultsHelpFormatter
-    p.add_argument("--model", default="yolo26n", help=f"workload: {', '.join(WORKLOADS)} or a manifest .json")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="musgd", help="update rule to compare")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the parameters live")
-    p.add_argument(
-        "--ns-dtype",
-        choices=("auto", *NS_DTYPES),
-        default="auto",
-        help="Newton–Schulz precision for fastmuon and the per-parameter loop; auto: the "
-        "optimizers' bfloat16, except on a CPU where it would really run in bf16 (bf16 matmul "
-        "units, or --cpu-low-precision native): there whichever of bfloat16/float32 multiplies "
-        "faster (measured)",
-    )
-    p.add_argument(
-        "--cpu-low-precision",
-        choices=("auto", "native", "fp32"),
-        default=None,
-        help="how fastmuon runs bf16/fp16 NS on a CPU (fastmuon.ns.device): native forces the "
-        "requested dtype, e.g. to compare at equal precision with a native-bf16 peer; unset: "
-        "FASTMUON_CPU_LOW_PRECISION or auto",
-    )
-    p.add_argument("--policy", choices=POLICIES, default="auto", help="fastmuon's batching policy")
-    p.add_argument(
-        "--cost-model",
-        choices=("device", "cpu", "cuda", "calibrate"),
-        default="device",
-        help="the planner's cost constants for policy=auto: the device's built-in ones, another "
-        "device type's (e.g. to see what auto picks for a GPU), or measured on this machine",
-    )
-    p.add_argument(
-        "--ns-method",
-        choices=("auto", "standard", "gram", "eigh"),
-        default="auto",
-        help="fastmuon's NS formulation: auto picks the cheapest accurate one per bucket (Gram-space "
-        "NS for wide fp32 buckets; on CPUs where bf16 NS runs in fp32, the eigh route where it costs less)",
-    )
-    p.add_argument(
-        "--steps", type=int, default=None, help="timed steps per round; unset: as many as fit --budget"
-    )
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (A B C A B C ...)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="untimed steps per contender before measuring (the first builds state and plans, and runs "
-        "even with 0; the last one's time sets how many steps fit the budget)",
-    )
-    p.add_argument(
-        "--budget", type=float, default=3.0, help="timed seconds per contender when --steps is unset"
-    )
-    p.add_argument(
-        "--max-step-seconds",
-        type=float,
-        default=None,
-        help="skip a contender whose step is estimated (NS FLOPs / measured matmul rate) to take longer; "
-        f"0: no limit; unset: {DEFAULT_MAX_STEP_SECONDS:g} s, or no limit when --steps is given (the "
-        "steps asked for are run)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch.set_num_threads; unset: torch's default, fewer if other processes already keep CPUs busy",
-    )
-    p.add_argument(
-        "--step-mode",
-        choices=STEP_MODES,
-        default="eager",
-        help=f"compiled: every contender's step wrapped in torch.compile(mode={COMPILE_MODE!r}), which "
-        "on CUDA captures it in CUDA graphs; a contender that cannot be compiled is listed as not supported",
-    )
-    p.add_argument(
-        "--contenders",
-        metavar="NAMES",
-        default=None,
-        help="comma-separated contenders to run (name prefixes, any case, e.g. 'fastmuon,ultralytics'); "
-        "unset: all of the optimizer's lineup",
-    )
-    p.add_argument(
-        "--trace",
-        action="store_true",
-        help="with --device cuda: trace each contender's step on fake cuda tensors instead of timing it "
-        "(kernels, host syncs, Python calls, NS FLOPs, memory: counts, not times; no GPU needed); "
-        "implied where this torch sees no CUDA device",
-    )
-    p.add_argument(
-        "--nonfinite",
-        choices=NONFINITE_MODES,
-        default=None,
-        help="nonfinite= for fastmuon's rows (what a NaN/Inf gradient does: see fastmuon.Muon); "
-        "unset: the class's default",
-    )
-    gpu = GpuModel()
-    p.add_argument(
-        "--gpu-model",
-        metavar="NAME",
-        default=gpu.name,
-        help="a trace's modelled time: the GPU it is for, named in the report (its rates are the --gpu-* options)",
-    )
-    p.add_argument(
-        "--gpu-tflops",
-        type=float,
-        default=gpu.matmul_tflops,
-        help="a trace's modelled time: dense bf16/fp16 matmul TFLOP/s",
-    )
-    p.add_argument(
-        "--gpu-fp32-tflops",
-        type=float,
-        default=gpu.fp32_tflops,
-        help="a trace's modelled time: fp32 matmul TFLOP/s (torch's default: no TF32)",
-    )
-    p.add_argument(
-        "--gpu-bandwidth", type=float, default=gpu.bandwidth_tbs, help="a trace's modelled time: memory TB/s"
-    )
-    p.add_argument(
-        "--gpu-launch-us",
-        type=float,
-        default=gpu.launch_us,
-        help="a trace's modelled time: µs added per kernel launch",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic parameters and gradients")
-    p.add_argument("--json", metavar="FILE", help=json_help("every figure and the machine facts"))
-    p.add_argument("--markdown", metavar="FILE.md", help="write the table as Markdown (for docs)")
-    p.add_argument("--plot", metavar="FILE.png", help="bar chart of time and kernels per step (matplotlib)")
-    p.add_argument("--quiet", action="store_true", help="no progress display")
-
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=1,
-        help="ranks (N > 1: the multi-rank benchmark of fastmuon's --optimizer, gloo on CPU, NCCL on CUDA): "
-        "NS time per rank, bytes exchanged, NS speedup per rank against every rank doing every matrix",
-    )
-    p.add_argument(
-        "--dist-mode",
-        choices=("ddp", "fsdp", "hsdp"),
-        default="ddp",
-        help="with --nproc: replicated params, Shard(0) DTensors on a 1-D mesh, or HSDP "
-        "(Replicate over 2 groups, Shard(0) within; an even --nproc); NorMuon and AdaMuon: ddp only",
-    )
+NS_DTYPES = dict(zip(NS_DTYPE_NAMES, (torch.float32, torch.bfloat16, torch.float16)))
 
 
 def settings_from(args: argparse.Namespace, device: torch.device) -> tuple[Settings, str]:
@@ -406,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
     }
     document = to_json(results, machine_facts(device), workload, settings_doc, run_facts)
     if args.json != STDOUT:
-        print_report(document, results)
+        print_report(document, results, verbose=args.verbose)
     if args.json:
         write_json(args.json, document)
     if args.markdown:

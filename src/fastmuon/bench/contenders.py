@@ -177,6 +177,8 @@ class Contender:
     step_context: Callable[[], AbstractContextManager] = contextlib.nullcontext
     #: what each ``opt.step`` is called with (made once, so that the timed step does not make it)
     step_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the lineup's name for it (set by the runner from lineup.CONTENDER_LABELS)
+    label: str = ""
 
     def __post_init__(self) -> None:
         if self.compute_dtype is None:

@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .options import GPU_BANDWIDTH_TBS, GPU_FP32_TFLOPS, GPU_LAUNCH_US, GPU_MODEL, GPU_TFLOPS
+
 aten = torch.ops.aten
 
 # ----- bytes moved ----------------------------------------------------------------------------------
@@ -276,11 +278,11 @@ class GpuModel:
     (``torch.backends.cuda.matmul.allow_tf32``), so this is what an fp32 NS gets;
     ``bandwidth_tbs``: HBM, 4.3 TB/s (0.9 of the datasheet's 4.8); ``launch_us``: per kernel."""
 
-    name: str = "H200"
-    matmul_tflops: float = 790.0
-    fp32_tflops: float = 67.0
-    bandwidth_tbs: float = 4.3
-    launch_us: float = 4.0
+    name: str = GPU_MODEL
+    matmul_tflops: float = GPU_TFLOPS
+    fp32_tflops: float = GPU_FP32_TFLOPS
+    bandwidth_tbs: float = GPU_BANDWIDTH_TBS
+    launch_us: float = GPU_LAUNCH_US
 
     def __post_init__(self) -> None:
         for key in ("matmul_tflops", "fp32_tflops", "bandwidth_tbs"):

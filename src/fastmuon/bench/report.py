@@ -146,6 +146,108 @@ def rows(results: list[Result]) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
+#: the README's headline comparison per update rule: the peer's lineup labels, the one at
+#: fastmuon's precision first (it runs only where fastmuon's NS does not run in bf16), then as shipped
+HEADLINE = {
+    "musgd": ("Ultralytics MuSGD (NS in float32)", "Ultralytics MuSGD"),
+    "muon": ("torch.optim.Muon (NS in float32)", "torch.optim.Muon"),
+}
+
+
+def baseline(results: list[Result], optimizer: str, bf16_native: bool = False) -> tuple[Result | None, str]:
+    """The row the speed-up column is read against, and why that one: the README's headline
+    peer, at fastmuon's precision where that row ran; else the per-parameter loop ("what you would
+    write yourself"); else the first row that ran."""
+    timed = {r.label: r for r in results if r.times_ms}
+    equal, shipped = HEADLINE.get(optimizer, ("", ""))
+    if equal in timed:
+        as_shipped = timed.get(shipped)
+        how = ""
+        if as_shipped is not None and as_shipped.ns_dtype == "bfloat16":
+            emulated = "" if bf16_native else ", which this CPU emulates in software"
+            how = f"; {as_shipped.name} as shipped runs bf16{emulated}"
+        return timed[equal], f"the fair row: NS at the precision fastmuon computes in here{how}"
+    if shipped in timed:
+        return timed[shipped], "the README's headline comparison"
+    loop = next((r for label, r in timed.items() if label == "per-parameter"), None)
+    if loop is not None:
+        return loop, "the per-parameter loop, what you would write yourself"
+    first = next(iter(timed.values()), None)
+    return first, "the first contender that ran"
+
+
+def _num(value: float | int | None, digits: int = 1) -> str:
+    """Every figure of the table alike: thousands separated, a fixed number of decimals."""
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def table_rows(results: list[Result], base: Result | None) -> tuple[list[str], list[list[str]]]:
+    """The default table: a row per contender that ran, a column per figure."""
+    header = [
+        "contender", "NS", "ms/step", "speed-up", "host ms", "kernels", "NS GFLOP", "state MiB", "peak MiB",
+    ]  # fmt: skip
+    body = []
+    for r in results:
+        if not r.times_ms:
+            continue
+        median = r.median_ms
+        base_ms = None if base is None else base.median_ms
+        speedup = "-" if base_ms is None or not median else f"{base_ms / median:.2f}×"
+        flops = r.ns_flops if r.ns_flops is not None else r.ns_useful_flops
+        body.append(
+            [
+                r.name,
+                r.ns_dtype,
+                _num(median),
+                speedup,
+                _num(r.host_ms),
+                _num(r.kernels_per_step, 0),
+                "-" if flops is None else ("≥" if r.ns_flops is None else "") + _num(flops / 1e9, 2),
+                _num(None if r.state_bytes is None else r.state_bytes / 2**20),
+                _num(None if r.peak_extra_bytes is None else r.peak_extra_bytes / 2**20),
+            ]
+        )
+    return header, body
+
+
+def headline(document: dict[str, Any]) -> str:
+    """The one line above the table: workload, machine class, threads and the NS precision."""
+    m, w, s = document["machine"], document["workload"], document["settings"]
+    where = (
+        f"GPU {m['gpu']}"
+        if "gpu" in m
+        else f"CPU {m.get('cpu_class', m['cpu'])}" + (f" ({m['cpu']})" if "cpu_class" in m else "")
+    )
+    asked, runs_in = s["ns_dtype"], m.get("bf16_ns_runs_in", "bfloat16")
+    if s["device"] == "cpu" and asked == "bfloat16" and runs_in != "bfloat16":
+        precision = f"NS bfloat16 asked: no bf16 matmul units, so fastmuon computes it in {runs_in}"
+    else:
+        precision = f"NS in {asked}"
+    return (
+        f"{w['model']} {s['optimizer']} on {where}, {counted(m['num_threads'], 'thread')}, "
+        f"torch {m['torch']}; {precision}"
+    )
+
+
+def footer(document: dict[str, Any], results: list[Result], base: Result | None, why: str) -> list[str]:
+    """The lines under the default table: what the speed-up is against, skips, a busy machine."""
+    lines = []
+    if base is not None:
+        lines.append(f"speed-up: {base.name}'s ms/step over each row's (above 1: faster); {why}")
+    lines += [f"skipped {r['name']}: {r['skipped']}" for r in document["results"] if r["skipped"]]
+    m, run = document["machine"], document["run"]
+    load, cpus = run.get("load_average_before"), m["cpu_count"]
+    if (
+        load is not None
+        and cpus
+        and load + m["num_threads"] > cpus + 0.5
+        and document["settings"]["device"] == "cpu"
+    ):
+        lines.append(f"warning: other processes were using the CPUs (load {load:.1f}): timings are disturbed")
+    lines.append("--verbose: the NS floors, every ratio and what each column counts; --json: every figure")
+    return lines
+
+
 def describe(document: dict[str, Any]) -> list[str]:
     """The lines around the table: workload, settings, machine, notes, skips, speedup matrix."""
     m, w, s = document["machine"], document["workload"], document["settings"]
@@ -242,20 +344,38 @@ def speedup_rows(document: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     table = document["speedups"]
     names = list(table)
     body = [[a] + ["" if a == b else f"{table[a][b]:.3g}×" for b in names] for a in names]
-    return ["faster than →", *names], body
+    return [SPEEDUP_CORNER, *names], body
 
 
-def print_report(document: dict[str, Any], results: list[Result], console: Any = None) -> None:
-    """The lines around the table, the table and the speedup matrix, within the terminal's width
-    (``COLUMNS``); a file or pipe with no width asked for gets 160 columns and unwrapped lines."""
-    header, body = rows(results)
-    sp_header, sp_body = speedup_rows(document)
+SPEEDUP_CORNER = "faster than →"
+
+
+def print_report(
+    document: dict[str, Any], results: list[Result], console: Any = None, verbose: bool = False
+) -> None:
+    """One table, a row per contender and a column per figure, under a line saying the machine
+    and the precision; ``verbose`` adds the run's details, the NS floors, the detailed table and
+    the speedup matrix. Within the terminal's width (``COLUMNS``); a file or pipe with no width
+    asked for gets 160 columns and unwrapped lines."""
+    machine = document["machine"]
+    bf16_native = machine.get("bf16_ns_runs_in") == "bfloat16" or "gpu" in machine
+    base, why = baseline(results, document["settings"]["optimizer"], bf16_native)
     title = f"fastmuon bench: {document['workload']['model']} ({document['settings']['optimizer']})"
+    before = [headline(document)]
+    tables = [(title, *table_rows(results, base))]
+    after = footer(document, results, base, why)
+    if verbose:
+        before = [*describe(document), *before]
+        tables.append((f"{title}, every figure", *rows(results)))
+        sp_header, sp_body = speedup_rows(document)
+        if len(sp_body) > 1:
+            tables.append(("speedup of the median step (row vs column)", sp_header, sp_body))
+        after = after[:-1]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
-        _print_plain(document, title, header, body, sp_header, sp_body)
+        _print_plain(before, tables, after)
         return
     unwrapped = False
     if console is None:
@@ -263,30 +383,31 @@ def print_report(document: dict[str, Any], results: list[Result], console: Any =
         if not console.is_terminal and "COLUMNS" not in os.environ:
             console, unwrapped = Console(width=160), True
     width = console.width
-    for line in describe(document):
-        for part in [line] if unwrapped else wrapped(line, width):
-            console.print(part, highlight=False, markup=False, soft_wrap=True)
-    tables = [(title, header, body)]
-    if len(sp_body) > 1:
-        tables.append(("speedup of the median step (row vs column)", sp_header, sp_body))
-    for i, (caption, h, b) in enumerate(tables):
+
+    def say(lines: list[str]) -> None:
+        for line in lines:
+            for part in [line] if unwrapped else wrapped(line, width):
+                console.print(part, highlight=False, markup=False, soft_wrap=True)
+
+    say(before)
+    for caption, h, b in tables:
         if grid_width(h, b) <= width:
             table = Table(title=caption)
             for j, heading in enumerate(h):
-                table.add_column(heading, justify="left" if j < (2 if i == 0 else 1) else "right")
+                left = j < (1 if h[0] == SPEEDUP_CORNER else 2)
+                table.add_column(heading, justify="left" if left else "right")
             for row in b:
                 table.add_row(*row)
             console.print(table)
             continue
-        for line in _stacked_table(i, caption, h, b, width):
+        for line in _stacked_table(caption, h, b, width):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
+    say(after)
 
 
-def _stacked_table(
-    index: int, caption: str, header: list[str], body: list[list[str]], width: int
-) -> list[str]:
+def _stacked_table(caption: str, header: list[str], body: list[list[str]], width: int) -> list[str]:
     """A table too wide for the terminal, as one block per contender (see fastmuon.tools.tables)."""
-    if index == 1:  # the speedup matrix: each contender against each other one
+    if header[0] == SPEEDUP_CORNER:  # the speedup matrix: each contender against each other one
         caption = "speedup of the median step (each contender against the others)"
         header = ["", *(f"vs {name}" for name in header[1:])]
     return ["", *wrapped(caption, width), *stacked(header, body, width)]
@@ -300,19 +421,22 @@ def markdown(document: dict[str, Any], results: list[Result]) -> str:
     return "\n".join(["\n".join(f"- {x}" for x in describe(document)), "", *lines, ""])
 
 
-def _print_plain(document, title, header, body, sp_header, sp_body) -> None:
+def _print_plain(
+    before: list[str], tables: list[tuple[str, list[str], list[list[str]]]], after: list[str]
+) -> None:
     width = terminal_width()
-    for line in describe(document):
+    for line in before:
         print("\n".join(wrapped(line, width)))
-    for i, (h, b) in enumerate(((header, body), (sp_header, sp_body))):
+    for caption, h, b in tables:
         widths = [max(len(x) for x in col) for col in zip(h, *b)]
         if sum(widths) + 2 * (len(widths) - 1) > width:
-            caption = title if i == 0 else "speedup of the median step"
-            print("\n".join(_stacked_table(i, caption, h, b, width)[1:]))
+            print("\n".join(_stacked_table(caption, h, b, width)[1:]))
         else:
             for row in (h, *b):
                 print("  ".join(x.ljust(n) for x, n in zip(row, widths)))
         print()
+    for line in after:
+        print("\n".join(wrapped(line, width)))
 
 
 @contextmanager

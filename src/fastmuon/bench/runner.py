@@ -36,12 +36,8 @@ from .hosttime import cuda_activity, host_ms, python_calls
 from .lineup import CLASSES, CONTENDER_LABELS, CONTENDERS
 from .manifest import Manifest, materialize
 from .memory import peak_extra_bytes
+from .options import COMPILE_MODE
 from .probe import FloorRun, matmul_rate, ns_floor_seconds
-
-#: how each contender's step runs: as written, or wrapped in torch.compile's "reduce-overhead"
-#: mode, which on CUDA captures the compiled step in CUDA graphs and replays them
-STEP_MODES = ("eager", "compiled")
-COMPILE_MODE = "reduce-overhead"
 
 #: profiled steps per contender for its host time (not timed: the profiler adds overhead)
 HOST_STEPS = 3
@@ -76,6 +72,7 @@ class Result:
     name: str
     note: str = ""
     ns_dtype: str = "-"
+    label: str = ""  # the lineup's name for the contender (lineup.CONTENDER_LABELS), e.g. "Ultralytics MuSGD"
     skipped: str | None = None
     times_ms: list[float] = field(default_factory=list)
     kernels_per_step: int | None = None
@@ -127,10 +124,11 @@ def build_contenders(
             continue
         try:
             contenders.append(factory(wb))
+            contenders[-1].label = label
         except Unavailable as e:
-            skipped.append(Result(label, skipped=str(e)))
+            skipped.append(Result(label, label=label, skipped=str(e)))
         except Exception as e:  # e.g. a manifest group an optimizer rejects: report it, run the rest
-            skipped.append(Result(label, skipped=f"failed to build: {type(e).__name__}: {e}"))
+            skipped.append(Result(label, label=label, skipped=f"failed to build: {type(e).__name__}: {e}"))
     return contenders, skipped
 
 
@@ -193,7 +191,9 @@ def run_benchmark(
     if settings.step_mode == "compiled":
         for c in contenders:
             compile_step(c)
-    results = {c.name: Result(c.name, c.note, dtype_label(c), extra=dict(c.extra)) for c in contenders}
+    results = {
+        c.name: Result(c.name, c.note, dtype_label(c), c.label, extra=dict(c.extra)) for c in contenders
+    }
 
     rates: dict[torch.dtype, float] = {}
     for c in contenders:

@@ -227,16 +227,8 @@ def _install_in_worker(options: dict[str, Any]) -> _InstallInWorker:
     return _InstallInWorker(options)
 
 
-# ----- ``fastmuon yolo ...``: Ultralytics' own command line with the integration installed -----
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "yolo_args",
-        nargs=argparse.REMAINDER,
-        metavar="ARGS",
-        help="what you would pass to `yolo`, e.g. train model=yolo26n.yaml data=coco8.yaml optimizer=MuSGD",
-    )
-
-
+# ----- ``fastmuon yolo ...``: Ultralytics' own command line with the integration installed
+# (its options: fastmuon.integrations.yolo_options) -----
 def run(args: argparse.Namespace) -> int:
     """Install the integration, then hand the arguments to Ultralytics' ``yolo`` entry point."""
     try:

@@ -13,83 +13,26 @@ import torch
 from ..tools.cli import (
     UsageError,
     check_output_file,
-    json_help,
     plot_format_problem,
     require_packages,
     write_json_output,
 )
+from ..tools.plan_options import (
+    DEFAULT_LAYOUT,
+    DEFAULT_MODEL,
+    DEFAULT_WORLD,
+    DTYPE_NAMES,
+    ROUNDS,
+    SWEEP,
+)
 from .designs import DESIGNS, figures, summary
-from .devices import DEVICE_NAMES, device
+from .devices import device
 from .figures import Figures, Settings
-from .layouts import EXPERT_SHARDS, INNER_DIM, LAYOUT_HELP, NODE, Layout, given_mesh, layout_for, mesh_world
-from .measure import ROUNDS, busiest_rank, predicted_measure_seconds
-from .models import WORKLOADS, Workload, workload
+from .layouts import INNER_DIM, NODE, Layout, given_mesh, layout_for, mesh_world
+from .measure import busiest_rank, predicted_measure_seconds
+from .models import Workload, workload
 
-SWEEP = (8, 64, 256, 1024)
-#: --world where neither it nor a mesh naming both dims gives one
-DEFAULT_WORLD = 1024
-#: --max-measure-seconds by default
-DEFAULT_MAX_MEASURE_SECONDS = 120.0
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-SHOWN_CLASSES = 6
-DEFAULT_MODEL, DEFAULT_LAYOUT = "llama3-70b", "fsdp"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=list(WORKLOADS), help="the workload")
-    p.add_argument(
-        "--world",
-        type=int,
-        default=None,
-        help="ranks (default: R·S where --layout names both mesh dims, as hsdp:RxS or fsdp+tp:DxT; "
-        f"else {DEFAULT_WORLD})",
-    )
-    p.add_argument("--layout", default=DEFAULT_LAYOUT, help=f"how parameters lie on the ranks: {LAYOUT_HELP}")
-    p.add_argument(
-        "--expert-shard",
-        default="auto",
-        choices=EXPERT_SHARDS,
-        help="the dim FSDP2 shards expert stacks on: 0 (experts), 1 (their rows, as fully_shard's "
-        "shard_placement_fn gives), or auto (default): torchtitan's rule, 1 where the FSDP ranks "
-        "outnumber the experts",
-    )
-    p.add_argument("--design", default="all", choices=("all", *DESIGNS), help="whose step to compute")
-    p.add_argument(
-        "--device", default="h100", choices=DEVICE_NAMES, help="the device times are predicted for"
-    )
-    p.add_argument(
-        "--ns-dtype",
-        default=None,
-        choices=list(DTYPES),
-        help="NS dtype (default: bf16 on the GPU devices, fp32 for cpu-measured)",
-    )
-    p.add_argument("--param-dtype", default="fp32", choices=list(DTYPES), help="the parameters' dtype")
-    p.add_argument("--classes", type=int, default=SHOWN_CLASSES, help="rank classes shown per design")
-    p.add_argument("--json", metavar="FILE", help=json_help("every design's summary and rank classes"))
-    p.add_argument(
-        "--plot",
-        metavar="FILE",
-        help=f"plot imbalance and bytes against world size ({', '.join(map(str, SWEEP))}; those the "
-        "layout's inner dim or ep size does not divide are left out)",
-    )
-    p.add_argument(
-        "--measure", action="store_true",
-        help="with --device cpu-measured: run the busiest rank's NS here and print measured against predicted",
-    )  # fmt: skip
-    p.add_argument(
-        "--targets", action="store_true",
-        help="compute the at-scale targets instead: 33 configurations of llama3-8b, llama3-70b, mixtral-8x7b "
-        "and deepseek-v3 at 8, 64 and 1,024 ranks, fastmuon against the balanced ideal, the peers and its "
-        "buffer bound, as one table (see docs/scale.md)",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-measure-seconds",
-        type=float,
-        default=DEFAULT_MAX_MEASURE_SECONDS,
-        help="with --measure: refuse to measure what the prediction says takes longer (the busiest "
-        f"rank's NS, once to warm up and {ROUNDS} times timed); 0: no limit; default "
-        f"{DEFAULT_MAX_MEASURE_SECONDS:g} s",
-    )
+DTYPES = dict(zip(DTYPE_NAMES, (torch.bfloat16, torch.float32, torch.float16)))
 
 
 def _settings(args: argparse.Namespace) -> tuple[Settings, Any]:

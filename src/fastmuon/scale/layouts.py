@@ -31,15 +31,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..distributed import shard_rows
+from ..tools.plan_options import EXPERT_SHARDS, LAYOUT_HELP
 from .models import COLWISE, ROWWISE, Tensor, Workload
 
 #: A box of a tensor, ``(start, stop)`` per dim (as :mod:`fastmuon.distributed.parts` writes it).
 Region = tuple[tuple[int, int], ...]
 
 KINDS = ("ddp", "fsdp", "hsdp", "fsdp+tp", "ep")
-LAYOUT_HELP = "ddp | fsdp | hsdp:RxS | fsdp+tp:DxT | ep[:E]"
-#: ``--expert-shard``'s choices: torchtitan's rule, or the dim FSDP2 shards expert stacks on
-EXPERT_SHARDS = ("auto", "0", "1")
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,10 @@ from ..distributed.owners import owner_plan
 from ..ns.engine import Orthogonalizer
 from ..ns.planner import Plan
 from ..ns.timing import median_seconds
+from ..tools.plan_options import ROUNDS
 from .figures import Figures, Settings
 
 CPU = torch.device("cpu")  # where the measured work runs
-
-#: timed runs of each NS call (after one warm-up), their median kept
-ROUNDS = 3
 
 
 def _member_seconds(m: int, n_j: int, settings: Settings, rounds: int) -> float:

@@ -388,9 +388,10 @@ class StepDriver:
         key = (policy, tuple(map(_engine_key, wholes, configs)))
         return self.cache.engine(key, lambda: self._build(env, site, params, configs, wholes, policy))
 
-    # planning is host-side bookkeeping: nothing for a compiler to trace (torch types the
-    # decorator loosely: the method keeps its own signature)
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    # planning is host-side bookkeeping: nothing for a compiler to trace. torch.compiler.disable
+    # would import torch._dynamo with fastmuon; torch's own lazy form (what torch.optim's
+    # add_param_group uses) imports it on the first call
+    @torch._disable_dynamo
     def _build(
         self,
         env: StepEnv,

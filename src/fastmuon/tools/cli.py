@@ -11,19 +11,62 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-#: subcommand -> (module, one-line help). Each module defines ``add_arguments(parser)`` and ``run(args)``.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("fastmuon.bench.cli", "side-by-side benchmark against the optimizers you would otherwise use"),
-    "accuracy": ("fastmuon.tools.accuracy", "how well each NS variant orthogonalises (singular-value bands)"),
-    "train": ("fastmuon.train.cli", "each optimizer trained on small models: losses, curves, time"),
-    "plan": (
+
+@dataclass(frozen=True)
+class Subcommand:
+    """A subcommand: its options live in a module that imports no torch (so that ``--help``
+    answers at once), its work in another, imported only to run it."""
+
+    options: str  # module defining ``add_arguments(parser)``
+    runner: str  # module defining ``run(args)``
+    help: str
+    examples: tuple[str, ...]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "bench": Subcommand(
+        "fastmuon.bench.options",
+        "fastmuon.bench.cli",
+        "side-by-side benchmark against the optimizers you would otherwise use",
+        (
+            "fastmuon bench                          # yolo26n's MuSGD beside Ultralytics' and the others",
+            "fastmuon bench --optimizer muon --threads 1",
+            "fastmuon bench --model gpt2 --json bench.json --verbose",
+        ),
+    ),
+    "accuracy": Subcommand(
+        "fastmuon.tools.accuracy_options",
+        "fastmuon.tools.accuracy",
+        "how well each NS variant orthogonalises (singular-value bands)",
+        ("fastmuon accuracy", "fastmuon accuracy --rows 128 --cols 1152 --json accuracy.json"),
+    ),
+    "train": Subcommand(
+        "fastmuon.train.options",
+        "fastmuon.train.cli",
+        "each optimizer trained on small models: losses, curves, time",
+        (
+            "fastmuon train --model digits --optimizer musgd,sgd",
+            "fastmuon train --steps 60 --plot curves.png",
+        ),
+    ),
+    "plan": Subcommand(
+        "fastmuon.tools.plan_options",
         "fastmuon.scale.cli",
         "NS FLOPs, bytes and memory per rank at 8 to 1,024 ranks, per layout, beside the peers",
+        (
+            "fastmuon plan                           # llama3-70b under FSDP on 1,024 H100s",
+            "fastmuon plan --model deepseek-v3 --layout ep:64 --world 256",
+            "fastmuon plan --targets",
+        ),
     ),
-    "yolo": (
+    "yolo": Subcommand(
+        "fastmuon.integrations.yolo_options",
         "fastmuon.integrations.ultralytics",
         "Ultralytics' `yolo` command with fastmuon.MuSGD as its MuSGD",
+        ("fastmuon yolo train model=yolo26n.yaml data=coco8.yaml epochs=3 optimizer=MuSGD",),
     ),
 }
 
@@ -52,9 +95,22 @@ def write_json_output(path: str, text: str) -> None:
             f.write(text + "\n")
 
 
+EXAMPLES = "examples:"
+
+
+def examples(*lines: str) -> str:
+    """An epilog of example invocations, kept one a line by :class:`DefaultsHelpFormatter`."""
+    return "\n".join((EXAMPLES, *(f"  {line}" for line in lines)))
+
+
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows each option's default, except where there is none (None, or a flag's
     False) or the help text already says it in words."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(EXAMPLES):  # one invocation a line, as typed
+            return "".join(indent + line + "\n" for line in text.splitlines())
+        return super()._fill_text(text, width, indent)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
@@ -109,21 +165,46 @@ def require_packages(*names: str) -> None:
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or (``command``) only that subcommand's options: the others'
+    modules are then not imported at all."""
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="fastmuon", description="Fast Muon-family optimizers.")
+    parser = argparse.ArgumentParser(
+        prog="fastmuon",
+        description="Fast Muon-family optimizers: benchmark, accuracy, training and at-scale figures.",
+        epilog=examples(
+            "fastmuon bench                 # the README's comparison on this machine",
+            "fastmuon bench --help          # every option of one subcommand, with examples",
+            "fastmuon plan --model llama3-8b --world 64",
+        ),
+        formatter_class=DefaultsHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"fastmuon {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+    for name, spec in SUBCOMMANDS.items():
+        p = sub.add_parser(
+            name,
+            help=spec.help,
+            description=spec.help,
+            epilog=examples(*spec.examples),
+            formatter_class=DefaultsHelpFormatter,
+        )
+        p.set_defaults(_module=spec.runner)
+        if command is None or command == name:
+            importlib.import_module(spec.options).add_arguments(p)
     return parser
 
 
+def named_command(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is one), if any."""
+    return next((word for word in argv if word in SUBCOMMANDS), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = named_command(argv)
+    args = build_parser(command or "").parse_args(argv)
     prog = f"fastmuon {args.command}"
     try:
         return int(importlib.import_module(args._module).run(args) or 0)

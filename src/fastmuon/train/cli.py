@@ -13,61 +13,16 @@ from ..tools.cli import (
     STDOUT,
     UsageError,
     check_output_file,
-    json_help,
     plot_format_problem,
     require_packages,
     write_json_output,
 )
-from .contenders import CONTENDERS, WARMUP_FRACTION, parse_optimizers
+from .contenders import WARMUP_FRACTION, parse_optimizers
 from .loop import RunResult, train_run
-from .report import BAR_LOSS, LOSSES
+from .options import BAR_LOSS, NS_DTYPE_NAMES
 from .tasks import TASKS, make_task
 
-NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def default_threads() -> int:
-    """Half the cores: on a small shared machine two busy intra-op threads fight other work."""
-    return max(1, (os.cpu_count() or 2) // 2)
-
-
-def description() -> str:
-    """``fastmuon train --help``'s description: every contender, as the registry holds them."""
-    *others, last = [c.label for c in CONTENDERS.values()]
-    return (
-        f"Train small models from scratch with each of {', '.join(others)} and {last}, with the same "
-        f"seed, batches and learning-rate schedule; compare their losses, curves and time. {LOSSES}"
-    )
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = description()
-    p.add_argument("--model", default="all", choices=[*TASKS, "all"], help="which task(s) to train")
-    p.add_argument(
-        "--optimizer",
-        action="append",
-        metavar="NAME[,NAME]",
-        help=f"{', '.join(CONTENDERS)} or all (repeatable or comma list; default all)",
-    )
-    p.add_argument(
-        "--steps", type=int, help="training steps per run (default: per model, 120 for both models)"
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed for weights and batches, shared by all contenders"
-    )
-    p.add_argument(
-        "--threads", type=int, default=default_threads(), help="torch CPU threads (default: half the cores)"
-    )
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    p.add_argument(
-        "--ns-dtype",
-        default="auto",
-        choices=["auto", *NS_DTYPES],
-        help="Newton-Schulz dtype of the fastmuon optimizers; auto = bfloat16 on CUDA, float32 on CPU "
-        "(the same figures on every CPU; a CPU without bf16 matmul computes bfloat16 NS in float32 anyway)",
-    )
-    p.add_argument("--json", metavar="FILE", help=json_help("the settings, final figures and curves"))
-    p.add_argument("--plot", metavar="FILE.png", help="save loss-vs-step and loss-vs-time curves")
+NS_DTYPES = dict(zip(NS_DTYPE_NAMES, (torch.float32, torch.bfloat16)))
 
 
 def resolve_device(name: str) -> torch.device:

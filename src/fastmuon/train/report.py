@@ -10,6 +10,7 @@ from typing import Any
 
 from ..tools.tables import grid_width, stacked, wrapped
 from .loop import RunResult
+from .options import LOSSES
 
 #: one colour per contender, the same in every panel
 COLOURS = {
@@ -52,16 +53,6 @@ def table_rows(results: Sequence[RunResult]) -> list[list[str]]:
 
 
 HEADERS = ["model", "optimizer", "train loss", "val loss", "val acc %", "wall s", "ms/step", "opt step share"]
-
-#: the progress bars' loss, as they label it: the loss of each step's training batch
-BAR_LOSS = "batch loss"
-
-#: what each loss shown is (the table's two and the bars'), printed under the table and in --help
-LOSSES = (
-    "Train loss and val loss are the final model's losses (in eval mode) on a fixed subset of the "
-    f"training data and on the validation set; the progress bars' {BAR_LOSS} is the loss of each "
-    "step's training batch, before that step's update."
-)
 
 
 def print_table(results: Sequence[RunResult], console: Any = None) -> None:
