@@ -86,6 +86,7 @@ def test_the_options_name_what_the_registries_hold():
     from fastmuon.bench.workloads import WORKLOADS
     from fastmuon.ns.planner import POLICIES
     from fastmuon.scale.designs import DESIGNS
+    from fastmuon.step.nonfinite import NONFINITE_MODES
     from fastmuon.scale.devices import DEVICE_NAMES
     from fastmuon.scale.models import WORKLOADS as SCALE_WORKLOADS
     from fastmuon.train.contenders import CONTENDERS
@@ -95,6 +96,7 @@ def test_the_options_name_what_the_registries_hold():
     assert tuple(WORKLOADS) == bench.WORKLOAD_NAMES
     assert bench.OPTIMIZERS == OPTIMIZERS
     assert bench.POLICIES == POLICIES
+    assert bench.NONFINITE_MODES == NONFINITE_MODES
     assert tuple(SCALE_WORKLOADS) == scale.WORKLOAD_NAMES
     assert scale.DESIGNS == DESIGNS
     assert scale.DEVICE_NAMES == DEVICE_NAMES
