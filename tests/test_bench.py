@@ -132,7 +132,12 @@ def test_module_manifest_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "numel", "matrices"),
-    [("gpt2", 124_439_808, 48), ("llama-1b", 1_235_814_400, 112), ("resnet50", 25_557_032, 53)],
+    [
+        ("gpt2", 124_439_808, 48),
+        ("gpt2-blocks", 84_934_656, 48),
+        ("llama-1b", 1_235_814_400, 112),
+        ("resnet50", 25_557_032, 53),
+    ],
 )
 def test_generated_workloads_match_their_public_sizes(name, numel, matrices):
     m = resolve_workload(name)

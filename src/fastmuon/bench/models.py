@@ -37,6 +37,25 @@ class GPT2(nn.Module):
         self.lm_head.weight = self.wte.weight
 
 
+class _GPT2Matrices(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.attn_qkv = nn.Linear(d, 3 * d, bias=False)
+        self.attn_proj = nn.Linear(d, d, bias=False)
+        self.mlp_fc = nn.Linear(d, 4 * d, bias=False)
+        self.mlp_proj = nn.Linear(4 * d, d, bias=False)
+
+
+class GPT2Blocks(nn.Module):
+    """GPT-2 small's block matrices alone: per block qkv (2304×768), proj (768×768), fc
+    (3072×768) and proj (768×3072), 48 matrices, 85M parameters. No norms, biases, embedding or
+    head: every parameter is one the optimizer orthogonalises, as for ``torch.optim.Muon``."""
+
+    def __init__(self, d=768, layers=12):
+        super().__init__()
+        self.h = nn.ModuleList(_GPT2Matrices(d) for _ in range(layers))
+
+
 class _LlamaBlock(nn.Module):
     def __init__(self, d: int, heads: int, kv_heads: int, hidden: int, norms: bool = True):
         super().__init__()

@@ -9,7 +9,7 @@ from ..tools.cli import DefaultsHelpFormatter, json_help
 
 #: fastmuon.bench.workloads.WORKLOADS
 WORKLOAD_NAMES = (
-    "yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x", "gpt2", "gpt2-split", "granite-moe",
+    "yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x", "gpt2", "gpt2-blocks", "gpt2-split", "granite-moe",
     "gpt-oss-like", "llama-1b", "llama-8b-layers", "resnet50",
 )  # fmt: skip
 #: fastmuon.bench.lineup.OPTIMIZERS

@@ -35,7 +35,7 @@ from .mapped import (
     moe_decoder,
     moe_groups,
 )
-from .models import GPT2, Llama, LlamaLayers, ResNet50
+from .models import GPT2, GPT2Blocks, Llama, LlamaLayers, ResNet50
 
 YOLO_MODELS = ("yolo26n", "yolo26s", "yolo26m", "yolo26l", "yolo26x")
 
@@ -63,6 +63,13 @@ _WRITTEN_OUT = "groups and matrix maps written out (fastmuon.bench.mapped)"
 #: name -> how the workload is built
 GENERATED: dict[str, Generated] = {
     "gpt2": Generated(GPT2, "GPT-2 small (124M): vocab 50257, context 1024, d 768, 12 layers, tied head"),
+    "gpt2-blocks": Generated(
+        GPT2Blocks,
+        "GPT-2 small's 12 blocks' weight matrices alone (d 768: qkv, attention projection, MLP in "
+        "and out per block), 48 matrices, 85M parameters; no norms, biases, embedding or head",
+        functools.partial(param_groups, head=None),
+        "groups: fastmuon.param_groups(model, head=None)",
+    ),
     "gpt2-split": Generated(
         GPT2Conv1D,
         "GPT-2 small (124M) as its reference code stores it: Conv1D weights (in, out), each mapped "
