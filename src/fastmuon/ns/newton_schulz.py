@@ -616,6 +616,7 @@ def _iterate_gram(
         if k + 1 < len(schedule) and not (restart and (k + 1) % restart == 0):
             PA = torch.baddbmm(A, B, A, beta=a, out=scratch("PA", A.shape))  # P·A
             A = torch.baddbmm(PA, PA, B, beta=a, out=A)  # P·A·P, over A (not an input here)
+            del PA  # with nothing kept, its memory is the next step's
         if Q is None:  # Q₁ = P = a·I + B (with nothing kept, B itself: fresh, read no more)
             Q = B if rotate else torch.add(B, 0, out=scratch("Q", A.shape))
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
