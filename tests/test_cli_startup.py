@@ -86,9 +86,9 @@ def test_the_options_name_what_the_registries_hold():
     from fastmuon.bench.workloads import WORKLOADS
     from fastmuon.ns.planner import POLICIES
     from fastmuon.scale.designs import DESIGNS
-    from fastmuon.step.nonfinite import NONFINITE_MODES
     from fastmuon.scale.devices import DEVICE_NAMES
     from fastmuon.scale.models import WORKLOADS as SCALE_WORKLOADS
+    from fastmuon.step.nonfinite import NONFINITE_MODES
     from fastmuon.train.contenders import CONTENDERS
     from fastmuon.train.tasks import TASKS
 
