@@ -465,12 +465,13 @@ class Orthogonalizer:
         On the host every bucket lays its input, the kernel's temporaries and its cast results
         out in one workspace buffer (:mod:`fastmuon.ns.workspace`), so what a step keeps is the
         largest bucket's layout; the padding is zeroed here, on every call, since the other
-        buckets and the kernels write there too. Off the host each bucket gets a fresh buffer
-        (see :meth:`_open_fresh`).
+        buckets and the kernels write there too; off the host, a fresh buffer (:func:`_fresh_input`).
         """
         rec = self.records[b]
-        if not rec.host:
-            return self._open_fresh(b, rec)
+        if not rec.host:  # a fresh buffer, held until run_bucket takes it
+            batch = _fresh_input(rec)
+            self._opened = (b, batch)
+            return _slot_views(batch, rec)
         layout = rec.shared
         if layout is None:
             if self._shared is None:
@@ -500,7 +501,14 @@ class Orthogonalizer:
         """
         rec = self.records[b]
         if not rec.host:
-            return self._run_fresh(b, rec, out_dtype, keep, keep_positions)
+            opened, self._opened = self._opened, None
+            if opened is None or opened[0] != b:
+                raise RuntimeError(f"run_bucket({b}) without open_bucket({b}) first")
+            if keep is not None:
+                zero_rejected_(
+                    opened[1], keep.index_select(0, self._keep_index(rec, keep.device, keep_positions))
+                )
+            return _run_fresh(rec, opened[1], out_dtype)
         layout: BucketLayout = rec.shared  # type: ignore[assignment]
         batch = layout.batch()
         if keep is not None:
@@ -525,40 +533,6 @@ class Orthogonalizer:
         cast = _cast_places(rec, layout, out, out_dtype)
         torch._foreach_copy_(cast, views)
         return cast
-
-    def _open_fresh(self, b: int, rec: BucketRecord) -> list[Tensor]:
-        """:meth:`open_bucket` off the host: a fresh input buffer in the NS dtype (zeros only
-        where some member leaves padding), held until :meth:`run_bucket` takes it. The caching
-        allocator hands the next bucket the memory this one frees, so a step holds one bucket's
-        inputs and temporaries at a time and keeps nothing between steps."""
-        bucket = rec.bucket
-        make = torch.zeros if rec.padded else torch.empty
-        batch = make(bucket.shape, dtype=bucket.dtype, device=bucket.device)
-        self._opened = (b, batch)
-        return _slot_views(batch, rec)
-
-    def _run_fresh(
-        self,
-        b: int,
-        rec: BucketRecord,
-        out_dtype: torch.dtype | None,
-        keep: Tensor | None,
-        keep_positions: tuple[int, ...] | None,
-    ) -> list[Tensor]:
-        """:meth:`run_bucket` off the host: NS of the buffer :meth:`open_bucket` handed out, the
-        kernel free to write into it once read (it is this call's alone)."""
-        opened, self._opened = self._opened, None
-        if opened is None or opened[0] != b:
-            raise RuntimeError(f"run_bucket({b}) without open_bucket({b}) first")
-        batch = opened[1]
-        if keep is not None:
-            zero_rejected_(batch, keep.index_select(0, self._keep_index(rec, keep.device, keep_positions)))
-        out = rec.kernel(batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True)
-        del batch
-        views = _slot_views(out, rec)
-        if out_dtype is None or out_dtype == out.dtype:
-            return views
-        return [v.to(out_dtype) for v in views]
 
     def workspaces(self) -> list[Tensor]:
         """Every tensor this engine keeps between steps (buffers, outputs, scratch, indices)."""
@@ -817,6 +791,28 @@ def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
 #: all of them at once are small beside any model, and packing them together costs fewer
 #: launches than writing each matrix's momentum into its slot.
 BY_BUCKET_MIN_BYTES = 64 * 2**20
+
+
+def _fresh_input(rec: BucketRecord) -> Tensor:
+    """:meth:`Orthogonalizer.open_bucket` off the host: a fresh input buffer in the NS dtype
+    (zeros only where some member leaves padding). The caching allocator hands the next bucket
+    the memory this one frees, so a step holds one bucket's inputs and temporaries at a time and
+    keeps nothing between steps."""
+    bucket = rec.bucket
+    make = torch.zeros if rec.padded else torch.empty
+    return make(bucket.shape, dtype=bucket.dtype, device=bucket.device)
+
+
+def _run_fresh(rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None) -> list[Tensor]:
+    """:meth:`Orthogonalizer.run_bucket` off the host: NS of ``batch`` (the buffer
+    :func:`_fresh_input` made), the kernel free to write into it once read (it is this call's
+    alone); the results in slot order, cast to ``out_dtype`` where given."""
+    out = rec.kernel(batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True)
+    del batch
+    views = _slot_views(out, rec)
+    if out_dtype is None or out_dtype == out.dtype:
+        return views
+    return [v.to(out_dtype) for v in views]
 
 
 def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:

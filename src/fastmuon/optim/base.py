@@ -19,7 +19,6 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 from torch.utils.hooks import RemovableHandle
 
-from ..distributed.dtensor import is_dtensor
 from ..distributed.dtensor import local_shard as _local
 from ..ns import device
 from ..ns.matrices import MatrixMap, maps_of
@@ -146,15 +145,8 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         if not all(isinstance(t, Tensor) for t in tensors):
             return params  # torch refuses non-tensors with its own message
         candidate = {**self.defaults, **param_group, "params": tensors}
-        sharded = any(map(is_dtensor, tensors))
-        distributed = "a process_group (DDP)" if self.process_group is not None else None
-        check_capturable_setup(
-            self.options.capturable,
-            "DTensor parameters (FSDP2)" if sharded else distributed,
-            candidate["lr"],
-            tensors,
-            f"param group {len(self.param_groups)}",
-        )
+        where = f"param group {len(self.param_groups)}"
+        check_capturable_setup(self.options.capturable, self.process_group, candidate["lr"], tensors, where)
         names = [p[0] for p in params if isinstance(p, tuple) and len(p) == 2]
         if names and len(names) == len(tensors):
             candidate["param_names"] = names
@@ -334,9 +326,8 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         return super().state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """torch's. A deferred non-finite verdict is not read here but by the next ``step()``
-        or ``state_dict()``: whether its flags have reached the host differs by rank, and a
-        raise on some ranks only would leave the others waiting in the next collective."""
+        """torch's. A deferred non-finite verdict is read by the next ``step()`` or ``state_dict()``,
+        not here: whether its flags have arrived differs by rank, and ranks must raise alike."""
         super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

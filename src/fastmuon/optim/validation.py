@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..distributed.dtensor import is_dtensor
 from ..distributed.parts import check_placements
 from ..ns.newton_schulz import default_steps
 from ..rules.roles import ADAM_AVG, ADAM_AVG_SQ, ELEMENT_MOMENT, EMA, HEAVY_BALL, ROW_MOMENT
@@ -79,14 +80,17 @@ def check_capturable(capturable: bool, nonfinite: str) -> None:
 
 
 def check_capturable_setup(
-    capturable: bool, distributed: str | None, lr: Any, params: list[Tensor], where: str
+    capturable: bool, process_group: Any, lr: Any, params: list[Tensor], where: str
 ) -> None:
     """What a captured step could not replay, refused naming both settings: a distributed step
-    (``distributed`` says which) agrees with the other ranks on the host at every step, and a
-    host ``lr`` tensor beside accelerator parameters would be read once, at capture, and baked
-    into the graph (its later values never seen)."""
+    (a process group, or DTensor parameters) agrees with the other ranks on the host at every
+    step, and a host ``lr`` tensor beside accelerator parameters would be read once, at
+    capture, and baked into the graph (its later values never seen)."""
     if not capturable:
         return
+    distributed = "a process_group (DDP)" if process_group is not None else None
+    if any(map(is_dtensor, params)):
+        distributed = "DTensor parameters (FSDP2)"
     if distributed is not None:
         raise ValueError(
             f"capturable=True cannot be combined with {distributed}: every distributed step "
