@@ -46,6 +46,15 @@ TORCH_PRIVATE = {
         "an op that relabels memory without being marked a view: named to count it as no kernel",
     ("bench/fake_cuda.py", "aten._reshape_alias"):
         "the same",
+    ("bench/gpu_cost.py", "func._schema"):
+        "an op's schema: which arguments it writes and which its results alias, to count the "
+        "bytes it reads and writes",
+    ("bench/gpu_cost.py", "torch._ops"):
+        "OpOverload, the type of the op a dispatch mode receives (annotation only)",
+    ("bench/gpu_cost.py", "storage._cdata"):
+        "a storage's identity, to follow each new storage of a step to its release once",
+    ("bench/gpu_cost.py", "t.untyped_storage()._cdata"):
+        "the same, for an op's arguments",
     ("bench/contenders.py", "module._zeropower_via_newtonschulz"):
         "torch.optim.Muon's NS function, swapped for the same iteration in fp32 for the "
         "equal-precision row and restored after each step",

@@ -8,14 +8,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastmuon.distributed.parts import replica_sketch, replica_tolerance, replicas_differ
+from fastmuon.distributed.parts import replica_floor, replica_sketch, replica_tolerance, replicas_differ
 
 
 def _verdict(grads: list[torch.Tensor]) -> bool:
     """What the all-reduce of every rank's sketch (max, and max of the negatives) decides."""
     sketches = torch.stack([replica_sketch(g)[None] for g in grads])
     high, low = sketches.amax(dim=0), sketches.amin(dim=0)
-    return bool(replicas_differ(high, low, replica_tolerance(grads[0].dtype))[0])
+    floors = [replica_floor(grads[0])]
+    return bool(replicas_differ(high, low, replica_tolerance(grads[0].dtype), floors)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_zero_gradient_beside_subnormal_rounding_passes(dtype):
+    """One rank's exact zeros, another's entries a few subnormal steps away (a gradient that
+    sums to zero, rounded otherwise): no different gradient, whatever the norms' ratio."""
+    zero = torch.zeros(7, dtype=dtype)
+    assert not _verdict([zero, _ulps(zero, 1, 4), _ulps(zero, 2, 2)])
 
 
 def _ulps(g: torch.Tensor, seed: int, count: int) -> torch.Tensor:

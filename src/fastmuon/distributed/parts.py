@@ -257,11 +257,21 @@ def replica_tolerance(dtype: torch.dtype) -> float:
     return max(1e-4, 32 * torch.finfo(dtype).eps)
 
 
-def replicas_differ(high: Tensor, low: Tensor, tolerance: float) -> Tensor:
+def replica_floor(grad: Tensor) -> float:
+    """The least norm a gradient's tolerance is taken relative to: entries at the subnormal
+    level are zeros that rounding left or took away (one rank's exact zero, another's
+    ``±5e-324``), not a different gradient; ``sqrt(numel)`` smallest normal numbers of its
+    dtype."""
+    return torch.finfo(grad.dtype).smallest_normal * max(grad.numel(), 1) ** 0.5
+
+
+def replicas_differ(high: Tensor, low: Tensor, tolerance: float, floors: Sequence[float] = ()) -> Tensor:
     """Per gradient, whether the ranks' sketches (``high``/``low``: their largest and smallest,
     each ``(count, SKETCH_DIRECTIONS + 1)``, the norm last) differ by more than ``tolerance``
-    times the largest norm."""
+    times the largest norm, or times its ``floors`` entry where that is larger."""
     scale = high[:, -1:].abs()
+    if floors:
+        scale = scale.clamp_min(torch.tensor(floors, dtype=scale.dtype).view(-1, 1))
     return ((high - low).abs() > tolerance * scale).any(dim=1)
 
 
@@ -281,7 +291,8 @@ def check_replicated(
     inflight.wait()
     high, low = both[: len(live)].cpu(), -both[len(live) :].cpu()
     tolerance = max(replica_tolerance(g.dtype) for g, _ in live)
-    for (_, n), bad in zip(live, replicas_differ(high, low, tolerance).tolist()):
+    floors = [replica_floor(g) for g, _ in live]
+    for (_, n), bad in zip(live, replicas_differ(high, low, tolerance, floors).tolist()):
         if bad:
             raise ValueError(
                 f"{n} is a plain tensor beside DTensors and its gradient differs across ranks; "
