@@ -262,7 +262,7 @@ def replica_floor(grad: Tensor) -> float:
     level are zeros that rounding left or took away (one rank's exact zero, another's
     ``±5e-324``), not a different gradient; ``sqrt(numel)`` smallest normal numbers of its
     dtype."""
-    return torch.finfo(grad.dtype).smallest_normal * max(grad.numel(), 1) ** 0.5
+    return float(torch.finfo(grad.dtype).smallest_normal) * math.sqrt(max(grad.numel(), 1))
 
 
 def replicas_differ(high: Tensor, low: Tensor, tolerance: float, floors: Sequence[float] = ()) -> Tensor:
