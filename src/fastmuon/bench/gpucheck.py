@@ -1,22 +1,36 @@
-"""The GPU proof in one call (driven by ``scripts/gpu-check.sh``): CUDA tests, then the benchmark.
+"""The GPU proof in one call (driven by ``scripts/gpu-check.sh``): is each claim true on a GPU?
 
 Parts, each a subprocess under its own ``timeout`` so that one that hangs or runs long costs
-only its own slot: each workload's step traced on fake cuda tensors (``fastmuon bench --trace``,
-no GPU needed: the kernels and host syncs it predicts, printed beside what the GPU then ran),
-the tests that need CUDA (``pytest -m cuda``), then ``fastmuon bench`` for
-yolo26n MuSGD beside Ultralytics' MuSGD and GPT-2 Muon beside torch.optim.Muon (and the other
-Muon peers), each with eager steps and with steps compiled by ``torch.compile(mode=
-"reduce-overhead")``, which captures them in CUDA graphs. Every part's outcome (figures, or why
-there are none) goes into one JSON document; a short summary is printed.
+only its own slot, in this order (the cheap and most telling first):
 
-``--quick`` is the same flow at the smallest settings (one timed step; a GPT-2-shaped model of
-two narrow blocks): a dry run of the whole path, e.g. on a CPU. On a CPU the compiled parts are
-listed as skipped (compiling the steps there takes minutes).
+* the checks of :mod:`.gpu_parts`: steps of MuSGD, Muon, NorMuon and AdaMuon against the CPU
+  per-parameter fp32 reference, a NaN gradient under ``nonfinite="skip"``, torch's fused SGD
+  against ours (``correctness``); measured peak memory, host syncs and step time beside the
+  trace's predictions (``memory``); the CUDA-graph recipe of docs/performance.md captured,
+  replayed and timed (``cuda-graph``); a one-process NCCL world with a DDP-style and an FSDP2
+  step (``distributed``);
+* each bench workload's step traced on fake cuda tensors (``fastmuon bench --trace``, no GPU
+  needed: the modelled times the speed claims predict from);
+* ``fastmuon bench`` for yolo26n MuSGD beside Ultralytics' MuSGD and GPT-2 Muon beside
+  torch.optim.Muon (and the other Muon peers), eager;
+* the tests that need CUDA (``pytest -m cuda``);
+* the same benchmarks with steps compiled by ``torch.compile(mode="reduce-overhead")``, which
+  captures them in CUDA graphs.
+
+Every part's outcome (figures, or why there are none) goes into one JSON document, written
+after every part; then a closing table of claims (:mod:`.gpu_verdict`: claim, predicted,
+measured, holds?) is printed and added to it.
+
+``--quick`` is the same flow at the smallest settings (one timed step; toy-size stand-ins of
+the workloads; the main contenders only): a dry run of the whole path, e.g. on a CPU, where
+the parts that need CUDA (graphs, compiled steps, the CUDA tests) are listed as skipped with
+their reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -32,9 +46,13 @@ from typing import Any
 
 import torch
 
+from .gpu_verdict import failed_required, table_lines, verdicts
+
 SCHEMA = "fastmuon-gpu-check/1"
 TOTAL_BUDGET_S = 450  # the parts together; scripts/gpu-check.sh's set-up comes on top, within 8 min
 RESERVE_S = 10  # kept back for writing the document and the summary
+#: each check's own slot in seconds (:mod:`.gpu_parts`); the bench parts' are set in plan_parts
+CHECK_SLOTS = {"correctness": 45, "memory": 50, "cuda-graph": 25, "distributed": 30}
 
 
 @dataclass
@@ -45,28 +63,60 @@ class Part:
     timeout_s: int
     json_path: Path | None = None  # where a bench part writes its document
     skip: str | None = None  # set: not run, and why
+    result_key: str = "bench"  # the key of the record that holds what the part wrote to json_path
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None = None) -> list[Part]:
     """The parts in the order they run, with their commands and time slots (a pure function).
 
-    First each workload's step traced on fake cuda tensors (``fastmuon bench --trace``: no GPU
-    needed, so its kernel and host-sync counts are there even if a GPU part fails, to set beside
-    the measured ones); ``trace_problem``: why this torch cannot trace (those parts are skipped).
+    The cheap and most telling first: the checks of :mod:`.gpu_parts` (correctness against the
+    CPU reference, measured memory beside the trace, the CUDA-graph recipe, a one-process
+    NCCL world), then each workload's step traced on fake cuda tensors (``fastmuon bench
+    --trace``: its modelled times set the speed claims' predictions), the eager benchmarks, the
+    tests that need CUDA, the compiled benchmarks. ``trace_problem``: why this torch cannot
+    trace (those parts are skipped).
     """
+    from .gpu_parts import checks
+
     py = sys.executable
     parts = []
+    for check in checks().values():
+        out = work / f"{check.name}.json"
+        argv = [
+            py,
+            "-m",
+            "fastmuon.bench.gpu_parts",
+            "--check",
+            check.name,
+            "--device",
+            device,
+            "--json",
+            str(out),
+        ]
+        part = Part(
+            check.name,
+            check.what,
+            argv + (["--quick"] if quick else []),
+            60 if quick else CHECK_SLOTS[check.name],
+            out,
+            result_key="check",
+        )
+        if check.cuda_only and device != "cuda":
+            part.skip = check.cuda_only
+        parts.append(part)
     tests = Part(
         "cuda-tests",
         "the tests that need CUDA (pytest -m cuda)",
         [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-        60 if quick else 80,
+        60 if quick else 50,
     )
     if not Path("tests").is_dir():
         tests.skip = "no tests/ folder here (run from a fastmuon checkout)"
+    elif device != "cuda":
+        tests.skip = "no CUDA device: every test marked cuda would be skipped"
     timing = (
-        ["--steps", "1", "--rounds", "1", "--warmup", "1"] if quick else ["--budget", "1", "--rounds", "3"]
+        ["--steps", "1", "--rounds", "1", "--warmup", "1"] if quick else ["--budget", "0.5", "--rounds", "3"]
     )
     yolo = str(work / QUICK_YOLO) if quick else "yolo26n"
     gpt2 = str(work / QUICK_GPT2) if quick else "gpt2"
@@ -93,9 +143,10 @@ def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None =
         part = Part(f"{name}-trace", f"{what}, traced on fake cuda tensors", argv, 60 if quick else 25, out)
         part.skip = trace_problem
         parts.append(part)
-    parts.append(tests)
-    for mode, slot in (("eager", (50, 70)), ("compiled", (95, 95))):
-        for (name, what, model, optimizer, compiled_lineup), timeout_s in zip(benches, slot):
+    for mode, slot in (("eager", (40, 50)), ("compiled", (50, 50))):
+        if mode == "compiled":
+            parts.append(tests)
+        for (name, what, model, optimizer, main_lineup), timeout_s in zip(benches, slot):
             out = work / f"{name}-{mode}.json"
             argv = [
                 py,
@@ -110,8 +161,10 @@ def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None =
                 optimizer,
             ]
             argv += [*timing, "--step-mode", mode, "--json", str(out), "--quiet"]
-            if mode == "compiled":  # the per-parameter loop (and the peers) would spend the slot compiling
-                argv += ["--contenders", compiled_lineup]
+            # compiled: the per-parameter loop (and the other peers) would spend the slot
+            # compiling; quick: a dry run needs the main rows only
+            if mode == "compiled" or quick:
+                argv += ["--contenders", main_lineup]
             part = Part(f"{name}-{mode}", f"{what}, {mode} steps", argv, 60 if quick else timeout_s, out)
             if mode == "compiled" and device == "cpu":
                 part.skip = "compiled steps are checked on CUDA only (compiling them on a CPU takes minutes)"
@@ -119,12 +172,20 @@ def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None =
     return parts
 
 
+def part_limit(timeout_s: float, left_s: float, later_s: float) -> float:
+    """The seconds a part may run: what is left less the slots of the parts still to run (so
+    that time the parts before it did not use goes to it), at least its own slot while that
+    much is left."""
+    return max(left_s - later_s, min(timeout_s, left_s), 0.0)
+
+
 def run_part(part: Part, limit_s: float) -> dict[str, Any]:
-    """Run one part under ``timeout`` (at most ``limit_s``); its outcome as a JSON-ready dict."""
+    """Run one part under ``timeout`` for at most ``limit_s`` (see :func:`part_limit`); its
+    outcome as a JSON-ready dict."""
     record: dict[str, Any] = {"what": part.what, "command": " ".join(part.argv), **part.extra}
     if part.skip:
         return record | {"status": "skipped", "reason": part.skip}
-    slot = int(min(part.timeout_s, limit_s))
+    slot = int(limit_s)
     if slot < 5:
         return record | {"status": "skipped", "reason": "no time left in the 8-minute budget"}
     argv = part.argv
@@ -144,7 +205,7 @@ def run_part(part: Part, limit_s: float) -> dict[str, Any]:
     else:
         record["status"] = "ok" if rc == 0 else "failed"
     if part.json_path is not None and part.json_path.is_file():
-        record["bench"] = json.loads(part.json_path.read_text())
+        record[part.result_key] = json.loads(part.json_path.read_text())
     if rc != 0 or part.json_path is None:
         record["output_tail"] = output[-3000:]
     return record
@@ -188,7 +249,8 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
         if part["status"] == "skipped":
             head += f" ({part['reason']})"
         lines.append(head)
-        if part["status"] == "failed" and "bench" not in part:
+        lines += _check_lines(part.get("check"))
+        if part["status"] in ("failed", "timeout") and "bench" not in part and "check" not in part:
             tail = [x for x in part.get("output_tail", "").splitlines() if x.strip()]
             lines += [f"    {x}" for x in tail[-3:]]
         bench = part.get("bench", {})
@@ -217,6 +279,18 @@ def summary_lines(document: dict[str, Any]) -> list[str]:
                     lines.append(f"    {'':<40} traced: {_traced(traced[r['name']])}")
             elif r.get("skipped"):
                 lines.append(f"    {r['name']:<40} skipped: {r['skipped'][:90]}")
+    return lines
+
+
+def _check_lines(check: dict[str, Any] | None) -> list[str]:
+    """A check part's records per section, and the first line of each error it recorded."""
+    if not check:
+        return []
+    sections = check.get("sections", {})
+    counts = ", ".join(f"{name} {len(rows)}" for name, rows in sections.items())
+    lines = [f"    records: {counts or 'none'}"]
+    for rows in sections.values():
+        lines += [f"    {r['item']}: {r['error'][:100]}" for r in rows if "error" in r]
     return lines
 
 
@@ -282,14 +356,23 @@ def main(argv: list[str] | None = None) -> int:
             write_quick_manifests(work_dir)
         from .fake_cuda import fake_cuda_problem
 
-        for part in plan_parts(args.device, args.quick, work_dir, fake_cuda_problem()):
-            print(f"gpu-check: {part.name} ...", flush=True)
-            document["parts"][part.name] = run_part(part, deadline - time.monotonic())
+        parts = plan_parts(args.device, args.quick, work_dir, fake_cuda_problem())
+        later = sum(p.timeout_s for p in parts if not p.skip)
+        for part in parts:
+            if not part.skip:
+                later -= part.timeout_s
+                print(f"gpu-check: {part.name} ...", flush=True)
+            limit = part_limit(part.timeout_s, deadline - time.monotonic(), later)
+            document["parts"][part.name] = run_part(part, limit)
             write_document(out, document)  # what is done is kept, whatever happens next
-    for line in summary_lines(document):
+    rows = verdicts(document)
+    document["verdict"] = [dataclasses.asdict(v) for v in rows]
+    write_document(out, document)
+    for line in summary_lines(document) + ["", "verdict:", *table_lines(rows)]:
         print(line)
     print(f"gpu-check: wrote {out}")
-    return 0 if all(p["status"] in ("ok", "skipped") for p in document["parts"].values()) else 1
+    ran = all(p["status"] in ("ok", "skipped") for p in document["parts"].values())
+    return 0 if ran and not failed_required(rows) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""What a step costs on the GPU, measured, beside what the trace on fake tensors predicted.
+
+Per workload (:func:`.gpu_parts.workloads`), in one process: fastmuon's step is first traced
+on fake cuda tensors (:func:`.trace.trace_lineup`, the bench's default options), then built
+alike on the device and stepped: after two steps (the trace's figures are its third), the
+allocator's peak over one step less what was allocated before it is the *measured peak extra*,
+set beside the trace's ``peak_extra_bytes``. Host syncs are counted two ways: the warnings of
+``torch.cuda.set_sync_debug_mode("warn")`` (blocking copies, ``.item()``, synchronize calls)
+and the profiler's host waits (``cudaStreamSynchronize``, ``cudaEventSynchronize``, …).
+
+Bytes moved cannot be measured without a profiler of DRAM traffic: the trace's modelled time
+(a roofline over its bytes and FLOPs, labelled "modelled") is shown beside the measured step
+time (CUDA events) instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .gpu_parts import Recorder, Workload, bench_workbench, device_ms, device_params, sync_warnings, workloads
+
+#: the steps before the measured one: the trace counts its third step
+WARMUP = 2
+#: above this many parameter elements, fewer steps are timed (Llama's layers: a step is NS-bound)
+LARGE_NUMEL = 100_000_000
+
+
+@dataclass
+class StepCost:
+    """One workload's step: predicted by the trace, measured on the device (None: not there)."""
+
+    workload: str
+    optimizer: str
+    ns_dtype: str
+    predicted_peak_extra_bytes: int | None = None
+    measured_peak_extra_bytes: int | None = None
+    predicted_host_syncs: int | None = None
+    measured_sync_warnings: int | None = None  # set_sync_debug_mode("warn") over one step
+    measured_host_waits: int | None = None  # the profiler's host waits over one step
+    modelled_ms: float | None = None  # the trace's roofline: modelled, not measured
+    measured_ms: float | None = None  # CUDA events, mean over the timed steps
+    timed_steps: int | None = None
+    modelled_bytes_moved: int | None = None
+    state_bytes: int | None = None
+    trace_problem: str | None = None  # why there is no prediction
+    measured_problem: str | None = None  # why there is no measurement
+
+
+def memory(rec: Recorder) -> None:
+    rec.note(
+        "memory",
+        "predicted: fastmuon.bench.trace on fake cuda tensors (the bench's default options, NS in bf16), "
+        "its third step; measured: the same step built on the device, after "
+        f"{WARMUP} steps, torch.cuda.max_memory_allocated over one step less memory_allocated before it. "
+        "Bytes moved are not measured (that needs a profiler of DRAM traffic): the trace's modelled "
+        "time stands beside the measured ms/step instead",
+    )
+    for workload in workloads(rec.quick):
+        rec.attempt("workloads", workload.name, functools.partial(_add_step_cost, rec, workload))
+
+
+def _add_step_cost(rec: Recorder, workload: Workload) -> None:
+    rec.add("workloads", step_cost(rec, workload))
+
+
+def step_cost(rec: Recorder, workload: Workload) -> StepCost:
+    cost = StepCost(workload.name, workload.optimizer, "bfloat16")
+    _predict(cost, workload)
+    if rec.on_cuda:
+        _measure(cost, workload, rec.device, steps=3 if rec.quick else _timed_steps(workload))
+    else:
+        cost.measured_problem = "the allocator's counters and CUDA events need a CUDA device"
+    return cost
+
+
+def _timed_steps(workload: Workload) -> int:
+    return 3 if workload.manifest.numel() > LARGE_NUMEL else 10
+
+
+def _predict(cost: StepCost, workload: Workload) -> None:
+    from .contenders import fastmuon_contender
+    from .fake_cuda import fake_cuda_problem
+    from .manifest import materialize
+    from .trace import trace_lineup
+
+    problem = fake_cuda_problem()
+    if problem:
+        cost.trace_problem = problem
+        return
+    cuda = torch.device("cuda")
+    [trace] = trace_lineup(
+        lambda: bench_workbench(
+            workload.manifest,
+            materialize(workload.manifest, cuda, 0),
+            cuda,
+            workload.optimizer,
+            torch.bfloat16,
+        ),
+        [("fastmuon", fastmuon_contender)],
+    )
+    if trace.error:
+        cost.trace_problem = trace.error
+        return
+    cost.predicted_peak_extra_bytes, cost.predicted_host_syncs = trace.peak_extra_bytes, trace.host_syncs
+    cost.modelled_ms, cost.modelled_bytes_moved = trace.modelled_ms, trace.bytes_moved
+    cost.state_bytes = trace.state_bytes
+
+
+def _measure(cost: StepCost, workload: Workload, device: torch.device, steps: int) -> None:
+    from .contenders import fastmuon_contender
+    from .hosttime import cuda_activity
+
+    params = device_params(workload.manifest, device, seed=0)
+    contender = fastmuon_contender(
+        bench_workbench(workload.manifest, params, device, workload.optimizer, torch.bfloat16)
+    )
+    try:
+        for _ in range(WARMUP):
+            contender.step()
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        contender.step()
+        torch.cuda.synchronize(device)
+        cost.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - before
+        cost.measured_sync_warnings = sync_warnings(contender.step, device)
+        cost.measured_host_waits = cuda_activity(contender.step)["syncs"]
+        cost.measured_ms = round(device_ms(contender.step, steps, device), 4)
+        cost.timed_steps = steps
+    finally:
+        del contender, params
+        torch.cuda.empty_cache()
