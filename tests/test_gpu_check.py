@@ -4,6 +4,7 @@ the outcome of each part (ok, failed, timed out, skipped) and the one JSON docum
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,40 +25,61 @@ def test_the_script_parses():
 def test_on_cuda_every_part_runs_within_the_budget(tmp_path):
     parts = plan_parts("cuda", quick=False, work=tmp_path)
     assert [p.name for p in parts] == [
+        "correctness",
+        "memory",
+        "cuda-graph",
+        "distributed",
         "yolo26n-musgd-trace",
         "gpt2-muon-trace",
-        "cuda-tests",
         "yolo26n-musgd-eager",
         "gpt2-muon-eager",
+        "cuda-tests",
         "yolo26n-musgd-compiled",
         "gpt2-muon-compiled",
     ]
     assert all(p.skip is None for p in parts)
     assert sum(p.timeout_s for p in parts) <= gpucheck.TOTAL_BUDGET_S - gpucheck.RESERVE_S
-    traces, parts = parts[:2], parts[2:]
-    assert "pytest -q -rs -m cuda" in " ".join(parts[0].argv)
-    for p in traces:  # the same workloads and main contenders, traced before any GPU part
+    checks, traces, benches = parts[:4], parts[4:6], parts[6:]
+    for p in checks:  # each check in its own process, its records written to its own file
+        argv = " ".join(p.argv)
+        assert f"fastmuon.bench.gpu_parts --check {p.name} --device cuda --json {p.json_path}" in argv
+        assert p.result_key == "check" and "--quick" not in argv
+    for p in traces:  # the same workloads and main contenders, traced before the timed parts
         argv = " ".join(p.argv)
         assert "fastmuon bench --device cuda --trace" in argv and f"--json {p.json_path}" in argv
         assert "--contenders fastmuon," in argv
     assert "--model yolo26n --optimizer musgd" in " ".join(traces[0].argv)
     assert "--model gpt2 --optimizer muon" in " ".join(traces[1].argv)
-    for p in parts[1:]:
+    tests = benches.pop(2)
+    assert "pytest -q -rs -m cuda" in " ".join(tests.argv)
+    for p in benches:
         argv = " ".join(p.argv)
         assert "fastmuon bench --device cuda" in argv and f"--json {p.json_path}" in argv
         mode = p.name.rsplit("-", 1)[1]
         assert f"--step-mode {mode}" in argv
         assert ("--contenders" in argv) == (mode == "compiled")  # the loops would spend the slot compiling
-    assert "--model yolo26n --optimizer musgd" in " ".join(parts[1].argv)
-    assert "--model gpt2 --optimizer muon" in " ".join(parts[2].argv)
-    assert "ultralytics" in " ".join(parts[3].argv) and "torch.optim.muon" in " ".join(parts[4].argv)
+    assert "--model yolo26n --optimizer musgd" in " ".join(benches[0].argv)
+    assert "--model gpt2 --optimizer muon" in " ".join(benches[1].argv)
+    assert "ultralytics" in " ".join(benches[2].argv) and "torch.optim.muon" in " ".join(benches[3].argv)
 
 
-def test_on_a_cpu_the_compiled_parts_are_skipped_with_the_reason(tmp_path):
+def test_a_part_gets_its_slot_and_what_the_parts_before_it_left():
+    assert gpucheck.part_limit(50, left_s=400, later_s=300) == 100  # 50 unused before it
+    assert gpucheck.part_limit(50, left_s=350, later_s=300) == 50
+    assert gpucheck.part_limit(50, left_s=30, later_s=300) == 30  # a short budget: first come
+    assert gpucheck.part_limit(50, left_s=-1, later_s=0) == 0
+
+
+def test_on_a_cpu_the_cuda_only_parts_are_skipped_with_the_reason(tmp_path):
     parts = {p.name: p for p in plan_parts("cpu", quick=True, work=tmp_path)}
     assert "CUDA only" in parts["gpt2-muon-compiled"].skip and parts["gpt2-muon-eager"].skip is None
+    assert parts["cuda-graph"].skip == "CUDA graphs need a CUDA device"
+    assert "no CUDA device" in parts["cuda-tests"].skip
+    for name in ("correctness", "memory", "distributed"):
+        assert parts[name].skip is None and "--quick" in parts[name].argv
     assert "--steps 1 --rounds 1" in " ".join(parts["gpt2-muon-eager"].argv)
     assert str(tmp_path / gpucheck.QUICK_GPT2) in parts["gpt2-muon-eager"].argv
+    assert "--contenders fastmuon,torch.optim.muon" in " ".join(parts["gpt2-muon-eager"].argv)
 
 
 def test_where_the_step_cannot_be_traced_its_parts_are_skipped_with_the_reason(tmp_path):
@@ -150,3 +172,175 @@ def test_what_the_gpu_ran_is_counted_from_the_profilers_events():
         event("cudaStreamSynchronize"),
     ]
     assert count_activity(events) == {"kernels": 1, "memcpy": 1, "launches": 1, "syncs": 1}
+
+
+def test_a_check_writes_its_records_after_every_item_and_goes_on_after_an_error(tmp_path):
+    from fastmuon.bench.gpu_parts import Recorder
+
+    path = tmp_path / "part.json"
+    rec = Recorder(path, torch.device("cpu"), quick=True)
+    rec.attempt("rows", "first", lambda: rec.add("rows", {"item": "first", "value": 1}))
+    assert json.loads(path.read_text())["sections"] == {"rows": [{"item": "first", "value": 1}]}
+
+    def broken() -> None:
+        raise ValueError("what went wrong")
+
+    rec.attempt("rows", "second", broken)
+    rec.attempt("rows", "third", lambda: rec.add("rows", {"item": "third", "value": 3}))
+    written = json.loads(path.read_text())
+    assert [r["item"] for r in written["sections"]["rows"]] == ["first", "second", "third"]
+    assert written["sections"]["rows"][1]["error"] == "ValueError: what went wrong"
+    assert written["errors"] == rec.errors == 1 and not path.with_suffix(".json.tmp").exists()
+
+
+def test_a_cuda_only_check_is_refused_on_a_cpu(capsys):
+    from fastmuon.bench import gpu_parts
+
+    assert gpu_parts.main(["--check", "cuda-graph", "--device", "cpu"]) == 2
+    assert "CUDA graphs need a CUDA device" in capsys.readouterr().err
+
+
+def _verdict_document(**changes):
+    comparison = {"model": "mixed", "path": "packed", "holds": True, "worst_err_over_bound": 0.1}
+    large = comparison | {"model": "large", "path": "bucket by bucket"}
+    memory = {
+        "workload": "gpt2",
+        "optimizer": "muon",
+        "predicted_host_syncs": 0,
+        "measured_sync_warnings": 0,
+        "measured_host_waits": 0,
+        "predicted_peak_extra_bytes": 100 * 2**20,
+        "measured_peak_extra_bytes": 120 * 2**20,
+        "modelled_ms": 1.0,
+        "measured_ms": 2.5,
+        "trace_problem": None,
+        "measured_problem": None,
+    }
+    captured = {"workload": "yolo26n", "optimizer": "musgd", "bitwise_equal": True, "worst_rel_err": 0.0}
+    captured |= {"eager_ms": 2.0, "replay_ms": 0.5}
+    sections = {
+        "correctness": {
+            "comparisons": [comparison, large],
+            "nonfinite_skip": [{"holds": True}],
+            "fused_sgd": [{"bitwise": True, "worst_rel_err": 0.0, "holds": True}],
+        },
+        "memory": {"workloads": [memory]},
+        "cuda-graph": {"captured": [captured]},
+    }
+    for name, changed in changes.items():
+        sections[name] = changed
+    parts = {name: {"status": "ok", "check": {"sections": s}} for name, s in sections.items()}
+    parts["distributed"] = {"status": "timeout", "seconds": 30}
+    trace = [
+        {"name": "fastmuon MuSGD", "modelled_ms": 1.0},
+        {"name": "Ultralytics MuSGD 8.4.190", "modelled_ms": 3.0},
+    ]
+    timed = [
+        {"name": "fastmuon MuSGD", "median_ms": 2.0},
+        {"name": "Ultralytics MuSGD 8.4.190", "median_ms": 5.0},
+        {"name": "Ultralytics MuSGD 8.4.190 (NS in float32)", "median_ms": 1.0},
+    ]
+    parts["yolo26n-musgd-trace"] = {"status": "ok", "bench": {"results": trace}}
+    parts["yolo26n-musgd-eager"] = {"status": "ok", "bench": {"results": timed}}
+    parts["yolo26n-musgd-compiled"] = {
+        "status": "skipped",
+        "reason": "compiled steps are checked on CUDA only",
+    }
+    return {"device": "cuda", "quick": False, "parts": parts}
+
+
+def test_the_verdict_reads_each_claim_off_its_part():
+    from fastmuon.bench.gpu_verdict import failed_required, table_lines, verdicts
+
+    rows = {v.claim: v for v in verdicts(_verdict_document())}
+    assert not failed_required(list(rows.values()))
+    correct = next(v for c, v in rows.items() if c.startswith("steps equal the CPU"))
+    assert correct.holds and correct.required and correct.measured.startswith("2/2 within")
+    assert rows["NS takes the packed path and the bucket-by-bucket path (>= 64 MiB of NS inputs)"].holds
+    assert rows["no host sync in a default step (gpt2, muon)"].holds
+    peak = rows["peak extra memory <= predicted x 1.25 (gpt2)"]
+    assert peak.holds and (peak.predicted, peak.measured) == ("100.0 MiB (trace)", "120.0 MiB (allocator)")
+    timing = rows["step time (gpt2): the trace's roofline beside the measurement (not a claim)"]
+    assert timing.holds is None and "(modelled)" in timing.predicted and "2.500 ms" in timing.measured
+    speed = rows["fastmuon MuSGD faster than Ultralytics' MuSGD (yolo26n, eager)"]
+    assert (speed.predicted, speed.measured, speed.holds) == (
+        "3.00x (modelled ms ratio)",
+        "2.50x (ms/step ratio)",
+        True,
+    )
+    compiled = rows["fastmuon MuSGD faster than Ultralytics' MuSGD (yolo26n, compiled)"]
+    assert compiled.holds is None and "skipped (compiled steps are checked on CUDA only)" in compiled.measured
+    assert rows["a replayed step is faster than an eager one (yolo26n, musgd)"].holds
+    distributed = rows["a one-process distributed step equals the plain step, with no host sync"]
+    assert distributed.holds is None and distributed.measured == "not measured: distributed timeout"
+    lines = table_lines(list(rows.values()))
+    assert lines[0] == "| claim | predicted | measured | holds? |" and len(lines) == len(rows) + 2
+
+
+def test_the_verdict_fails_a_correctness_claim_that_does_not_hold():
+    from fastmuon.bench.gpu_verdict import failed_required, verdicts
+
+    wrong = {"model": "mixed", "path": "bucket by bucket", "holds": False, "worst_err_over_bound": 40.0}
+    crashed = {"item": "Muon on large", "error": "RuntimeError: CUDA error: an illegal memory access"}
+    memory = {
+        "workloads": [dict(_verdict_document()["parts"]["memory"]["check"]["sections"]["workloads"][0])]
+    }
+    memory["workloads"][0].update(measured_peak_extra_bytes=200 * 2**20, measured_host_waits=1)
+    captured = {"workload": "gpt2", "optimizer": "muon", "bitwise_equal": False, "worst_rel_err": 3e-3}
+    captured |= {"eager_ms": 2.0, "replay_ms": 2.5}
+    document = _verdict_document(
+        correctness={"comparisons": [wrong, crashed], "nonfinite_skip": [{"holds": False}], "fused_sgd": []},
+        memory=memory,
+        **{"cuda-graph": {"captured": [captured]}},
+    )
+    rows = {v.claim: v for v in verdicts(document)}
+    failed = {v.claim for v in failed_required(list(rows.values()))}
+    assert failed == {
+        "steps equal the CPU per-parameter fp32 reference (MuSGD, Muon, NorMuon, AdaMuon; NS bf16 and fp32)",
+        "a NaN gradient under nonfinite='skip' leaves its parameter and state bitwise untouched",
+        "torch's fused SGD (fused=True) equals MuSGD's SGD half (use_muon=False)",
+        "a captured step (docs/performance.md's recipe) equals eager (gpt2, muon)",
+    }
+    correct = next(v for c, v in rows.items() if c.startswith("steps equal the CPU"))
+    assert "0/1 within; worst error 40 x its bound; 1 raised (Muon on large: RuntimeError" in correct.measured
+    assert (
+        rows["NS takes the packed path and the bucket-by-bucket path (>= 64 MiB of NS inputs)"].holds is False
+    )
+    assert rows["no host sync in a default step (gpt2, muon)"].holds is False
+    assert rows["peak extra memory <= predicted x 1.25 (gpt2)"].holds is False
+    assert rows["a replayed step is faster than an eager one (gpt2, muon)"].holds is False
+
+
+def test_the_dry_run_runs_every_part_a_cpu_can_and_says_why_not_the_others(tmp_path):
+    """scripts/gpu-check.sh --device cpu --quick, as a user runs it: every part ends ok or
+    skipped with its reason, the document holds every part's figures and the verdict, and
+    every correctness claim holds."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--device", "cpu", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    document = json.loads((tmp_path / "gpu-check.json").read_text())
+    parts = document["parts"]
+    assert list(parts) == [p.name for p in plan_parts("cpu", True, tmp_path)]
+    for name, part in parts.items():
+        assert part["status"] in ("ok", "skipped"), (name, part)
+        assert part["status"] == "ok" or part["reason"], name
+    for name in ("cuda-graph", "cuda-tests", "yolo26n-musgd-compiled", "gpt2-muon-compiled"):
+        assert parts[name]["status"] == "skipped"
+    for name in ("correctness", "memory", "distributed", "yolo26n-musgd-eager", "gpt2-muon-eager"):
+        assert parts[name]["status"] == "ok", name
+    sections = parts["correctness"]["check"]["sections"]
+    assert len(sections["comparisons"]) == 16 and all(r["holds"] for r in sections["comparisons"])
+    assert [r["mode"] for r in parts["distributed"]["check"]["sections"]["steps"]] == [
+        "DDP-style (process_group=)",
+        "FSDP2 (fully_shard)",
+    ]
+    required = [v for v in document["verdict"] if v["required"]]
+    assert required and all(v["holds"] in (True, None) for v in required)
+    assert all(v["holds"] for v in required if v["part"] == "correctness")
+    assert "verdict:" in proc.stdout and "| claim | predicted | measured | holds? |" in proc.stdout

@@ -63,13 +63,20 @@ def _sections(document: dict[str, Any], part: str) -> dict[str, list[dict[str, A
     return sections
 
 
-def _missing(document: dict[str, Any], part: str) -> str:
-    """Why ``part`` has no figures: its status and reason."""
+def _missing(document: dict[str, Any], part: str, what: str = "measured") -> str:
+    """Why ``part`` has no figures, in a few words: its status (its reason is in the summary)."""
     record = document["parts"].get(part)
     if record is None:
-        return "not measured: the part did not run"
-    reason = record.get("reason") or record.get("note") or ""
-    return f"not measured: {record['status']}" + (f" ({reason})" if reason else "")
+        return f"not {what}: {part} did not run"
+    return f"not {what}: {part} {record['status']}" + (
+        f" ({_short(record['reason'])})" if record.get("reason") else ""
+    )
+
+
+def _short(reason: str, limit: int = 60) -> str:
+    """A reason's first clause, at most ``limit`` characters."""
+    first = reason.split(" (")[0].split(";")[0]
+    return first if len(first) <= limit else first[: limit - 3] + "..."
 
 
 def _rows(
@@ -174,7 +181,7 @@ def memory_claims(document: dict[str, Any]) -> list[Verdict]:
         out.append(
             Verdict(
                 f"no host sync in a default step ({w}, {r['optimizer']})",
-                _or(r["predicted_host_syncs"], r["trace_problem"], "{} (trace)"),
+                _or(r["predicted_host_syncs"], r["trace_problem"], "{} (trace)", "predicted"),
                 _or(
                     None if synced[0] is None else synced,
                     r["measured_problem"],
@@ -189,7 +196,7 @@ def memory_claims(document: dict[str, Any]) -> list[Verdict]:
         out.append(
             Verdict(
                 f"peak extra memory <= predicted x {PEAK_SLACK} ({w})",
-                _or(_mib(predicted), r["trace_problem"], "{} (trace)"),
+                _or(_mib(predicted), r["trace_problem"], "{} (trace)", "predicted"),
                 _or(_mib(measured), r["measured_problem"], "{} (allocator)"),
                 None if predicted is None or measured is None else measured <= PEAK_SLACK * predicted,
                 False,
@@ -199,7 +206,7 @@ def memory_claims(document: dict[str, Any]) -> list[Verdict]:
         out.append(
             Verdict(
                 f"step time ({w}): the trace's roofline beside the measurement (not a claim)",
-                _or(r["modelled_ms"], r["trace_problem"], "{:.3f} ms (modelled)"),
+                _or(r["modelled_ms"], r["trace_problem"], "{:.3f} ms (modelled)", "modelled"),
                 _or(r["measured_ms"], r["measured_problem"], "{:.3f} ms (CUDA events)"),
                 None,
                 False,
@@ -221,7 +228,9 @@ def speed_claims(document: dict[str, Any]) -> list[Verdict]:
         trace = _results(document, f"{workload}-trace")
         modelled = _ratio(trace, ours, peer, "modelled_ms")
         predicted = (
-            f"{modelled:.2f}x (modelled ms ratio)" if modelled else _missing(document, f"{workload}-trace")
+            f"{modelled:.2f}x (modelled ms ratio)"
+            if modelled
+            else _missing(document, f"{workload}-trace", "predicted")
         )
         for mode in ("eager", "compiled"):
             part = f"{workload}-{mode}"
@@ -341,7 +350,7 @@ def _mib(n: int | None) -> str | None:
     return None if n is None else f"{n / 2**20:.1f} MiB"
 
 
-def _or(value: Any, problem: str | None, form: str) -> str:
+def _or(value: Any, problem: str | None, form: str, what: str = "measured") -> str:
     if value is None:
-        return f"not measured: {problem}" if problem else "not measured"
+        return f"not {what}: {_short(problem)}" if problem else f"not {what}"
     return form.format(value)
