@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     if check.cuda_only and args.device != "cuda":
         print(f"gpu_parts: error: {check.name}: {check.cuda_only}", file=sys.stderr)
         return 2
+    if args.device == "cpu":
+        # a dry run steps small tensors: one thread, so that a thread pool waiting on cores
+        # other processes hold does not stall it
+        torch.set_num_threads(1)
     recorder = Recorder(None if args.json is None else Path(args.json), torch.device(args.device), args.quick)
     recorder.write()
     started = time.perf_counter()

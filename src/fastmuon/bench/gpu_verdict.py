@@ -227,11 +227,12 @@ def speed_claims(document: dict[str, Any]) -> list[Verdict]:
     for workload, ours, peer, words in SPEED_CLAIMS:
         trace = _results(document, f"{workload}-trace")
         modelled = _ratio(trace, ours, peer, "modelled_ms")
-        predicted = (
-            f"{modelled:.2f}x (modelled ms ratio)"
-            if modelled
-            else _missing(document, f"{workload}-trace", "predicted")
-        )
+        if modelled:
+            predicted = f"{modelled:.2f}x (modelled ms ratio)"
+        elif trace:
+            predicted = "not predicted: one of the two rows has no modelled time"
+        else:
+            predicted = _missing(document, f"{workload}-trace", "predicted")
         for mode in ("eager", "compiled"):
             part = f"{workload}-{mode}"
             claim = f"{words}, {mode})"
