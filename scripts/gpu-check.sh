@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# The GPU proof in one call, within 8 minutes: the tests that need CUDA, then `fastmuon bench
-# --device cuda` for (a) yolo26n MuSGD beside Ultralytics' MuSGD and (b) GPT-2 Muon beside
-# torch.optim.Muon (and heavyball's / pytorch-optimizer's Muon where installed), each with eager
-# steps and with steps in torch.compile(mode="reduce-overhead") (CUDA graphs). Writes one JSON,
-# gpu-check.json, under $OUT if set, else ./gpu-check/, and prints a short summary.
+# The GPU proof in one call, within 8 minutes (python -m fastmuon.bench.gpucheck; the parts and
+# their figures: docs/performance.md, "On a GPU"). Each part is its own process with its own time
+# slot (plus whatever the parts before it left unused), cheap and most telling first:
+#   correctness  MuSGD, Muon, NorMuon, AdaMuon steps (NS in bf16 and fp32; a packed model and
+#                72 MiB of same-shape matrices, stepped bucket by bucket) against the CPU
+#                per-parameter fp32 reference at the suite's bounds; a NaN gradient under
+#                nonfinite="skip"; torch.optim.SGD(fused=True) against MuSGD's SGD half
+#   memory       yolo26n MuSGD, GPT-2 Muon, Llama 3 8B's layers: measured peak extra memory, host
+#                syncs (set_sync_debug_mode warnings, profiler host waits) and ms/step beside the
+#                trace's predictions on fake tensors (bytes moved are modelled, not measured)
+#   cuda-graph   docs/performance.md's capturable recipe captured, replayed, timed beside eager
+#   distributed  a one-process NCCL world: a DDP-style and an FSDP2 step, host syncs counted
+#   *-trace      `fastmuon bench --device cuda --trace`: the modelled times of each contender
+#   *-eager      `fastmuon bench --device cuda`: yolo26n MuSGD beside Ultralytics' MuSGD, GPT-2
+#                Muon beside torch.optim.Muon (and heavyball's / pytorch-optimizer's Muon)
+#   cuda-tests   the tests that need CUDA (pytest -m cuda)
+#   *-compiled   the same benchmarks, steps in torch.compile(mode="reduce-overhead") (CUDA graphs)
+# Writes one JSON, gpu-check.json, under $OUT if set, else ./gpu-check/, after every part (a part
+# that times out loses only itself), prints a short summary and a closing table (claim,
+# predicted, measured, holds?), also in the JSON as "verdict".
 #
 # Assumes: run from anywhere inside a fastmuon checkout on a machine with Python >= 3.10 (3.12
 # expected) whose `python3` (or $PYTHON) already imports a CUDA build of torch; nothing here
@@ -22,9 +37,12 @@
 # src/, so the Ultralytics MuSGD and peer rows run; nothing is installed into the environment.
 #
 # Usage: scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--out DIR] [--budget-s S]
-#   --device cpu --quick runs the same flow on a CPU in well under a minute (a dry run).
-# Exit status: 0 when every part ran (or was skipped for a stated reason), 1 when one failed or
-# timed out (its row in the JSON says which and shows the end of its output), 2 on a usage mistake.
+#   --device cpu --quick runs every part a CPU can run, at toy sizes (gloo for NCCL); the graph,
+#   compiled and CUDA-test parts are listed as skipped with their reason (a dry run, itself a
+#   test: tests/test_gpu_check.py).
+# Exit status: 0 when every part ran (or was skipped for a stated reason) and every correctness
+# claim holds; 1 when a part failed or timed out (its row in the JSON says which and shows the
+# end of its output) or a correctness claim does not hold; 2 on a usage mistake.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
