@@ -175,7 +175,7 @@ def test_what_the_gpu_ran_is_counted_from_the_profilers_events():
 
 
 def test_a_check_writes_its_records_after_every_item_and_goes_on_after_an_error(tmp_path):
-    from fastmuon.bench.gpu_parts import Recorder
+    from fastmuon.bench.gpu_shared import Recorder
 
     path = tmp_path / "part.json"
     rec = Recorder(path, torch.device("cpu"), quick=True)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .. import Muon
 from .gpu_numerics import MIXED_MATRICES, MIXED_VECTORS, gradients, split_groups, start_values
-from .gpu_parts import Recorder, rel_err, sync_warnings
+from .gpu_shared import Recorder, rel_err, sync_warnings
 
 #: steps compared with the one-process twin (one more is counted for host syncs)
 STEPS = 3

@@ -20,7 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .gpu_parts import Recorder, Workload, bench_workbench, device_ms, device_params, sync_warnings, workloads
+from .gpu_shared import (
+    Recorder,
+    Workload,
+    bench_workbench,
+    device_ms,
+    device_params,
+    sync_warnings,
+    workloads,
+)
 
 #: the steps before the measured one: the trace counts its third step
 WARMUP = 2

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from .. import AdaMuon, Muon, MuSGD, NorMuon
 from ..ns.engine import BY_BUCKET_MIN_BYTES
-from .gpu_parts import Recorder, Workload, bench_workbench, device_ms, device_params, rel_err, workloads
+from .gpu_shared import Recorder, Workload, bench_workbench, device_ms, device_params, rel_err, workloads
 
 #: the suite's bound for NS in fp32: max|ours − ref| ≤ 1e-5·max|ref| (tests/test_accelerator_paths.py)
 FP32_REL = 1e-5

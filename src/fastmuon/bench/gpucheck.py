@@ -77,11 +77,11 @@ def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None =
     tests that need CUDA, the compiled benchmarks. ``trace_problem``: why this torch cannot
     trace (those parts are skipped).
     """
-    from .gpu_parts import checks
+    from .gpu_parts import CHECKS
 
     py = sys.executable
     parts = []
-    for check in checks().values():
+    for check in CHECKS.values():
         out = work / f"{check.name}.json"
         argv = [
             py,
