@@ -311,6 +311,21 @@ def test_the_verdict_fails_a_correctness_claim_that_does_not_hold():
     assert rows["a replayed step is faster than an eager one (gpt2, muon)"].holds is False
 
 
+def test_a_part_that_stopped_early_shows_no_claim_holding_but_refutes_what_it_can():
+    from fastmuon.bench.gpu_verdict import verdicts
+
+    wrong = {"model": "large", "path": "bucket by bucket", "holds": False, "worst_err_over_bound": 3.0}
+    document = _verdict_document()
+    document["parts"]["correctness"]["status"] = "timeout"  # its records so far are kept
+    rows = {v.claim: v for v in verdicts(document)}
+    nan = rows["a NaN gradient under nonfinite='skip' leaves its parameter and state bitwise untouched"]
+    assert nan.holds is None and nan.measured == "1/1 optimizers (part timeout: partial)"
+    comparisons = document["parts"]["correctness"]["check"]["sections"]["comparisons"]
+    comparisons.append(wrong)
+    correct = next(v for v in verdicts(document) if v.claim.startswith("steps equal the CPU"))
+    assert correct.holds is False and correct.measured.startswith("2/3 within")
+
+
 def test_the_dry_run_runs_every_part_a_cpu_can_and_says_why_not_the_others(tmp_path):
     """scripts/gpu-check.sh --device cpu --quick, as a user runs it: every part ends ok or
     skipped with its reason, the document holds every part's figures and the verdict, and

@@ -38,8 +38,15 @@ class Verdict:
 
 
 def verdicts(document: dict[str, Any]) -> list[Verdict]:
-    """Every claim of the check, in the order of :data:`CLAIMS`."""
-    return [v for claim in CLAIMS for v in claim(document)]
+    """Every claim of the check, in the order of :data:`CLAIMS`. A part that stopped early
+    (timed out, failed) keeps the records it wrote; a claim they do not refute is then not
+    shown to hold, as the records missing might have."""
+    rows = [v for claim in CLAIMS for v in claim(document)]
+    for v in rows:
+        status = document["parts"].get(v.part, {}).get("status")
+        if v.holds and status not in ("ok", None):
+            v.holds, v.measured = None, f"{v.measured} (part {status}: partial)"
+    return rows
 
 
 def failed_required(rows: list[Verdict]) -> list[Verdict]:
