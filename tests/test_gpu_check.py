@@ -97,8 +97,14 @@ def test_a_part_that_runs_fails_or_times_out_says_so(tmp_path):
         Part("bad", "fails", [sys.executable, "-c", "import sys; print('why'); sys.exit(3)"], 30), 60
     )
     assert failed["status"] == "failed" and failed["rc"] == 3 and "why" in failed["output_tail"]
-    slow = run_part(Part("slow", "sleeps", [sys.executable, "-c", "import time; time.sleep(60)"], 30), 5)
-    assert slow["status"] == "timeout" and slow["timeout_s"] == 5
+    partial = tmp_path / "partial.json"
+    first_then_sleep = (
+        f"import json, time; open({str(partial)!r}, 'w').write(json.dumps({{'sections': 1}})); time.sleep(60)"
+    )
+    slow = Part("slow", "sleeps", [sys.executable, "-c", first_then_sleep], 30, partial, result_key="check")
+    slow_record = run_part(slow, 5)
+    assert slow_record["status"] == "timeout" and slow_record["timeout_s"] == 5
+    assert slow_record["check"] == {"sections": 1}  # what it wrote before its slot ran out is kept
     late = run_part(Part("late", "no time left", [sys.executable, "-c", "pass"], 30), limit_s=2)
     assert late["status"] == "skipped" and "no time left" in late["reason"]
 
@@ -324,6 +330,32 @@ def test_a_part_that_stopped_early_shows_no_claim_holding_but_refutes_what_it_ca
     comparisons.append(wrong)
     correct = next(v for v in verdicts(document) if v.claim.startswith("steps equal the CPU"))
     assert correct.holds is False and correct.measured.startswith("2/3 within")
+
+
+def test_the_document_is_written_after_every_part_and_a_timeout_loses_only_its_part(
+    tmp_path, monkeypatch, capsys
+):
+    parts = [Part(name, name, ["true"], 30) for name in ("first", "slow", "last")]
+    outcomes = {"first": {"status": "ok"}, "slow": {"status": "timeout"}, "last": {"status": "ok"}}
+    monkeypatch.setattr(gpucheck, "plan_parts", lambda *args: parts)
+    monkeypatch.setattr(gpucheck, "run_part", lambda part, limit: dict(outcomes[part.name]))
+    written = []
+    real_write = gpucheck.write_document
+
+    def write(path, document):
+        written.append(list(document["parts"]))
+        real_write(path, document)
+
+    monkeypatch.setattr(gpucheck, "write_document", write)
+    assert gpucheck.main(["--device", "cpu", "--out", str(tmp_path)]) == 1  # a part timed out
+    assert written[:4] == [[], ["first"], ["first", "slow"], ["first", "slow", "last"]]
+    document = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert {n: p["status"] for n, p in document["parts"].items()} == {
+        "first": "ok",
+        "slow": "timeout",
+        "last": "ok",
+    }
+    assert document["verdict"] and "verdict:" in capsys.readouterr().out
 
 
 def test_the_dry_run_runs_every_part_a_cpu_can_and_says_why_not_the_others(tmp_path):
