@@ -31,10 +31,12 @@
 # Peers without a network: beforehand, on a machine with the registry, put their wheels in
 # .gpu-wheels/ (ignored by git) for the GPU machine's Python (3.12 on the lent image):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .gpu-wheels \
-#     ultralytics==8.4.190 heavyball==3.2.1 pytorch_optimizer==4.1.0
+#     ultralytics==8.4.190 heavyball==3.2.1 pytorch_optimizer==4.1.0 \
+#     pytest pluggy iniconfig packaging hypothesis attrs sortedcontainers
 # (no dependencies, so pip never fetches or swaps torch). Where the folder holds wheels, the
 # check installs them with --no-index --no-deps into a scratch folder put on PYTHONPATH after
-# src/, so the Ultralytics MuSGD and peer rows run; nothing is installed into the environment.
+# src/, so the Ultralytics MuSGD and peer rows run, and the CUDA tests (skipped, with the reason,
+# where pytest or hypothesis cannot be imported); nothing is installed into the environment.
 #
 # Usage: scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--out DIR] [--budget-s S]
 #   --device cpu --quick runs every part a CPU can run, at toy sizes (gloo for NCCL); the graph,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -111,10 +112,13 @@ def plan_parts(device: str, quick: bool, work: Path, trace_problem: str | None =
         [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
         60 if quick else 50,
     )
+    missing = [m for m in ("pytest", "hypothesis") if importlib.util.find_spec(m) is None]
     if not Path("tests").is_dir():
         tests.skip = "no tests/ folder here (run from a fastmuon checkout)"
     elif device != "cuda":
         tests.skip = "no CUDA device: every test marked cuda would be skipped"
+    elif missing:
+        tests.skip = f"{' and '.join(missing)} not importable (their wheels can go in .gpu-wheels/: scripts/gpu-check.sh)"
     timing = (
         ["--steps", "1", "--rounds", "1", "--warmup", "1"] if quick else ["--budget", "0.5", "--rounds", "3"]
     )
