@@ -18,6 +18,7 @@ import torch.distributed as dist
 from gloo_rank import rank_args, run_rank
 
 import fastmuon
+from fastmuon.distributed import subgroups
 from fastmuon.ns import device as ns_device
 from fastmuon.step.cache import CACHE_SIZE
 
@@ -86,6 +87,12 @@ def body(args) -> None:
             except FloatingPointError as e:
                 outcomes.append("raised: " + str(e).split(";")[0])
             opt.zero_grad()
+    # owner groups as engines ask for them, each rank set twice (a rebuilt engine asks again):
+    # every rank enters each new_group once, members or not
+    log.append("-- owner groups")
+    for ranks in ((0,), (1,), (0, 1), (0,), (0, 1), (1,)):
+        group = subgroups.world_subgroup(ranks, member=args.rank in ranks)
+        assert (group is not None) == (args.rank in ranks), (ranks, args.rank)
     Path(args.dir, f"log{args.rank}.json").write_text(json.dumps({"log": log, "outcomes": outcomes}))
 
 

@@ -31,5 +31,8 @@ def test_every_rank_enters_the_same_collectives(tmp_path):
     log = runs[0]["log"]
     new_groups = [line for line in log if line.startswith("new_group")]
     assert len(new_groups) == len(set(new_groups)), new_groups
+    # the owner groups asked for at the end, each rank set twice: made once each, by both ranks
+    owners = log[log.index("-- owner groups") + 1 :]
+    assert [line for line in owners if line.startswith("new_group")] == owners and len(owners) == 3, owners
     steps = [line for line in log if line.startswith("-- step")]
     assert len(steps) == len(outcomes)
