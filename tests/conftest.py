@@ -43,3 +43,20 @@ def pytest_collection_modifyitems(items):
         on_cuda = callspec is not None and "cuda" in map(str, callspec.params.values())
         if on_cuda or any("needs CUDA" in reason for reason in skip_reasons):
             item.add_marker(pytest.mark.cuda)
+
+
+@pytest.fixture
+def one_rank_world():
+    """A one-process gloo world (the default group), destroyed after the test."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

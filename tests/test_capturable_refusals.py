@@ -4,8 +4,6 @@ FSDP2's DTensors) and a CPU ``lr`` tensor beside accelerator parameters."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,18 +15,6 @@ pytestmark = pytest.mark.parametrize("cls", [MuSGD, Muon])
 
 def _groups(*params):
     return [{"params": list(params), "use_muon": True}]
-
-
-@pytest.fixture
-def one_rank_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")

@@ -9,8 +9,6 @@ between the host and the device, is counted, as ``fastmuon bench --device cuda``
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -24,18 +22,6 @@ pytestmark = [
     pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM)),
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
 ]
-
-
-@pytest.fixture
-def one_rank_world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_agreement_on_gradients_reads_no_device_value(one_rank_world):
