@@ -342,3 +342,37 @@ def test_gram_space_on_its_own_input_gives_the_same_bits_in_two_batch_sized_buff
         got = kernel(own, schedule, 1e-7, host=False, host_reads=False, reuse_input=True)
     assert torch.equal(got, expected)
     assert len(made) <= 1  # besides the input, at most one batch-sized buffer
+
+
+def test_fp32_ns_multiplies_in_fp32_under_a_lower_matmul_precision(monkeypatch):
+    """``torch.set_float32_matmul_precision("high")`` lets fp32 matmuls run in TF32 (GPUs) or
+    with bf16 passes (some CPUs): NS asked for in fp32 sets "highest" around its products, in
+    the public function, the engine's buckets and an optimizer's step, and puts the user's
+    setting back after; bf16 NS leaves it as it is."""
+    from fastmuon import Muon
+
+    seen: list[tuple[torch.dtype, str]] = []
+    for name in ("bmm", "baddbmm"):
+        real = getattr(torch, name)
+
+        def spy(*args, _real=real, **kwargs):
+            seen.append((args[0].dtype, torch.get_float32_matmul_precision()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, spy)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        newton_schulz(torch.randn(3, 8, 16), dtype=torch.float32)
+        for method in ("standard", "gram"):
+            p = torch.nn.Parameter(torch.randn(8, 32))
+            p.grad = torch.randn(8, 32)
+            Muon([p], lr=0.02, ns_dtype=torch.float32, ns_method=method).step()
+        assert torch.get_float32_matmul_precision() == "high"
+        fp32 = {precision for dtype, precision in seen if dtype == torch.float32}
+        assert fp32 == {"highest"}, seen
+        seen.clear()
+        newton_schulz(torch.randn(3, 8, 16), dtype=torch.bfloat16)
+        assert {precision for _, precision in seen} == {"high"}
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..ns.engine import NSConfig
-from ..ns.newton_schulz import PRECONDITIONINGS, Coefficients, resolve_coefficients
+from ..ns.newton_schulz import PRECONDITIONINGS, Coefficients, fp32_matmuls, resolve_coefficients
 from ..ns.planner import AOL_FLOPS_PER_R2
 
 #: Sums a tensor in place over the owner group, as ``torch.distributed.all_reduce`` does.
@@ -105,11 +105,12 @@ def group_newton_schulz(blocks: Tensor, config: NSConfig, reduce: GroupReduce, f
     X = torch.empty((k, m, n_j), dtype=config.dtype, device=blocks.device)
     if k == 0 or m == 0:  # the same on every member (k and m are shared): no collective is skipped alone
         return X
-    if config.preconditioning == "aol":
-        X, A = _aol_start(blocks, X, config.eps, reduce)
-    else:
-        X, A = _frobenius_start(blocks, X, config.eps, reduce), None
-    return _iterate(X, schedule, reduce, form, A)
+    with fp32_matmuls(config.dtype):
+        if config.preconditioning == "aol":
+            X, A = _aol_start(blocks, X, config.eps, reduce)
+        else:
+            X, A = _frobenius_start(blocks, X, config.eps, reduce), None
+        return _iterate(X, schedule, reduce, form, A)
 
 
 def _frobenius_start(blocks: Tensor, X: Tensor, eps: float, reduce: GroupReduce) -> Tensor:

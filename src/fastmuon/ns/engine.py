@@ -36,6 +36,7 @@ from .newton_schulz import (
     check_method_preconditioning,
     default_steps,
     ns_kernel,
+    pinned_kernel,
     resolve_coefficients,
     resolve_preconditioning,
 )
@@ -331,7 +332,10 @@ class Orthogonalizer:
             bucket=bucket,
             config=config,
             schedule=list(config.coefficients),
-            kernel=compiled_kernel(bucket.method, pre) if compiled else ns_kernel(bucket.method, pre),
+            kernel=pinned_kernel(
+                compiled_kernel(bucket.method, pre) if compiled else ns_kernel(bucket.method, pre),
+                bucket.dtype,
+            ),
             compiled=compiled,
             host=host,
             # a compiled kernel is traced, and a trace cannot branch on a value read on the host

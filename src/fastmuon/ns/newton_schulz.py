@@ -9,7 +9,9 @@ The quintic form and the "jordan" coefficients come from Keller Jordan's Muon wr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
 import torch
@@ -294,7 +296,8 @@ def newton_schulz(
     host = device.is_host(X.device)
     # a user's torch.compile may trace this call, and a trace cannot branch on a host read
     host_reads = host_reads and host and not torch.compiler.is_compiling()
-    Y = ns_kernel(method, preconditioning)(Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
+    with fp32_matmuls(dtype):
+        Y = ns_kernel(method, preconditioning)(Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
     if tall:
         Y = Y.mT
     return Y.squeeze(0) if single else Y
@@ -747,6 +750,40 @@ def _iterate_eigh(
 
 
 METHODS = {"standard": _iterate, "gram": _iterate_gram, "eigh": _iterate_eigh}
+
+
+@contextlib.contextmanager
+def fp32_matmuls(dtype: torch.dtype) -> Iterator[None]:
+    """NS asked for in fp32 multiplies in fp32: under ``torch.set_float32_matmul_precision("high")``
+    (TF32 on GPUs, bf16 passes on some CPUs) its matmuls would silently run in less, and an
+    orthogonalisation's accuracy is set by its dtype (``ns_dtype``), not by a global meant for a
+    model's layers. Set around a call and put back after it; nothing while a compiler traces
+    the call (a trace cannot change a global: there the user's setting holds)."""
+    if dtype != torch.float32 or torch.compiler.is_compiling():
+        yield
+        return
+    previous = torch.get_float32_matmul_precision()
+    if previous == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def pinned_kernel(kernel: Callable[..., Tensor], dtype: torch.dtype) -> Callable[..., Tensor]:
+    """``kernel`` run under :func:`fp32_matmuls` where its batches are fp32 (else itself)."""
+    if dtype != torch.float32:
+        return kernel
+
+    @functools.wraps(kernel)
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        with fp32_matmuls(dtype):
+            return kernel(*args, **kwargs)
+
+    return run
 
 
 def ns_kernel(method: str, preconditioning: str = "frobenius") -> Callable[..., Tensor]:
