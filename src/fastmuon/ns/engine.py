@@ -332,10 +332,7 @@ class Orthogonalizer:
             bucket=bucket,
             config=config,
             schedule=list(config.coefficients),
-            kernel=pinned_kernel(
-                compiled_kernel(bucket.method, pre) if compiled else ns_kernel(bucket.method, pre),
-                bucket.dtype,
-            ),
+            kernel=_bucket_kernel(bucket, pre, compiled),
             compiled=compiled,
             host=host,
             # a compiled kernel is traced, and a trace cannot branch on a value read on the host
@@ -795,6 +792,13 @@ def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
 #: all of them at once are small beside any model, and packing them together costs fewer
 #: launches than writing each matrix's momentum into its slot.
 BY_BUCKET_MIN_BYTES = 64 * 2**20
+
+
+def _bucket_kernel(bucket: Bucket, preconditioning: str, compiled: bool) -> Callable[..., Tensor]:
+    """The NS kernel a bucket runs (compiled or eager), fp32 products pinned where it is fp32."""
+    method = bucket.method
+    kernel = compiled_kernel(method, preconditioning) if compiled else ns_kernel(method, preconditioning)
+    return pinned_kernel(kernel, bucket.dtype)
 
 
 def _fresh_input(rec: BucketRecord) -> Tensor:
