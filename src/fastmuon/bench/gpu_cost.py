@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .fake_cuda import tensors_in
 from .options import GPU_BANDWIDTH_TBS, GPU_FP32_TFLOPS, GPU_LAUNCH_US, GPU_MODEL, GPU_TFLOPS
 
 aten = torch.ops.aten
@@ -350,7 +351,7 @@ class PeakTracker:
         outputs = [t for t in _tensors(result) if self.counted(t)]
         if not outputs:
             return
-        inputs = {_storage_key(t) for t in _tensors_deep(args)}
+        inputs = {_storage_key(t) for t in tensors_in(args)}
         for t in outputs:
             storage = t.untyped_storage()
             key = storage._cdata
@@ -377,14 +378,3 @@ def _storage_key(t: Tensor) -> int:
         return int(t.untyped_storage()._cdata)
     except Exception:  # a tensor without storage (sparse, nested) shares none
         return -1
-
-
-def _tensors_deep(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors_deep(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors_deep(v)

@@ -100,6 +100,15 @@ def _unmeasured(
     return [Verdict(claim, predicted, _missing(document, part), None, required, part)]
 
 
+def _raised(
+    claim: str, error: dict[str, Any], predicted: str, part: str, *, holds: bool | None, required: bool
+) -> Verdict:
+    """The verdict on an item of ``part`` that raised instead of giving a figure."""
+    return Verdict(
+        f"{claim} ({error['item']})", predicted, f"raised: {error['error'][:100]}", holds, required, part
+    )
+
+
 def _errors(errors: list[dict[str, Any]]) -> str:
     return "" if not errors else f"; {len(errors)} raised ({errors[0]['item']}: {errors[0]['error'][:80]})"
 
@@ -220,12 +229,7 @@ def memory_claims(document: dict[str, Any]) -> list[Verdict]:
                 "memory",
             )
         )
-    for e in errors:
-        out.append(
-            Verdict(
-                f"memory and syncs ({e['item']})", "-", f"raised: {e['error'][:100]}", None, False, "memory"
-            )
-        )
+    out += [_raised("memory and syncs", e, "-", "memory", holds=None, required=False) for e in errors]
     return out
 
 
@@ -276,17 +280,7 @@ def graph_claims(document: dict[str, Any]) -> list[Verdict]:
                 "cuda-graph",
             )
         )
-    for e in errors:
-        out.append(
-            Verdict(
-                f"{claim} ({e['item']})",
-                "equal bits",
-                f"raised: {e['error'][:100]}",
-                False,
-                True,
-                "cuda-graph",
-            )
-        )
+    out += [_raised(claim, e, "equal bits", "cuda-graph", holds=False, required=True) for e in errors]
     return out
 
 
@@ -320,10 +314,7 @@ def distributed_claims(document: dict[str, Any]) -> list[Verdict]:
                 f"no host sync in a distributed step ({where})", "0", measured, holds, False, "distributed"
             )
         )
-    for e in errors:
-        out.append(
-            Verdict(f"{claim} ({e['item']})", "-", f"raised: {e['error'][:100]}", False, True, "distributed")
-        )
+    out += [_raised(claim, e, "-", "distributed", holds=False, required=True) for e in errors]
     return out
 
 
