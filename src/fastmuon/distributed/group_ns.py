@@ -38,7 +38,7 @@ from ..ns.newton_schulz import PRECONDITIONINGS, Coefficients, fp32_matmuls, res
 from ..ns.planner import AOL_FLOPS_PER_R2
 
 #: Sums a tensor in place over the owner group, as ``torch.distributed.all_reduce`` does.
-GroupReduce = Callable[[Tensor], None]
+GroupReduce = Callable[[Tensor], object]  # its result (a Work handle, or None) is not read
 
 #: How a member applies an iteration to its block (see the module docstring); "auto": group_form.
 GROUP_FORMS = ("auto", "redundant", "factored")

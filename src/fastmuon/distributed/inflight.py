@@ -41,7 +41,8 @@ SETTLE_TIMEOUT_S = 5.0
 
 def _refs(t: Tensor) -> int:
     """References to ``t``'s tensor object (C++ ones included; views count too)."""
-    return t._use_count()  # type: ignore[attr-defined, no-any-return]  # torch's stubs omit it
+    # older torch's stubs omit it (newer ones have it: the ignore is unused there)
+    return int(t._use_count())  # type: ignore[attr-defined, unused-ignore]
 
 
 def _tensors(args: tuple[Any, ...]) -> list[Tensor]:
