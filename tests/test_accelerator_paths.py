@@ -213,6 +213,23 @@ def _same_shape_muon(params, monkeypatch, **kw):
 
 
 BY_BUCKET_SHAPES = [(24, 40), (24, 40), (24, 40), (40, 24), (40, 24), (16,)]
+BY_BUCKET_CAP = 3 * 24 * 40 * 4  # three matrices a bucket: several buckets
+BY_BUCKET_GROUPS = [(list(range(5)), {"use_muon": True}), ([5], {"use_muon": False})]  # the reference's
+
+
+def _bad_step_leaves_it_untouched(opt, ours, grads, k, entry, value):
+    """A good step, then one whose gradient ``k`` has ``value`` at ``entry``: parameter ``k``
+    and its momentum end that step bit for bit as they began it. Returns the bad step's
+    gradients."""
+    run_optimizer(opt, ours, grads[:1])
+    before = ours[k].detach().clone()
+    momentum = opt.state[ours[k]]["momentum_buffer"].clone()
+    bad = [g.clone() for g in grads[1]]
+    bad[k][entry] = value
+    run_optimizer(opt, ours, [bad])
+    assert torch.equal(ours[k].detach(), before)
+    assert torch.equal(opt.state[ours[k]]["momentum_buffer"], momentum)
+    return bad
 
 
 def test_buckets_packed_by_runs_run_one_at_a_time_and_keep_nothing(accelerator_paths, monkeypatch):
@@ -222,7 +239,7 @@ def test_buckets_packed_by_runs_run_one_at_a_time_and_keep_nothing(accelerator_p
     params = make_params(BY_BUCKET_SHAPES)
     grads = make_grads(params, steps=3)
     ours = clone_params(params)
-    opt = _same_shape_muon(ours, monkeypatch, max_bucket_bytes=3 * 24 * 40 * 4)
+    opt = _same_shape_muon(ours, monkeypatch, max_bucket_bytes=BY_BUCKET_CAP)
     asked: list[torch.dtype | None] = []
     run_bucket = Orthogonalizer.run_bucket
 
@@ -236,8 +253,7 @@ def test_buckets_packed_by_runs_run_one_at_a_time_and_keep_nothing(accelerator_p
     assert engine.bucketwise() and len(engine.records) >= 2
     assert asked and set(asked) == {None}
     assert engine.workspaces() == []
-    groups = [(list(range(5)), {"use_muon": True}), ([5], {"use_muon": False})]
-    reference = run_muon_reference(params, grads, groups, MUON, ADAMW)[0]
+    reference = run_muon_reference(params, grads, BY_BUCKET_GROUPS, MUON, ADAMW)[0]
     for o, r in zip(ours, reference):
         assert rel_err(o.detach(), r) <= 1e-5, o.shape
 
@@ -248,18 +264,10 @@ def test_a_bucket_by_bucket_step_skips_a_non_finite_matrix(accelerator_paths, mo
     params = make_params(BY_BUCKET_SHAPES)
     grads = make_grads(params, steps=2)
     ours = clone_params(params)
-    opt = _same_shape_muon(ours, monkeypatch, nonfinite="skip", max_bucket_bytes=3 * 24 * 40 * 4)
-    run_optimizer(opt, ours, grads[:1])
-    before = ours[1].detach().clone()
-    momentum = opt.state[ours[1]]["momentum_buffer"].clone()
-    bad = [g.clone() for g in grads[1]]
-    bad[1][3, 5] = float("nan")
-    run_optimizer(opt, ours, [bad])
-    assert torch.equal(ours[1].detach(), before)
-    assert torch.equal(opt.state[ours[1]]["momentum_buffer"], momentum)
-    groups = [(list(range(5)), {"use_muon": True}), ([5], {"use_muon": False})]
+    opt = _same_shape_muon(ours, monkeypatch, nonfinite="skip", max_bucket_bytes=BY_BUCKET_CAP)
+    bad = _bad_step_leaves_it_untouched(opt, ours, grads, 1, (3, 5), float("nan"))
     reference = run_muon_reference(
-        params, [grads[0], [None if i == 1 else g for i, g in enumerate(bad)]], groups, MUON, ADAMW
+        params, [grads[0], [None if i == 1 else g for i, g in enumerate(bad)]], BY_BUCKET_GROUPS, MUON, ADAMW
     )[0]
     for i, (o, r) in enumerate(zip(ours, reference)):
         if i != 1:
@@ -281,7 +289,7 @@ def test_masked_buckets_copy_nothing_and_a_finite_step_is_bitwise_the_unmasked_o
     params = make_params(BY_BUCKET_SHAPES)
     grads = make_grads(params, steps=3)
     masked, plain = clone_params(params), clone_params(params)
-    size = 3 * 24 * 40 * 4
+    size = BY_BUCKET_CAP
     opt_masked = _same_shape_muon(
         masked, monkeypatch, nonfinite="skip", max_bucket_bytes=size, nesterov=nesterov
     )
@@ -309,15 +317,8 @@ def test_a_deferred_raise_on_masked_buckets_leaves_the_matrix_and_raises_at_the_
     params = make_params(BY_BUCKET_SHAPES)
     grads = make_grads(params, steps=3)
     ours = clone_params(params)
-    opt = _same_shape_muon(ours, monkeypatch, max_bucket_bytes=3 * 24 * 40 * 4)
-    run_optimizer(opt, ours, grads[:1])
-    before = ours[4].detach().clone()
-    momentum = opt.state[ours[4]]["momentum_buffer"].clone()
-    bad = [g.clone() for g in grads[1]]
-    bad[4][0, 0] = float("inf")
-    run_optimizer(opt, ours, [bad])
-    assert torch.equal(ours[4].detach(), before)
-    assert torch.equal(opt.state[ours[4]]["momentum_buffer"], momentum)
+    opt = _same_shape_muon(ours, monkeypatch, max_bucket_bytes=BY_BUCKET_CAP)
+    _bad_step_leaves_it_untouched(opt, ours, grads, 4, (0, 0), float("inf"))
     for p, g in zip(ours, grads[2]):
         p.grad = g.clone()
     with pytest.raises(FloatingPointError, match="non-finite gradient"):
