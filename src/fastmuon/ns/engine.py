@@ -501,19 +501,18 @@ class Orthogonalizer:
         ``keep_positions``: as in :meth:`__call__`.
         """
         rec = self.records[b]
-        if not rec.host:
+        layout: BucketLayout = rec.shared  # type: ignore[assignment]  # None off the host
+        if rec.host:
+            batch = layout.batch()
+        else:
             opened, self._opened = self._opened, None
             if opened is None or opened[0] != b:
                 raise RuntimeError(f"run_bucket({b}) without open_bucket({b}) first")
-            if keep is not None:
-                zero_rejected_(
-                    opened[1], keep.index_select(0, self._keep_index(rec, keep.device, keep_positions))
-                )
-            return _run_fresh(rec, opened[1], out_dtype)
-        layout: BucketLayout = rec.shared  # type: ignore[assignment]
-        batch = layout.batch()
+            batch = opened[1]
         if keep is not None:
             zero_rejected_(batch, keep.index_select(0, self._keep_index(rec, keep.device, keep_positions)))
+        if not rec.host:
+            return _run_fresh(rec, batch, out_dtype)
         eps = rec.config.eps
         if rec.reuse:
             out = rec.kernel(
@@ -816,7 +815,6 @@ def _run_fresh(rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None) 
     :func:`_fresh_input` made), the kernel free to write into it once read (it is this call's
     alone); the results in slot order, cast to ``out_dtype`` where given."""
     out = rec.kernel(batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True)
-    del batch
     views = _slot_views(out, rec)
     if out_dtype is None or out_dtype == out.dtype:
         return views

@@ -111,7 +111,7 @@ class PendingFlags:
             self.event = None
         if bool(self.flags.all()):
             return True
-        finish, self.finish = self.finish, _nothing
+        finish, self.finish = self.finish, nothing_to_finish
         finish(self.flags)
         return False
 
@@ -130,5 +130,6 @@ class PendingFlags:
         )
 
 
-def _nothing(flags: Tensor) -> None:
-    """What is left to put back once the device has put back everything (or it is done)."""
+def nothing_to_finish(flags: Tensor) -> None:
+    """What is left to put back once the device has put back everything (or it is done), and
+    where nothing was copied (the update left every rejected parameter as it was)."""

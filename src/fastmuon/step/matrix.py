@@ -362,13 +362,14 @@ class MatrixProgram:
             # off the host the results are applied in the NS dtype they come in (the add widens
             # each value exactly, as a cast would, without writing and reading a cast copy): a
             # launch per matrix where the dtypes differ, which pays on matrices this large
+            exact_cast = torch.promote_types(ns_dtype, out_dtype) == out_dtype
             narrow = (
-                not ns_device.is_host(self.params[ks[0]].device)
+                exact_cast
+                and not ns_device.is_host(self.params[ks[0]].device)
                 and whole is None
                 and not any(ordered[k].cautious for k in ks)
                 and min(self.params[k].numel() for k in ks) >= NARROW_APPLY_MIN_ELEMENTS
             )
-            narrow = narrow and torch.promote_types(ns_dtype, out_dtype) == out_dtype
             self.any_narrow = self.any_narrow or narrow
             masked = whole is None and all(_masks_itself(ordered[k]) for k in ks)
             (masked_here if masked else unmasked_here).update(ordered[k].index for k in ks)
@@ -379,7 +380,7 @@ class MatrixProgram:
                     signed=Gather([slot[k] for k in ks if k in signed]),
                     order=Gather([slot[k] for k in ks]),
                     out_dtype=out_dtype,
-                    exact_cast=torch.promote_types(ns_dtype, out_dtype) == out_dtype,
+                    exact_cast=exact_cast,
                     narrow_apply=narrow,
                     after=AfterNS.over(
                         [ordered[k] for k in ks],
@@ -404,9 +405,10 @@ class MatrixProgram:
     def self_masked(self) -> frozenset[int]:
         """The matrices' parameters (places among the step's gradients) that this half leaves
         as they were, with their momentum, where ``keep`` rejects their gradient, without a
-        copy to put back: off the host, stepped bucket by bucket, each such bucket takes a
-        rejected gradient's place by its own momentum (so the buffer's step is exact), its
-        matrix's NS input is zeroed (its update is exactly zero) and its decay is 1. Only plain
+        copy to put back: off the host, stepped bucket by bucket, such a bucket's momentum reads
+        a rejected gradient as zeros with zero weights (the buffer exact, the NS input exact
+        zeros, so the update is exactly zero: see ``_masked_momentum``) and its decay factor is
+        masked to 1. Only plain
         fp32 matrices qualify: no rule stage before or after NS, no cautious decay, momentum
         kept in the parameter's dtype (a mask on the decay factor rounds as a Python one does
         only in fp32), the whole parameter here (not a shard)."""

@@ -28,7 +28,7 @@ from torch import Tensor
 from ..ns import device
 from ..ns.gather import Gather
 from ..ns.layout import memory_order
-from .deferred import PendingFlags, host_buffer
+from .deferred import PendingFlags, host_buffer, nothing_to_finish
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
@@ -344,7 +344,7 @@ class NonFiniteGuard:
             if plan is not None and saved is not None:
                 plan.restore(saved, keep)
             return None
-        finish: Callable[[Tensor], None] = _nothing_to_finish
+        finish: Callable[[Tensor], None] = nothing_to_finish
         if plan is not None and saved is not None:
             plan.restore(saved, keep, on_host=False)
             finish = functools.partial(_restore_on_host, plan, plan.on_host(saved))
@@ -360,7 +360,3 @@ class NonFiniteGuard:
 
 def _restore_on_host(plan: SkipPlan, held: list[Tensor | None], flags: Tensor) -> None:
     plan.restore(held, flags, on_host=True)
-
-
-def _nothing_to_finish(flags: Tensor) -> None:
-    """Where nothing was copied: the update left every rejected parameter as it was."""
