@@ -134,4 +134,4 @@ def test_the_cuda_choice_for_wide_bf16_buckets_holds_standard_bf16_accuracy(tabl
         else {(r["input"], r["variant"]): r for r in run_accuracy(rows=rows, cols=cols)}
     )
     _holds_standard_bf16_accuracy(measured, choice.name)
-    assert all(measured[(k, choice.name)]["restart_every"] == 2 for k in {k[0] for k in measured})
+    assert all(measured[(k, choice.name)]["restarts_at"] == [3] for k in {k[0] for k in measured})

@@ -180,15 +180,66 @@ def test_low_precision_gram_space_restarts_and_stays_in_standard_bf16_band(monke
         assert ours["sv_min"] >= base["sv_min"] - 0.05 and ours["sv_max"] <= base["sv_max"] + 0.05, kind
         assert ours["rel_err_vs_fp64"] <= 3 * base["rel_err_vs_fp64"], kind
     ns_module = importlib.import_module("fastmuon.ns.newton_schulz")
-    monkeypatch.setattr(ns_module, "gram_restart_interval", lambda dtype: None)
+    monkeypatch.setattr(ns_module, "gram_restarts", lambda steps, dtype, first_run: ())
     blown = measure(gram, make_inputs()["low-rank (4) + 1e-4 noise"])
     assert blown["sv_max"] > 10
+
+
+def _stress_inputs(rows: int = 64, cols: int = 576, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Inputs beyond ``fastmuon accuracy``'s three where Gram space's rounding matters most:
+    exactly rank-deficient ones (most eigenvalues of A₀ are rounding), heavy tails, and one
+    dominant direction (the rest of A₀ tiny beside it)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    return {
+        "rank-1 exact": randn(rows, 1) @ randn(1, cols),
+        "rank-half exact": randn(rows, rows // 2) @ randn(rows // 2, cols),
+        "heavy-tailed": randn(rows, cols) ** 3,
+        "one dominant direction": 30 * randn(rows, 1) @ randn(1, cols) + randn(rows, cols),
+    }
+
+
+@pytest.mark.parametrize("preset, steps", [("jordan", 5), ("deepseekv4", 10)])
+def test_low_precision_gram_first_run_of_three_stays_in_standard_bf16_band(preset, steps):
+    """Schedules as gentle as Jordan's run three steps before the first restart (then every 2);
+    on the accuracy inputs and the stress inputs, over two seeds, that stays in standard bf16
+    NS's band with errors against fp64 no more than 3x its own."""
+    schedule = resolve_coefficients(preset, steps)
+    assert ns_module().gram_first_run(schedule) == 3
+    gram = Variant("g", method="gram", dtype=torch.bfloat16, coefficients=preset, steps=steps)
+    standard = Variant("s", dtype=torch.bfloat16, coefficients=preset, steps=steps)
+    for seed in (0, 1):
+        for kind, G in {**make_inputs(seed=seed), **_stress_inputs(seed=seed)}.items():
+            ours, base = measure(gram, G), measure(standard, G)
+            assert ours["sv_min"] >= base["sv_min"] - 0.05 and ours["sv_max"] <= base["sv_max"] + 0.05, kind
+            assert ours["rel_err_vs_fp64"] <= 3 * base["rel_err_vs_fp64"], kind
+
+
+def test_a_longer_first_run_or_a_steeper_schedule_leaves_the_band(monkeypatch):
+    """What bounds the first run: four of Jordan's steps (growth 2·10⁴) blow up on a matrix with
+    one dominant direction, and Polar Express's steep first steps get two steps, not three."""
+    ns = ns_module()
+    assert ns.gram_first_run(resolve_coefficients("polar_express", 5)) == 2
+    assert ns.gram_first_run(resolve_coefficients("jordan", 5)) == ns.DEFAULT_GRAM_FIRST_RUN
+    G = _stress_inputs()["one dominant direction"]
+    gram = Variant("g", method="gram", dtype=torch.bfloat16)
+    assert measure(gram, G)["sv_max"] < 1.5
+    monkeypatch.setattr(ns, "gram_first_run", lambda schedule: 4)
+    assert measure(gram, G)["sv_max"] > 10
+
+
+def ns_module():
+    return importlib.import_module("fastmuon.ns.newton_schulz")
 
 
 def test_gram_space_flops_count_the_restarts():
     r, c = 64, 576
     assert ns_flops(r, c, 5, "gram", torch.float32) == 4 * r * r * c + 34 * r**3
-    assert ns_flops(r, c, 5, "gram", torch.bfloat16) == 12 * r * r * c + 22 * r**3  # 3 runs: 2+2+1
+    assert ns_flops(r, c, 5, "gram", torch.bfloat16) == 8 * r * r * c + 28 * r**3  # 2 runs: 3+2
+    assert ns_flops(r, c, 5, "gram", torch.bfloat16, gram_first_run=2) == 12 * r * r * c + 22 * r**3  # 2+2+1
     assert ns_flops(r, c, 5, "gram", torch.bfloat16) < ns_flops(r, c, 5, "standard")
 
 

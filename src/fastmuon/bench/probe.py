@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..ns.device import compute_dtype
-from ..ns.newton_schulz import gram_restart_interval
+from ..ns.newton_schulz import gram_runs
 from ..ns.planner import Plan
 from ..ns.timing import best_seconds, matmul_flops, matmul_seconds
 
@@ -47,17 +47,11 @@ def floor_products(plan: Plan) -> list[FloorOp]:
         if bucket.method == "eigh":  # X·Xᵀ, the eigendecomposition, V·h·Vᵀ and Q·X
             ops += [(b, "gram"), (b, "eigh"), (b, "square"), (b, "wide")]
         elif bucket.method == "gram":  # per run from a fresh A: X·Xᵀ, 4L−3 R×R products, Q·X
-            for length in _segment_lengths(steps, gram_restart_interval(bucket.dtype)):
+            for length in gram_runs(steps, bucket.dtype, bucket.gram_first_run):
                 ops += [(b, "gram"), *[(b, "square")] * (4 * length - 3), (b, "wide")]
         else:  # X·Xᵀ, A·A, B·X every step
             ops += [(b, "gram"), (b, "square"), (b, "wide")] * steps
     return ops
-
-
-def _segment_lengths(steps: int, restart: int | None) -> list[int]:
-    """Steps per run of Gram-space NS from a fresh ``A`` (newton_schulz.gram_restart_interval)."""
-    interval = restart or steps
-    return [min(interval, steps - start) for start in range(0, steps, interval)]
 
 
 def ns_floor_seconds(plan: Plan, min_seconds: float = 0.01) -> float:

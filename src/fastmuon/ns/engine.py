@@ -35,6 +35,7 @@ from .newton_schulz import (
     CoefficientSpec,
     check_method_preconditioning,
     default_steps,
+    gram_first_run,
     ns_kernel,
     pinned_kernel,
     resolve_coefficients,
@@ -1070,6 +1071,7 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
         requested,
         fallback,
         config.preconditioning,
+        gram_first_run(config.coefficients),
     )
 
 

@@ -582,7 +582,7 @@ def _iterate_gram(
     Squaring into ``A`` doubles the dynamic range: in bf16/fp16 the rounding of ``A_0`` leaves
     tiny negative eigenvalues, which ``λ ← λ·p(λ)²`` grows ~12× per step until the output blows
     up (measured: singular values up to 579 on a low-rank input). There the iteration restarts
-    every :func:`gram_restart_interval` steps from ``X_k = Q_k·X_0`` and a fresh ``A_k = X_k·X_kᵀ``
+    (:func:`gram_restarts`) from ``X_k = Q_k·X_0`` and a fresh ``A_k = X_k·X_kᵀ``
     (the remedy the Gram-space NS literature uses), which keeps it in standard bf16 NS's band.
 
     With ``reuse_input`` (see :data:`Scratch`) the restarts alternate between scratch and
@@ -597,26 +597,27 @@ def _iterate_gram(
     X, A, inv_norm = _normalized_gram(
         X, eps, scratch, host=host, host_reads=host_reads, into=X if rotate else None
     )
-    restart = gram_restart_interval(X.dtype)
+    restarts = gram_restarts(len(schedule), X.dtype, gram_first_run(schedule))
     Q: Tensor | None = None
     spare: Tensor | None = None
     free: Tensor | None = None  # with ``rotate``: a batch-sized buffer read no more
-    restarted = False
+    restarted = 0
     for k, (a, b, c) in enumerate(schedule):
-        if restart and k and k % restart == 0:  # start afresh from X_k = Q_k·X_0
+        if k in restarts:  # start afresh from X_k = Q_k·X_0
             assert Q is not None  # made by step 0
             if inv_norm is not None:
                 Q, inv_norm = Q.mul_(inv_norm), None
+            restarted += 1
             if rotate:
                 target = free
             else:
-                second = k // restart % 2 == 0  # never X's own buffer
-                target = source if reuse_input and second else scratch(f"X{k // restart % 2}", X.shape)
-            X, free, restarted = torch.bmm(Q, X, out=target), X, True
+                second = restarted % 2 == 0  # never X's own buffer
+                target = source if reuse_input and second else scratch(f"X{restarted % 2}", X.shape)
+            X, free = torch.bmm(Q, X, out=target), X
             A = torch.bmm(X, X.mT, out=A)
             Q = None
         B = torch.baddbmm(A, A, A, beta=b, alpha=c, out=scratch("B", A.shape))  # P = a·I + B
-        if k + 1 < len(schedule) and not (restart and (k + 1) % restart == 0):
+        if k + 1 < len(schedule) and k + 1 not in restarts:
             PA = torch.baddbmm(A, B, A, beta=a, out=scratch("PA", A.shape))  # P·A
             A = torch.baddbmm(PA, PA, B, beta=a, out=A)  # P·A·P, over A (not an input here)
             del PA  # with nothing kept, its memory is the next step's
@@ -637,17 +638,49 @@ def _iterate_gram(
     return torch.bmm(Q, X, out=out)
 
 
-def gram_restart_interval(dtype: torch.dtype) -> int | None:
-    """Steps between restarts of Gram-space NS in ``dtype`` (None: never). Measured with
-    ``fastmuon accuracy``: every 2 steps keeps bf16 in standard bf16 NS's singular-value band on
-    random, low-rank and ill-conditioned inputs; every 3 did too on those, with less margin."""
-    return None if dtype in (torch.float32, torch.float64) else 2
+#: How far the first run of low-precision Gram-space NS may grow ``A₀``'s rounding errors (a
+#: tiny negative eigenvalue ``λ`` becomes ``λ·p(λ)²``, ``~a²·λ`` per step) before it restarts:
+#: Jordan's three steps (``3.4445⁶ ≈ 1.7·10³``) held standard bf16 NS's singular-value band on
+#: every input ``fastmuon accuracy`` and its stress inputs tried (rank-deficient, heavy-tailed,
+#: one dominant direction; 64..256 rows); four steps (``2·10⁴``), or three of Polar Express's
+#: steeper first steps (``8.2² · 4.1² · 3.9² ≈ 1.7·10⁴``), did not. Later runs start from an
+#: ``X_k`` whose singular values are already near 1, so ``A_k``'s rounding errors are larger in
+#: absolute terms: they restart every 2 steps.
+FIRST_RUN_GROWTH = 2e3
 
 
-def gram_segments(steps: int, dtype: torch.dtype | None) -> int:
-    """How many runs from a fresh ``A = X·Xᵀ`` a Gram-space NS of ``steps`` takes in ``dtype``."""
-    restart = gram_restart_interval(dtype) if dtype is not None else None
-    return -(-steps // restart) if restart else 1
+def gram_first_run(schedule: Sequence[Coefficients]) -> int:
+    """How many steps of ``schedule`` low-precision Gram-space NS runs before its first restart:
+    the longest start whose growth ``∏ a_k²`` stays within :data:`FIRST_RUN_GROWTH` (at least 2)."""
+    growth, length = 1.0, 0
+    for a, _, _ in schedule:
+        growth *= a * a
+        if growth > FIRST_RUN_GROWTH:
+            break
+        length += 1
+    return max(length, 2)
+
+
+#: :func:`gram_first_run` of the default schedule (Jordan's): what a plan assumes unless told
+DEFAULT_GRAM_FIRST_RUN = 3
+
+
+def gram_restarts(
+    steps: int, dtype: torch.dtype | None, first_run: int = DEFAULT_GRAM_FIRST_RUN
+) -> tuple[int, ...]:
+    """The steps of a ``steps``-long Gram-space NS in ``dtype`` that start afresh from
+    ``X_k = Q_k·X_0``: after ``first_run`` steps (:func:`gram_first_run`), then every 2; none
+    in fp32/fp64 (or for ``dtype`` None)."""
+    if dtype is None or dtype in (torch.float32, torch.float64):
+        return ()
+    return tuple(range(first_run, steps, 2))
+
+
+def gram_runs(steps: int, dtype: torch.dtype | None, first_run: int = DEFAULT_GRAM_FIRST_RUN) -> list[int]:
+    """The lengths of the runs from a fresh ``A = X·Xᵀ`` of a Gram-space NS of ``steps`` in
+    ``dtype`` (each costs ``X·Xᵀ``, ``4·length − 3`` R×R products and ``Q·X``)."""
+    bounds = [0, *gram_restarts(steps, dtype, first_run), steps]
+    return [end - start for start, end in zip(bounds, bounds[1:])]
 
 
 def _normalized_gram(

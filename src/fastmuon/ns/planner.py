@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import cpu_class
-from .newton_schulz import check_method_preconditioning, gram_segments
+from .newton_schulz import DEFAULT_GRAM_FIRST_RUN, check_method_preconditioning, gram_runs
 
 POLICIES = ("auto", "exact", "min_launches")
 DEFAULT_MAX_BUCKET_BYTES = 512 * 2**20
@@ -38,7 +38,9 @@ class MatrixSpec:
     request on a CPU with bf16 matmul units): the planner takes it per shape where the cost model
     finds it faster, and the matrix then counts as ``dtype`` requested. ``preconditioning`` is
     how NS normalises it (``newton_schulz.PRECONDITIONINGS``): AOL runs with the standard method
-    only, and its extra elementwise work is counted (:func:`ns_flops`).
+    only, and its extra elementwise work is counted (:func:`ns_flops`). ``gram_first_run``: the
+    steps low-precision Gram-space NS takes before its first restart with the matrix's schedule
+    (``newton_schulz.gram_first_run``), which sets what that method costs.
     """
 
     rows: int
@@ -51,6 +53,7 @@ class MatrixSpec:
     requested: torch.dtype | None = None
     fallback: torch.dtype | None = None
     preconditioning: str = "frobenius"
+    gram_first_run: int = DEFAULT_GRAM_FIRST_RUN
 
     @property
     def transposed(self) -> bool:
@@ -88,6 +91,7 @@ class Bucket:
     key: Hashable = None
     method: str = "standard"
     preconditioning: str = "frobenius"
+    gram_first_run: int = DEFAULT_GRAM_FIRST_RUN  # see MatrixSpec
 
     def nbytes(self) -> int:
         b, r, c = self.shape
@@ -96,12 +100,13 @@ class Bucket:
     def flops(self, steps: int) -> int:
         """FLOPs the padded batch actually computes."""
         b, r, c = self.shape
-        return b * ns_flops(r, c, steps, self.method, self.dtype, self.preconditioning)
+        return b * ns_flops(r, c, steps, self.method, self.dtype, self.preconditioning, self.gram_first_run)
 
     def useful_flops(self, steps: int) -> int:
         """FLOPs the members would cost unpadded (with the bucket's method)."""
         return sum(
-            ns_flops(*m.oriented, steps, self.method, self.dtype, self.preconditioning) for m in self.members
+            ns_flops(*m.oriented, steps, self.method, self.dtype, self.preconditioning, self.gram_first_run)
+            for m in self.members
         )
 
 
@@ -159,9 +164,10 @@ CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
 # small matrices; a GPU launch costs ~6 µs while the GPU does tens to hundreds of TFLOP/s, so
 # on CUDA one saved launch is worth ~10^8-10^9 padded FLOPs and on a CPU only ~10^6. GPUs run
 # eigendecompositions slowly (and with host synchronisation), so their model leaves eigh out.
-# On a GPU bf16 Gram-space NS (restarting as newton_schulz.gram_restart_interval says) holds
+# On a GPU bf16 Gram-space NS (restarting as newton_schulz.gram_restarts says) holds
 # standard bf16 NS's accuracy from twice as wide as tall on (``fastmuon accuracy``, computed on
-# a CPU in bf16) and saves FLOPs there (a 4096×14336 matrix: 64·R³ against 80·R³), so it competes.
+# a CPU in bf16) and saves FLOPs there (a 4096×14336 matrix, Jordan's 5 steps: 56·R³ against
+# 80·R³), so it competes.
 COST_MODELS: dict[str, CostModel] = {
     "cpu": CostModel(
         launch_seconds=15e-6,
@@ -242,6 +248,7 @@ def ns_flops(
     method: str = "standard",
     dtype: torch.dtype | None = None,
     preconditioning: str = "frobenius",
+    gram_first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> int:
     """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c).
 
@@ -259,7 +266,7 @@ def ns_flops(
     if method == "eigh":  # A = X·Xᵀ, the eigendecomposition, V·h·Vᵀ, Q·X
         return 4 * r * r * c + (EIGH_FLOPS_PER_R3 + 2) * r * r * r
     if method == "gram":
-        s = gram_segments(steps, dtype)
+        s = len(gram_runs(steps, dtype, gram_first_run))
         return 4 * s * r * r * c + (8 * steps - 6 * s) * r * r * r
     return steps * (4 * r * r * c + 2 * r * r * r)
 
@@ -273,11 +280,12 @@ def ns_cost(
     eigh: EighCost | None = None,
     threads: int = 1,
     preconditioning: str = "frobenius",
+    gram_first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> float:
     """What the planner minimises: :func:`ns_flops`, with an eigendecomposition counted at what
     it costs on the device in matmul FLOPs (``eigh``; ``None``: its nominal count)."""
     if method != "eigh" or eigh is None:
-        return ns_flops(rows, cols, steps, method, dtype, preconditioning)
+        return ns_flops(rows, cols, steps, method, dtype, preconditioning, gram_first_run)
     r, c = min(rows, cols), max(rows, cols)
     return 4 * r * r * c + (2 + eigh.per_r3(r, threads)) * r**3
 
@@ -296,6 +304,7 @@ def choose_method(
     preconditioning: str = "frobenius",
     count: int = 1,
     launch_flops: float = 0.0,
+    gram_first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> str:
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
@@ -308,7 +317,7 @@ def choose_method(
     ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so that route
     (``newton_schulz._iterate_eigh``) qualifies too, wherever the device's cost model prices it
     (``eigh``: CPUs). (The Gram loop on square buckets in that case measured no faster.)
-    In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restart_interval``), which keeps
+    In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restarts``), which keeps
     it in standard bf16 NS's band from twice as wide as tall on (random, graded and
     ill-conditioned inputs at 128..768 rows, 2..3x as wide: errors against fp64 NS no larger);
     it competes there where the cost model says it pays (``low_precision_gram``), by the FLOPs
@@ -325,7 +334,7 @@ def choose_method(
             return min(
                 ("standard", "gram"),
                 key=lambda m: (
-                    count * ns_flops(rows, cols, steps, m, dtype)
+                    count * ns_flops(rows, cols, steps, m, dtype, gram_first_run=gram_first_run)
                     + launch_flops * kernels_per_bucket(steps, m)
                 ),
             )
@@ -336,7 +345,10 @@ def choose_method(
         candidates.append("gram")
     if tolerant and eigh is not None:
         candidates.append("eigh")
-    return min(candidates, key=lambda m: ns_cost(rows, cols, steps, m, dtype, eigh, threads))  # ties: first
+    return min(  # ties: first
+        candidates,
+        key=lambda m: ns_cost(rows, cols, steps, m, dtype, eigh, threads, gram_first_run=gram_first_run),
+    )
 
 
 def kernels_per_bucket(steps: int, method: str = "standard", preconditioning: str = "frobenius") -> int:
@@ -411,9 +423,9 @@ class Plan:
 
 
 #: what splits the specs before buckets are drawn: (dtype, device, key, method, requested dtype,
-#: fallback dtype, preconditioning)
+#: fallback dtype, preconditioning, Gram-space first run)
 _PartitionKey = tuple[
-    torch.dtype, torch.device, Hashable, str, "torch.dtype | None", "torch.dtype | None", str
+    torch.dtype, torch.device, Hashable, str, "torch.dtype | None", "torch.dtype | None", str, int
 ]
 #: a method chooser for one run's dtype: ``chooser(rows=, cols=, narrowest=, count=)`` -> method name
 _Chooser = Callable[..., str]
@@ -453,13 +465,23 @@ def plan_buckets(
         check_method_preconditioning(s.method, s.preconditioning)
         fallback = s.fallback if s.fallback is not None and s.fallback != s.dtype else None
         part = partitions.setdefault(
-            (s.dtype, torch.device(s.device), s.key, s.method, s.requested, fallback, s.preconditioning), {}
+            (
+                s.dtype,
+                torch.device(s.device),
+                s.key,
+                s.method,
+                s.requested,
+                fallback,
+                s.preconditioning,
+                s.gram_first_run,
+            ),
+            {},
         )
         part.setdefault(s.oriented, []).append(i)
 
     threads = torch.get_num_threads() if threads is None else threads
     buckets: list[Bucket] = []
-    for (dtype, device, key, allowed, requested, fallback, pre), by_shape in partitions.items():
+    for (dtype, device, key, allowed, requested, fallback, pre, first_run), by_shape in partitions.items():
         model = cost_model or default_cost_model(device)
         groups = [_DraftBucket(r, c, members, c / r) for (r, c), members in by_shape.items()]
 
@@ -469,6 +491,7 @@ def plan_buckets(
             allowed: str = allowed,
             model: CostModel = model,
             pre: str = pre,
+            first_run: int = first_run,
         ) -> _Chooser:
             launch = model.launch_cost(run_dtype) / model.flop_seconds(run_dtype)
             return functools.partial(
@@ -482,14 +505,15 @@ def plan_buckets(
                 low_precision_gram=model.low_precision_gram,
                 preconditioning=pre,
                 launch_flops=launch if model.gram_weighs_launches else 0.0,
+                gram_first_run=first_run,
             )
 
         runs = [(dtype, requested, groups)]
         if fallback is not None:  # each shape in whichever dtype runs it faster
             native, wide = chooser_for(dtype, requested), chooser_for(fallback, dtype)
             faster_wide = [
-                _seconds(g, steps, fallback, model, wide, threads, max_bucket_bytes, pre)
-                < _seconds(g, steps, dtype, model, native, threads, max_bucket_bytes, pre)
+                _seconds(g, steps, fallback, model, wide, threads, max_bucket_bytes, pre, first_run)
+                < _seconds(g, steps, dtype, model, native, threads, max_bucket_bytes, pre, first_run)
                 for g in groups
             ]
             runs = [
@@ -500,11 +524,22 @@ def plan_buckets(
             chooser = chooser_for(run_dtype, run_requested)
             if policy != "exact" and run_groups:
                 run_groups = _merge(
-                    run_groups, policy, steps, run_dtype, max_bucket_bytes, model, chooser, threads, pre
+                    run_groups,
+                    policy,
+                    steps,
+                    run_dtype,
+                    max_bucket_bytes,
+                    model,
+                    chooser,
+                    threads,
+                    pre,
+                    first_run,
                 )
             for g in sorted(run_groups, key=lambda g: (-g.rows * g.cols, g.rows)):
                 method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest, count=len(g.members))
-                buckets.extend(_materialise(g, specs, run_dtype, device, key, max_bucket_bytes, method, pre))
+                buckets.extend(
+                    _materialise(g, specs, run_dtype, device, key, max_bucket_bytes, method, pre, first_run)
+                )
     return Plan(tuple(buckets), len(specs), policy, steps, max_bucket_bytes)
 
 
@@ -517,10 +552,13 @@ def _seconds(
     threads: int,
     cap: int,
     pre: str,
+    first_run: int,
 ) -> float:
     """What the cost model says group ``g`` costs alone in ``dtype``: FLOPs plus launches."""
     method = chooser(rows=g.rows, cols=g.cols, narrowest=g.narrowest, count=len(g.members))
-    flops = len(g.members) * ns_cost(g.rows, g.cols, steps, method, dtype, model.eigh, threads, pre)
+    flops = len(g.members) * ns_cost(
+        g.rows, g.cols, steps, method, dtype, model.eigh, threads, pre, first_run
+    )
     launches = g.chunks(_itemsize(dtype), cap) * kernels_per_bucket(steps, method, pre)
     seconds: float = flops * model.flop_seconds(dtype) + launches * model.launch_cost(dtype)
     return seconds
@@ -561,6 +599,7 @@ def _merge(
     chooser: _Chooser,
     threads: int,
     pre: str = "frobenius",
+    first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> list[_DraftBucket]:
     """Greedy agglomeration: apply the best merge until none helps (costs in matmul FLOPs)."""
     itemsize = _itemsize(dtype)
@@ -575,7 +614,9 @@ def _merge(
         return method_of(g.rows, g.cols, g.narrowest, len(g.members))
 
     def flops(g: _DraftBucket) -> float:
-        return len(g.members) * ns_cost(g.rows, g.cols, steps, method(g), dtype, model.eigh, threads, pre)
+        return len(g.members) * ns_cost(
+            g.rows, g.cols, steps, method(g), dtype, model.eigh, threads, pre, first_run
+        )
 
     def launches(g: _DraftBucket) -> int:
         return g.chunks(itemsize, cap) * kernels_per_bucket(steps, method(g), pre)
@@ -619,6 +660,7 @@ def _materialise(
     cap: int,
     method: str,
     pre: str = "frobenius",
+    first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> list[Bucket]:
     """Order members so identical tensors are adjacent, then split by the memory cap."""
     order = sorted(
@@ -640,7 +682,7 @@ def _materialise(
         members = tuple(
             Member(i, slot, specs[i].rows, specs[i].cols, specs[i].transposed) for slot, i in enumerate(chunk)
         )
-        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key, method, pre))
+        buckets.append(Bucket((len(chunk), rows, cols), members, dtype, device, key, method, pre, first_run))
     return buckets
 
 

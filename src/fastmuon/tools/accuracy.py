@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..ns.device import cpu_low_precision
-from ..ns.newton_schulz import gram_restart_interval, newton_schulz
+from ..ns.newton_schulz import gram_first_run, gram_restarts, newton_schulz, resolve_coefficients
 from ..ns.planner import COST_MODELS, MatrixSpec, plan_buckets
 
 
@@ -34,7 +34,7 @@ class Variant:
 def cuda_choice(rows: int = 1024, cols: int = 4096, count: int = 8) -> Variant:
     """What a CUDA plan runs for a bucket of ``count`` wide bf16 matrices (the planner's choice
     with the CUDA cost model: Gram-space NS from twice as wide as tall, restarting as
-    ``newton_schulz.gram_restart_interval`` says), to be computed here on the CPU in that dtype."""
+    ``newton_schulz.gram_restarts`` says), to be computed here on the CPU in that dtype."""
     spec = MatrixSpec(rows, cols, torch.bfloat16, torch.device("cuda"))
     bucket = plan_buckets([spec] * count, cost_model=COST_MODELS["cuda"]).buckets[0]
     dtype = str(bucket.dtype).removeprefix("torch.").replace("bfloat16", "bf16")
@@ -125,7 +125,8 @@ def run_accuracy(rows: int = 64, cols: int = 576, seed: int = 0) -> list[dict]:
 def _describe(v: Variant) -> dict:
     d = asdict(v)
     d["dtype"] = str(v.dtype).removeprefix("torch.")
-    d["restart_every"] = gram_restart_interval(v.dtype) if v.method == "gram" else None
+    first_run = gram_first_run(resolve_coefficients(v.coefficients, v.steps))
+    d["restarts_at"] = list(gram_restarts(v.steps, v.dtype, first_run)) if v.method == "gram" else None
     return d
 
 
