@@ -434,8 +434,8 @@ def _plus_eps(norm: Tensor, eps: float) -> Tensor:
 
 def _largest_entry(X: Tensor, host: bool) -> Tensor:
     """Largest |entry| of each matrix of a batch, ``(B, 1, 1)`` (NaN if any is NaN). On a CPU
-    (``host``) the inf-norm kernel is 10-20x slower than a max and a min (measured; ``aminmax``
-    is slower still), so it is computed from those there."""
+    (``host``) torch's inf-norm kernel is far slower than a max and a min (``aminmax`` too), so
+    it is computed from those there."""
     if host:
         return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
     norm: Tensor = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
@@ -642,7 +642,7 @@ def _iterate_gram(
 #: tiny negative eigenvalue ``λ`` becomes ``λ·p(λ)²``, ``~a²·λ`` per step) before it restarts:
 #: Jordan's three steps (``3.4445⁶ ≈ 1.7·10³``) held standard bf16 NS's singular-value band on
 #: every input ``fastmuon accuracy`` and its stress inputs tried (rank-deficient, heavy-tailed,
-#: one dominant direction; 64..256 rows); four steps (``2·10⁴``), or three of Polar Express's
+#: one dominant direction; 64..512 rows); four steps (``2·10⁴``), or three of Polar Express's
 #: steeper first steps (``8.2² · 4.1² · 3.9² ≈ 1.7·10⁴``), did not. Later runs start from an
 #: ``X_k`` whose singular values are already near 1, so ``A_k``'s rounding errors are larger in
 #: absolute terms: they restart every 2 steps.
@@ -736,9 +736,9 @@ def _iterate_eigh(
     ``p_k(λ) = a + b·λ + c·λ²``, i.e. NS run on each singular value ``σ = √λ`` exactly as the
     matrix iteration runs it. One ``R×R`` eigendecomposition and one product replace the 4k−3
     ``R×R`` products of the Gram loop, whatever the number of steps (and ``k`` passes over ``X``
-    for standard NS): on a CPU, 1 thread, 1.2-1.9x faster than the Gram loop from R = 384 and
-    1.5x faster than standard NS at 256×384 (measured; docs/performance.md); LAPACK's
-    overheads make it slower below R ≈ 200. (Computing a polar factor
+    for standard NS), so on a CPU it wins on large buckets (docs/performance.md has the figures),
+    while LAPACK's fixed overheads make it lose on small ones; the planner prices both
+    (``planner.EighCost``). (Computing a polar factor
     from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of Matrices*,
     ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
 
