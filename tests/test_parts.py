@@ -90,7 +90,9 @@ def test_each_rank_views_its_part_of_every_matrix(layout, spec):
             alone = len(holders) == 1 and holders[0] == whole_region(matrix.shape)
             if held[rank] is None and alone:
                 continue  # another rank's alone: not in this rank's list
-            view, grad_view, buf_view, _shape, split, _k, described = next(pieces)
+            piece = next(pieces)
+            view, described = piece.param, piece.whole
+            assert described is not None
             assert described.shape == tuple(matrix.shape) and described.held == held
             assert described.exchanged == (not alone)
             if held[rank] is None:

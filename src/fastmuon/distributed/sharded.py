@@ -50,9 +50,9 @@ class ShardedMatrix:
 
 def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts) -> list[Piece]:
     """The matrices under map ``m`` of the parameter whose local tensors (this rank's part) are
-    ``p``, ``grad`` and ``buf`` that this rank takes part in, as
-    ``(param, grad, buffer, shape, split, piece, whole)`` with views of those tensors (see
-    :func:`fastmuon.step.matrix.matrix_items`); ``whole`` describes the matrix for the planner.
+    ``p``, ``grad`` and ``buf`` that this rank takes part in, as :class:`Piece` records with views
+    of those tensors (see :func:`fastmuon.step.matrix.matrix_items`); ``whole`` describes the
+    matrix for the planner.
 
     A matrix is kept if this rank holds part of it, or if it is exchanged (every rank takes part
     in that, maybe with an empty part); one held whole by another rank alone is that rank's.
@@ -76,22 +76,26 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
         pv, gv, bv = (t[local_box] for t in local)
         pieces.append((pv, gv, bv, factor_shape, matrix))
     split = functools.partial(_cut, tuple(boxes))
-    return [(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)]
+    return [
+        Piece(pv, gv, bv, shape_, split, k, whole) for k, (pv, gv, bv, shape_, whole) in enumerate(pieces)
+    ]
 
 
-#: One matrix of a parameter as a step's items take it: views of its parameter, gradient and
-#: buffer, its factor shape, how a step's gradient is cut into its pieces, the piece's number, and
-#: the matrix across ranks (the cut and the matrix None where this rank holds it whole: see
-#: :func:`fastmuon.step.matrix.matrix_items`).
-Piece = tuple[
-    Tensor,
-    Tensor,
-    Tensor,
-    tuple[int, ...],
-    Callable[[Tensor], list[Tensor]] | None,
-    int,
-    ShardedMatrix | None,
-]
+@dataclass(frozen=True)
+class Piece:
+    """One matrix of a parameter as a step's items take it: views of its parameter, gradient and
+    buffer, its factor shape, how a step's gradient is cut into its pieces (None: the matrix is
+    the whole tensor), the piece's number, and the matrix across ranks (None where this rank
+    holds it whole: see :func:`fastmuon.step.matrix.matrix_items`)."""
+
+    param: Tensor
+    grad: Tensor
+    buf: Tensor
+    shape: tuple[int, ...]
+    split: Callable[[Tensor], list[Tensor]] | None = None
+    number: int = 0
+    whole: ShardedMatrix | None = None
+
 
 #: A box's extent in one dim of the whole tensor: ``(start, stop, step)``, as ``range`` takes it.
 Extent = tuple[int, int, int]

@@ -90,6 +90,37 @@ class AdamWClasses(NamedTuple):
     weight_decay: tuple[int, ...]
 
 
+@dataclass
+class AdamWPart:
+    """One class of AdamW's parameters stepped by one kernel call: the group whose scalars it
+    takes, its parameters and moments, where its gradients sit among the step's, and the
+    arithmetic dtype of moments stored in another one (None: their own)."""
+
+    group: int
+    params: list[Tensor]
+    pick: Gather
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    steps: list[Tensor]
+    dtype: torch.dtype | None
+
+
+@dataclass
+class FusedAdamWPart(AdamWPart):
+    """A part for torch's fused kernel, with the strides it was found exact for (see
+    :meth:`AdamWProgram.fits`)."""
+
+    grad_strides: list[tuple[int, ...]]
+    param_strides: list[tuple[int, ...]]
+
+
+@dataclass
+class ForeachAdamWPart(AdamWPart):
+    """A part for the foreach kernels; ``host``: its parameters live on the host's CPU."""
+
+    host: bool
+
+
 class AdamWProgram:
     """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
     (:func:`~fastmuon.step.elementwise.fusable`: one pass per tensor instead of a foreach call per
@@ -109,22 +140,24 @@ class AdamWProgram:
             items, lambda i: not capturable and fusable_stored(i.param, i.grad, [i.exp_avg, i.exp_avg_sq])
         )
 
-        def lists(
-            part: list[AdamWItem],
-        ) -> tuple[int, list[Tensor], Gather, list[Tensor], list[Tensor], list[Tensor], torch.dtype | None]:
-            return (
-                part[0].group,
-                [i.param for i in part],
-                Gather([i.index for i in part]),
-                [i.exp_avg for i in part],
-                [i.exp_avg_sq for i in part],
-                [i.step for i in part],
-                arithmetic_dtype(part[0].param.dtype, part[0].exp_avg.dtype),
+        def lists(part: list[AdamWItem]) -> dict[str, Any]:
+            return dict(
+                group=part[0].group,
+                params=[i.param for i in part],
+                pick=Gather([i.index for i in part]),
+                exp_avgs=[i.exp_avg for i in part],
+                exp_avg_sqs=[i.exp_avg_sq for i in part],
+                steps=[i.step for i in part],
+                dtype=arithmetic_dtype(part[0].param.dtype, part[0].exp_avg.dtype),
             )
 
         fused = by_kernel.get(True, [])
         self.fused = [
-            (*lists(part), [i.grad.stride() for i in part], [i.param.stride() for i in part])
+            FusedAdamWPart(
+                **lists(part),
+                grad_strides=[i.grad.stride() for i in part],
+                param_strides=[i.param.stride() for i in part],
+            )
             for part in partition(
                 fused,
                 lambda i: (
@@ -140,7 +173,7 @@ class AdamWProgram:
         rest = by_kernel.get(False, [])
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            (*lists(part), device.is_host(part[0].param.device))
+            ForeachAdamWPart(**lists(part), host=device.is_host(part[0].param.device))
             for part in partition(
                 rest,
                 lambda i: (
@@ -157,25 +190,29 @@ class AdamWProgram:
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides (see :func:`~fastmuon.step.elementwise.fusable`)."""
-        for _, params, pick, _, _, _, _, grad_strides, param_strides in self.fused:
-            if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
+        for part in self.fused:
+            if (
+                strides_of(part.pick(grads)) != part.grad_strides
+                or strides_of(part.params) != part.param_strides
+            ):
                 return False
         return True
 
     def run(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, _, _ in self.fused:
+        for f in self.fused:
+            g = f.group
             beta1, beta2 = s.betas[g]
-            avgs, avg_sqs = exp_avgs, exp_avg_sqs
-            if dtype is not None:  # working copies in the parameters' dtype (see fusable_stored)
-                avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
-            torch._foreach_add_(steps, 1.0)
+            avgs, avg_sqs = f.exp_avgs, f.exp_avg_sqs
+            if f.dtype is not None:  # working copies in the parameters' dtype (see fusable_stored)
+                avgs, avg_sqs = widened(f.exp_avgs, f.dtype), widened(f.exp_avg_sqs, f.dtype)
+            torch._foreach_add_(f.steps, 1.0)
             torch._fused_adamw_(
-                params,
-                pick(grads),
+                f.params,
+                f.pick(grads),
                 avgs,
                 avg_sqs,
                 [],  # no amsgrad
-                steps,
+                f.steps,
                 lr=s.lr[g],
                 beta1=beta1,
                 beta2=beta2,
@@ -184,21 +221,21 @@ class AdamWProgram:
                 amsgrad=False,
                 maximize=False,
             )
-            if dtype is not None:
-                store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
-        for g, params, pick, exp_avgs, exp_avg_sqs, steps, dtype, host in self.rest:
-            lr = s.lr[g]
-            step_grads, avgs, avg_sqs = pick(grads), exp_avgs, exp_avg_sqs
-            if dtype is not None:  # moments stored narrower (or wider) than their parameters
-                step_grads = widened(step_grads, dtype)
-                avgs, avg_sqs = widened(exp_avgs, dtype), widened(exp_avg_sqs, dtype)
-            args = (params, step_grads, avgs, avg_sqs, steps)
+            if f.dtype is not None:
+                store_(f.exp_avgs + f.exp_avg_sqs, avgs + avg_sqs)
+        for r in self.rest:
+            g, lr = r.group, s.lr[r.group]
+            step_grads, avgs, avg_sqs = r.pick(grads), r.exp_avgs, r.exp_avg_sqs
+            if r.dtype is not None:  # moments stored narrower (or wider) than their parameters
+                step_grads = widened(step_grads, r.dtype)
+                avgs, avg_sqs = widened(r.exp_avgs, r.dtype), widened(r.exp_avg_sqs, r.dtype)
+            args = (r.params, step_grads, avgs, avg_sqs, r.steps)
             if self.capturable or isinstance(lr, Tensor):
                 _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g])
             else:
-                _adamw(*args, [lr] * len(params), s.betas[g], s.eps[g], s.weight_decay[g], host)
-            if dtype is not None:
-                store_(exp_avgs + exp_avg_sqs, avgs + avg_sqs)
+                _adamw(*args, [lr] * len(r.params), s.betas[g], s.eps[g], s.weight_decay[g], r.host)
+            if r.dtype is not None:
+                store_(r.exp_avgs + r.exp_avg_sqs, avgs + avg_sqs)
 
 
 def _adamw(

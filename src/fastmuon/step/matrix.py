@@ -77,23 +77,23 @@ def matrix_items(
     if parts is not None:
         pieces = held_pieces(m, local_shard(p), local_shard(grad), local_shard(buf), parts)
     elif m.is_flatten:
-        pieces = [(p, grad, buf, tuple(p.shape), None, 0, None)]
+        pieces = [Piece(p, grad, buf, tuple(p.shape))]
     else:
         views_of = m.views
         pieces = [
-            (pv, gv, bv, shape, views_of, k, None)
+            Piece(pv, gv, bv, shape, views_of, k)
             for k, (pv, gv, bv, shape) in enumerate(
                 zip(views_of(p), views_of(grad), views_of(buf), m.shapes(p.shape))
             )
         ]
     items = []
-    for view, grad_view, buf_view, shape, split, piece, whole in pieces:
-        factor = lr_scale(adjust, shape, rms_scale)
+    for piece in pieces:
+        factor = lr_scale(adjust, piece.shape, rms_scale)
         items.append(
             MatrixItem(
-                view,
-                grad_view,
-                buf_view,
+                piece.param,
+                piece.grad,
+                piece.buf,
                 beta,
                 nesterov,
                 base * factor,
@@ -102,9 +102,9 @@ def matrix_items(
                 group=group,
                 index=index,
                 factor=factor,
-                split=split,
-                piece=piece,
-                whole=whole,
+                split=piece.split,
+                piece=piece.number,
+                whole=piece.whole,
                 cautious=cautious,
             )
         )

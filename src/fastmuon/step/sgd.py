@@ -53,6 +53,38 @@ class SGDScalars:
     lr: list[Scalar]
 
 
+@dataclass
+class SGDPart:
+    """One class of SGD's parameters stepped together: the group whose scalars it takes, its
+    parameters and buffers, where its gradients sit among the step's, and the arithmetic dtype
+    of buffers stored in another one (None: their own)."""
+
+    group: int
+    params: list[Tensor]
+    pick: Gather
+    bufs: list[Tensor]
+    dtype: torch.dtype | None
+
+
+@dataclass
+class FusedSGDPart(SGDPart):
+    """A part for torch's fused kernel: one learning-rate class, and the strides it was found
+    exact for (see :meth:`SGDProgram.fits`)."""
+
+    lr_class: int
+    grad_strides: _Strides
+    param_strides: _Strides
+
+
+@dataclass
+class ForeachSGDPart(SGDPart):
+    """A part for the foreach kernels: its members by learning-rate class (picks among the
+    part's and their parameters), and each class's index among the step's learning rates."""
+
+    by_lr: _ByScale
+    lr_classes: list[int]
+
+
 class SGDProgram:
     """The SGD step prepared once: per (β, nesterov, wd, device, dtypes of parameter and
     buffer), torch's fused kernel per learning rate where it is exact, else foreach calls with
@@ -65,12 +97,8 @@ class SGDProgram:
         def lr_key(i: SGDItem) -> int:
             return lr_class[i.lr_slot]
 
-        self.fused: list[
-            tuple[int, list[Tensor], Gather, list[Tensor], int, torch.dtype | None, _Strides, _Strides]
-        ] = []
-        self.rest: list[
-            tuple[int, list[Tensor], Gather, list[Tensor], _ByScale, list[int], torch.dtype | None]
-        ] = []
+        self.fused: list[FusedSGDPart] = []
+        self.rest: list[ForeachSGDPart] = []
         parts = partition(
             items, lambda i: (i.beta, i.nesterov, i.weight_decay, i.param.device, i.param.dtype, i.buf.dtype)
         )
@@ -84,15 +112,15 @@ class SGDProgram:
             for by_lr in partition(by_kernel.get(True, []), lr_key).values():
                 first = by_lr[0]
                 self.fused.append(
-                    (
-                        g,
-                        [i.param for i in by_lr],
-                        Gather([i.index for i in by_lr]),
-                        [i.buf for i in by_lr],
-                        lr_key(first),
-                        dtype,
-                        [i.grad.stride() for i in by_lr],
-                        [i.param.stride() for i in by_lr],
+                    FusedSGDPart(
+                        group=g,
+                        params=[i.param for i in by_lr],
+                        pick=Gather([i.index for i in by_lr]),
+                        bufs=[i.buf for i in by_lr],
+                        dtype=dtype,
+                        lr_class=lr_key(first),
+                        grad_strides=[i.grad.stride() for i in by_lr],
+                        param_strides=[i.param.stride() for i in by_lr],
                     )
                 )
             rest = by_kernel.get(False, [])
@@ -100,14 +128,14 @@ class SGDProgram:
                 rest_keys = [lr_key(i) for i in rest]
                 lr_classes = partition(range(len(rest)), rest_keys.__getitem__)
                 self.rest.append(
-                    (
-                        g,
-                        [i.param for i in rest],
-                        Gather([i.index for i in rest]),
-                        [i.buf for i in rest],
-                        [(Gather(idx), [rest[k].param for k in idx]) for idx in lr_classes.values()],
-                        [lr_key(rest[idx[0]]) for idx in lr_classes.values()],
-                        dtype,
+                    ForeachSGDPart(
+                        group=g,
+                        params=[i.param for i in rest],
+                        pick=Gather([i.index for i in rest]),
+                        bufs=[i.buf for i in rest],
+                        dtype=dtype,
+                        by_lr=[(Gather(idx), [rest[k].param for k in idx]) for idx in lr_classes.values()],
+                        lr_classes=[lr_key(rest[idx[0]]) for idx in lr_classes.values()],
                     )
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
@@ -116,47 +144,52 @@ class SGDProgram:
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
         must still have the layouts it was chosen for."""
-        for _, params, pick, _, _, _, grad_strides, param_strides in self.fused:
-            if strides_of(pick(grads)) != grad_strides or strides_of(params) != param_strides:
+        for part in self.fused:
+            if (
+                strides_of(part.pick(grads)) != part.grad_strides
+                or strides_of(part.params) != part.param_strides
+            ):
                 return False
         return True
 
     def run(self, grads: Sequence[Tensor], s: SGDScalars) -> None:
         lr_of = s.lr  # a class is the index of its first member's value
-        for g, params, pick, bufs, c, dtype, _, _ in self.fused:
-            work = bufs if dtype is None else widened(bufs, dtype)
+        for f in self.fused:
+            g = f.group
+            work = f.bufs if f.dtype is None else widened(f.bufs, f.dtype)
             torch._fused_sgd_(
-                params,
-                pick(grads),
+                f.params,
+                f.pick(grads),
                 work,
                 weight_decay=s.weight_decay[g],
                 momentum=s.beta[g],
-                lr=lr_of[c],
+                lr=lr_of[f.lr_class],
                 dampening=0.0,
                 nesterov=s.nesterov[g],
                 maximize=False,
                 is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
             )
-            if dtype is not None:
-                store_(bufs, work)
-        for g, params, pick, bufs, by_lr, lr_classes, dtype in self.rest:
-            step_grads, work = pick(grads), bufs
-            if dtype is not None:  # buffers stored narrower (or wider) than their parameters
-                step_grads, work = widened(step_grads, dtype), widened(bufs, dtype)
+            if f.dtype is not None:
+                store_(f.bufs, work)
+        for r in self.rest:
+            g = r.group
+            step_grads, work = r.pick(grads), r.bufs
+            if r.dtype is not None:  # buffers stored narrower (or wider) than their parameters
+                step_grads, work = widened(step_grads, r.dtype), widened(r.bufs, r.dtype)
             foreach_sgd_step_(
-                params,
+                r.params,
                 step_grads,
                 work,
-                by_lr,
-                [lr_of[c] for c in lr_classes],
+                r.by_lr,
+                [lr_of[c] for c in r.lr_classes],
                 s.beta[g],
                 s.nesterov[g],
                 s.weight_decay[g],
                 self.limit,
                 self.host,
             )
-            if dtype is not None:
-                store_(bufs, work)
+            if r.dtype is not None:
+                store_(r.bufs, work)
 
 
 def foreach_sgd_step_(
