@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,6 +86,17 @@ class ForeachSGDPart(SGDPart):
     lr_classes: list[int]
 
 
+def _part_lists(items: list[SGDItem], group: int, dtype: torch.dtype | None) -> dict[str, Any]:
+    """What every :class:`SGDPart` over ``items`` holds (``group``: the one whose scalars it takes)."""
+    return dict(
+        group=group,
+        params=[i.param for i in items],
+        pick=Gather([i.index for i in items]),
+        bufs=[i.buf for i in items],
+        dtype=dtype,
+    )
+
+
 class SGDProgram:
     """The SGD step prepared once: per (β, nesterov, wd, device, dtypes of parameter and
     buffer), torch's fused kernel per learning rate where it is exact, else foreach calls with
@@ -108,16 +120,12 @@ class SGDProgram:
                 part,
                 lambda i: fused_ok and bool(i.beta) and fusable_stored(i.param, i.grad, [i.buf], cuda=True),
             )
-            g = part[0].group
+            g = part[0].group  # the part shares its scalars: any member's group gives them
             for by_lr in partition(by_kernel.get(True, []), lr_key).values():
                 first = by_lr[0]
                 self.fused.append(
                     FusedSGDPart(
-                        group=g,
-                        params=[i.param for i in by_lr],
-                        pick=Gather([i.index for i in by_lr]),
-                        bufs=[i.buf for i in by_lr],
-                        dtype=dtype,
+                        **_part_lists(by_lr, g, dtype),
                         lr_class=lr_key(first),
                         grad_strides=[i.grad.stride() for i in by_lr],
                         param_strides=[i.param.stride() for i in by_lr],
@@ -129,11 +137,7 @@ class SGDProgram:
                 lr_classes = partition(range(len(rest)), rest_keys.__getitem__)
                 self.rest.append(
                     ForeachSGDPart(
-                        group=g,
-                        params=[i.param for i in rest],
-                        pick=Gather([i.index for i in rest]),
-                        bufs=[i.buf for i in rest],
-                        dtype=dtype,
+                        **_part_lists(rest, g, dtype),
                         by_lr=[(Gather(idx), [rest[k].param for k in idx]) for idx in lr_classes.values()],
                         lr_classes=[lr_key(rest[idx[0]]) for idx in lr_classes.values()],
                     )
