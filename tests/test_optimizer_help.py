@@ -22,8 +22,8 @@ OPTIMIZERS = [fastmuon.Muon, fastmuon.MuSGD, fastmuon.NorMuon, fastmuon.AdaMuon]
 RULES = {
     fastmuon.Muon: rules.muon,
     fastmuon.MuSGD: rules.musgd,
-    fastmuon.NorMuon: rules.normuon,
-    fastmuon.AdaMuon: rules.adamuon,
+    fastmuon.NorMuon: rules.second_moment.NORMUON,
+    fastmuon.AdaMuon: rules.second_moment.ADAMUON,
 }
 
 

@@ -74,14 +74,14 @@ def test_an_optimizer_that_orthogonalises_nothing_names_the_update_its_parameter
 
 
 def test_every_rule_names_the_update_of_the_parameters_it_does_not_orthogonalise():
-    import fastmuon.rules.adamuon
     import fastmuon.rules.muon
     import fastmuon.rules.musgd
-    import fastmuon.rules.normuon
+    import fastmuon.rules.second_moment
 
     rules = fastmuon.rules
     assert (rules.musgd.other_update, rules.muon.other_update) == ("SGD", "AdamW")
-    assert rules.normuon.other_update == rules.adamuon.other_update == "AdamW"
+    variants = rules.second_moment
+    assert variants.NORMUON.other_update == variants.ADAMUON.other_update == "AdamW"
     for cls, update in ELEMENTWISE:
         assert cls(_one_matrix_and_a_bias()).rule.other_update == update, cls.__name__
 

@@ -1,6 +1,6 @@
 """What MuSGD and Muon share: group checks, the step's driver, state dicts and copies.
 
-A subclass names its update rule (``_rule``, a module of :mod:`fastmuon.rules`: what a group
+A subclass names its update rule (``_rule``, a rule of :mod:`fastmuon.rules`: what a group
 contributes, the step's scalars, its program and reference) and checks its own group values;
 the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Options`.
 """
@@ -108,7 +108,7 @@ class MatrixOptimizer(Optimizer, RuleHolder):
 
     @property
     def rule(self) -> Rule:
-        """The update rule, a module of :mod:`fastmuon.rules`: what a group contributes, the
+        """The update rule, one of :mod:`fastmuon.rules`: what a group contributes, the
         step's scalars, its program and its per-parameter reference."""
         return self._rule
 

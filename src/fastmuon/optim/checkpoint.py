@@ -64,10 +64,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..rules import adamuon as adamuon_rule
 from ..rules import muon as muon_rule
 from ..rules import musgd as musgd_rule
-from ..rules import normuon as normuon_rule
 from ..rules.roles import (
     ADAM,
     ADAM_AVG,
@@ -81,6 +79,7 @@ from ..rules.roles import (
     ROW_MOMENT,
     SGD,
 )
+from ..rules.second_moment import ADAMUON, MOMENTS, NORMUON
 from ..step.contracts import Rule
 from .state import check_state_layout, state_kinds
 from .validation import is_number
@@ -169,11 +168,10 @@ _LR_ALIAS = "adjust_lr"
 _STATE_DTYPE = "state_dtype"
 _LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
 # the rules whose state dicts load, and each entry they declare (how it may be shaped)
-_RULES: tuple[Rule, ...] = (muon_rule, musgd_rule, normuon_rule, adamuon_rule)
+_RULES: tuple[Rule, ...] = (muon_rule, musgd_rule, NORMUON, ADAMUON)
 _STATE_KINDS = state_kinds(_RULES)
 # each variant's second moment, by its role (told apart in a saved group by _moment_roles)
-_MOMENTS = {m.role: m for m in (normuon_rule.MOMENT, adamuon_rule.MOMENT)}
-_MOMENT_ROLES = tuple(_MOMENTS)
+_MOMENT_ROLES = tuple(MOMENTS)
 # every buffer name a known optimizer writes: the declared ones and torch Adam's amsgrad maximum
 _BUFFER_NAMES = frozenset({*_STATE_KINDS, "max_exp_avg_sq"})
 
@@ -288,7 +286,7 @@ def _moment_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     if "beta2" not in group:
         return {}  # Muon's: it keeps none
     role = ELEMENT_MOMENT if "sign_momentum" in group else ROW_MOMENT
-    return {_MOMENTS[role].key: (role, _moment_key(role, group))}
+    return {MOMENTS[role].key: (role, _moment_key(role, group))}
 
 
 def _moment_key(role: str, group: dict[str, Any]) -> Any:

@@ -1,5 +1,5 @@
 """NorMuon and AdaMuon, the optimizers: Muon's arguments plus each variant's second-moment
-options; the updates themselves are :mod:`fastmuon.rules.normuon` and :mod:`fastmuon.rules.adamuon`."""
+options; the update itself is :mod:`fastmuon.rules.second_moment`'s, one rule for both."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any, ClassVar
 from torch.optim.optimizer import ParamsT
 
 from ..distributed.dtensor import is_dtensor
-from ..rules import adamuon as adamuon_rule
-from ..rules import normuon as normuon_rule
+from ..rules.second_moment import ADAMUON, NORMUON
 from ..step.contracts import Rule
 from ..step.moments import RESCALES
 from .base import MatrixOptimizer
@@ -78,7 +77,7 @@ class NorMuon(_SecondMomentMuon):
         >>> opt = fastmuon.NorMuon(fastmuon.param_groups(model), lr=0.02, rescale="rms")
     """
 
-    _rule: ClassVar[Rule] = normuon_rule
+    _rule: ClassVar[Rule] = NORMUON
 
     @with_muon_options()
     def __init__(
@@ -128,7 +127,7 @@ class AdaMuon(_SecondMomentMuon):
         torch.Size([16, 8])
     """
 
-    _rule: ClassVar[Rule] = adamuon_rule
+    _rule: ClassVar[Rule] = ADAMUON
 
     @with_muon_options(defaults={"nesterov": False})
     def __init__(

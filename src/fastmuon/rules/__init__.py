@@ -1,6 +1,7 @@
 """Update rules: what each optimizer computes, one module per rule.
 
-A rule is a module each optimizer class names (read as ``opt.rule``); it satisfies
+A rule is a module (or, where one parametrised rule serves several optimizers, an object) each
+optimizer class names (read as ``opt.rule``); it satisfies
 :class:`fastmuon.step.contracts.Rule`, checked when the class is made. It says, for its family
 of optimizers:
 
@@ -17,7 +18,8 @@ of optimizers:
 - ``build(items, pattern, engine_for, options)``: the batched program for those items;
 - ``reference(items)``: the same update one parameter at a time (``foreach=False``).
 
-A variant is one rule module and its optimizer class: it builds on another rule's collection
+A variant is a rule and its optimizer class: it builds on another rule's collection
 and program, adding the stages of :mod:`fastmuon.step` it needs (a second moment after NS,
-:mod:`fastmuon.step.moments`; the momentum's sign before it, :mod:`fastmuon.step.before_ns`).
+:mod:`fastmuon.step.moments`; the momentum's sign before it, :mod:`fastmuon.step.before_ns`):
+NorMuon and AdaMuon are :mod:`fastmuon.rules.second_moment`'s two instances.
 """

@@ -51,7 +51,7 @@ class Items(NamedTuple):
 
 
 class Extension(Protocol):
-    """What a variant of Muon adds to its collection (see :mod:`fastmuon.rules.normuon`)."""
+    """What a variant of Muon adds to its collection (see :mod:`fastmuon.rules.second_moment`)."""
 
     def adjust(self, group: Mapping[str, Any]) -> str:
         """The group's lr factor mode."""
@@ -121,7 +121,7 @@ def collect(
     env: CollectEnv,
     variant: Extension | None = None,
 ) -> Items:
-    """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.normuon`)
+    """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.second_moment`)
     gives each group's lr factor mode and attaches its state to each parameter's matrix items."""
     matrices: list[MatrixItem] = []
     others: list[AdamWItem] = []

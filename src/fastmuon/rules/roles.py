@@ -10,6 +10,6 @@ HEAVY_BALL = "heavy_ball"  # B ← β·B + g + wd·p
 ADAM_AVG = "adam_avg"  # AdamW's exp_avg
 ADAM_AVG_SQ = "adam_avg_sq"  # AdamW's exp_avg_sq
 ADAM_STEP = "adam_step"  # AdamW's step count
-# second moments of the orthogonalised update O (see fastmuon.rules.normuon and .adamuon)
+# second moments of the orthogonalised update O (see fastmuon.rules.second_moment)
 ROW_MOMENT = "row_moment"  # NorMuon's v ← β₂·v + (1−β₂)·mean_cols(O⊙O), one entry per row
 ELEMENT_MOMENT = "element_moment"  # AdaMuon's v ← β₂·v + (1−β₂)·O⊙O, O of sign(M) or M

@@ -1,11 +1,12 @@
 """The contracts between the layers, checked by mypy and, for a rule, when its optimizer class
-is made: what a rule module offers (:class:`Rule`), what its prepared update offers the driver
+is made: what a rule offers (:class:`Rule`), what its prepared update offers the driver
 (:class:`UpdateProgram`, :class:`MatrixHalf`, :class:`HalfProgram`, :class:`AfterNSStage`), what an engine offers the matrix program
 (:class:`Engine`, :class:`BucketwiseEngine`, :data:`EngineFor`) and what the step reads of an
 optimizer's options (:class:`StepOptions`).
 
-They live in ``step/``, the lowest layer that holds every type they name; a rule module satisfies
-:class:`Rule` as a module (its functions and constants are the members).
+They live in ``step/``, the lowest layer that holds every type they name; a rule satisfies
+:class:`Rule` as a module (its functions and constants are the members) or as an object
+(one parametrised class for several optimizers).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class RuleItems(Protocol):
 
 @runtime_checkable
 class Rule(Protocol):
-    """An update rule: a module of :mod:`fastmuon.rules`, named by its optimizer class.
+    """An update rule of :mod:`fastmuon.rules` (a module, or an object with these members), named by its optimizer class.
 
     ``family``: its name in checkpoints; ``other_update``: the update the parameters it does not
     orthogonalise take ("SGD", "AdamW"), as warnings and plan notes name it; ``state_keys``: each
@@ -192,7 +193,7 @@ class RuleHolder:
     """A class that names its update rule as ``_rule`` (the optimizers): a rule lacking a member
     of :class:`Rule` is refused when the class is made, not at its first step."""
 
-    #: the update rule, a module of :mod:`fastmuon.rules`
+    #: the update rule, one of :mod:`fastmuon.rules`
     _rule: ClassVar[Rule]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -65,7 +65,7 @@ class StepEnv(NamedTuple):
 
     groups: list[dict[str, Any]]
     state: MutableMapping[Tensor, dict[str, Any]]  # per-parameter state (a defaultdict: made on first use)
-    rule: Rule  # a module of fastmuon.rules
+    rule: Rule  # one of fastmuon.rules
     options: StepOptions  # the optimizer's Options
     process_group: ProcessGroup | None  # DDP's, or None
     optimizer: str  # its class name, for errors
