@@ -192,3 +192,77 @@ def test_normuon_row_moments_under_a_matrix_map_load_with_the_map():
     with pytest.raises(ValueError, match=r"second_moment.*\(24,\).*needs \(4,\)"):
         flat.load_state_dict(saved)
     assert not flat.state
+
+
+# ----- the tag naming the rule that wrote a state dict ------------------------------------
+@pytest.mark.parametrize("cls", FAMILY, ids=lambda c: c.__name__)
+def test_every_state_dict_names_the_rule_that_wrote_it(cls):
+    opt, _ = trained(cls, steps=1)
+    assert opt.state_dict()["fastmuon_family"] == NAME[cls]
+
+
+@pytest.mark.parametrize(
+    "cls, stray",
+    [
+        (Muon, {"sgd": 0.5}),
+        (Muon, {"muon": 1.0}),
+        (NorMuon, {"sign_momentum": True}),
+        (AdaMuon, {"dampening": 0}),
+    ],
+    ids=["muon-sgd", "muon-muon", "normuon-sign_momentum", "adamuon-dampening"],
+)
+def test_a_round_trip_keeps_every_buffer_whatever_keys_the_groups_carry(cls, stray):
+    """A group may carry keys of the user's own (torch keeps them); one that another family's
+    groups have must not make loading read the buffers as that family's: the tag decides."""
+    params = make_params(4)
+    groups = [{"params": params[:3], **stray}, {"params": params[3:]}]  # use_muon: by shape
+    opt = cls(groups, **HP)
+    for s in range(2):
+        step(opt, params, s)
+    twin = clone(params)
+    loaded = cls([{**g, "params": twin[:3] if i == 0 else twin[3:]} for i, g in enumerate(groups)], **HP)
+    loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for p, q in zip(params, twin):
+        assert loaded.state[q].keys() == opt.state[p].keys()
+    step(opt, params, 2)
+    step(loaded, twin, 2)
+    for p, q in zip(params, twin):
+        assert torch.equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("source,target", list(itertools.product(FAMILY, FAMILY)), ids=lambda c: c.__name__)
+def test_an_untagged_state_dict_loads_as_the_tagged_one(source, target):
+    """Older fastmuon versions wrote no tag, and loaders that keep only ``state`` and
+    ``param_groups`` drop it: the groups' keys then tell the same writer."""
+    src, src_params = trained(source)
+    tagged = copy.deepcopy(src.state_dict())
+    untagged = {k: v for k, v in copy.deepcopy(tagged).items() if k != "fastmuon_family"}
+    loaded = []
+    for saved in (tagged, untagged):
+        opt = build(target, clone(src_params))
+        opt.load_state_dict(saved)
+        loaded.append(opt)
+    a, b = (o.state_dict() for o in loaded)
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid, st in a["state"].items():
+        assert st.keys() == b["state"][pid].keys()
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][pid][k]))
+
+
+@pytest.mark.parametrize("tag", ["lion", 3, None])
+def test_a_tag_this_version_does_not_know_is_refused_and_changes_nothing(tag):
+    opt, params = trained(NorMuon)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["fastmuon_family"] = tag
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(
+        ValueError, match=r"state_dict\['fastmuon_family'\] is .*not one of .*delete that entry"
+    ):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, st in before["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(after["state"][pid][k]), torch.as_tensor(v))

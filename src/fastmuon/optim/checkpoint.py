@@ -52,13 +52,21 @@ loading optimizer's ``state_dtype`` where its group sets one (that key is how th
 holds its state, so the loading group's own value is kept, not the saved one); AdamW's
 ``step`` becomes the float32 CPU scalar fastmuon keeps.
 
+**Which optimizer wrote it.** A fastmuon state dict names its rule under :data:`FAMILY_TAG`
+(``"muon"``, ``"musgd"``, ``"normuon"``, ``"adamuon"``), and that decides how its groups and
+buffers are read. A state dict without the tag (another optimizer's, an older fastmuon's, or one
+that passed through a loader that keeps only ``state`` and ``param_groups``, as torch's and
+``torch.distributed.checkpoint``'s do) is told by the keys only each family's groups have
+(:func:`source_family`).
+
 What fastmuon's MuSGD saves has ``use_muon`` in every group and Ultralytics' buffer names, so
-Ultralytics' MuSGD loads it and steps.
+Ultralytics' MuSGD loads it and steps (torch's loader ignores the tag).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -79,7 +87,7 @@ from ..rules.roles import (
     ROW_MOMENT,
     SGD,
 )
-from ..rules.second_moment import ADAMUON, MOMENTS, NORMUON
+from ..rules.second_moment import ADAMUON, MOMENTS, NORMUON, SecondMomentRule
 from ..step.contracts import Rule
 from .state import check_state_layout, state_kinds
 from .validation import is_number
@@ -170,8 +178,43 @@ _LR_FACTOR_KEYS = frozenset({"adjust_lr_fn", _LR_ALIAS, "rms_scale"})
 # the rules whose state dicts load, and each entry they declare (how it may be shaped)
 _RULES: tuple[Rule, ...] = (muon_rule, musgd_rule, NORMUON, ADAMUON)
 _STATE_KINDS = state_kinds(_RULES)
-# each variant's second moment, by its role (told apart in a saved group by _moment_roles)
-_MOMENT_ROLES = tuple(MOMENTS)
+_MOMENT_ROLES = tuple(MOMENTS)  # each variant's second moment, by its role
+#: the state dict entry naming the rule that wrote it
+FAMILY_TAG = "fastmuon_family"
+_TAGGED: dict[str, Rule] = {"muon": muon_rule, "musgd": musgd_rule, "normuon": NORMUON, "adamuon": ADAMUON}
+
+
+@dataclass(frozen=True)
+class Writer:
+    """What a state dict's groups were written by: the optimizer family, and the role of the
+    second moment its Muon groups keep (None: none)."""
+
+    family: str
+    moment: str | None = None
+
+
+def family_tag(rule: Rule) -> str | None:
+    """The :data:`FAMILY_TAG` value of a state dict ``rule`` writes (None: a rule this module
+    does not know, whose state dicts are told by their keys)."""
+    return next((tag for tag, known in _TAGGED.items() if known is rule), None)
+
+
+def tagged_writer(state_dict: dict[str, Any]) -> Writer | None:
+    """The writer a state dict's :data:`FAMILY_TAG` names (None: it has none); ``ValueError``
+    for a tag this version does not know."""
+    if FAMILY_TAG not in state_dict:
+        return None
+    tag = state_dict[FAMILY_TAG]
+    rule = _TAGGED.get(tag) if isinstance(tag, str) else None
+    if rule is None:
+        raise ValueError(
+            f"state_dict[{FAMILY_TAG!r}] is {tag!r}, not one of {sorted(_TAGGED)}: it was written by "
+            "another optimizer or a newer fastmuon; load it there, or delete that entry to have the "
+            "groups' keys say which optimizer wrote them"
+        )
+    return Writer(rule.family, rule.moment.role if isinstance(rule, SecondMomentRule) else None)
+
+
 # every buffer name a known optimizer writes: the declared ones and torch Adam's amsgrad maximum
 _BUFFER_NAMES = frozenset({*_STATE_KINDS, "max_exp_avg_sq"})
 
@@ -191,7 +234,7 @@ class LoadTarget(NamedTuple):
 
 
 def source_family(saved_group: dict[str, Any], saved_states: list[dict[str, Any]], default: str) -> str:
-    """Which optimizer wrote a group, from the keys only its family has."""
+    """Which optimizer wrote a group of an untagged state dict, from the keys only its family has."""
     if "dampening" in saved_group:
         return SGD
     if "amsgrad" in saved_group:
@@ -255,8 +298,18 @@ def adapt_group(into: LoadTarget, saved: dict[str, Any], family: str, own: dict[
     return group
 
 
-def _source_roles(family: str, group: dict[str, Any], state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+def sniffed_writer(saved_group: dict[str, Any], saved_states: list[dict[str, Any]], default: str) -> Writer:
+    """The writer of a group of an untagged state dict, from its keys: a Muon group with ``beta2``
+    is a variant's, AdaMuon's where it has ``sign_momentum``."""
+    family = source_family(saved_group, saved_states, default)
+    if family != MUON or "beta2" not in saved_group:
+        return Writer(family)
+    return Writer(family, ELEMENT_MOMENT if "sign_momentum" in saved_group else ROW_MOMENT)
+
+
+def _source_roles(writer: Writer, group: dict[str, Any], state: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     """``name -> (role, β)`` of the buffers whose recurrence is known; others: not carried."""
+    family = writer.family
     if family == SGD:
         if group.get("maximize") or group.get("dampening", 0) != 0:
             return {}
@@ -268,7 +321,11 @@ def _source_roles(family: str, group: dict[str, Any], state: dict[str, Any]) -> 
             return {}
         return _adam_roles(group)
     if family == MUON:
-        return {"momentum_buffer": (EMA, group.get("momentum")), **_adam_roles(group), **_moment_roles(group)}
+        return {
+            "momentum_buffer": (EMA, group.get("momentum")),
+            **_adam_roles(group),
+            **_moment_roles(writer.moment, group),
+        }
     muon_half = "momentum_buffer_SGD" in state or group.get("use_muon") is True
     beta = group.get("momentum")
     if muon_half:
@@ -281,11 +338,10 @@ def _adam_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     return {"step": (ADAM_STEP, None), "exp_avg": (ADAM_AVG, beta1), "exp_avg_sq": (ADAM_AVG_SQ, beta2)}
 
 
-def _moment_roles(group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """The second moment of a NorMuon or AdaMuon group (told apart by AdaMuon's own key)."""
-    if "beta2" not in group:
-        return {}  # Muon's: it keeps none
-    role = ELEMENT_MOMENT if "sign_momentum" in group else ROW_MOMENT
+def _moment_roles(role: str | None, group: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """The second moment of a NorMuon or AdaMuon group (``role``; None: Muon's, which keeps none)."""
+    if role is None:
+        return {}
     return {MOMENTS[role].key: (role, _moment_key(role, group))}
 
 
@@ -361,6 +417,7 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
     """``state_dict`` translated for the optimizer ``into`` describes; ``ValueError`` naming the
     group or parameter and the fix where it cannot be used. Changes nothing it reads."""
     check_state_layout(into.groups, into.param_name, state_dict, _STATE_KINDS)
+    tagged = tagged_writer(state_dict)
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     default = into.family
     groups: list[dict[str, Any]] = []
@@ -376,7 +433,8 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
                     f"{into.param_name(own, j)}: its saved state is a {type(s).__name__}, not a dict "
                     "of buffers; pass an optimizer's state_dict() unchanged"
                 )
-        family = source_family(saved, states, default)
+        writer = tagged or sniffed_writer(saved, states, default)
+        family = writer.family
         group = adapt_group(into, saved, family, own)
         candidate = {**group, "params": own["params"]}
         try:
@@ -392,7 +450,7 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
         shapes = into.state_shapes(candidate, where)
         for j, (pid, saved_buffers, p) in enumerate(zip(ids, states, own["params"])):
             owned.add(pid)
-            roles = _source_roles(family, judged, saved_buffers)
+            roles = _source_roles(writer, judged, saved_buffers)
             _check_buffers(into.param_name(own, j), saved_buffers, roles)
             wanted = into.state_roles(candidate, p)
             carried = carry_buffers(saved_buffers, roles, wanted, group, source_decay)
