@@ -27,7 +27,7 @@ from ..step.collecting import ns_config
 from ..step.contracts import Rule, RuleHolder
 from ..step.driver import StepDriver, StepEnv
 from ..step.state_dtype import cast_groups_state, check_state_dtype
-from .checkpoint import FAMILY_TAG, LoadTarget, adapt_state_dict, family_tag
+from .checkpoint import LoadTarget, adapt_state_dict, with_family_tag
 from .options import Options
 from .param_names import agree_on_names, restore_names
 from .qk_clip import QKClip, refuse_unreached_default
@@ -322,15 +322,9 @@ class MatrixOptimizer(Optimizer, RuleHolder):
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's, once a deferred non-finite verdict is read (raising as the next step would),
-        with the rule that wrote it named under ``"fastmuon_family"`` (``"muon"``, ``"musgd"``,
-        ``"normuon"``, ``"adamuon"``): loading reads that, not the groups' keys, to tell which
-        buffers it holds. torch's loader, and so every other optimizer's, ignores the entry."""
+        naming the rule that wrote it (:func:`~fastmuon.optim.checkpoint.with_family_tag`)."""
         self._driver.raise_pending()
-        saved = super().state_dict()
-        tag = family_tag(self.rule)
-        if tag is not None:
-            saved[FAMILY_TAG] = tag
-        return saved
+        return with_family_tag(super().state_dict(), self.rule)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's. A deferred non-finite verdict is read by the next ``step()`` or ``state_dict()``,

@@ -193,10 +193,15 @@ class Writer:
     moment: str | None = None
 
 
-def family_tag(rule: Rule) -> str | None:
-    """The :data:`FAMILY_TAG` value of a state dict ``rule`` writes (None: a rule this module
-    does not know, whose state dicts are told by their keys)."""
-    return next((tag for tag, known in _TAGGED.items() if known is rule), None)
+def with_family_tag(saved: dict[str, Any], rule: Rule) -> dict[str, Any]:
+    """``saved``, a state dict ``rule`` wrote, naming it under :data:`FAMILY_TAG` (``"muon"``,
+    ``"musgd"``, ``"normuon"``, ``"adamuon"``): loading reads that, not the groups' keys, to tell
+    which buffers it holds; torch's loader, and so every other optimizer's, ignores the entry. A
+    rule this module does not know adds none (its state dicts are told by their keys)."""
+    tag = next((tag for tag, known in _TAGGED.items() if known is rule), None)
+    if tag is not None:
+        saved[FAMILY_TAG] = tag
+    return saved
 
 
 def tagged_writer(state_dict: dict[str, Any]) -> Writer | None:
