@@ -42,7 +42,7 @@ GRANITE_1B_A400M = {
 
 def attention_config(heads: int, kv_heads: int) -> SimpleNamespace:
     """The head counts a Transformers attention layer reads from its ``config``, where
-    :mod:`fastmuon.groups.attention_parts` finds them (the qk-clip contender's queries and keys)."""
+    :func:`fastmuon.optim.qk_clip.detected_parts` finds them (the qk-clip contender's queries and keys)."""
     return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
 
 

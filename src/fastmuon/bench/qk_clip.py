@@ -3,10 +3,10 @@ queries and keys, every head over ``τ`` in every step, so that its row beside p
 shows what the clip costs at most (every query and key row scaled).
 
 The queries and keys are named in the group key ``attention`` (one part per parameter, see
-:mod:`fastmuon.step.qk_clip`), taken from the manifest's groups where they carry that key (a
+:mod:`fastmuon.optim.qk_clip`), taken from the manifest's groups where they carry that key (a
 manifest written from ``fastmuon.param_groups(model, attention=True)``), else, for a generated
 workload (:data:`.workloads.GENERATED`), from its attention modules as
-:mod:`fastmuon.groups.attention_parts` recognises Llama-family ones (``q_proj``/``k_proj`` with the
+:mod:`fastmuon.optim.qk_clip` recognises Llama-family ones (``q_proj``/``k_proj`` with the
 head counts in the layer's ``config``: rows per head on dim 0, grouped-query keys).
 """
 
@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..groups.attention_parts import detected_parts
-from ..step.qk_clip import parse_part
+from ..optim.qk_clip import detected_parts, parse_part
 from .contenders import Contender, Unavailable, Workbench, fastmuon_variant
 from .manifest import Manifest
 from .workloads import GENERATED

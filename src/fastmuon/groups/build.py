@@ -17,8 +17,7 @@ from typing import Any, Literal, Union
 from torch import Tensor, nn
 
 from ..ns.matrices import FLATTEN, MatrixMapSpec, parse
-from ..step.qk_clip import parse_part
-from .attention_parts import detected_parts
+from ..optim.qk_clip import detected_parts, parse_part
 from .layer_maps import detected_maps, matrix_weights, router_weights
 
 #: Attribute names of a model's output layer (Transformers' ``lm_head``, ``classifier``,
@@ -151,8 +150,8 @@ def param_groups(
 
     ``attention=True`` also says which parameters are attention queries and keys, for QK-clip
     (``Muon(..., qk_clip_tau=...)``): every group holding some gets an ``"attention"`` entry, one
-    part per parameter (None for the others; see :mod:`fastmuon.step.qk_clip`), recognised for
-    Llama-family and DeepSeek-V3 attention (:mod:`fastmuon.groups.attention_parts`). A dict
+    part per parameter (None for the others; see :mod:`fastmuon.optim.qk_clip`), recognised for
+    Llama-family and DeepSeek-V3 attention (:func:`fastmuon.optim.qk_clip.detected_parts`). A dict
     ``{selector: part}`` names parts besides (or instead of, ``None``) the recognised ones, as
     ``matrices=`` does maps, e.g. ``{"blocks.*.attn.wq": {"part": "query", "heads": 8}}``; a part
     that gives no ``"layer"`` belongs to the module two levels above the parameter
