@@ -41,7 +41,7 @@
 # Usage: scripts/gpu-check.sh [--device cuda|cpu] [--quick] [--out DIR] [--budget-s S]
 #   --device cpu --quick runs every part a CPU can run, at toy sizes (gloo for NCCL); the graph,
 #   compiled and CUDA-test parts are listed as skipped with their reason (a dry run, itself a
-#   test: tests/test_gpu_check.py).
+#   test: tests/tools/test_gpu_check.py).
 # Exit status: 0 when every part ran (or was skipped for a stated reason) and every correctness
 # claim holds; 1 when a part failed or timed out (its row in the JSON says which and shows the
 # end of its output) or a correctness claim does not hold; 2 on a usage mistake.

@@ -27,10 +27,10 @@ from .. import AdaMuon, Muon, MuSGD, NorMuon
 from ..ns.engine import BY_BUCKET_MIN_BYTES
 from .gpu_shared import Recorder, Workload, bench_workbench, device_ms, device_params, rel_err, workloads
 
-#: the suite's bound for NS in fp32: max|ours − ref| ≤ 1e-5·max|ref| (tests/test_accelerator_paths.py)
+#: the suite's bound for NS in fp32: max|ours − ref| ≤ 1e-5·max|ref| (tests/optimizers/test_accelerator_paths.py)
 FP32_REL = 1e-5
 #: the suite's bound for low-precision steps: max|ours − ref| ≤ 5e-2·max|update| + 8 ulp·max|p|
-#: (tests/test_hypothesis_against_reference.py), the update being the reference's total change
+#: (tests/optimizers/test_hypothesis_against_reference.py), the update being the reference's total change
 LOW_UPDATE, LOW_ULPS = 5e-2, 8
 #: fused SGD against MuSGD's SGD half: equal bits, or within this relative error
 FUSED_SGD_REL = 1e-6
@@ -148,7 +148,7 @@ def correctness(rec: Recorder) -> None:
         f"{STEPS} steps from the same start and gradients; the reference is the optimizer's own "
         "foreach=False loop on CPU copies with NS in fp32. Bounds: NS fp32 max|ours - ref| <= "
         f"{FP32_REL:g}*max|ref|; NS bf16 <= {LOW_UPDATE:g}*max|ref - start| + {LOW_ULPS} ulp*max|start| "
-        "(the suite's, tests/test_accelerator_paths.py and tests/test_hypothesis_against_reference.py)",
+        "(the suite's, tests/optimizers/test_accelerator_paths.py and tests/optimizers/test_hypothesis_against_reference.py)",
     )
     for model, matrices, vectors in (
         ("mixed", MIXED_MATRICES, MIXED_VECTORS),

@@ -299,12 +299,10 @@ class MatrixProgram:
     def _bucket_steps(
         self, ordered: list[MatrixItem], scale_class: list[int], whole: Any
     ) -> list[BucketStep] | None:
-        """The step bucket by bucket, where the engine runs that way (None: it does not, or
-        the rule's stage after NS cannot take its classes one at a time)."""
+        """The step bucket by bucket, where the engine runs that way (None: it does not). A
+        rule's stage after NS then runs per class of its matrices (``AfterNSStage.run_class``)."""
         engine = self.engine
         if not isinstance(engine, BucketwiseEngine) or not engine.by_bucket or engine.plan is None:
-            return None
-        if whole is not None and not hasattr(whole, "run_class"):
             return None
         self.bucketwise_engine = engine
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]

@@ -95,7 +95,7 @@ def test_param_groups_of_a_model_still_say_which_update_each_part_takes():
 
 
 def test_the_readme_says_why_its_quick_start_plan_may_pad_much():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     text = (root / "README.md").read_text()
     quick_start = text[text.index("## Quick start") :]
     # the paragraph after the code's expected output

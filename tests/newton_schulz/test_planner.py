@@ -19,7 +19,7 @@ from fastmuon.ns.planner import (
     plan_buckets,
 )
 
-MODELS = Path(__file__).resolve().parents[1] / "src" / "fastmuon" / "models"
+MODELS = Path(__file__).resolve().parents[2] / "src" / "fastmuon" / "models"
 #: the hyperparameters of the optimizer-level tests here
 OPTIMIZER_KW = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=1e-3, ns_dtype=torch.float32)
 

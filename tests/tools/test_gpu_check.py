@@ -15,7 +15,7 @@ import torch
 from fastmuon.bench import gpucheck
 from fastmuon.bench.gpucheck import Part, plan_parts, run_part, summary_lines, write_document
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check.sh"
 
 
 def test_the_script_parses():

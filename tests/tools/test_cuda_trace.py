@@ -120,7 +120,7 @@ def test_host_reads_are_syncs_answered_as_finite_values_would_be():
     whats = [s.what for s in tc.syncs]
     assert whats[:3] == ["item (_local_scalar_dense)"] * 3
     assert whats[3:] == ["blocking copy cuda→cpu", "blocking copy cpu→cuda"]
-    assert all(s.where.startswith("tests/test_cuda_trace.py:") for s in tc.syncs)
+    assert all(s.where.startswith("tools/test_cuda_trace.py:") for s in tc.syncs)  # relative to tests/
     assert tc.syncs[0].where.endswith("test_host_reads_are_syncs_answered_as_finite_values_would_be")
 
 

@@ -54,7 +54,9 @@ def run_world(
     """Each rank's exit status (None: killed) and output; once a rank fails, the others are
     given :data:`GRACE_S` and then stopped."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), str(HERE), env.get("PYTHONPATH", "")])
+    # the package, the workers beside this file and the suite's shared helpers (tests/)
+    paths = [str(HERE.parents[1] / "src"), str(HERE), str(HERE.parent), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     port = free_port()
     logs = [(workdir / f"rank{r}.log").open("w+") for r in range(world)]
     command = [sys.executable, *WORKER_WARNINGS, str(HERE / script)]

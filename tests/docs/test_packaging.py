@@ -10,7 +10,7 @@ import pytest
 import fastmuon
 from fastmuon.tools.cli import main
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_one_version_everywhere(capsys):

@@ -17,7 +17,7 @@ import fastmuon
 from fastmuon import rules
 from fastmuon.ns.newton_schulz import PRESETS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPTIMIZERS = [fastmuon.Muon, fastmuon.MuSGD, fastmuon.NorMuon, fastmuon.AdaMuon]
 RULES = {
     fastmuon.Muon: rules.muon,

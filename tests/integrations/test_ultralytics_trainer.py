@@ -6,6 +6,7 @@ Everything runs offline on a generated 64x64 detection dataset with yolo26n buil
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from contextlib import contextmanager, suppress
@@ -320,7 +321,8 @@ def test_ddp_workers_build_fastmuon_musgd(yolo, tmp_path):
         env = {**yolo["env"], "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
         # the worker file as Ultralytics' launcher runs it: as __main__, in a fresh interpreter
         # (which unpickles the recording callback from this folder's ultralytics_support)
-        env["PYTHONPATH"] = str(Path(__file__).parent)
+        here = Path(__file__).resolve().parent
+        env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent)])  # and the suite's helpers
         done = subprocess.run(
             [sys.executable, worker_file],
             env=env,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import fastmuon
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "src" / "fastmuon").rglob("*.py"))
 
 
