@@ -1,7 +1,7 @@
 """The contracts between the layers, checked by mypy and, for a rule, when its optimizer class
 is made: what a rule offers (:class:`Rule`), what its prepared update offers the driver
 (:class:`UpdateProgram`, :class:`MatrixHalf`, :class:`HalfProgram`, :class:`AfterNSStage`), what an engine offers the matrix program
-(:class:`Engine`, :class:`BucketwiseEngine`, :data:`EngineFor`) and what the step reads of an
+(:class:`Engine`, :data:`EngineFor`; one that runs bucket by bucket is ``fastmuon.ns.engine.Orthogonalizer`` itself) and what the step reads of an
 optimizer's options (:class:`StepOptions`).
 
 They live in ``step/``, the lowest layer that holds every type they name; a rule satisfies
@@ -59,26 +59,6 @@ class Engine(Protocol):
     def plan(self) -> Plan | None: ...
     def __call__(self, sources: Sequence[Tensor], out_dtypes: Sequence[torch.dtype]) -> list[Tensor]: ...
     def workspaces(self) -> list[Tensor]: ...
-
-
-@runtime_checkable
-class BucketwiseEngine(Engine, Protocol):
-    """An engine a step may run one bucket at a time (``fastmuon.ns.engine.Orthogonalizer``)."""
-
-    by_bucket: bool
-
-    def bucketwise(self) -> bool: ...
-    def members(self, b: int) -> tuple[int, ...]: ...
-    def bucket_dtype(self, b: int) -> torch.dtype: ...
-    def open_bucket(self, b: int) -> list[Tensor]: ...
-    def run_bucket(
-        self,
-        b: int,
-        out_dtype: torch.dtype | None,
-        keep: Tensor | None = None,
-        keep_positions: tuple[int, ...] | None = None,
-    ) -> list[Tensor]: ...
-    def input_views(self) -> list[Tensor] | None: ...
 
 
 #: ``(params, configs, wholes) -> engine``: the executor of the plan over these matrices

@@ -54,10 +54,15 @@ _is_sparse = operator.attrgetter("is_sparse")
 _grad_of = operator.attrgetter("grad")
 
 Group = dict[str, Any]
-#: A kept or prepared program with this step's live gradients and keep flags (None: nothing to
-#: put back), ready to run.
-Ready = tuple[StepProgram, list[Tensor], "Tensor | None"]
 Agree = Callable[[Tensor], Tensor]
+
+
+class Ready(NamedTuple):
+    """A kept or prepared program with this step's gradients, ready to run."""
+
+    program: StepProgram
+    live: list[Tensor]  # the gradients of the parameters it updates
+    keep: Tensor | None  # one flag per live gradient, False where not finite (None: nothing to put back)
 
 
 class StepEnv(NamedTuple):
@@ -176,7 +181,7 @@ class StepDriver:
         guard = program.guard
         saved = guard.snapshot(keep) if keep is not None else None
         try:
-            program.run(live, scalars, keep, self.hooks)
+            program.update.run(live, scalars, keep, self.hooks)
         except BaseException:
             if saved is not None:
                 guard.restore(saved, keep)
@@ -205,7 +210,7 @@ class StepDriver:
         live = program.live(grads)
         if not program.fits(live) or any(map(_is_sparse, live)):
             return None, program
-        return (program, live, program.guard.keep(live, program.name_of(env.param_name), agree)), None
+        return Ready(program, live, program.guard.keep(live, program.name_of(env.param_name), agree)), None
 
     def _prepare(
         self,
@@ -229,7 +234,7 @@ class StepDriver:
             keep = program.guard.keep(live, program.name_of(env.param_name), agree)
         if remember:
             self.cache.remember((tuple(map(_is_none, grads)), pattern), program)
-        return program, live, keep
+        return Ready(program, live, keep)
 
     # ----- the per-parameter reference ------------------------------------------------------
     def reference_step(self, env: StepEnv) -> None:

@@ -24,7 +24,7 @@ from ..ns.matrices import MatrixMap
 from ..ns.newton_schulz import newton_schulz
 from .after_ns import AfterNS
 from .before_ns import SignInputs
-from .contracts import AfterNSStage, BucketwiseEngine, Engine, EngineFor
+from .contracts import AfterNSStage, Engine, EngineFor
 from .elementwise import (
     RMS_SCALE,
     ema_momentum_,
@@ -291,7 +291,7 @@ class MatrixProgram:
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
         self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] | None = None
         self.owned_inputs = False
-        self.bucketwise_engine: BucketwiseEngine | None = None  # set where the steps below are made
+        self.bucketwise_engine: Orthogonalizer | None = None  # set where the steps below are made
         self.any_narrow = False  # some bucket applies from the NS dtype (set there too)
         self.masked_positions: frozenset[int] = frozenset()  # see self_masked (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
@@ -302,7 +302,7 @@ class MatrixProgram:
         """The step bucket by bucket, where the engine runs that way (None: it does not). A
         rule's stage after NS then runs per class of its matrices (``AfterNSStage.run_class``)."""
         engine = self.engine
-        if not isinstance(engine, BucketwiseEngine) or not engine.by_bucket or engine.plan is None:
+        if not isinstance(engine, Orthogonalizer) or not engine.by_bucket or engine.plan is None:
             return None
         self.bucketwise_engine = engine
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
@@ -451,7 +451,7 @@ class MatrixProgram:
 
     def _run_bucketwise(
         self,
-        engine: BucketwiseEngine,
+        engine: Orthogonalizer,
         grads: Sequence[Tensor],
         scalars: MatrixScalars,
         scales: list[Scalar],

@@ -165,6 +165,3 @@ class StepProgram:
     def name_of(self, param_name: Callable[[dict[str, Any], int], str]) -> Callable[[int], str]:
         """Names the ``k``-th parameter of the program, through ``param_name(group, j)``."""
         return lambda k: param_name(*self.owners[k])
-
-    def run(self, grads: list[Tensor], scalars: Any, keep: Tensor | None, hooks: Mapping[int, Any]) -> None:
-        self.update.run(grads, scalars, keep, hooks)
