@@ -55,6 +55,16 @@ def trained(cls, steps=2, seed=0):
     return opt, params
 
 
+def assert_same_state_dict(a, b):
+    """The same groups, and the same buffers bit for bit."""
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for pid, st in a["state"].items():
+        assert st.keys() == b["state"][pid].keys()
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][pid][k]))
+
+
 def clone(params):
     return [nn.Parameter(p.detach().clone()) for p in params]
 
@@ -166,11 +176,7 @@ def test_a_second_moment_of_the_wrong_shape_is_refused_at_load_and_changes_nothi
     before = copy.deepcopy(opt.state_dict())
     with pytest.raises(ValueError, match=r"second_moment.*shape \(5,\).*(needs|matrix map)"):
         opt.load_state_dict(saved)
-    after = opt.state_dict()
-    assert after["param_groups"] == before["param_groups"]
-    for pid, st in before["state"].items():
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(after["state"][pid][k]), torch.as_tensor(v))
+    assert_same_state_dict(opt.state_dict(), before)
 
 
 def test_normuon_row_moments_under_a_matrix_map_load_with_the_map():
@@ -242,13 +248,7 @@ def test_an_untagged_state_dict_loads_as_the_tagged_one(source, target):
         opt = build(target, clone(src_params))
         opt.load_state_dict(saved)
         loaded.append(opt)
-    a, b = (o.state_dict() for o in loaded)
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
-    for pid, st in a["state"].items():
-        assert st.keys() == b["state"][pid].keys()
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][pid][k]))
+    assert_same_state_dict(*(o.state_dict() for o in loaded))
 
 
 @pytest.mark.parametrize("tag", ["lion", 3, None])
@@ -261,8 +261,4 @@ def test_a_tag_this_version_does_not_know_is_refused_and_changes_nothing(tag):
         ValueError, match=r"state_dict\['fastmuon_family'\] is .*not one of .*delete that entry"
     ):
         opt.load_state_dict(saved)
-    after = opt.state_dict()
-    assert after["param_groups"] == before["param_groups"]
-    for pid, st in before["state"].items():
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(after["state"][pid][k]), torch.as_tensor(v))
+    assert_same_state_dict(opt.state_dict(), before)
