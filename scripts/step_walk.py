@@ -31,7 +31,8 @@ class Walk:
 def walk(cls: type[torch.optim.Optimizer]) -> Walk:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10))
-    opt = cls(fastmuon.param_groups(model), lr=0.02)
+    # NS in fp32: the same path on every CPU (bf16 NS takes another where the CPU has bf16 units)
+    opt = cls(fastmuon.param_groups(model), lr=0.02, ns_dtype=torch.float32)
     x = torch.randn(4, 3, 8, 8)
     for k in range(3):
         opt.zero_grad()
