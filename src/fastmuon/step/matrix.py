@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -263,11 +263,11 @@ class MatrixProgram:
         self.engine: Engine | None = engine_for(self.params, self.configs, wholes) if ordered else None
         # per part: its matrices' positions in the program, and the dtype its momentum step
         # computes in where that is not the buffers' (see state_dtype.arithmetic_dtype)
-        self.part_specs: list[tuple[list[int], int, torch.dtype | None]] = []
+        self.part_specs: list[PartSpec] = []
         start = 0
         for part in parts:
             work = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one per part
-            self.part_specs.append((list(range(start, start + len(part))), part[0].group, work))
+            self.part_specs.append(PartSpec(list(range(start, start + len(part))), part[0].group, work))
             start += len(part)
         self.bufs = [i.buf for i in ordered]
         self.grad_positions = position
@@ -289,7 +289,7 @@ class MatrixProgram:
         whole = stage(ordered) if stage is not None and ordered else None
         self.stage = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
-        self._parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] | None = None
+        self._parts: list[MomentumPart] | None = None
         self.owned_inputs = False
         self.bucketwise_engine: Orthogonalizer | None = None  # set where the steps below are made
         self.any_narrow = False  # some bucket applies from the NS dtype (set there too)
@@ -348,7 +348,7 @@ class MatrixProgram:
                 else:
                     momentum = ema_momentum_
                 grads = Gather([self.grad_positions[k] for k in mine])
-                moms.append((bufs, grads, group, Gather([slot[k] for k in mine]), momentum))
+                moms.append(MomentumPart(bufs, grads, group, Gather([slot[k] for k in mine]), momentum))
             feeds: dict[int, tuple[list[int], list[int]]] = {}
             for n, k in enumerate(ks):
                 if k in place:
@@ -387,7 +387,7 @@ class MatrixProgram:
                         [scale_class[k] for k in ks],
                         None,
                     ),
-                    feeds=[(c, Gather(at), js) for c, (at, js) in sorted(feeds.items())],
+                    feeds=[Feed(c, Gather(at), js) for c, (at, js) in sorted(feeds.items())],
                     completes=[c for c in range(len(classes)) if last[c] == b],
                     masked=masked,
                     flag_places=tuple(self.keep_positions[k] for k in ks),
@@ -512,7 +512,7 @@ class MatrixProgram:
                 results = stage.run_class(c, pending.pop(c), scalars)
                 self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
-    def _momentum_parts(self) -> list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]]:
+    def _momentum_parts(self) -> list[MomentumPart]:
         """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
         step that writes them (casting where a view's dtype is not the buffers'); made on the
         first step that takes them, since the engine's input views are kept buffers."""
@@ -520,7 +520,7 @@ class MatrixProgram:
             return self._parts
         views = getattr(self.engine, "input_views", None)
         inputs = views() if views is not None else None
-        parts: list[tuple[list[Tensor], Gather, int, list[Tensor] | None, Momentum]] = []
+        parts: list[MomentumPart] = []
         for ks, group, work in self.part_specs:
             out = [inputs[k] for k in ks] if inputs is not None else None
             bufs = [self.bufs[k] for k in ks]
@@ -531,11 +531,39 @@ class MatrixProgram:
                 momentum = ema_momentum_cast_
             else:
                 momentum = ema_momentum_
-            parts.append((bufs, Gather([self.grad_positions[k] for k in ks]), group, out, momentum))
+            parts.append(
+                MomentumPart(bufs, Gather([self.grad_positions[k] for k in ks]), group, out, momentum)
+            )
         self.owned_inputs = inputs is not None
         if inputs is not None or not torch.compiler.is_compiling():
             self._parts = parts
         return parts
+
+
+class PartSpec(NamedTuple):
+    """A momentum part of the program: matrices stepped by one foreach call."""
+
+    positions: list[int]  # its matrices' places in the program
+    group: int  # the param group whose β and nesterov it reads
+    work: torch.dtype | None  # the dtype its arithmetic runs in where not the buffers' (else None)
+
+
+class MomentumPart(NamedTuple):
+    """A momentum part made ready to step: what its foreach call reads and writes."""
+
+    bufs: list[Tensor]
+    grads: Gather  # picks its gradients out of the step's
+    group: int
+    out: Any  # where its NS inputs go: views (all buckets at once), a Gather over a bucket's, or None
+    step: Momentum  # the EMA step that writes them
+
+
+class Feed(NamedTuple):
+    """Where a bucket's results go in a class of the rule's stage after NS."""
+
+    cls: int  # the class
+    pick: Gather  # its matrices among the bucket's results (program order)
+    places: list[int]  # and their places in the class
 
 
 def _masks_itself(item: MatrixItem) -> bool:
@@ -585,9 +613,9 @@ class BucketStep:
     """One bucket's share of a step (see ``MatrixProgram._run_bucketwise``)."""
 
     index: int  # the bucket's place in the plan
-    # per momentum part with matrices here: buffers, gradient picks, group, the picks of their
-    # NS input views (among the bucket's, slot order), and the momentum step
-    momentum: list[tuple[list[Tensor], Gather, int, Gather, Momentum]]
+    # per momentum part with matrices here (its ``out``: the picks of their NS input views among
+    # the bucket's, slot order)
+    momentum: list[MomentumPart]
     signed: Gather  # the sign-input matrices' places among the bucket's, slot order
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'
@@ -596,7 +624,7 @@ class BucketStep:
     after: AfterNS  # the stages after NS over the bucket's matrices (the rule's stage after NS apart)
     # with one: per class with matrices here, where they sit among the bucket's results
     # (program order) and in the class; and the classes whose last matrices are here
-    feeds: list[tuple[int, Gather, list[int]]]
+    feeds: list[Feed]
     completes: list[int]
     # the bucket masks a rejected gradient itself (see MatrixProgram.self_masked), with its
     # members' places in the step's keep vector (program order) and, per momentum part, where

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -165,6 +165,18 @@ def normalize(o: Tensor, v: Tensor, beta2: float, eps: float, rms: float | None)
     return out, v
 
 
+class MomentClass(NamedTuple):
+    """Matrices the stage stacks together: one shape, dtype, device, group and target RMS."""
+
+    positions: list[int]  # in the program's order (first: what AfterNSStage.classes asks)
+    shape: tuple[int, ...]  # the parameters'
+    dtype: torch.dtype  # the parameters'
+    group: int
+    rms: float | None  # None: keep NS's Frobenius norm
+    transposed: bool  # a per-row moment whose neurons are the stored columns
+    moments: list[Tensor]  # each matrix's ``v``
+
+
 class MomentStage:
     """The batched stage over a program's matrices in its order (``items``: MatrixProgram's)."""
 
@@ -183,10 +195,8 @@ class MomentStage:
                 m.v.dtype,
             )
             classes.setdefault(key, []).append(k)
-        # per class: positions, parameter shape and dtype, group, target RMS, rows are columns,
-        # moment views
         self.classes = [
-            (idx, shape, dtype, group, rms, t, [items[k].stage.v for k in idx])
+            MomentClass(idx, shape, dtype, group, rms, t, [items[k].stage.v for k in idx])
             for (shape, dtype, _device, group, rms, t, _v_dtype), idx in classes.items()
         ]
 
