@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,23 +71,29 @@ def assign_work(
     return [WorkUnit(b, lo, hi, flops, owners[(b, lo)]) for b, lo, hi, flops, _ in pieces]
 
 
-def candidate_runs(
-    bucket: Bucket, candidates: Sequence[Sequence[int] | None] | None
-) -> list[tuple[int, int, tuple[int, ...] | None]]:
+class SlotRun(NamedTuple):
+    """Slots ``start:stop`` of a bucket whose matrices have the same owner candidates."""
+
+    start: int
+    stop: int
+    who: tuple[int, ...] | None  # the ranks that may own them (None: any)
+
+
+def candidate_runs(bucket: Bucket, candidates: Sequence[Sequence[int] | None] | None) -> list[SlotRun]:
     """A bucket's slots as runs with the same owner candidates (one run where unrestricted)."""
     slots = bucket.shape[0]
     if candidates is None:
-        return [(0, slots, None)]
+        return [SlotRun(0, slots, None)]
     who_at: list[tuple[int, ...] | None] = [None] * slots
     for m in bucket.members:
         c = candidates[m.index]
         who_at[m.slot] = None if c is None else tuple(c)
-    runs: list[tuple[int, int, tuple[int, ...] | None]] = []
+    runs: list[SlotRun] = []
     for slot, who in enumerate(who_at):
-        if runs and runs[-1][2] == who:
-            runs[-1] = (runs[-1][0], slot + 1, who)
+        if runs and runs[-1].who == who:
+            runs[-1] = runs[-1]._replace(stop=slot + 1)
         else:
-            runs.append((slot, slot + 1, who))
+            runs.append(SlotRun(slot, slot + 1, who))
     return runs
 
 
