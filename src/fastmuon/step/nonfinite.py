@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -122,6 +122,22 @@ def _memory_view(t: Tensor) -> Tensor | None:
 
 
 # ----- prepared once per step program ---------------------------------------------------------
+class _Checked(NamedTuple):
+    """Gradients of one (device, dtype) that one fused max-abs checks."""
+
+    pick: Gather  # picks them out of the step's gradients
+    positions: Tensor  # their places in the keep vector, on its device
+    host: bool  # on the host's CPU (abs + max there, not the fused inf-norm)
+
+
+class _Loose(NamedTuple):
+    """A tensor a restore may put back that is no 1-D view of its memory (gaps or overlaps)."""
+
+    tensor: Tensor
+    owner: int  # its parameter's place in the keep vector
+    host: bool  # on the host's CPU
+
+
 class FiniteCheck:
     """Which of a fixed list of gradients are finite, as one bool vector on the first one's
     device: one fused max-abs per (device, dtype), no host read (the lists are made once)."""
@@ -133,9 +149,9 @@ class FiniteCheck:
         for i, g in enumerate(grads):
             if g.numel() > 0:
                 groups.setdefault((g.device, g.dtype), []).append(i)
-        # (pick, positions, whether on the host's CPU): decided here, once per program
+        # decided here, once per program
         self._groups = [
-            (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
+            _Checked(Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
             for (where, _), idx in groups.items()
         ]
         by_device: dict[torch.device, list[int]] = {}
@@ -208,14 +224,14 @@ class SkipPlan:
     ):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
-        self._loose: list[tuple[Tensor, int, bool]] = []
+        self._loose: list[_Loose] = []
         for i in sorted(range(len(owners)), key=owners.__getitem__):
             p, state, owner = params[i], states[i], owners[i]
             for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
                 # a view of the detached tensor: the restore writes a leaf parameter in place
                 view = _memory_view(t.detach())
                 if view is None:
-                    self._loose.append((t, owner, device.is_host(t.device)))
+                    self._loose.append(_Loose(t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
         if count is None:  # the keep vector's length: one flag per owner
