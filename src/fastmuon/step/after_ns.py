@@ -12,13 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..ns.gather import Gather
 from .program import Scalar, apply_scaled_
+
+
+class Decayed(NamedTuple):
+    """Matrices that take one kind of decay: their parameters and param groups."""
+
+    params: list[Tensor]
+    groups: list[int]
+
+
+class Cautious(NamedTuple):
+    """The cautious matrices: where their updates sit, their parameters and param groups."""
+
+    pick: Gather
+    params: list[Tensor]
+    groups: list[int]
+
+
+class ScaleClass(NamedTuple):
+    """A scale class of the program with matrices here, and where they sit among them."""
+
+    scale: int  # the class's place among the program's scales
+    pick: Gather
 
 
 @dataclass
@@ -32,9 +54,9 @@ class AfterNS:
     params: list[Tensor]
     item_groups: list[int]
     variant: Callable[[list[Tensor], Any], list[Tensor]] | None
-    cautious: tuple[Gather, list[Tensor], list[int]] | None  # the cautious matrices, apart
-    plain: tuple[list[Tensor], list[int]]  # the others: parameters and their groups
-    scale_classes: list[tuple[int, Gather]]
+    cautious: Cautious | None  # the cautious matrices, apart
+    plain: Decayed  # the others
+    scale_classes: list[ScaleClass]
     scale_params: list[list[Tensor]]
 
     @classmethod
@@ -60,12 +82,12 @@ class AfterNS:
             item_groups=list(item_groups),
             variant=variant,
             cautious=(
-                (Gather(cautious), [params[k] for k in cautious], [item_groups[k] for k in cautious])
+                Cautious(Gather(cautious), [params[k] for k in cautious], [item_groups[k] for k in cautious])
                 if cautious
                 else None
             ),
-            plain=([params[k] for k in plain], [item_groups[k] for k in plain]),
-            scale_classes=[(c, Gather(by_class[c])) for c in classes],
+            plain=Decayed([params[k] for k in plain], [item_groups[k] for k in plain]),
+            scale_classes=[ScaleClass(c, Gather(by_class[c])) for c in classes],
             scale_params=[[params[k] for k in by_class[c]] for c in classes],
         )
 
