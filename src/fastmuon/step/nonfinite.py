@@ -122,14 +122,6 @@ def _memory_view(t: Tensor) -> Tensor | None:
 
 
 # ----- prepared once per step program ---------------------------------------------------------
-class _Checked(NamedTuple):
-    """Gradients of one (device, dtype) that one fused max-abs checks."""
-
-    pick: Gather  # picks them out of the step's gradients
-    positions: Tensor  # their places in the keep vector, on its device
-    host: bool  # on the host's CPU (abs + max there, not the fused inf-norm)
-
-
 class _Loose(NamedTuple):
     """A tensor a restore may put back that is no 1-D view of its memory (gaps or overlaps)."""
 
@@ -149,9 +141,11 @@ class FiniteCheck:
         for i, g in enumerate(grads):
             if g.numel() > 0:
                 groups.setdefault((g.device, g.dtype), []).append(i)
-        # decided here, once per program
+        # (pick, positions, whether on the host's CPU): decided here, once per program. A plain
+        # tuple: the per-parameter path builds a check every step, and a record's constructor
+        # would be one more Python call there
         self._groups = [
-            _Checked(Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
+            (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
             for (where, _), idx in groups.items()
         ]
         by_device: dict[torch.device, list[int]] = {}
