@@ -145,6 +145,22 @@ def test_foreach_fallbacks_and_per_input_copies_count_a_kernel_per_tensor():
     assert [(f.op, f.kernels) for f in tc.fallbacks] == [("_foreach_add_", 5), ("stack", 5)]
 
 
+def test_kept_memory_leaves_out_the_symbolic_fake_tensors_a_compile_left_alive():
+    """A ``torch.compile`` earlier in the process may leave fake tensors alive whose sizes are
+    symbols of its shape environment: counted, they would make the kept bytes a symbol too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fastmuon.bench.trace import live_storages, storage_id
+
+    real = torch.zeros(7, 3)
+    leaked = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=False).from_tensor(torch.zeros(3, 5))
+    assert not isinstance(leaked.untyped_storage().nbytes(), int)  # a symbol
+    sizes = live_storages()
+    assert all(isinstance(n, int) for n in sizes.values())
+    assert sizes[storage_id(real)] == real.nbytes
+
+
 # ----- fastmuon's step ------------------------------------------------------------------------------
 _TRACES: dict = {}
 

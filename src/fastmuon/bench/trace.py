@@ -368,12 +368,17 @@ def _class_file(klass: type) -> str | None:
 
 
 def live_storages() -> dict[int, int]:
-    """Every storage a Python tensor holds now: its identity -> bytes (found with gc)."""
+    """Every storage a Python tensor holds now: its identity -> bytes (found with gc). A storage
+    of symbolic size (a fake tensor a ``torch.compile`` earlier in the process left alive, whose
+    sizes are symbols of its shape environment) is no memory of any step and is left out: its
+    size would make every sum over it symbolic."""
     out: dict[int, int] = {}
     for obj in gc.get_objects():
         if issubclass(type(obj), Tensor):  # not isinstance: that reads lazy modules' __class__
             with contextlib.suppress(Exception):  # tensors without storage (sparse, nested)
-                out[storage_id(obj)] = obj.untyped_storage().nbytes()
+                nbytes = obj.untyped_storage().nbytes()
+                if isinstance(nbytes, int):
+                    out[storage_id(obj)] = nbytes
     return out
 
 
