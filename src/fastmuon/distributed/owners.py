@@ -91,7 +91,7 @@ def candidate_runs(bucket: Bucket, candidates: Sequence[Sequence[int] | None] | 
     runs: list[SlotRun] = []
     for slot, who in enumerate(who_at):
         if runs and runs[-1].who == who:
-            runs[-1] = runs[-1]._replace(stop=slot + 1)
+            runs[-1] = SlotRun(runs[-1].start, slot + 1, who)
         else:
             runs.append(SlotRun(slot, slot + 1, who))
     return runs
