@@ -111,13 +111,18 @@ def shapes_and_grads(seed: int):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"foreach": False}, {"max_bucket_bytes": 4096}],
-    ids=["batched", "per-parameter", "bucket-by-bucket, a class across buckets"],
+    [{}, {"foreach": False}, {"max_bucket_bytes": 4096}, {"hooked": True}],
+    ids=["bucket-by-bucket", "per-parameter", "a class across buckets", "all buckets in one call"],
 )
 def test_a_new_stage_steps_as_its_per_parameter_fp32_reference(options):
     params, grads = shapes_and_grads(0)
     groups = [{"params": params[:-1], "use_muon": True}, {"params": params[-1:], "use_muon": False}]
+    options = dict(options)
+    hooked = options.pop("hooked", False)
     opt = ColumnMuon(groups, **HP, **options)
+    if hooked:  # a hook around NS runs every bucket in one engine call: the stage over all at once
+        calls = []
+        opt.register_orthogonalize_hook(lambda run: calls.append(1) or run())
     ref = [p.detach().clone() for p in params]
     states: list[dict] = [{} for _ in params]
     for step in grads:
@@ -138,4 +143,6 @@ def test_a_new_stage_steps_as_its_per_parameter_fp32_reference(options):
             assert len(holding) > 1, plan.describe()
     for p, r in zip(params, ref):
         assert rel_err(p.detach(), r) < 1e-5
+    if hooked:
+        assert len(calls) == len(grads)
     assert set(opt.state[params[0]]) == {"momentum_buffer"}  # Muon's state, nothing of its own
