@@ -57,8 +57,11 @@ Group = dict[str, Any]
 Agree = Callable[[Tensor], Tensor]
 
 
-class Ready(NamedTuple):
-    """A kept or prepared program with this step's gradients, ready to run."""
+@dataclass
+class Ready:
+    """A kept or prepared program with this step's gradients, ready to run. A dataclass, not a
+    NamedTuple: made every step, and its ``__init__`` is one Python call where a NamedTuple's
+    constructor is two."""
 
     program: StepProgram
     live: list[Tensor]  # the gradients of the parameters it updates
@@ -174,7 +177,7 @@ class StepDriver:
             ready, misfit = self._kept(env, grads, pattern, agree)
         if ready is None:
             ready = self._prepare(env, site, grads, pattern, agree, misfit, remember=not compiling)
-        program, live, keep = ready
+        program, live, keep = ready.program, ready.live, ready.keep
         matrices = program.matrices
         if matrices is not None and matrices.params:
             self.cache.last_plan = matrices.plan
