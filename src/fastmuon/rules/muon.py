@@ -214,7 +214,7 @@ def build(
     adamw_classes = AdamWClasses(pattern.lr, pattern.betas, pattern.eps, pattern.weight_decay)
     return TwoHalves(
         MatrixProgram(items.matrices, pattern.lr, engine_for, stage),
-        AdamWProgram(items.elementwise, adamw_classes, options.capturable),
+        AdamWProgram(items.elementwise, adamw_classes, options.capturable, options.nonfinite != "ignore"),
     )
 
 

@@ -4,14 +4,15 @@ Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp
 torch's fused AdamW kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), one
 pass per tensor, else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
 their parameter's are stepped in the arithmetic dtype and written back rounded once (see
-:mod:`fastmuon.step.state_dtype`).
+:mod:`fastmuon.step.state_dtype`). Off the host, large fp32 tensors mask their own update where
+their gradient is rejected (:class:`Masks`), so that a skipped step copies none of them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -116,9 +117,97 @@ class FusedAdamWPart(AdamWPart):
 
 @dataclass
 class ForeachAdamWPart(AdamWPart):
-    """A part for the foreach kernels; ``host``: its parameters live on the host's CPU."""
+    """A part for the foreach kernels; ``host``: its parameters live on the host's CPU;
+    ``flag_places``: where its members' flags sit in the step's keep vector, for a part that
+    masks its own update (None: one whose tensors a rejected step copies and puts back)."""
 
     host: bool
+    flag_places: tuple[int, ...] | None = None
+    flag_index: dict[torch.device, Tensor] = field(default_factory=dict)
+
+    def masks(self, keep: Tensor | None) -> Masks | None:
+        """This step's :class:`Masks` of a masking part (None: nothing to mask)."""
+        if keep is None or self.flag_places is None:
+            return None
+        index = self.flag_index.get(keep.device)
+        if index is None:
+            index = self.flag_index[keep.device] = torch.tensor(self.flag_places, device=keep.device)
+        return Masks(keep.index_select(0, index))
+
+
+#: Off the host, an fp32 AdamW tensor of at least this many elements masks its own update where
+#: its gradient is rejected instead of being copied and put back: the copy and its restore move
+#: about a hundred bytes per element of parameter and moments, the masks a few launches a tensor.
+MASK_MIN_ELEMENTS = 2**20
+
+
+class Masks:
+    """A masking part's keep flags (one per member, on the device) and what they make: per
+    member 0-d tensors that are a step's own factor where its gradient is kept and the neutral
+    one where it is rejected. A rejected member's gradient is read as zeros (no NaN is ever
+    multiplied), its moments and parameter are multiplied by 1, its first moment lerped with
+    weight 0 and its second given 0, and its update divided by an infinite denominator, so they
+    end the step with the values they began it with (a −0.0 entry may come back as +0.0). A
+    kept one is computed from the same values, rounded alike (each factor is the fp32 value the
+    foreach kernels take the Python number as), as the unmasked step."""
+
+    def __init__(self, flags: Tensor):
+        self.flags = flags
+        self.rejected = list((~flags).unbind(0))
+
+    def factors(self, value: float | Tensor, neutral: float) -> list[Tensor]:
+        return list(torch.where(self.flags, value, neutral).unbind(0))
+
+    def scale_(self, tensors: Sequence[Tensor], factor: float | Tensor) -> None:
+        """``t ← t·factor``, a rejected member's times 1."""
+        for t, f in zip(tensors, self.factors(factor, 1.0)):
+            t.mul_(f)
+
+    def grads(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """The gradients with a rejected one read as zeros."""
+        return [g.masked_fill(r, 0) for g, r in zip(grads, self.rejected)]
+
+    def add_eps_(self, denom: Sequence[Tensor], eps: float) -> None:
+        """``d ← d + ε``, a rejected member's ``d + ∞``: its update is then exactly zero, in the
+        pass that adds ε anyway."""
+        for d, e in zip(denom, self.factors(eps, math.inf)):
+            d.add_(e)
+
+
+def _moments_(
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    grads: list[Tensor],
+    betas: tuple[float, float],
+    beta2_factor: float | Tensor,
+    masks: Masks | None,
+) -> None:
+    """``m ← lerp(m, g, 1−β1)``, ``v ← β2·v + (1−β2)·g²`` (``beta2_factor``: β2 as the foreach
+    multiply takes it); masked, a rejected member's moments stay as they were (``grads`` are
+    then read as zeros already)."""
+    beta1, beta2 = betas
+    if masks is None:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2_factor)
+    else:
+        for m, g, w in zip(exp_avgs, grads, masks.factors(1 - beta1, 0.0)):
+            m.lerp_(g, w)
+        masks.scale_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+
+
+def _masks_itself(item: AdamWItem) -> bool:
+    """Whether an AdamW tensor masks its own update (see :class:`Masks`): off the host, fp32
+    parameter and moments (a masked factor rounds as the foreach kernels' Python number only in
+    fp32), at least :data:`MASK_MIN_ELEMENTS` elements."""
+    p = item.param
+    return (
+        not device.is_host(p.device)
+        and p.dtype == torch.float32
+        and item.exp_avg.dtype == p.dtype
+        and item.exp_avg_sq.dtype == p.dtype
+        and p.numel() >= MASK_MIN_ELEMENTS
+    )
 
 
 class AdamWProgram:
@@ -130,9 +219,12 @@ class AdamWProgram:
 
     With ``capturable`` no kernel reads a value on the host: the step counts live on the
     parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
-    reads its step count on the host)."""
+    reads its step count on the host). With ``masking`` (a step may be given keep flags) the
+    tensors that qualify (:func:`_masks_itself`) make parts that mask their own update."""
 
-    def __init__(self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool):
+    def __init__(
+        self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool, masking: bool = False
+    ):
         self.positions = frozenset(i.index for i in items)  # the step's parameters it updates
         lr_c, betas_c, eps_c, wd_c = classes.lr, classes.betas, classes.eps, classes.weight_decay
         self.capturable = capturable
@@ -171,9 +263,17 @@ class AdamWProgram:
             ).values()
         ]
         rest = by_kernel.get(False, [])
+
+        def masks_itself(i: AdamWItem) -> bool:
+            return masking and not capturable and _masks_itself(i)
+
         # one learning rate per part: it may be a tensor, used as one
         self.rest = [
-            ForeachAdamWPart(**lists(part), host=device.is_host(part[0].param.device))
+            ForeachAdamWPart(
+                **lists(part),
+                host=device.is_host(part[0].param.device),
+                flag_places=tuple(i.index for i in part) if masks_itself(part[0]) else None,
+            )
             for part in partition(
                 rest,
                 lambda i: (
@@ -184,9 +284,11 @@ class AdamWProgram:
                     i.param.dtype,
                     i.exp_avg.dtype,
                     lr_c[i.group],
+                    masks_itself(i),
                 ),
             ).values()
         ]
+        self.masked_positions = frozenset(i.index for i in rest if masks_itself(i))
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides (see :func:`~fastmuon.step.elementwise.fusable`)."""
@@ -198,7 +300,15 @@ class AdamWProgram:
                 return False
         return True
 
-    def run(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
+    def self_masked(self) -> frozenset[int]:
+        """The step's parameters (places among its gradients) whose update masks itself where
+        ``keep`` rejects their gradient (see :class:`Masks`): their tensors need no copy
+        to put back (their step counts, on the host, still do)."""
+        return self.masked_positions
+
+    def run(self, grads: Sequence[Tensor], s: AdamWScalars, keep: Tensor | None = None) -> None:
+        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
+        masking parts read (the others' rejected tensors are put back by the step's guard)."""
         for f in self.fused:
             g = f.group
             beta1, beta2 = s.betas[g]
@@ -229,11 +339,14 @@ class AdamWProgram:
             if r.dtype is not None:  # moments stored narrower (or wider) than their parameters
                 step_grads = widened(step_grads, r.dtype)
                 avgs, avg_sqs = widened(r.exp_avgs, r.dtype), widened(r.exp_avg_sqs, r.dtype)
+            masks = r.masks(keep)
+            if masks is not None:
+                step_grads = masks.grads(step_grads)
             args = (r.params, step_grads, avgs, avg_sqs, r.steps)
             if self.capturable or isinstance(lr, Tensor):
-                _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g])
+                _capturable_adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g], masks)
             else:
-                _adamw(*args, [lr] * len(r.params), s.betas[g], s.eps[g], s.weight_decay[g], r.host)
+                _adamw(*args, lr, s.betas[g], s.eps[g], s.weight_decay[g], r.host, masks)
             if r.dtype is not None:
                 store_(r.exp_avgs + r.exp_avg_sqs, avgs + avg_sqs)
 
@@ -244,25 +357,30 @@ def _adamw(
     exp_avgs: list[Tensor],
     exp_avg_sqs: list[Tensor],
     steps: list[Tensor],
-    lrs: list[float],
+    lr: float,
     betas: tuple[float, float],
     eps: float,
     wd: float,
     host: bool,
+    masks: Masks | None = None,
 ) -> None:
-    """The foreach AdamW step with the step counts read on the host (they live on the CPU)."""
+    """The foreach AdamW step with the step counts read on the host (they live on the CPU);
+    ``masks``: see :class:`Masks` (the rejected gradients read as zeros already)."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
     counts = [float(s) for s in steps]
-    if wd:
-        torch._foreach_mul_(params, [1 - lr * wd for lr in lrs])
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, foreach_scalar(beta2, exp_avg_sqs[0], host))
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    if wd and masks is not None:
+        masks.scale_(params, 1 - lr * wd)
+    elif wd:
+        torch._foreach_mul_(params, [1 - lr * wd] * len(params))
+    _moments_(exp_avgs, exp_avg_sqs, grads, betas, foreach_scalar(beta2, exp_avg_sqs[0], host), masks)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, [math.sqrt(1 - beta2**c) for c in counts])
-    torch._foreach_add_(denom, eps)
-    step_sizes = [-lr / (1 - beta1**c) for lr, c in zip(lrs, counts)]
+    if masks is not None:
+        masks.add_eps_(denom, eps)
+    else:
+        torch._foreach_add_(denom, eps)
+    step_sizes = [-lr / (1 - beta1**c) for c in counts]
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
 
 
@@ -276,16 +394,18 @@ def _capturable_adamw(
     betas: tuple[float, float],
     eps: float,
     wd: float,
+    masks: Masks | None = None,
 ) -> None:
     """The foreach AdamW step with nothing read on the host: bias corrections from the step
-    counts on the device, the learning rate used as given (a number or a 0-d tensor)."""
+    counts on the device, the learning rate used as given (a number or a 0-d tensor);
+    ``masks``: see :class:`Masks` (the step counts then live on the host)."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
-    if wd:
+    if wd and masks is not None:
+        masks.scale_(params, 1 - lr * wd)
+    elif wd:
         torch._foreach_mul_(params, 1 - lr * wd)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    _moments_(exp_avgs, exp_avg_sqs, grads, betas, beta2, masks)
     correction1 = torch._foreach_pow(beta1, steps)  # β1^t
     torch._foreach_sub_(correction1, 1)
     torch._foreach_neg_(correction1)  # 1 − β1^t
@@ -295,7 +415,10 @@ def _capturable_adamw(
     torch._foreach_sqrt_(correction2)  # √(1 − β2^t)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_div_(denom, correction2)
-    torch._foreach_add_(denom, eps)
+    if masks is not None:
+        masks.add_eps_(denom, eps)
+    else:
+        torch._foreach_add_(denom, eps)
     update = torch._foreach_div(exp_avgs, denom)
     torch._foreach_div_(update, correction1)
     torch._foreach_mul_(update, lr)

@@ -84,7 +84,8 @@ class HalfProgram(Protocol):
     positions: frozenset[int]  # the step's parameters (their places among its gradients) it updates
 
     def fits(self, grads: Sequence[Tensor]) -> bool: ...
-    def run(self, grads: Sequence[Tensor], scalars: Any) -> None: ...
+    def run(self, grads: Sequence[Tensor], scalars: Any, keep: Tensor | None = None) -> None: ...
+    def self_masked(self) -> frozenset[int]: ...
 
 
 class MatrixHalf(Protocol):
@@ -92,6 +93,7 @@ class MatrixHalf(Protocol):
 
     params: list[Tensor]
     engine: Engine | None
+    positions: frozenset[int]  # the step's parameters (their places among its gradients) it updates
 
     @property
     def plan(self) -> Plan | None: ...

@@ -244,6 +244,7 @@ class MatrixProgram:
         self.configs = [i.config for i in ordered]
         self.dtypes = [p.dtype for p in self.params]
         self.keep_positions = tuple(i.index for i in ordered)  # among the step's gradients
+        self.positions = frozenset(self.keep_positions)
         # tensors holding several matrices: their gradients split into the matrices' ones each
         # step, placed before the step's gradients in the list the parts pick from
         # (every piece a split returns has an item: the items were made from the same split)

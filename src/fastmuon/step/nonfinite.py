@@ -206,7 +206,9 @@ class SkipPlan:
     ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
     ``params[i]`` and its ``states[i]``; ``count``: the keep vector's length (default: one past
     the last owner). Per step: :meth:`snapshot` before the update, and :meth:`restore` after it
-    with the keep vector.
+    with the keep vector. ``counts_only``: the owners whose update masks its own tensors (see
+    ``UpdateProgram.self_masked``): of theirs only the 0-d state (AdamW's step count, which the
+    update counts on the host) is taken.
     """
 
     def __init__(
@@ -215,13 +217,17 @@ class SkipPlan:
         states: Sequence[dict[str, Any]],
         owners: Sequence[int],
         count: int | None = None,
+        counts_only: frozenset[int] = frozenset(),
     ):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
         self._loose: list[_Loose] = []
         for i in sorted(range(len(owners)), key=owners.__getitem__):
             p, state, owner = params[i], states[i], owners[i]
-            for t in [p, *(v for v in state.values() if isinstance(v, Tensor))]:
+            tensors = [p, *(v for v in state.values() if isinstance(v, Tensor))]
+            if owner in counts_only:
+                tensors = [t for t in tensors[1:] if t.dim() == 0]
+            for t in tensors:
                 # a view of the detached tensor: the restore writes a leaf parameter in place
                 view = _memory_view(t.detach())
                 if view is None:
@@ -289,10 +295,15 @@ class NonFiniteGuard:
             mode == "raise" and defer and bool(params) and not all(device.is_host(g.device) for g in grads)
         )
         masking = mode == "skip" or self.deferred
-        # what the update leaves as it was by itself (see UpdateProgram.self_masked) is never copied
-        rest = [i for i in range(len(params)) if i not in self_masked]
+        # what the update leaves as it was by itself (see UpdateProgram.self_masked) is never
+        # copied: of such a parameter only a step count may be
+        rest = [
+            i
+            for i in range(len(params))
+            if i not in self_masked or any(isinstance(t, Tensor) and t.dim() == 0 for t in states[i].values())
+        ]
         self.skip = (
-            SkipPlan([params[i] for i in rest], [states[i] for i in rest], rest, len(params))
+            SkipPlan([params[i] for i in rest], [states[i] for i in rest], rest, len(params), self_masked)
             if masking and rest
             else None
         )

@@ -111,13 +111,15 @@ class TwoHalves:
 
     def run(self, grads: Sequence[Tensor], s: Any, keep: Tensor | None, hooks: Mapping[int, Any]) -> None:
         self.matrices.run(grads, s.matrices, keep, hooks)
-        self.elementwise.run(grads, s.elementwise)
+        self.elementwise.run(grads, s.elementwise, keep)
 
     def self_masked(self) -> frozenset[int]:
         """The parameters (places among the step's gradients) whose update leaves them and all
-        their state as they were where ``keep`` rejects their gradient, with nothing put back:
-        the matrix half's, unless the elementwise half steps them too (MuSGD's SGD step)."""
-        return self.matrices.self_masked() - self.elementwise.positions
+        their device state as they were where ``keep`` rejects their gradient, with nothing put
+        back: each half's, unless the other half steps them too without masking (MuSGD's SGD
+        step of its matrices)."""
+        matrices, elementwise = self.matrices.self_masked(), self.elementwise.self_masked()
+        return (matrices - self.elementwise.positions) | (elementwise - self.matrices.positions)
 
 
 class StepProgram:

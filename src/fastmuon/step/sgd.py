@@ -156,7 +156,12 @@ class SGDProgram:
                 return False
         return True
 
-    def run(self, grads: Sequence[Tensor], s: SGDScalars) -> None:
+    def self_masked(self) -> frozenset[int]:
+        """None: a rejected parameter's SGD tensors are copied and put back by the step's guard."""
+        return frozenset()
+
+    def run(self, grads: Sequence[Tensor], s: SGDScalars, keep: Tensor | None = None) -> None:
+        """One step (``keep`` is not read: see :meth:`self_masked`)."""
         lr_of = s.lr  # a class is the index of its first member's value
         for f in self.fused:
             g = f.group
