@@ -339,7 +339,7 @@ class AdamWProgram:
             if r.dtype is not None:  # moments stored narrower (or wider) than their parameters
                 step_grads = widened(step_grads, r.dtype)
                 avgs, avg_sqs = widened(r.exp_avgs, r.dtype), widened(r.exp_avg_sqs, r.dtype)
-            masks = r.masks(keep)
+            masks = r.masks(keep) if r.flag_places is not None else None  # no call where none masks
             if masks is not None:
                 step_grads = masks.grads(step_grads)
             args = (r.params, step_grads, avgs, avg_sqs, r.steps)
