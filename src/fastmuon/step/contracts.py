@@ -70,12 +70,18 @@ class AfterNSStage(Protocol):
     """A rule's stage after NS over a program's matrices (``fastmuon.step.moments.MomentStage``):
     it maps their NS results, in the program's order, to the updates applied. ``classes``
     (position lists first) and ``run_class`` let a step that runs bucket by bucket run it per
-    class of matrices stacked together."""
+    class of matrices stacked together. A stage whose class attribute ``masks_rejected`` is
+    True leaves a rejected matrix's state as it was when ``run_class`` is given the class's
+    keep ``flags`` (its ``flags(c, keep)``), so that its buckets need no copy; one without it
+    is never given flags, and its matrices are copied and put back."""
 
     classes: list[Any]
 
     def __call__(self, updates: Sequence[Tensor], scalars: Any) -> list[Tensor]: ...
-    def run_class(self, c: int, updates: Sequence[Tensor], scalars: Any) -> list[Tensor]: ...
+    def run_class(
+        self, c: int, updates: Sequence[Tensor], scalars: Any, flags: Tensor | None = None
+    ) -> list[Tensor]: ...
+    def flags(self, c: int, keep: Tensor) -> Tensor: ...
 
 
 class HalfProgram(Protocol):

@@ -295,6 +295,7 @@ class MatrixProgram:
         self.bucketwise_engine: Orthogonalizer | None = None  # set where the steps below are made
         self.any_narrow = False  # some bucket applies from the NS dtype (set there too)
         self.masked_positions: frozenset[int] = frozenset()  # see self_masked (set there too)
+        self.stage_masks = False  # the stage after NS masks rejected matrices itself (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
 
     def _bucket_steps(
@@ -306,6 +307,9 @@ class MatrixProgram:
         if not isinstance(engine, Orthogonalizer) or not engine.by_bucket or engine.plan is None:
             return None
         self.bucketwise_engine = engine
+        # a stage after NS that masks a rejected matrix itself (``masks_rejected``) keeps the
+        # bucket masked; one that does not say has its matrices copied and put back
+        self.stage_masks = whole is None or getattr(whole, "masks_rejected", False)
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
         classes = [c[0] for c in whole.classes] if whole is not None else []
         bucket_of = {k: b for b, members in enumerate(buckets) for k in members}
@@ -370,7 +374,7 @@ class MatrixProgram:
                 and min(self.params[k].numel() for k in ks) >= NARROW_APPLY_MIN_ELEMENTS
             )
             self.any_narrow = self.any_narrow or narrow
-            masked = whole is None and all(_masks_itself(ordered[k]) for k in ks)
+            masked = self.stage_masks and all(_masks_itself(ordered[k]) for k in ks)
             (masked_here if masked else unmasked_here).update(ordered[k].index for k in ks)
             steps.append(
                 BucketStep(
@@ -407,10 +411,12 @@ class MatrixProgram:
         copy to put back: off the host, stepped bucket by bucket, such a bucket's momentum reads
         a rejected gradient as zeros with zero weights (the buffer exact, the NS input exact
         zeros, so the update is exactly zero: see ``_masked_momentum``) and its decay factor is
-        masked to 1. Only plain
-        fp32 matrices qualify: no rule stage before or after NS, no cautious decay, momentum
-        kept in the parameter's dtype (a mask on the decay factor rounds as a Python one does
-        only in fp32), the whole parameter here (not a shard)."""
+        masked to 1. A signed NS input stays zeros (the sign of 0 is 0), and a rule's stage
+        after NS that masks a rejected matrix itself (``AfterNSStage``'s ``masks_rejected``,
+        NorMuon's and AdaMuon's second moment) leaves its state as it was and its update zeros.
+        Only fp32 matrices qualify: no cautious decay, momentum kept in the parameter's dtype
+        (a mask on the decay factor rounds as a Python one does only in fp32), the whole
+        parameter here (not a shard)."""
         return self.masked_positions
 
     @property
@@ -510,8 +516,15 @@ class MatrixProgram:
                     pending[c] = got
             del updates
             for c in step.completes:
-                results = stage.run_class(c, pending.pop(c), scalars)
-                self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
+                if keep is not None and self.masked_positions:  # flags mask the stage and decay
+                    class_flags = stage.flags(c, keep)
+                    results = stage.run_class(c, pending.pop(c), scalars, class_flags)
+                    self.class_after[c].run(
+                        results, scalars, scales, self.groups, self.one_pass, keep=class_flags
+                    )
+                else:
+                    results = stage.run_class(c, pending.pop(c), scalars)
+                    self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
     def _momentum_parts(self) -> list[MomentumPart]:
         """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
@@ -574,7 +587,7 @@ def _masks_itself(item: MatrixItem) -> bool:
         not ns_device.is_host(p.device)
         and p.dtype == torch.float32
         and item.buf.dtype == p.dtype
-        and not (item.cautious or item.sign_input)
+        and not item.cautious
         and item.whole is None
     )
 

@@ -145,14 +145,18 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return rows, math.prod(shape[1:])
 
 
-def normalize(o: Tensor, v: Tensor, beta2: float, eps: float, rms: float | None) -> tuple[Tensor, Tensor]:
+def normalize(
+    o: Tensor, v: Tensor, beta2: float, eps: float, rms: float | None, weight: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """One stacked class (or one matrix, stacked alone): ``o`` is ``(N, m, n)`` in the compute
     dtype, ``v`` ``(N, m)`` (per row) or ``(N, m, n)`` (elementwise), in the compute dtype;
-    returns ``(Ô, v_new)``. The reference path runs the same function one matrix at a time."""
+    returns ``(Ô, v_new)``. The reference path runs the same function one matrix at a time.
+    ``weight``: the EMA's weight per matrix, shaped to broadcast over ``v`` (default ``1−β₂``
+    for all; :meth:`MomentStage.run_class` gives 0 to a rejected matrix's)."""
     sq = o.square()
     per_row = v.ndim == 2
     stat = sq.mean(-1) if per_row else sq
-    v = torch.lerp(v, stat, 1 - beta2)
+    v = torch.lerp(v, stat, 1 - beta2 if weight is None else weight)
     denom = v.sqrt().add_(eps)
     out = o / (denom.unsqueeze(-1) if per_row else denom)
     # the norm guarded from below as dion's NorMuon guards it (an all-zero update stays zero)
@@ -175,10 +179,17 @@ class MomentClass(NamedTuple):
     rms: float | None  # None: keep NS's Frobenius norm
     transposed: bool  # a per-row moment whose neurons are the stored columns
     moments: list[Tensor]  # each matrix's ``v``
+    flag_places: tuple[int, ...]  # each matrix's place in the step's keep vector
 
 
 class MomentStage:
-    """The batched stage over a program's matrices in its order (``items``: MatrixProgram's)."""
+    """The batched stage over a program's matrices in its order (``items``: MatrixProgram's).
+
+    It masks a rejected matrix itself (``masks_rejected``): given a class's keep flags,
+    :meth:`run_class` lerps a rejected matrix's ``v`` with weight 0, so it stays as it was,
+    and the matrix's update, zeros from NS, stays zeros (``0 / (√v + ε)``, rescaled)."""
+
+    masks_rejected = True
 
     def __init__(self, items: list[MatrixItem]):
         classes: dict[tuple[Any, ...], list[int]] = {}
@@ -196,9 +207,28 @@ class MomentStage:
             )
             classes.setdefault(key, []).append(k)
         self.classes = [
-            MomentClass(idx, shape, dtype, group, rms, t, [items[k].stage.v for k in idx])
+            MomentClass(
+                idx,
+                shape,
+                dtype,
+                group,
+                rms,
+                t,
+                [items[k].stage.v for k in idx],
+                tuple(items[k].index for k in idx),
+            )
             for (shape, dtype, _device, group, rms, t, _v_dtype), idx in classes.items()
         ]
+        self._flag_index: dict[tuple[int, torch.device], Tensor] = {}
+
+    def flags(self, c: int, keep: Tensor) -> Tensor:
+        """Class ``c``'s keep flags out of the step's keep vector (one index select, no host read)."""
+        index = self._flag_index.get((c, keep.device))
+        if index is None:
+            index = self._flag_index[c, keep.device] = torch.tensor(
+                self.classes[c].flag_places, device=keep.device
+            )
+        return keep.index_select(0, index)
 
     def __call__(self, updates: Sequence[Tensor], scalars: MomentScalars) -> list[Tensor]:
         """The stage over ``updates`` (NS results in the program's order, in the parameters'
@@ -210,10 +240,14 @@ class MomentStage:
                 out[k] = r
         return out
 
-    def run_class(self, c: int, updates: Sequence[Tensor], scalars: MomentScalars) -> list[Tensor]:
+    def run_class(
+        self, c: int, updates: Sequence[Tensor], scalars: MomentScalars, flags: Tensor | None = None
+    ) -> list[Tensor]:
         """The stage over class ``c``'s updates (its matrices' NS results, in its order), as in
-        :meth:`__call__`: a step that has them at different times stacks them when it has all."""
-        idx, shape, param_dtype, g, rms, transposed, moments = self.classes[c]
+        :meth:`__call__`: a step that has them at different times stacks them when it has all.
+        ``flags`` (:meth:`flags`): where False, the matrix's NS result is zeros (its gradient was
+        rejected) and its ``v`` is left as it was."""
+        idx, shape, param_dtype, g, rms, transposed, moments, _ = self.classes[c]
         rows, cols = matrix_shape(shape)
         n = len(idx)
         u = torch.stack(list(updates))
@@ -223,7 +257,10 @@ class MomentStage:
         v = v if moments[0].ndim == 1 else v.reshape(n, rows, cols)
         if transposed:  # neurons along the stored columns
             o = o.transpose(-2, -1)
-        result, v = normalize(o, v, scalars.beta2[g], scalars.moment_eps[g], rms)
+        weight = None
+        if flags is not None:  # 1−β₂ where kept (the fp32 or fp64 value the scalar gives), 0 where not
+            weight = flags.to(dtype).mul_(1 - scalars.beta2[g]).view(n, *[1] * (v.ndim - 1))
+        result, v = normalize(o, v, scalars.beta2[g], scalars.moment_eps[g], rms, weight)
         if transposed:
             result = result.transpose(-2, -1)
         torch._foreach_copy_(moments, list(v.reshape(n, *moments[0].shape).unbind(0)))
