@@ -32,6 +32,7 @@ from fastmuon.ns import engine as fastmuon_engine
 from fastmuon.ns.engine import Orthogonalizer
 from fastmuon.ns.planner import COST_MODELS
 from fastmuon.step import matrix as fastmuon_matrix
+from fastmuon.step import nonfinite as fastmuon_nonfinite
 
 SHAPES = MIXED_SHAPES + [(24,), (7,)]
 MUSGD = dict(lr=0.02, momentum=0.9, nesterov=True, weight_decay=5e-4, muon=0.5, sgd=0.5)
@@ -135,9 +136,15 @@ def test_a_capturable_step_reads_nothing_on_the_host(accelerator_paths, cls, non
 
 
 @pytest.mark.parametrize("cls", [MuSGD, Muon])
-def test_skip_leaves_the_non_finite_parameter_and_its_state_unchanged(accelerator_paths, cls):
+@pytest.mark.parametrize("scan", [False, True], ids=["repeat-mask", "scan-mask"])
+def test_skip_leaves_the_non_finite_parameter_and_its_state_unchanged(
+    accelerator_paths, cls, scan, monkeypatch
+):
     """``nonfinite="skip"`` decides on the device: the parameter with a NaN gradient and its
-    state stay as they were; every other parameter takes the reference's step."""
+    state stay as they were; every other parameter takes the reference's step (the restore's
+    element mask made by a repeat, or by the scan large groups take)."""
+    if scan:
+        monkeypatch.setattr(fastmuon_nonfinite, "SCAN_MASK_MIN_ELEMENTS", 0)
     params = make_params(SHAPES)
     grads = make_grads(params, steps=2)
     ours = clone_params(params)

@@ -170,12 +170,20 @@ class FiniteCheck:
         )
 
 
+#: From this many elements a group's element mask is made by a scan of its owners' flags (a few
+#: launches more, 3 bytes an element) instead of one fused repeat, whose int64 index moves 17
+#: bytes an element and holds 8 while it lives.
+SCAN_MASK_MIN_ELEMENTS = 2**23
+
+
 class _Group:
     """The tensors of one (device, dtype) that a restore may put back, as 1-D views in one
-    order: by owner, so that ``repeats[k]`` (the elements owner ``k`` has here, 0 for none)
-    turns the keep vector into the element mask in one fused repeat."""
+    order: by owner, so that the keep vector turns into the element mask with ``repeats[k]``
+    (the elements owner ``k`` has here, 0 for none) in one fused repeat, or, for a large
+    group, with ``owners`` (the owners that have elements here) starting at ``starts`` in a
+    scan (:meth:`scanned_mask`)."""
 
-    __slots__ = ("views", "sizes", "repeats", "total", "host")
+    __slots__ = ("views", "sizes", "repeats", "owners", "starts", "total", "host")
 
     def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]], owners: int):
         self.views = [v for v, _ in entries]
@@ -184,8 +192,23 @@ class _Group:
         for v, owner in entries:
             per_owner[owner] += v.numel()
         self.repeats = torch.tensor(per_owner, device=where)
+        present = [k for k, n in enumerate(per_owner) if n]
+        self.owners = torch.tensor(present, device=where)
+        self.starts = torch.tensor([sum(per_owner[:k]) for k in present], device=where)
         self.total = sum(self.sizes)
         self.host = device.is_host(where)
+
+    def scanned_mask(self, keep: Tensor) -> Tensor:
+        """Each element's owner's flag in ``keep`` (on this group's device), as a bool vector,
+        for a large group: the owners' flags as int8 steps at their starts (``+1`` where a kept
+        owner follows a rejected one, ``-1`` the other way), summed up by a scan in int8 (its
+        running sums are the flags, 0 or 1), then read as bools."""
+        flags = keep.index_select(0, self.owners).to(torch.int8)
+        steps = flags.clone()
+        steps[1:] -= flags[:-1]
+        delta = torch.zeros(self.total, dtype=torch.int8, device=keep.device)
+        delta.index_copy_(0, self.starts, steps)
+        return delta.cumsum(0, dtype=torch.int8).view(torch.bool)
 
 
 def _joined(group: _Group) -> Tensor:
@@ -248,7 +271,11 @@ class SkipPlan:
         for group, snap in zip(self._groups, saved):
             if snap is None or (on_host is not None and group.host != on_host):
                 continue  # None: a copy :meth:`on_host` left out
-            mask = torch.repeat_interleave(keep.to(snap.device), group.repeats, output_size=group.total)
+            flags = keep.to(snap.device)
+            if group.total < SCAN_MASK_MIN_ELEMENTS:
+                mask = torch.repeat_interleave(flags, group.repeats, output_size=group.total)
+            else:
+                mask = group.scanned_mask(flags)
             merged = torch.where(mask, _joined(group), snap, out=snap)
             torch._foreach_copy_(group.views, list(merged.split(group.sizes)))
         for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
