@@ -316,6 +316,22 @@ def test_masked_buckets_copy_nothing_and_a_finite_step_is_bitwise_the_unmasked_o
         assert torch.equal(opt_masked.state[a]["momentum_buffer"], opt_plain.state[b]["momentum_buffer"])
 
 
+def test_with_a_hook_around_ns_a_skipped_matrix_is_put_back(accelerator_paths, monkeypatch):
+    """A hook around Newton–Schulz runs every bucket at once, so the matrices do not mask
+    themselves: that step copies them too, and the skipped matrix and its momentum are put back
+    bit for bit."""
+    params = make_params(BY_BUCKET_SHAPES)
+    grads = make_grads(params, steps=2)
+    ours = clone_params(params)
+    opt = _same_shape_muon(ours, monkeypatch, nonfinite="skip", max_bucket_bytes=BY_BUCKET_CAP)
+    run_optimizer(opt, ours, grads[:1])
+    assert _only_program(opt).update.self_masked()  # the masked buckets, without a hook
+    ran = []
+    opt.register_orthogonalize_hook(lambda run: ran.append(1) or run())
+    bad = _bad_step_leaves_it_untouched(opt, ours, [grads[1], grads[1]], 2, (1, 2), float("nan"))
+    assert ran and torch.isnan(bad[2]).any()
+
+
 def test_a_deferred_raise_on_masked_buckets_leaves_the_matrix_and_raises_at_the_next_step(
     accelerator_paths, monkeypatch
 ):

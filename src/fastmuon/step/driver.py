@@ -182,7 +182,8 @@ class StepDriver:
         if matrices is not None and matrices.params:
             self.cache.last_plan = matrices.plan
         guard = program.guard
-        saved = guard.snapshot(keep) if keep is not None else None
+        # hooks around NS or a compiler's trace: the matrices run unmasked (see guard.snapshot)
+        saved = guard.snapshot(keep, whole=bool(self.hooks) or compiling) if keep is not None else None
         try:
             program.update.run(live, scalars, keep, self.hooks)
         except BaseException:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -292,6 +293,14 @@ class SkipPlan:
         return [s if host else None for s, host in zip(saved, hosts)]
 
 
+@dataclass
+class Saved:
+    """A step's snapshot: the plan that took it and its copies (see :meth:`SkipPlan.snapshot`)."""
+
+    plan: SkipPlan
+    tensors: list[Tensor]
+
+
 class NonFiniteGuard:
     """A step's handling of NaN/Inf gradients over a fixed list of gradients.
 
@@ -334,14 +343,18 @@ class NonFiniteGuard:
             if masking and rest
             else None
         )
+        # everything, for a step that does not take the self-masking path (see :meth:`snapshot`)
+        self.skip_all = (
+            SkipPlan(params, states, range(len(params))) if masking and params and self_masked else self.skip
+        )
         self.masking = masking and bool(params)
         # a "skip" over accelerator gradients whose state lies partly on the host (AdamW's step
         # counts) puts that part back when the flags reach the host, as a deferred "raise" does:
         # reading them at once would make the host wait for the device every step
         self.host_later = (
             mode == "skip"
-            and self.skip is not None
-            and self.skip.holds_host()
+            and self.skip_all is not None
+            and self.skip_all.holds_host()
             and not all(device.is_host(g.device) for g in grads)
         )
         self._flags = host_buffer(len(grads)) if self.deferred or self.host_later else None
@@ -369,33 +382,36 @@ class NonFiniteGuard:
         keep = self.check(grads)
         return agree(keep) if agree is not None else keep
 
-    def snapshot(self, keep: Tensor | None) -> list[Tensor] | None:
+    def snapshot(self, keep: Tensor | None, whole: bool = False) -> Saved | None:
         """What the update may overwrite, saved (only where something may have to go back and
-        the update does not keep it as it was by itself)."""
-        return self.skip.snapshot() if keep is not None and self.skip is not None else None
+        the update does not keep it as it was by itself). ``whole``: this step's update does
+        not take its self-masking path (an orthogonalize hook or a compiler's trace makes the
+        matrix half run all buckets at once, unmasked): everything is saved."""
+        plan = self.skip_all if whole else self.skip
+        return Saved(plan, plan.snapshot()) if keep is not None and plan is not None else None
 
-    def restore(self, saved: list[Tensor] | None, keep: Tensor | None) -> None:
+    def restore(self, saved: Saved | None, keep: Tensor | None) -> None:
         """Put back every tensor of a parameter whose gradient was not finite."""
-        if saved is not None and keep is not None and self.skip is not None:
-            self.skip.restore(saved, keep)
+        if saved is not None and keep is not None:
+            saved.plan.restore(saved.tensors, keep)
 
     def settle(
-        self, saved: list[Tensor] | None, keep: Tensor, name: Callable[[int], str], step: int
+        self, saved: Saved | None, keep: Tensor, name: Callable[[int], str], step: int
     ) -> PendingFlags | None:
         """After a completed update: "skip" puts everything copied back now (None). A deferred
         "raise" puts back what lives on the device, starts the flags' copy to the host and
         returns them, pending: read, they raise and put back the host's tensors too."""
         if not self.masking:
             return None
-        plan = self.skip
+        plan = saved.plan if saved is not None else None
         if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
             if plan is not None and saved is not None:
-                plan.restore(saved, keep)
+                plan.restore(saved.tensors, keep)
             return None
         finish: Callable[[Tensor], None] = nothing_to_finish
         if plan is not None and saved is not None:
-            plan.restore(saved, keep, on_host=False)
-            finish = functools.partial(_restore_on_host, plan, plan.on_host(saved))
+            plan.restore(saved.tensors, keep, on_host=False)
+            finish = functools.partial(_restore_on_host, plan, plan.on_host(saved.tensors))
         return PendingFlags.start(
             keep,
             self._flags,  # type: ignore[arg-type]
