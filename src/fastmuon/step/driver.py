@@ -183,16 +183,17 @@ class StepDriver:
             self.cache.last_plan = matrices.plan
         guard = program.guard
         # hooks around NS or a compiler's trace: the matrices run unmasked (see guard.snapshot)
-        saved = guard.snapshot(keep, whole=bool(self.hooks) or compiling) if keep is not None else None
+        whole = bool(self.hooks) or compiling
+        saved = guard.snapshot(keep, whole) if keep is not None else None
         try:
             program.update.run(live, scalars, keep, self.hooks)
         except BaseException:
             if saved is not None:
-                guard.restore(saved, keep)
+                guard.restore(saved, keep, whole)
             raise
         self.steps += 1
         if keep is not None:
-            self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps)
+            self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps, whole)
 
     def site(self, env: StepEnv) -> Site:
         """Where this call runs (the last call's :class:`Site` while the parameters and the

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -293,14 +292,6 @@ class SkipPlan:
         return [s if host else None for s, host in zip(saved, hosts)]
 
 
-@dataclass
-class Saved:
-    """A step's snapshot: the plan that took it and its copies (see :meth:`SkipPlan.snapshot`)."""
-
-    plan: SkipPlan
-    tensors: list[Tensor]
-
-
 class NonFiniteGuard:
     """A step's handling of NaN/Inf gradients over a fixed list of gradients.
 
@@ -382,36 +373,43 @@ class NonFiniteGuard:
         keep = self.check(grads)
         return agree(keep) if agree is not None else keep
 
-    def snapshot(self, keep: Tensor | None, whole: bool = False) -> Saved | None:
+    def snapshot(self, keep: Tensor | None, whole: bool = False) -> list[Tensor] | None:
         """What the update may overwrite, saved (only where something may have to go back and
         the update does not keep it as it was by itself). ``whole``: this step's update does
         not take its self-masking path (an orthogonalize hook or a compiler's trace makes the
-        matrix half run all buckets at once, unmasked): everything is saved."""
+        matrix half run all buckets at once, unmasked): everything is saved. :meth:`restore`
+        and :meth:`settle` are given the same ``whole``."""
         plan = self.skip_all if whole else self.skip
-        return Saved(plan, plan.snapshot()) if keep is not None and plan is not None else None
+        return plan.snapshot() if keep is not None and plan is not None else None
 
-    def restore(self, saved: Saved | None, keep: Tensor | None) -> None:
+    def restore(self, saved: list[Tensor] | None, keep: Tensor | None, whole: bool = False) -> None:
         """Put back every tensor of a parameter whose gradient was not finite."""
-        if saved is not None and keep is not None:
-            saved.plan.restore(saved.tensors, keep)
+        plan = self.skip_all if whole else self.skip
+        if saved is not None and keep is not None and plan is not None:
+            plan.restore(saved, keep)
 
     def settle(
-        self, saved: Saved | None, keep: Tensor, name: Callable[[int], str], step: int
+        self,
+        saved: list[Tensor] | None,
+        keep: Tensor,
+        name: Callable[[int], str],
+        step: int,
+        whole: bool = False,
     ) -> PendingFlags | None:
         """After a completed update: "skip" puts everything copied back now (None). A deferred
         "raise" puts back what lives on the device, starts the flags' copy to the host and
         returns them, pending: read, they raise and put back the host's tensors too."""
         if not self.masking:
             return None
-        plan = saved.plan if saved is not None else None
+        plan = self.skip_all if whole else self.skip
         if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
             if plan is not None and saved is not None:
-                plan.restore(saved.tensors, keep)
+                plan.restore(saved, keep)
             return None
         finish: Callable[[Tensor], None] = nothing_to_finish
         if plan is not None and saved is not None:
-            plan.restore(saved.tensors, keep, on_host=False)
-            finish = functools.partial(_restore_on_host, plan, plan.on_host(saved.tensors))
+            plan.restore(saved, keep, on_host=False)
+            finish = functools.partial(_restore_on_host, plan, plan.on_host(saved))
         return PendingFlags.start(
             keep,
             self._flags,  # type: ignore[arg-type]
