@@ -141,9 +141,10 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
 
 
 def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOptions) -> TwoHalves:
+    masking = options.nonfinite != "ignore"  # a step may be given keep flags
     return TwoHalves(
-        MatrixProgram(items.matrices, pattern.muon_lr, engine_for),
-        SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable),
+        MatrixProgram(items.matrices, pattern.muon_lr, engine_for, mask_packed=masking),
+        SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable, masking=masking),
     )
 
 

@@ -97,13 +97,18 @@ def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
     channels_last weight with a contiguous gradient gets a wrong update); the SGD kernel's
     bf16/fp16 path misreads the momentum buffer in torch 2.13, so fp32/fp64 only. Not under
     ``torch.compile`` (the ops have no fake kernel)."""
-    return (
-        (device.is_host(p.device) or (cuda and p.device.type == "cuda"))
-        and p.dtype in (torch.float32, torch.float64)
+    return fused_kernel_on(p.device, cuda) and (
+        p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
         and (p.is_contiguous() or p.is_contiguous(memory_format=torch.channels_last))
         and not torch.compiler.is_compiling()
     )
+
+
+def fused_kernel_on(where: torch.device, cuda: bool = False) -> bool:
+    """Whether :func:`fusable` takes torch's fused kernels on ``where``: the host's CPU, and with
+    ``cuda`` a CUDA device."""
+    return device.is_host(where) or (cuda and where.type == "cuda")
 
 
 def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor], cuda: bool = False) -> bool:

@@ -237,8 +237,11 @@ class MatrixProgram:
         base_class: Sequence[int],
         engine_for: EngineFor,
         stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
+        mask_packed: bool = False,
     ):
         parts = batch_order(items)
+        if mask_packed:  # large maskable matrices in parts of their own (see PACKED_MASK_MIN_ELEMENTS)
+            parts = [sub for part in parts for sub in partition(part, _masks_when_packed).values()]
         ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
         self.params = [i.param for i in ordered]
         self.configs = [i.config for i in ordered]
@@ -268,8 +271,16 @@ class MatrixProgram:
         start = 0
         for part in parts:
             work = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one per part
-            self.part_specs.append(PartSpec(list(range(start, start + len(part))), part[0].group, work))
+            masked = tuple(i.index for i in part) if mask_packed and _masks_when_packed(part[0]) else None
+            self.part_specs.append(
+                PartSpec(list(range(start, start + len(part))), part[0].group, work, masked)
+            )
             start += len(part)
+        self.packed_masked = frozenset(k for spec in self.part_specs for k in spec.flag_places or ())
+        self._part_flag_index: dict[tuple[int, torch.device], Tensor] = {}
+        self._part_every = {
+            p: Gather(list(range(len(spec.positions)))) for p, spec in enumerate(self.part_specs)
+        }
         self.bufs = [i.buf for i in ordered]
         self.grad_positions = position
         self.item_groups = [i.group for i in ordered]
@@ -297,6 +308,8 @@ class MatrixProgram:
         self.masked_positions: frozenset[int] = frozenset()  # see self_masked (set there too)
         self.stage_masks = False  # the stage after NS masks rejected matrices itself (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
+        if self.buckets is None:
+            self.masked_positions = self.packed_masked
 
     def _bucket_steps(
         self, ordered: list[MatrixItem], scale_class: list[int], whole: Any
@@ -328,7 +341,7 @@ class MatrixProgram:
             for idx in classes
         ]
         self.class_spans = spans
-        part_of = {k: p for p, (ks, _, _) in enumerate(self.part_specs) for k in ks}
+        part_of = {k: p for p, (ks, _, _, _) in enumerate(self.part_specs) for k in ks}
         signed = set(self.sign.positions) if self.sign is not None else set()
         steps = []
         masked_here: set[int] = set()
@@ -339,7 +352,7 @@ class MatrixProgram:
             ns_dtype = engine.bucket_dtype(b)
             moms = []
             parts_here = []
-            for p, (_, group, work) in enumerate(self.part_specs):
+            for p, (_, group, work, _) in enumerate(self.part_specs):
                 mine = [k for k in ks if part_of[k] == p]
                 if not mine:
                     continue
@@ -440,7 +453,18 @@ class MatrixProgram:
             return
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
-        for bufs, pick, g, out, momentum in self._momentum_parts():
+        for p, (bufs, pick, g, out, momentum) in enumerate(self._momentum_parts()):
+            places = self.part_specs[p].flag_places
+            if places is not None and keep is not None and out is None:  # large ones masking themselves
+                flags = self._part_flags(p, places, keep)
+                inputs = [torch.empty_like(b) for b in bufs]  # what NS reads: exact zeros where rejected
+                every = self._part_every[p]
+                rejected = list((~flags).unbind(0))
+                _masked_momentum(
+                    bufs, pick(grads), flags, every, rejected, scalars.beta[g], scalars.nesterov[g], inputs
+                )
+                sources += inputs
+                continue
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
         if self.sign is not None:
             self.sign.run(sources, self.owned_inputs)
@@ -526,6 +550,13 @@ class MatrixProgram:
                     results = stage.run_class(c, pending.pop(c), scalars)
                     self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
 
+    def _part_flags(self, p: int, places: tuple[int, ...], keep: Tensor) -> Tensor:
+        """Momentum part ``p``'s members' keep flags (``places`` in the keep vector)."""
+        index = self._part_flag_index.get((p, keep.device))
+        if index is None:
+            index = self._part_flag_index[p, keep.device] = torch.tensor(places, device=keep.device)
+        return keep.index_select(0, index)
+
     def _momentum_parts(self) -> list[MomentumPart]:
         """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
         step that writes them (casting where a view's dtype is not the buffers'); made on the
@@ -535,7 +566,7 @@ class MatrixProgram:
         views = getattr(self.engine, "input_views", None)
         inputs = views() if views is not None else None
         parts: list[MomentumPart] = []
-        for ks, group, work in self.part_specs:
+        for ks, group, work, _ in self.part_specs:
             out = [inputs[k] for k in ks] if inputs is not None else None
             bufs = [self.bufs[k] for k in ks]
             momentum: Momentum
@@ -560,6 +591,21 @@ class PartSpec(NamedTuple):
     positions: list[int]  # its matrices' places in the program
     group: int  # the param group whose β and nesterov it reads
     work: torch.dtype | None  # the dtype its arithmetic runs in where not the buffers' (else None)
+    # a part of large matrices that mask their own momentum on the packed path: their places
+    # in the step's keep vector (None: a part the guard copies and puts back)
+    flag_places: tuple[int, ...] | None = None
+
+
+#: Where a rule's matrix half has no decay after NS (MuSGD's), a matrix of at least this many
+#: elements stepped off the host with every bucket at once masks its own momentum where its
+#: gradient is rejected, as a masked bucket does (see ``_masked_momentum``: its NS input exact
+#: zeros): three launches of its own against about a hundred bytes an element of copy and restore.
+PACKED_MASK_MIN_ELEMENTS = 2**20
+
+
+def _masks_when_packed(item: MatrixItem) -> bool:
+    """Whether a matrix masks its own momentum on the packed path (see PACKED_MASK_MIN_ELEMENTS)."""
+    return _masks_itself(item) and item.param.numel() >= PACKED_MASK_MIN_ELEMENTS
 
 
 class MomentumPart(NamedTuple):

@@ -116,10 +116,15 @@ class TwoHalves:
     def self_masked(self) -> frozenset[int]:
         """The parameters (places among the step's gradients) whose update leaves them and all
         their device state as they were where ``keep`` rejects their gradient, with nothing put
-        back: each half's, unless the other half steps them too without masking (MuSGD's SGD
-        step of its matrices)."""
+        back: those that every half stepping them masks (MuSGD's large matrices are stepped and
+        masked by both)."""
         matrices, elementwise = self.matrices.self_masked(), self.elementwise.self_masked()
-        return (matrices - self.elementwise.positions) | (elementwise - self.matrices.positions)
+        on_matrices, on_elementwise = self.matrices.positions, self.elementwise.positions
+        return frozenset(
+            i
+            for i in matrices | elementwise
+            if (i in matrices or i not in on_matrices) and (i in elementwise or i not in on_elementwise)
+        )
 
 
 class StepProgram:

@@ -70,11 +70,20 @@ class SGDPart:
 @dataclass
 class FusedSGDPart(SGDPart):
     """A part for torch's fused kernel: one learning-rate class, and the strides it was found
-    exact for (see :meth:`SGDProgram.fits`)."""
+    exact for (see :meth:`SGDProgram.fits`). ``flag_place``: for a part of one tensor that
+    masks its own step, its place in the step's keep vector (see :data:`MASK_MIN_ELEMENTS`)."""
 
     lr_class: int
     grad_strides: _Strides
     param_strides: _Strides
+    flag_place: int | None = None
+
+
+#: Off the host, a tensor of at least this many elements that torch's fused kernel steps masks
+#: its own SGD step where its gradient is rejected instead of being copied and put back: a call
+#: of its own whose ``found_inf`` is its rejection (the kernel then writes nothing and reads no
+#: gradient), a launch a tensor against about a hundred bytes an element of copy and restore.
+MASK_MIN_ELEMENTS = 2**20
 
 
 @dataclass
@@ -103,7 +112,7 @@ class SGDProgram:
     one scale class per learning rate. ``lr_class``: the classes of the step's learning rates
     (one per ``lr_slot``)."""
 
-    def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool):
+    def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool, masking: bool = False):
         self.positions = frozenset(i.index for i in items)  # the step's parameters it updates
 
         def lr_key(i: SGDItem) -> int:
@@ -121,7 +130,27 @@ class SGDProgram:
                 lambda i: fused_ok and bool(i.beta) and fusable_stored(i.param, i.grad, [i.buf], cuda=True),
             )
             g = part[0].group  # the part shares its scalars: any member's group gives them
-            for by_lr in partition(by_kernel.get(True, []), lr_key).values():
+            fused = by_kernel.get(True, [])
+            if masking and dtype is None:  # a step may be given keep flags (see MASK_MIN_ELEMENTS)
+                large = [
+                    i
+                    for i in fused
+                    if not device.is_host(i.param.device) and i.param.numel() >= MASK_MIN_ELEMENTS
+                ]
+                for i in large:
+                    self.fused.append(
+                        FusedSGDPart(
+                            **_part_lists([i], g, dtype),
+                            lr_class=lr_key(i),
+                            grad_strides=[i.grad.stride()],
+                            param_strides=[i.param.stride()],
+                            flag_place=i.index,
+                        )
+                    )
+                fused = [
+                    i for i in fused if i.param.numel() < MASK_MIN_ELEMENTS or device.is_host(i.param.device)
+                ]
+            for by_lr in partition(fused, lr_key).values():
                 first = by_lr[0]
                 self.fused.append(
                     FusedSGDPart(
@@ -144,6 +173,8 @@ class SGDProgram:
                 )
         self.limit = scale_limit(items[0].param.device) if items else 0
         self.host = device.is_host(items[0].param.device) if items else True
+        self.masked_places = [f.flag_place for f in self.fused if f.flag_place is not None]
+        self._flag_index: dict[torch.device, Tensor] = {}
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
         """The fused kernel walks memory without looking at strides: gradients and parameters
@@ -157,15 +188,29 @@ class SGDProgram:
         return True
 
     def self_masked(self) -> frozenset[int]:
-        """None: a rejected parameter's SGD tensors are copied and put back by the step's guard."""
-        return frozenset()
+        """The step's parameters (places among its gradients) whose SGD step masks itself where
+        ``keep`` rejects their gradient (see :data:`MASK_MIN_ELEMENTS`): their parameter and
+        buffer need no copy to put back. The others' are copied and put back by the guard."""
+        return frozenset(self.masked_places)
+
+    def _rejections(self, keep: Tensor) -> dict[int, Tensor]:
+        """Per masking part's flag place, its ``found_inf``: 1.0 where its gradient is
+        rejected (0-d fp32 tensors on the keep vector's device, no host read)."""
+        index = self._flag_index.get(keep.device)
+        if index is None:
+            index = self._flag_index[keep.device] = torch.tensor(self.masked_places, device=keep.device)
+        found = (~keep.index_select(0, index)).to(torch.float32)
+        return dict(zip(self.masked_places, found.unbind(0)))
 
     def run(self, grads: Sequence[Tensor], s: SGDScalars, keep: Tensor | None = None) -> None:
-        """One step (``keep`` is not read: see :meth:`self_masked`)."""
+        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
+        masking parts read."""
         lr_of = s.lr  # a class is the index of its first member's value
+        rejected = self._rejections(keep) if keep is not None and self.masked_places else {}
         for f in self.fused:
             g = f.group
             work = f.bufs if f.dtype is None else widened(f.bufs, f.dtype)
+            found_inf = rejected.get(f.flag_place) if f.flag_place is not None else None
             torch._fused_sgd_(
                 f.params,
                 f.pick(grads),
@@ -177,6 +222,7 @@ class SGDProgram:
                 nesterov=s.nesterov[g],
                 maximize=False,
                 is_first_step=False,  # B starts at zeros, so β·B + g' is g' on the first step anyway
+                found_inf=found_inf,
             )
             if f.dtype is not None:
                 store_(f.bufs, work)
