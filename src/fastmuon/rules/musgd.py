@@ -141,7 +141,8 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
 
 
 def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOptions) -> TwoHalves:
-    masking = options.nonfinite != "ignore"  # a step may be given keep flags
+    # a step may be given keep flags; the SGD half masks a tensor by torch's fused kernel only
+    masking = options.nonfinite != "ignore" and not options.capturable
     return TwoHalves(
         MatrixProgram(items.matrices, pattern.muon_lr, engine_for, mask_packed=masking),
         SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable, masking=masking),
