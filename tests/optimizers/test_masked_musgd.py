@@ -114,3 +114,23 @@ def test_a_deferred_raise_leaves_a_large_matrix_and_raises_at_the_next_step(acce
         p.grad = g.clone()
     with pytest.raises(FloatingPointError, match="non-finite gradient"):
         opt.step()
+
+
+def test_a_parameter_split_into_a_large_and_a_small_matrix_is_still_copied(accelerator_paths):
+    """A parameter whose matrix map cuts it into pieces of which only some are large masks
+    itself only where all do: here it does not, so the guard copies and puts it back."""
+    torch.manual_seed(0)
+    fused = torch.nn.Parameter(torch.randn(14, 10) * 0.1)  # pieces of 10 (100 elements) and 4 rows
+    other = torch.nn.Parameter(torch.randn(12, 10) * 0.1)  # 120 elements: masks itself
+    params = [fused, other]
+    groups = [{"params": params, "use_muon": True, "matrices": [{"split": [10, 4]}, "flatten"]}]
+    opt = MuSGD(groups, **MUSGD, ns_dtype=torch.float32, cost_model=COST_MODELS["cuda"], nonfinite="skip")
+    grads = make_grads(params, steps=2)
+    run_optimizer(opt, params, grads[:1])
+    assert _only_program(opt).update.self_masked() == frozenset({1})
+    before = _tensors(opt, fused)
+    bad = [g.clone() for g in grads[1]]
+    bad[0][12, 3] = float("nan")  # in the small piece
+    run_optimizer(opt, params, [bad])
+    for x, y in zip(_tensors(opt, fused), before):
+        assert torch.equal(x, y)

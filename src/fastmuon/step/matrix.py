@@ -276,7 +276,13 @@ class MatrixProgram:
                 PartSpec(list(range(start, start + len(part))), part[0].group, work, masked)
             )
             start += len(part)
-        self.packed_masked = frozenset(k for spec in self.part_specs for k in spec.flag_places or ())
+        # a parameter whose matrices all mask themselves (a split one may have some that do not)
+        unmasked = {
+            i.index for part, spec in zip(parts, self.part_specs) if spec.flag_places is None for i in part
+        }
+        self.packed_masked = (
+            frozenset(k for spec in self.part_specs for k in spec.flag_places or ()) - unmasked
+        )
         self._part_flag_index: dict[tuple[int, torch.device], Tensor] = {}
         self._part_every = {
             p: Gather(list(range(len(spec.positions)))) for p, spec in enumerate(self.part_specs)
