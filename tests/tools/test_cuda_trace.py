@@ -36,8 +36,8 @@ needs_fake_cuda = pytest.mark.skipif(PROBLEM is not None, reason=str(PROBLEM))
 #: them, takes several); the defaults (a deferred "raise") add the flags' copy. The
 #: min_launches plan's one padded bucket is large enough to be normalised by the power-of-two
 #: prescale (eight more launches, fewer bytes: ns.newton_schulz.FP64_ROUTE_MAX_ELEMENTS)
-YOLO_MUSGD_SKIP_OPS = {"auto": 80, "min_launches": 48}
-YOLO_MUSGD_SKIP_KERNELS = {"auto": 84, "min_launches": 56}
+YOLO_MUSGD_SKIP_OPS = {"auto": 77, "min_launches": 47}
+YOLO_MUSGD_SKIP_KERNELS = {"auto": 81, "min_launches": 53}
 #: the bench's gpt2 workload (GPT-2 small's 768-wide blocks), each rule at its defaults: its
 #: plan's inputs are large enough to run bucket by bucket (ns.engine.BY_BUCKET_MIN_BYTES), each
 #: matrix's momentum written into its slot and masked matrix by matrix (the variants' second

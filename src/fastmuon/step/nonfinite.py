@@ -170,55 +170,73 @@ class FiniteCheck:
         )
 
 
-#: From this many elements a group's element mask is made by a scan of its owners' flags (a few
-#: launches more, 3 bytes an element) instead of one fused repeat, whose int64 index moves 17
-#: bytes an element and holds 8 while it lives.
-SCAN_MASK_MIN_ELEMENTS = 2**23
+#: A group's elements are laid out owner by owner, each owner's run padded to whole blocks, so
+#: that the restore's mask is one flag per block (one small gather of the owners' flags) rather
+#: than one per element (a repeat through an int64 index: 17 bytes an element moved, 8 held).
+#: Blocks are a power of two between these sizes, as large as keeps the padding (below one
+#: block per owner) within 1/:data:`PAD_SHARE` of the group.
+BLOCK_RANGE = (64, 4096)
+PAD_SHARE = 32
+
+
+def block_size(total: int, owners: int) -> int:
+    """The block of a group of ``total`` elements held by ``owners`` parameters."""
+    low, high = BLOCK_RANGE
+    fits = total // (PAD_SHARE * max(owners, 1))
+    return min(high, max(low, 1 << max(fits.bit_length() - 1, 0)))
 
 
 class _Group:
     """The tensors of one (device, dtype) that a restore may put back, as 1-D views in one
-    order: by owner, so that the keep vector turns into the element mask with ``repeats[k]``
-    (the elements owner ``k`` has here, 0 for none) in one fused repeat, or, for a large
-    group, with ``owners`` (the owners that have elements here) starting at ``starts`` in a
-    scan (:meth:`scanned_mask`)."""
+    order: by owner, each owner's run padded to whole blocks of ``block`` elements.
 
-    __slots__ = ("views", "sizes", "repeats", "owners", "starts", "total", "host")
+    ``pieces``: the split of a flat copy into the views, each followed by its padding (0 but
+    after an owner's last view), so ``flat.split(pieces)[::2]`` are the views' places;
+    ``block_owner``: each block's owner, the gather that turns the keep vector into the mask;
+    ``pads``: views of one spare tensor that the host's ``torch.cat`` puts between owners.
+    """
 
-    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]], owners: int):
+    __slots__ = ("views", "pieces", "block", "block_owner", "total", "host", "pads")
+
+    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]]):
         self.views = [v for v, _ in entries]
-        self.sizes = [v.numel() for v in self.views]
-        per_owner = [0] * owners
-        for v, owner in entries:
-            per_owner[owner] += v.numel()
-        self.repeats = torch.tensor(per_owner, device=where)
-        present = [k for k, n in enumerate(per_owner) if n]
-        self.owners = torch.tensor(present, device=where)
-        self.starts = torch.tensor([sum(per_owner[:k]) for k in present], device=where)
-        self.total = sum(self.sizes)
+        held = sum(v.numel() for v in self.views)
+        self.block = block_size(held, len({owner for _, owner in entries}))
+        self.pieces: list[int] = []
+        block_owner: list[int] = []
+        run = 0
+        for k, (v, owner) in enumerate(entries):
+            run += v.numel()
+            last = k + 1 == len(entries) or entries[k + 1][1] != owner
+            pad = -run % self.block if last else 0
+            self.pieces += [v.numel(), pad]
+            if last:
+                block_owner += [owner] * ((run + pad) // self.block)
+                run = 0
+        self.total = sum(self.pieces)
+        self.block_owner = torch.tensor(block_owner, dtype=torch.int32, device=where)
         self.host = device.is_host(where)
+        spare = torch.empty(self.block, dtype=self.views[0].dtype, device=where)
+        self.pads = [spare[:n] for n in self.pieces[1::2]]
 
-    def scanned_mask(self, keep: Tensor) -> Tensor:
-        """Each element's owner's flag in ``keep`` (on this group's device), as a bool vector,
-        for a large group: the owners' flags as int8 steps at their starts (``+1`` where a kept
-        owner follows a rejected one, ``-1`` the other way), summed up by a scan in int8 (its
-        running sums are the flags, 0 or 1), then read as bools."""
-        flags = keep.index_select(0, self.owners).to(torch.int8)
-        steps = flags.clone()
-        steps[1:] -= flags[:-1]
-        delta = torch.zeros(self.total, dtype=torch.int8, device=keep.device)
-        delta.index_copy_(0, self.starts, steps)
-        return delta.cumsum(0, dtype=torch.int8).view(torch.bool)
+    def mask(self, keep: Tensor) -> Tensor:
+        """Each block's owner's flag in ``keep`` (on this group's device), ``(blocks, 1)``."""
+        return keep.index_select(0, self.block_owner).view(-1, 1)
+
+    def places(self, flat: Tensor) -> list[Tensor]:
+        """The views' places in a flat copy laid out as this group."""
+        return list(flat.split(self.pieces)[::2])
 
 
 def _joined(group: _Group) -> Tensor:
-    """The group's tensors back to back in one new tensor. Off the host by one foreach copy:
-    torch's CUDA cat takes a launch per 128 inputs, the foreach copy a launch per batch of
-    tensors or blocks, far fewer for the hundreds of small tensors of a conv net."""
+    """The group's tensors in one new tensor laid out as the group (padding unset). Off the
+    host by one foreach copy: torch's CUDA cat takes a launch per 128 inputs, the foreach copy
+    a launch per batch of tensors or blocks, far fewer for the hundreds of small tensors of a
+    conv net."""
     if group.host:
-        return torch.cat(group.views)
+        return torch.cat([t for pair in zip(group.views, group.pads) for t in pair])
     flat = torch.empty(group.total, dtype=group.views[0].dtype, device=group.views[0].device)
-    torch._foreach_copy_(list(flat.split(group.sizes)), group.views)
+    torch._foreach_copy_(group.places(flat), group.views)
     return flat
 
 
@@ -227,8 +245,7 @@ class SkipPlan:
     grouped by (device, dtype).
 
     ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
-    ``params[i]`` and its ``states[i]``; ``count``: the keep vector's length (default: one past
-    the last owner). Per step: :meth:`snapshot` before the update, and :meth:`restore` after it
+    ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and :meth:`restore` after it
     with the keep vector. ``counts_only``: the owners whose update masks its own tensors (see
     ``UpdateProgram.self_masked``): of theirs only the 0-d state (AdamW's step count, which the
     update counts on the host) is taken.
@@ -239,7 +256,6 @@ class SkipPlan:
         params: Sequence[Tensor],
         states: Sequence[dict[str, Any]],
         owners: Sequence[int],
-        count: int | None = None,
         counts_only: frozenset[int] = frozenset(),
     ):
         owners = list(owners)
@@ -257,9 +273,13 @@ class SkipPlan:
                     self._loose.append(_Loose(t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
-        if count is None:  # the keep vector's length: one flag per owner
-            count = max(owners, default=-1) + 1
-        self._groups = [_Group(where, entries, count) for (where, _), entries in grouped.items()]
+        self._groups = [_Group(where, entries) for (where, _), entries in grouped.items()]
+
+    def held(self) -> int:
+        """The elements a snapshot copies (its padding aside)."""
+        return sum(v.numel() for g in self._groups for v in g.views) + sum(
+            t.numel() for t, _, _ in self._loose
+        )
 
     def snapshot(self) -> list[Tensor]:
         """One copy per (device, dtype) of everything :meth:`restore` may put back."""
@@ -271,13 +291,9 @@ class SkipPlan:
         for group, snap in zip(self._groups, saved):
             if snap is None or (on_host is not None and group.host != on_host):
                 continue  # None: a copy :meth:`on_host` left out
-            flags = keep.to(snap.device)
-            if group.total < SCAN_MASK_MIN_ELEMENTS:
-                mask = torch.repeat_interleave(flags, group.repeats, output_size=group.total)
-            else:
-                mask = group.scanned_mask(flags)
-            merged = torch.where(mask, _joined(group), snap, out=snap)
-            torch._foreach_copy_(group.views, list(merged.split(group.sizes)))
+            blocks = snap.view(-1, group.block)
+            torch.where(group.mask(keep.to(snap.device)), _joined(group).view_as(blocks), blocks, out=blocks)
+            torch._foreach_copy_(group.views, group.places(snap))
         for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
             if snap is not None and (on_host is None or host == on_host):
                 t.copy_(torch.where(keep[owner].to(t.device), t, snap))
@@ -330,7 +346,7 @@ class NonFiniteGuard:
             if i not in self_masked or any(isinstance(t, Tensor) and t.dim() == 0 for t in states[i].values())
         ]
         self.skip = (
-            SkipPlan([params[i] for i in rest], [states[i] for i in rest], rest, len(params), self_masked)
+            SkipPlan([params[i] for i in rest], [states[i] for i in rest], rest, self_masked)
             if masking and rest
             else None
         )
