@@ -813,8 +813,18 @@ def pinned_kernel(kernel: Callable[..., Tensor], dtype: torch.dtype) -> Callable
 
     @functools.wraps(kernel)
     def run(*args: Any, **kwargs: Any) -> Tensor:
-        with fp32_matmuls(dtype):
+        # fp32_matmuls inlined: this runs once per bucket and step, and a context manager made
+        # from a generator costs several Python calls each time
+        if torch.compiler.is_compiling():
             return kernel(*args, **kwargs)
+        previous = torch.get_float32_matmul_precision()
+        if previous == "highest":
+            return kernel(*args, **kwargs)
+        torch.set_float32_matmul_precision("highest")
+        try:
+            return kernel(*args, **kwargs)
+        finally:
+            torch.set_float32_matmul_precision(previous)
 
     return run
 

@@ -154,9 +154,9 @@ class CostModel:
         return self.launch_seconds_by_dtype.get(dtype, self.launch_seconds)
 
 
-#: What an eigendecomposition costs on a CPU, in matmul FLOPs per ``R³``: ``torch.linalg.eigh``
-#: timed against ``bmm`` of the same size (fp32, AVX2) falls from ~70 at R=64 to ~12 at R=768 and
-#: rises with the thread count; the constants sit at the upper side of such timings, and
+#: What an eigendecomposition costs on a CPU, in matmul FLOPs per ``R³``: falling with the size
+#: (LAPACK's fixed overheads) and rising with the thread count. The constants sit at the upper
+#: side of the timings in docs/performance.md ("Where the planner's constants come from");
 #: ``cost_model="calibrate"`` measures them on the machine at hand.
 CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
 
@@ -193,12 +193,12 @@ COST_MODELS: dict[str, CostModel] = {
 
 
 #: CPU cost models by CPU class (``device.cpu_class``). Without bf16 matmul units a bf16
-#: request runs in fp32 and the model above applies. With AVX512-BF16, bf16 batched matmuls run
-#: 2-3.5x faster per FLOP than fp32 (the rate constant sits between), but a small bf16 matmul has
-#: a fixed cost several times an fp32 one's, so each bf16 kernel is priced at 3x an fp32 one. Those constants pick, for each of yolo26n's shapes, the faster of bf16 and fp32
-#: NS (each with its cheapest accurate method) in all but one of its 40 shapes, timed one against
-#: the other. AMX's tiles are faster still; until measured there, that class shares these
-#: constants (``cost_model="calibrate"`` measures them on the machine).
+#: request runs in fp32 and the model above applies. With AVX512-BF16, bf16 batched matmuls cost
+#: fewer seconds per FLOP than fp32 but a small bf16 matmul has a larger fixed cost, so a bf16
+#: kernel is priced with a dearer launch; docs/performance.md ("Where the planner's constants
+#: come from") has the timings these constants follow. AMX's tiles are faster still; until
+#: timed there, that class shares these constants (``cost_model="calibrate"`` measures them on
+#: the machine).
 CPU_COST_MODELS: dict[str, CostModel] = {
     "no_bf16": COST_MODELS["cpu"],
     "avx512_bf16": CostModel(
@@ -316,13 +316,12 @@ def choose_method(
     eigendecomposition route on any shape (errors of 1e-6..1.6e-3 against bf16 NS's 0.02..1.6,
     ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so that route
     (``newton_schulz._iterate_eigh``) qualifies too, wherever the device's cost model prices it
-    (``eigh``: CPUs). (The Gram loop on square buckets in that case measured no faster.)
+    (``eigh``: CPUs).
     In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restarts``), which keeps
     it in standard bf16 NS's band from twice as wide as tall on (random, graded and
     ill-conditioned inputs at 128..768 rows, 2..3x as wide: errors against fp64 NS no larger);
     it competes there where the cost model says it pays (``low_precision_gram``), by the FLOPs
-    of the bucket's ``count`` matrices, which track its measured time against standard NS's on
-    CPUs with bf16 units, plus, where the model weighs them (GPUs), each method's launches at
+    of the bucket's ``count`` matrices, plus, where the model weighs them (GPUs), each method's launches at
     ``launch_flops`` FLOPs apiece: a small bucket keeps standard NS's fewer launches.
     AOL preconditioning runs in the standard loop only, so "auto" is "standard" there."""
     if allowed != "auto":
