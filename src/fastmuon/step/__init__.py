@@ -13,6 +13,6 @@
 - what can go wrong: :mod:`.nonfinite` (raise, skip or ignore a NaN/Inf gradient),
   :mod:`.deferred` (the verdict read one call later on an accelerator), :mod:`.state_marks`
   (a refused step takes back the state it added);
-- :mod:`.state_dtype` (buffers in a dtype other than their parameter's) and :mod:`.qk_clip`
-  (MuonClip's per-head scaling of attention rows).
+- :mod:`.state_dtype` (buffers in a dtype other than their parameter's). QK-clip (MuonClip's
+  per-head scaling of attention rows) is :mod:`fastmuon.optim.qk_clip`.
 """
