@@ -347,8 +347,7 @@ def test_a_default_cuda_step_reads_nothing_of_the_device():
                 *("_foreach_norm", "stack", "lt"),  # the finite check
                 "_foreach_copy_",  # the snapshot (a foreach copy: fewer launches than a cat)
                 *(
-                    "repeat_interleave",
-                    "index_select",
+                    "index_select",  # the owners' flags, one per block
                     "_foreach_copy_",
                     "where",
                     "_foreach_copy_",

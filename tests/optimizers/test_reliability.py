@@ -542,7 +542,10 @@ SLOW = os.environ.get("FASTMUON_SLOW_TESTS") == "1"
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
 def test_compiled_training_step_matches_eager(backend):
     """Smoke test on the tiniest model: the compiled step runs (with graph breaks where the
-    step must talk to the host, e.g. the default nonfinite="raise" check) and matches eager."""
+    step must talk to the host, e.g. the default nonfinite="raise" check) and matches eager.
+    Dynamo starts afresh: what an earlier compile learnt of fastmuon's frames (shapes it made
+    dynamic) would otherwise shape this trace."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     eager = nn.Linear(4, 3)
     compiled = copy.deepcopy(eager)
