@@ -47,7 +47,7 @@ def _check_restore(sizes, data):
 
 @pytest.mark.parametrize(
     ("total", "owners", "block"),
-    [(100, 1, 64), (2_000_000, 1, 4096), (7_700_000, 366, 512), (10_000, 5_000, 64)],
+    [(100, 1, 8), (2_000_000, 1, 4096), (7_700_000, 366, 512), (10_000, 5_000, 8), (60_000, 100, 16)],
 )
 def test_blocks_keep_the_padding_small(total, owners, block):
     """A block as large as keeps the padding (under one block per owner) within the share."""

@@ -174,8 +174,10 @@ class FiniteCheck:
 #: that the restore's mask is one flag per block (one small gather of the owners' flags) rather
 #: than one per element (a repeat through an int64 index: 17 bytes an element moved, 8 held).
 #: Blocks are a power of two between these sizes, as large as keeps the padding (below one
-#: block per owner) within 1/:data:`PAD_SHARE` of the group.
-BLOCK_RANGE = (64, 4096)
+#: block per owner) within 1/:data:`PAD_SHARE` of the group; where the owners' runs are shorter
+#: than that allows (hundreds of tiny tensors), the smallest, whose index is still an int32 per
+#: 8 elements.
+BLOCK_RANGE = (8, 4096)
 PAD_SHARE = 32
 
 
