@@ -547,3 +547,38 @@ def test_compiled_step_matches_eager_also_after_add_param_group(info, kwargs):
             step()
         assert_close(compiled_params, eager_params, "compiled")
     assert re.search(r"\d+ matrices", compiled.plan().describe())
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor:UserWarning")
+def test_a_compiled_training_step_after_another_compiled_step_runs_the_fused_kernels_untraced():
+    """After a compiled step whose plan changed, what dynamo learnt of fastmuon's frames can
+    leave a second optimizer's driver to run eagerly while the frames it calls are compiled:
+    its program, prepared eagerly with torch's fused SGD kernel (which has no fake kernel), is
+    then run from a compiled frame. The kernel runs outside the trace; the step matches eager."""
+    info, kwargs = COMPILE_CASES[0].values
+    test_compiled_step_matches_eager_also_after_add_param_group(info, kwargs)
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4, 3)
+    compiled = copy.deepcopy(eager)
+    x, y = torch.randn(5, 4), torch.randn(5, 3)
+
+    def make_step(model: torch.nn.Module) -> Callable[[], Tensor]:
+        params = list(model.parameters())
+        groups = [{"params": params[:1], "use_muon": True}, {"params": params[1:], "use_muon": False}]
+        opt = MuSGD(groups, lr=0.05, momentum=0.9, nesterov=True, ns_dtype=torch.float32)
+
+        def step() -> Tensor:
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    eager_step, compiled_step = make_step(eager), torch.compile(make_step(compiled), backend="aot_eager")
+    for _ in range(2):
+        torch.testing.assert_close(compiled_step(), eager_step(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -306,9 +306,11 @@ class AdamWProgram:
         to put back (their step counts, on the host, still do)."""
         return self.masked_positions
 
-    def run(self, grads: Sequence[Tensor], s: AdamWScalars, keep: Tensor | None = None) -> None:
-        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
-        masking parts read (the others' rejected tensors are put back by the step's guard)."""
+    @torch._disable_dynamo
+    def _run_fused(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
+        """The fused parts' calls, never traced: the kernel has no fake one, and a program
+        prepared eagerly (with fused parts) can still be run from a frame dynamo compiles,
+        e.g. once it falls back to eager for the step's driver after too many recompiles."""
         for f in self.fused:
             g = f.group
             beta1, beta2 = s.betas[g]
@@ -333,6 +335,12 @@ class AdamWProgram:
             )
             if f.dtype is not None:
                 store_(f.exp_avgs + f.exp_avg_sqs, avgs + avg_sqs)
+
+    def run(self, grads: Sequence[Tensor], s: AdamWScalars, keep: Tensor | None = None) -> None:
+        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
+        masking parts read (the others' rejected tensors are put back by the step's guard)."""
+        if self.fused:
+            self._run_fused(grads, s)
         for r in self.rest:
             g, lr = r.group, s.lr[r.group]
             step_grads, avgs, avg_sqs = r.pick(grads), r.exp_avgs, r.exp_avg_sqs

@@ -202,11 +202,12 @@ class SGDProgram:
         found = (~keep.index_select(0, index)).to(torch.float32)
         return dict(zip(self.masked_places, found.unbind(0)))
 
-    def run(self, grads: Sequence[Tensor], s: SGDScalars, keep: Tensor | None = None) -> None:
-        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
-        masking parts read."""
-        lr_of = s.lr  # a class is the index of its first member's value
-        rejected = self._rejections(keep) if keep is not None and self.masked_places else {}
+    @torch._disable_dynamo
+    def _run_fused(self, grads: Sequence[Tensor], s: SGDScalars, rejected: dict[int, Tensor]) -> None:
+        """The fused parts' calls, never traced: the kernel has no fake one, and a program
+        prepared eagerly (with fused parts) can still be run from a frame dynamo compiles,
+        e.g. once it falls back to eager for the step's driver after too many recompiles."""
+        lr_of = s.lr
         for f in self.fused:
             g = f.group
             work = f.bufs if f.dtype is None else widened(f.bufs, f.dtype)
@@ -226,6 +227,14 @@ class SGDProgram:
             )
             if f.dtype is not None:
                 store_(f.bufs, work)
+
+    def run(self, grads: Sequence[Tensor], s: SGDScalars, keep: Tensor | None = None) -> None:
+        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
+        masking parts read."""
+        lr_of = s.lr  # a class is the index of its first member's value
+        if self.fused:
+            rejected = self._rejections(keep) if keep is not None and self.masked_places else {}
+            self._run_fused(grads, s, rejected)
         for r in self.rest:
             g = r.group
             step_grads, work = r.pick(grads), r.bufs
