@@ -813,18 +813,12 @@ def pinned_kernel(kernel: Callable[..., Tensor], dtype: torch.dtype) -> Callable
 
     @functools.wraps(kernel)
     def run(*args: Any, **kwargs: Any) -> Tensor:
-        # fp32_matmuls inlined: this runs once per bucket and step, and a context manager made
-        # from a generator costs several Python calls each time
-        if torch.compiler.is_compiling():
+        # nothing to pin (the usual case) costs no context manager: this runs once per bucket
+        # and step, and one made from a generator costs several Python calls each time
+        if not torch.compiler.is_compiling() and torch.get_float32_matmul_precision() == "highest":
             return kernel(*args, **kwargs)
-        previous = torch.get_float32_matmul_precision()
-        if previous == "highest":
+        with fp32_matmuls(dtype):
             return kernel(*args, **kwargs)
-        torch.set_float32_matmul_precision("highest")
-        try:
-            return kernel(*args, **kwargs)
-        finally:
-            torch.set_float32_matmul_precision(previous)
 
     return run
 

@@ -247,8 +247,8 @@ class SkipPlan:
     grouped by (device, dtype).
 
     ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
-    ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and :meth:`restore` after it
-    with the keep vector. ``counts_only``: the owners whose update masks its own tensors (see
+    ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and
+    :meth:`restore` after it with the keep vector. ``counts_only``: the owners whose update masks its own tensors (see
     ``UpdateProgram.self_masked``): of theirs only the 0-d state (AdamW's step count, which the
     update counts on the host) is taken.
     """
