@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
+from collections.abc import Iterator
 
 import torch
 from reference_impl import adamw_reference_step, muon_reference_step, musgd_reference_step
@@ -175,3 +177,18 @@ def exit_worker(index: int, world: int, init_dir: str) -> None:
         if step == 1 and rank == 1:
             params[0].grad[0, 0] = float("nan")
         opt.step()
+
+
+@contextlib.contextmanager
+def cuda_syncs_raise() -> Iterator[None]:
+    """CUDA's sync debug mode at "error" for the duration: any call that makes the host wait for
+    the device raises. torch warns, once per process, that the mode is a prototype; that notice
+    is not let through as an error (it would leave the mode set for every later test), and the
+    mode is set back whatever happens."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+            torch.cuda.set_sync_debug_mode("error")
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,12 +1,15 @@
-"""The bench's NS floor: it must run exactly the products the plan's NS computes."""
+"""The bench's probes: the NS floor runs exactly the products the plan's NS computes, and the
+matmul rate is measured where it is FLOP-bound."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fastmuon.bench.probe import FloorRun, floor_products, ns_floor_seconds
+from fastmuon.bench.gpu_cost import GpuModel
+from fastmuon.bench.probe import FloorRun, floor_products, ns_floor_seconds, rate_shape
 from fastmuon.ns.planner import EIGH_FLOPS_PER_R3, MatrixSpec, plan_buckets
+from fastmuon.ns.timing import matmul_flops
 
 SHAPES = [(64, 576), (64, 576), (32, 288), (48, 48), (96, 40), (16, 2304)]
 
@@ -76,3 +79,13 @@ def test_floor_runs_eigh_and_empty_plans():
     FloorRun(_plan("eigh"))()
     FloorRun(plan_buckets([], policy="auto"))()
     assert ns_floor_seconds(_plan("eigh"), min_seconds=0.0) > 0
+
+
+def test_an_accelerators_rate_is_measured_on_a_batch_that_outlasts_its_launch():
+    """On a GPU the rate sets whether a big model's step is skipped as too slow: measured on a
+    batch over in less time than a launch, it would be the launch's rate, not the tensor cores'."""
+    gpu = GpuModel()
+    seconds = matmul_flops(*rate_shape(torch.device("cuda"))) / gpu.matmul_rate(torch.bfloat16)
+    assert seconds > 10 * gpu.launch_us * 1e-6
+    cpu_flops = matmul_flops(*rate_shape(torch.device("cpu")))
+    assert cpu_flops / 1e11 < 0.01  # a CPU emulating bf16 (~1e11 FLOP/s at best) still takes < 10 ms

@@ -11,6 +11,7 @@ import torch
 from helpers import by_ndim
 from reference_impl import ns_reference
 from reliability_support import (
+    cuda_syncs_raise,
     make_params,
     random_grads,
     reference_muon_step,
@@ -253,11 +254,8 @@ def test_skip_on_cuda_never_synchronises(kind):
     opt.step()
     params[1].grad[0, 0] = float("nan")
     before = params[1].detach().clone()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_raise():
         opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(params[1], before)
 
 
@@ -274,11 +272,8 @@ def test_raise_on_cuda_never_synchronises_and_raises_at_the_next_step(kind):
     params[1].grad[0, 0] = float("nan")
     params[5].grad[0] = float("inf")
     before, states = _snapshot(opt, params)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_raise():
         opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     with pytest.raises(FloatingPointError, match=r"\(and 1 more\) had a non-finite gradient .* in step 2"):
         opt.step()
     for i in (1, 5):

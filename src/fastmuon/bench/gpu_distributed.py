@@ -45,7 +45,8 @@ class DistributedStep:
     equals_twin: bool  # within REL
     host_sync_ops: dict[str, int] = field(default_factory=dict)  # profiler: ops reading on the host
     sync_warnings: int | None = None  # CUDA: set_sync_debug_mode("warn")
-    host_waits: int | None = None  # CUDA: the profiler's host waits
+    host_waits: int | None = None  # CUDA: the profiler's host waits, its own left out
+    event_waits: int | None = None  # CUDA: of them, waits for an event (the previous step's flags)
 
 
 def distributed(rec: Recorder) -> None:
@@ -175,5 +176,6 @@ def _count_syncs(record: DistributedStep, step: Callable[[], object], device: to
 
     if device.type == "cuda":
         record.sync_warnings = sync_warnings(step, device)
-        record.host_waits = cuda_activity(step)["syncs"]
+        activity = cuda_activity(step)
+        record.host_waits, record.event_waits = activity["syncs"], activity["event_waits"]
     record.host_sync_ops = host_syncs(step)

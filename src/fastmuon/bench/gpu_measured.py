@@ -47,7 +47,8 @@ class StepCost:
     measured_peak_extra_bytes: int | None = None
     predicted_host_syncs: int | None = None
     measured_sync_warnings: int | None = None  # set_sync_debug_mode("warn") over one step
-    measured_host_waits: int | None = None  # the profiler's host waits over one step
+    measured_host_waits: int | None = None  # the profiler's host waits over one step, its own left out
+    measured_event_waits: int | None = None  # of them, waits for an event (the previous step's flags)
     modelled_ms: float | None = None  # the trace's roofline: modelled, not measured
     measured_ms: float | None = None  # CUDA events, mean over the timed steps
     timed_steps: int | None = None
@@ -135,7 +136,8 @@ def _measure(cost: StepCost, workload: Workload, device: torch.device, steps: in
         torch.cuda.synchronize(device)
         cost.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - before
         cost.measured_sync_warnings = sync_warnings(contender.step, device)
-        cost.measured_host_waits = cuda_activity(contender.step)["syncs"]
+        activity = cuda_activity(contender.step)
+        cost.measured_host_waits, cost.measured_event_waits = activity["syncs"], activity["event_waits"]
         cost.measured_ms = round(device_ms(contender.step, steps, device), 4)
         cost.timed_steps = steps
     finally:

@@ -144,6 +144,11 @@ def device_ms(step: Callable[[], object], steps: int, device: torch.device) -> f
     return float(start.elapsed_time(end)) / steps
 
 
+#: what ``torch.cuda.set_sync_debug_mode("warn")`` says of each synchronising call; setting the
+#: mode also warns once per process that the mode is a prototype, which is no sync
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def sync_warnings(step: Callable[[], object], device: torch.device) -> int:
     """The host syncs one call of ``step`` makes on a GPU, as ``torch.cuda.set_sync_debug_mode
     ("warn")`` reports them (one warning per blocking copy, ``.item()``, synchronize call)."""
@@ -156,7 +161,7 @@ def sync_warnings(step: Callable[[], object], device: torch.device) -> int:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
 
 
 def rel_err(ours: Tensor, ref: Tensor) -> float:

@@ -140,22 +140,31 @@ def host_syncs(step: Callable[[], object]) -> dict[str, int]:
 
 #: CUDA runtime calls that make the host wait for the device
 WAITS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"})
+#: the wait for one event: what reading a previous step's flags makes (:mod:`fastmuon.step.deferred`)
+EVENT_WAIT = "cudaEventSynchronize"
 #: CUDA runtime calls that launch a kernel
 LAUNCHES = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx"})
 
 
 def cuda_activity(step: Callable[[], object]) -> dict[str, int]:
     """What one call of ``step`` made a GPU do, from ``torch.profiler``'s CUDA activity: the
-    measured counterpart of :mod:`.trace`'s figures (see :func:`count_activity`)."""
-    return count_activity(_profiled(step, [ProfilerActivity.CPU, ProfilerActivity.CUDA]).events())
+    measured counterpart of :mod:`.trace`'s figures (see :func:`count_activity`). Host waits are
+    those beyond the profiler's own: the ones it makes around a call that does nothing."""
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    counts = count_activity(_profiled(step, activities).events())
+    own = count_activity(_profiled(lambda: None, activities).events())
+    for key in ("syncs", "event_waits"):
+        counts[key] = max(0, counts[key] - own[key])
+    return counts
 
 
 def count_activity(events) -> dict[str, int]:
     """Kernels and memory copies/sets the device ran, kernel launches the host made, and host
-    waits (``cudaStreamSynchronize`` and the like: a blocking copy or ``.item()`` makes one)."""
+    waits (``cudaStreamSynchronize`` and the like: a blocking copy or ``.item()`` makes one);
+    ``event_waits``: those of the waits that wait for an event (``cudaEventSynchronize``)."""
     from torch.autograd import DeviceType
 
-    counts = {"kernels": 0, "memcpy": 0, "launches": 0, "syncs": 0}
+    counts = {"kernels": 0, "memcpy": 0, "launches": 0, "syncs": 0, "event_waits": 0}
     for e in events:
         if e.device_type == DeviceType.CUDA:
             counts["memcpy" if e.name.startswith(("Memcpy", "Memset")) else "kernels"] += 1
@@ -163,6 +172,7 @@ def count_activity(events) -> dict[str, int]:
             counts["launches"] += 1
         elif e.name in WAITS:
             counts["syncs"] += 1
+            counts["event_waits"] += e.name == EVENT_WAIT
     return counts
 
 

@@ -18,17 +18,28 @@ _RATES: dict[tuple[str, torch.dtype], float] = {}
 #: where a dtype is emulated (bf16 on a CPU without bf16 instructions runs ~100x slower than
 #: fp32), large enough to be FLOP-bound
 RATE_SHAPE = (4, 128, 512)
+#: on an accelerator :data:`RATE_SHAPE` is over in a few microseconds, so its rate is the launch
+#: cost's, hundreds of times below the matmul units' (a step would be estimated at minutes and
+#: skipped); this batch (69 GFLOP) keeps a GPU's tensor cores busy for a fraction of a millisecond
+ACCELERATOR_RATE_SHAPE = (8, 1024, 4096)
+
+
+def rate_shape(device: torch.device) -> tuple[int, int, int]:
+    """The batch :func:`matmul_rate` measures on ``device``: FLOP-bound there, and quick."""
+    return RATE_SHAPE if device.type == "cpu" else ACCELERATOR_RATE_SHAPE
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, min_seconds: float = 0.05) -> float:
     """FLOP/s of Newton–Schulz's product (:func:`fastmuon.ns.timing.matmul_seconds`) on a
-    :data:`RATE_SHAPE` batch in ``dtype``, back to back for about ``min_seconds`` (measured once)."""
+    :func:`rate_shape` batch in ``dtype``, back to back for about ``min_seconds`` (measured once)."""
+    device = torch.device(device)
     key = (str(device), dtype)
     if key not in _RATES:
-        once = matmul_seconds(*RATE_SHAPE, dtype, device, rounds=1)
+        shape = rate_shape(device)
+        once = matmul_seconds(*shape, dtype, device, rounds=1)
         per_round = max(1, int(min_seconds / 3 / max(once, 1e-9)))
-        seconds = matmul_seconds(*RATE_SHAPE, dtype, device, rounds=3, per_round=per_round)
-        _RATES[key] = matmul_flops(*RATE_SHAPE) / seconds
+        seconds = matmul_seconds(*shape, dtype, device, rounds=3, per_round=per_round)
+        _RATES[key] = matmul_flops(*shape) / seconds
     return _RATES[key]
 
 
