@@ -222,6 +222,7 @@ def _verdict_document(**changes):
         "measured_peak_extra_bytes": 120 * 2**20,
         "modelled_ms": 1.0,
         "measured_ms": 2.5,
+        "measured_ms_ignore": 2.0,
         "trace_problem": None,
         "measured_problem": None,
     }
@@ -233,7 +234,7 @@ def _verdict_document(**changes):
             "nonfinite_skip": [{"holds": True}],
             "fused_sgd": [{"bitwise": True, "worst_rel_err": 0.0, "holds": True}],
         },
-        "memory": {"workloads": [memory]},
+        "memory": {"workloads": [memory], "machine": [{"launch_us": 31.25, "bf16_tflops": 702.4}]},
         "cuda-graph": {"captured": [captured]},
     }
     for name, changed in changes.items():
@@ -270,6 +271,10 @@ def test_the_verdict_reads_each_claim_off_its_part():
     assert synced.holds and synced.measured == "0 sync-debug warnings, 1 host waits of which 1 for an event"
     peak = rows["peak extra memory <= predicted x 1.25 (gpt2)"]
     assert peak.holds and (peak.predicted, peak.measured) == ("100.0 MiB (trace)", "120.0 MiB (allocator)")
+    alone = rows["steps alone back to back (gpt2): the default beside nonfinite='ignore' (not a claim)"]
+    assert alone.holds is None and alone.measured == "2.500 ms default, 2.000 ms ignore"
+    rates = rows["this machine's rates beside the model's (not a claim)"]
+    assert rates.measured == "31.2 us a launch (tiny kernels back to back), 702 TFLOP/s bf16"
     timing = rows["step time (gpt2): the trace's roofline beside the measurement (not a claim)"]
     assert timing.holds is None and "(modelled)" in timing.predicted and "2.500 ms" in timing.measured
     speed = rows["fastmuon MuSGD faster than Ultralytics' MuSGD (yolo26n, eager)"]

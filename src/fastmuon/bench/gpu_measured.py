@@ -10,7 +10,11 @@ and the profiler's host waits (``cudaStreamSynchronize``, ``cudaEventSynchronize
 
 Bytes moved cannot be measured without a profiler of DRAM traffic: the trace's modelled time
 (a roofline over its bytes and FLOPs, labelled "modelled") is shown beside the measured step
-time (CUDA events) instead.
+time (CUDA events) instead, and beside the same steps with ``nonfinite="ignore"`` (what the
+default's masking and its wait for the previous step's flags cost in a loop of steps alone).
+The machine's own rates are measured once (:func:`machine_rates`): the wall time of a launch
+when the host launches tiny kernels back to back, which the model takes as 4 µs, and the bf16
+matmul rate.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class StepCost:
     measured_event_waits: int | None = None  # of them, waits for an event (the previous step's flags)
     modelled_ms: float | None = None  # the trace's roofline: modelled, not measured
     measured_ms: float | None = None  # CUDA events, mean over the timed steps
+    measured_ms_ignore: float | None = None  # the same with nonfinite="ignore": no masking, no flags
     timed_steps: int | None = None
     modelled_bytes_moved: int | None = None
     state_bytes: int | None = None
@@ -67,8 +72,31 @@ def memory(rec: Recorder) -> None:
         "Bytes moved are not measured (that needs a profiler of DRAM traffic): the trace's modelled "
         "time stands beside the measured ms/step instead",
     )
+    if rec.on_cuda:
+        rec.attempt("machine", "rates", lambda: rec.add("machine", machine_rates(rec.device)))
     for workload in workloads(rec.quick):
         rec.attempt("workloads", workload.name, functools.partial(_add_step_cost, rec, workload))
+
+
+@dataclass
+class MachineRates:
+    """What the model's constants are on this machine (:class:`.gpu_cost.GpuModel`: 4 µs a
+    launch, 790 TFLOP/s bf16)."""
+
+    launch_us: float  # wall µs per launch, tiny kernels launched back to back from Python
+    bf16_tflops: float  # :func:`.probe.matmul_rate`, a FLOP-bound batch
+
+
+#: tiny kernels timed back to back for :attr:`MachineRates.launch_us`
+LAUNCHES = 2000
+
+
+def machine_rates(device: torch.device) -> MachineRates:
+    from .probe import matmul_rate
+
+    x = torch.zeros(1, device=device)
+    launch_ms = device_ms(lambda: x.add_(1.0), LAUNCHES, device)
+    return MachineRates(round(launch_ms * 1e3, 2), round(matmul_rate(device, torch.bfloat16) / 1e12, 1))
 
 
 def _add_step_cost(rec: Recorder, workload: Workload) -> None:
@@ -119,27 +147,49 @@ def _predict(cost: StepCost, workload: Workload) -> None:
 
 
 def _measure(cost: StepCost, workload: Workload, device: torch.device, steps: int) -> None:
+    params = device_params(workload.manifest, device, seed=0)
+    try:
+        _measure_default(cost, workload, params, device, steps)
+        cost.measured_ms_ignore = round(_step_ms(workload, params, device, steps, nonfinite="ignore"), 4)
+    finally:
+        del params
+        torch.cuda.empty_cache()
+
+
+def _measure_default(
+    cost: StepCost, workload: Workload, params: list[torch.nn.Parameter], device: torch.device, steps: int
+) -> None:
+    """The default step's peak extra memory, host syncs and ms/step."""
     from .contenders import fastmuon_contender
     from .hosttime import cuda_activity
 
-    params = device_params(workload.manifest, device, seed=0)
     contender = fastmuon_contender(
         bench_workbench(workload.manifest, params, device, workload.optimizer, torch.bfloat16)
     )
-    try:
-        for _ in range(WARMUP):
-            contender.step()
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(WARMUP):
         contender.step()
-        torch.cuda.synchronize(device)
-        cost.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - before
-        cost.measured_sync_warnings = sync_warnings(contender.step, device)
-        activity = cuda_activity(contender.step)
-        cost.measured_host_waits, cost.measured_event_waits = activity["syncs"], activity["event_waits"]
-        cost.measured_ms = round(device_ms(contender.step, steps, device), 4)
-        cost.timed_steps = steps
-    finally:
-        del contender, params
-        torch.cuda.empty_cache()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    contender.step()
+    torch.cuda.synchronize(device)
+    cost.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - before
+    cost.measured_sync_warnings = sync_warnings(contender.step, device)
+    activity = cuda_activity(contender.step)
+    cost.measured_host_waits, cost.measured_event_waits = activity["syncs"], activity["event_waits"]
+    cost.measured_ms = round(device_ms(contender.step, steps, device), 4)
+    cost.timed_steps = steps
+
+
+def _step_ms(
+    workload: Workload, params: list[torch.nn.Parameter], device: torch.device, steps: int, **options: str
+) -> float:
+    """ms/step of fastmuon's step with ``options`` (e.g. ``nonfinite``), after the warm-up steps."""
+    from .contenders import fastmuon_contender
+
+    contender = fastmuon_contender(
+        bench_workbench(workload.manifest, params, device, workload.optimizer, torch.bfloat16, **options)
+    )
+    for _ in range(WARMUP):
+        contender.step()
+    return device_ms(contender.step, steps, device)

@@ -109,9 +109,11 @@ def bench_workbench(
     optimizer: str,
     ns_dtype: torch.dtype,
     step_mode: str = "eager",
+    nonfinite: str | None = None,
 ) -> Workbench:
     """The bench's workbench with its default options (policy, NS method and cost model
-    ``auto``/``auto``/``device``), as ``fastmuon bench`` builds it."""
+    ``auto``/``auto``/``device``), as ``fastmuon bench`` builds it; ``nonfinite``: fastmuon's
+    mode (None: the class's default)."""
     from .lineup import CLASSES
 
     return Workbench(
@@ -123,6 +125,7 @@ def bench_workbench(
         "auto",
         step_mode=step_mode,
         fastmuon=CLASSES[optimizer],
+        nonfinite=nonfinite,
     )
 
 

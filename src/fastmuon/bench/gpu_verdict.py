@@ -241,6 +241,29 @@ def memory_claims(document: dict[str, Any]) -> list[Verdict]:
                 "memory",
             )
         )
+        if r.get("measured_ms_ignore") is not None:
+            out.append(
+                Verdict(
+                    f"steps alone back to back ({w}): the default beside nonfinite='ignore' (not a claim)",
+                    "the masking's kernels, and the wait for the previous step's flags",
+                    f"{r['measured_ms']:.3f} ms default, {r['measured_ms_ignore']:.3f} ms ignore",
+                    None,
+                    False,
+                    "memory",
+                )
+            )
+    for m in sections.get("machine", [])[:1]:
+        if "error" not in m:  # the model's figures: fastmuon.bench.gpu_cost.GpuModel's defaults
+            out.append(
+                Verdict(
+                    "this machine's rates beside the model's (not a claim)",
+                    "4 us a launch, 790 TFLOP/s bf16 (H200 defaults)",
+                    f"{m['launch_us']:.1f} us a launch (tiny kernels back to back), {m['bf16_tflops']:.0f} TFLOP/s bf16",
+                    None,
+                    False,
+                    "memory",
+                )
+            )
     out += [_raised("memory and syncs", e, "-", "memory", holds=None, required=False) for e in errors]
     return out
 

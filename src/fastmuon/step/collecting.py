@@ -11,6 +11,7 @@ import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from ..ns.engine import NSConfig
@@ -66,8 +67,10 @@ def ns_config(group: dict[str, Any]) -> NSConfig:
 
 def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: Any) -> NSConfig:
     """:meth:`NSConfig.make` of a group's values, made once per distinct values: a step reads
-    every group's config, and making one resolves and checks its coefficients."""
-    if not (_plain(steps) and _plain(eps) and _plain(coefficients)):  # a tensor may change in place
+    every group's config, and making one resolves and checks its coefficients. A compiler's
+    trace makes it afresh: it runs once, and dynamo warns of any ``lru_cache`` it traces through."""
+    if not (_plain(steps) and _plain(eps) and _plain(coefficients)) or torch.compiler.is_compiling():
+        # a tensor may change in place
         return NSConfig.make(steps, coefficients, eps, dtype, method)
     try:
         # the types too: equal values of other types (5 and 5.0) make configs that differ

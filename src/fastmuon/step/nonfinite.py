@@ -72,8 +72,9 @@ def _finite(tensors: list[Tensor], host: bool) -> Tensor:
 
 def _max_abs(tensors: list[Tensor], host: bool) -> Tensor:
     """Each tensor's largest |entry|, stacked. On the host's CPU (``host``) the fused inf-norm
-    runs one slow kernel per tensor, slower than abs + max there."""
-    if host:
+    runs one slow kernel per tensor, slower than abs + max there; a compiler's trace takes the
+    inf-norm everywhere (it cannot trace ``_foreach_max`` and would break the graph there)."""
+    if host and not torch.compiler.is_compiling():
         return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
     return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
 
