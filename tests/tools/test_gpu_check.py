@@ -448,8 +448,11 @@ def test_sync_warnings_count_the_syncs_not_the_modes_notice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", set_mode)
 
     def step():
-        warnings.warn("called a synchronizing CUDA operation", stacklevel=2)
+        warnings.warn(
+            "called a synchronizing CUDA operation", stacklevel=1
+        )  # this line, as torch's name the caller's
 
-    assert gpu_shared.sync_warnings(step, torch.device("cuda")) == 1
-    assert gpu_shared.sync_warnings(lambda: None, torch.device("cuda")) == 0
+    [site] = gpu_shared.sync_warnings(step, torch.device("cuda"))
+    assert site.startswith(__file__)
+    assert gpu_shared.sync_warnings(lambda: None, torch.device("cuda")) == []
     assert mode["now"] == 0

@@ -45,6 +45,7 @@ class DistributedStep:
     equals_twin: bool  # within REL
     host_sync_ops: dict[str, int] = field(default_factory=dict)  # profiler: ops reading on the host
     sync_warnings: int | None = None  # CUDA: set_sync_debug_mode("warn")
+    sync_sites: list[str] | None = None  # CUDA: the line that made each of them, file:line
     host_waits: int | None = None  # CUDA: the profiler's host waits, its own left out
     event_waits: int | None = None  # CUDA: of them, waits for an event (the previous step's flags)
 
@@ -175,7 +176,8 @@ def _count_syncs(record: DistributedStep, step: Callable[[], object], device: to
     from .hosttime import cuda_activity, host_syncs
 
     if device.type == "cuda":
-        record.sync_warnings = sync_warnings(step, device)
+        record.sync_sites = sync_warnings(step, device)
+        record.sync_warnings = len(record.sync_sites)
         activity = cuda_activity(step)
         record.host_waits, record.event_waits = activity["syncs"], activity["event_waits"]
     record.host_sync_ops = host_syncs(step)

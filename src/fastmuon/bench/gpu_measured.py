@@ -51,6 +51,7 @@ class StepCost:
     measured_peak_extra_bytes: int | None = None
     predicted_host_syncs: int | None = None
     measured_sync_warnings: int | None = None  # set_sync_debug_mode("warn") over one step
+    measured_sync_sites: list[str] | None = None  # the line that made each of them, file:line
     measured_host_waits: int | None = None  # the profiler's host waits over one step, its own left out
     measured_event_waits: int | None = None  # of them, waits for an event (the previous step's flags)
     modelled_ms: float | None = None  # the trace's roofline: modelled, not measured
@@ -174,7 +175,8 @@ def _measure_default(
     contender.step()
     torch.cuda.synchronize(device)
     cost.measured_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - before
-    cost.measured_sync_warnings = sync_warnings(contender.step, device)
+    cost.measured_sync_sites = sync_warnings(contender.step, device)
+    cost.measured_sync_warnings = len(cost.measured_sync_sites)
     activity = cuda_activity(contender.step)
     cost.measured_host_waits, cost.measured_event_waits = activity["syncs"], activity["event_waits"]
     cost.measured_ms = round(device_ms(contender.step, steps, device), 4)

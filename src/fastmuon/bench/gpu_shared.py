@@ -152,9 +152,10 @@ def device_ms(step: Callable[[], object], steps: int, device: torch.device) -> f
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def sync_warnings(step: Callable[[], object], device: torch.device) -> int:
+def sync_warnings(step: Callable[[], object], device: torch.device) -> list[str]:
     """The host syncs one call of ``step`` makes on a GPU, as ``torch.cuda.set_sync_debug_mode
-    ("warn")`` reports them (one warning per blocking copy, ``.item()``, synchronize call)."""
+    ("warn")`` reports them (one warning per blocking copy, ``.item()``, synchronize call): the
+    Python line that made each, ``file:line``."""
     torch.cuda.synchronize(device)
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
@@ -164,7 +165,7 @@ def sync_warnings(step: Callable[[], object], device: torch.device) -> int:
             step()
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    return sum(SYNC_WARNING in str(w.message) for w in caught)
+    return [f"{w.filename}:{w.lineno}" for w in caught if SYNC_WARNING in str(w.message)]
 
 
 def rel_err(ours: Tensor, ref: Tensor) -> float:
