@@ -619,7 +619,7 @@ class Orthogonalizer:
             elif regions is None:
                 regions = rec.slot_regions = [run.slots(buf) for run in rec.runs]
             for run, slots in zip(rec.runs, regions):
-                torch.stack([sources[i] for i in run.tensors], out=slots)
+                _stack_into(slots, [sources[i] for i in run.tensors], compiling)
             return buf
         if not compiling:
             # one copy (with the cast) of every source into its place in the staging buffer:
@@ -772,6 +772,15 @@ class _Stage:
     places: list[Tensor]  # each member's place in ``staging``, with its layout's strides
     pick: Gather  # the members out of a call's sources, in staging order
     views: list[tuple[BucketRecord, int, int]]  # per bucket: its members' span in ``staging``
+
+
+def _stack_into(out: Tensor, tensors: list[Tensor], compiling: bool) -> None:
+    """``torch.stack(tensors, out=out)``; in a compiler's trace, which has no ``stack(out=)``,
+    a stack and a copy into ``out`` (the copy casts as the stack's store does)."""
+    if compiling:
+        out.copy_(torch.stack(tensors))
+    else:
+        torch.stack(tensors, out=out)
 
 
 def _normalized_into(

@@ -4,7 +4,6 @@ a step's gradients without a Python loop per tensor."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from operator import itemgetter
 from typing import Any
 
 
@@ -20,8 +19,8 @@ class Gather:
             (only,) = self.indices
             self._pick = lambda seq: [seq[only]]
         elif self.indices:
-            getter = itemgetter(*self.indices)
-            self._pick = lambda seq: list(getter(seq))
+            indices = self.indices  # map over a bound __getitem__: one C loop, and dynamo traces it
+            self._pick = lambda seq: list(map(seq.__getitem__, indices))
         else:
             self._pick = lambda seq: []
 

@@ -50,8 +50,13 @@ if TYPE_CHECKING:
 
 # per-step reads over every gradient, as C-level callables for ``map`` (no Python frame per tensor)
 _is_none = functools.partial(operator.is_, None)
-_is_sparse = operator.attrgetter("is_sparse")
-_grad_of = operator.attrgetter("grad")
+
+
+def _grads_of(params: Sequence[Tensor]) -> list[Tensor | None]:
+    """Every parameter's ``.grad``: a comprehension, which dynamo traces (an ``attrgetter``
+    breaks a compiled step's graph, and every frame after the break then compiles alone)."""
+    return [p.grad for p in params]
+
 
 Group = dict[str, Any]
 Agree = Callable[[Tensor], Tensor]
@@ -173,7 +178,7 @@ class StepDriver:
         # parameter's state, so they are read only where a refusal takes it back (preparing)
         ready = misfit = grads = None
         if not compiling and (site.kind == SINGLE or self.initialised):
-            grads = list(map(_grad_of, site.params)) if site.kind == SINGLE else self._gradients(env, site)
+            grads = _grads_of(site.params) if site.kind == SINGLE else self._gradients(env, site)
             ready, misfit = self._kept(env, grads, pattern, agree)
         if ready is None:
             ready = self._prepare(env, site, grads, pattern, agree, misfit, remember=not compiling)
@@ -213,7 +218,7 @@ class StepDriver:
         if program is None:
             return None, None
         live = program.live(grads)
-        if not program.fits(live) or any(map(_is_sparse, live)):
+        if not program.fits(live) or any([g.is_sparse for g in live]):
             return None, program
         return Ready(program, live, program.guard.keep(live, program.name_of(env.param_name), agree)), None
 
@@ -301,7 +306,7 @@ class StepDriver:
         parameter's state on the first step (every rank holds all of it: rank-symmetric)."""
         flat = site.params
         if site.kind == SINGLE:
-            return list(map(_grad_of, flat))
+            return _grads_of(flat)
         self.inflight.settle()  # the last step's (finished long ago)
         parts = self.cache.parts
         name = site.namer(env.param_name)
@@ -449,7 +454,7 @@ class StepDriver:
             return None
         mark = mark_state(env.state)
         try:
-            matrices = self._collect(env, site, list(map(_grad_of, site.params))).matrices
+            matrices = self._collect(env, site, _grads_of(site.params)).matrices
         finally:
             drop_state_after(env.state, mark)
         ordered = [item for part in batch_order(matrices) for item in part]

@@ -116,10 +116,13 @@ def raise_if_nonfinite(
 
 
 def _memory_view(t: Tensor) -> Tensor | None:
-    """``t``'s elements as a 1-D view in memory order, or None if its memory has gaps/overlaps."""
-    if memory_order(t) is None:
+    """``t``'s elements as a 1-D view in memory order, or None if its memory has gaps/overlaps:
+    the flat view of ``t`` with its dims in memory order (no storage offset is read, which a
+    compiler's trace cannot)."""
+    order = memory_order(t)
+    if order is None:
         return None
-    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+    return t.permute(order).view(-1)
 
 
 # ----- prepared once per step program ---------------------------------------------------------
@@ -199,10 +202,11 @@ class _Group:
     ``pads``: views of one spare tensor that the host's ``torch.cat`` puts between owners.
     """
 
-    __slots__ = ("views", "pieces", "block", "block_owner", "total", "host", "pads")
+    __slots__ = ("views", "tensors", "pieces", "block", "block_owner", "total", "host", "pads")
 
-    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]]):
+    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]], tensors: list[Tensor]):
         self.views = [v for v, _ in entries]
+        self.tensors = tensors  # whose memory the views are
         held = sum(v.numel() for v in self.views)
         self.block = block_size(held, len({owner for _, owner in entries}))
         self.pieces: list[int] = []
@@ -226,6 +230,14 @@ class _Group:
         """Each block's owner's flag in ``keep`` (on this group's device), ``(blocks, 1)``."""
         return keep.index_select(0, self.block_owner).view(-1, 1)
 
+    def current_views(self) -> list[Tensor]:
+        """:attr:`views`; in a compiler's trace made afresh from :attr:`tensors`, so that the
+        graph's inputs are the tensors themselves (views kept from outside it would be inputs
+        aliasing them, which AOT autograd refuses)."""
+        if torch.compiler.is_compiling():
+            return [_memory_view(t) for t in self.tensors]  # type: ignore[misc]
+        return self.views
+
     def places(self, flat: Tensor) -> list[Tensor]:
         """The views' places in a flat copy laid out as this group."""
         return list(flat.split(self.pieces)[::2])
@@ -236,10 +248,11 @@ def _joined(group: _Group) -> Tensor:
     host by one foreach copy: torch's CUDA cat takes a launch per 128 inputs, the foreach copy
     a launch per batch of tensors or blocks, far fewer for the hundreds of small tensors of a
     conv net."""
+    views = group.current_views()
     if group.host:
-        return torch.cat([t for pair in zip(group.views, group.pads) for t in pair])
-    flat = torch.empty(group.total, dtype=group.views[0].dtype, device=group.views[0].device)
-    torch._foreach_copy_(group.places(flat), group.views)
+        return torch.cat([t for pair in zip(views, group.pads) for t in pair])
+    flat = torch.empty(group.total, dtype=views[0].dtype, device=views[0].device)
+    torch._foreach_copy_(group.places(flat), views)
     return flat
 
 
@@ -263,6 +276,7 @@ class SkipPlan:
     ):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
+        bases: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         self._loose: list[_Loose] = []
         for i in sorted(range(len(owners)), key=owners.__getitem__):
             p, state, owner = params[i], states[i], owners[i]
@@ -271,12 +285,14 @@ class SkipPlan:
                 tensors = [t for t in tensors[1:] if t.dim() == 0]
             for t in tensors:
                 # a view of the detached tensor: the restore writes a leaf parameter in place
-                view = _memory_view(t.detach())
+                base = t.detach()
+                view = _memory_view(base)
                 if view is None:
                     self._loose.append(_Loose(t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((view, owner))
-        self._groups = [_Group(where, entries) for (where, _), entries in grouped.items()]
+                    bases.setdefault((t.device, t.dtype), []).append(base)
+        self._groups = [_Group(key[0], entries, bases[key]) for key, entries in grouped.items()]
 
     def held(self) -> int:
         """The elements a snapshot copies (its padding aside)."""
@@ -296,7 +312,7 @@ class SkipPlan:
                 continue  # None: a copy :meth:`on_host` left out
             blocks = snap.view(-1, group.block)
             torch.where(group.mask(keep.to(snap.device)), _joined(group).view_as(blocks), blocks, out=blocks)
-            torch._foreach_copy_(group.views, group.places(snap))
+            torch._foreach_copy_(group.current_views(), group.places(snap))
         for (t, owner, host), snap in zip(self._loose, saved[len(self._groups) :]):
             if snap is not None and (on_host is None or host == on_host):
                 t.copy_(torch.where(keep[owner].to(t.device), t, snap))
