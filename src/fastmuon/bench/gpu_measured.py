@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from .gpu_shared import (
     sync_warnings,
     workloads,
 )
+
+if TYPE_CHECKING:
+    from .contenders import Contender
 
 #: the steps before the measured one: the trace counts its third step
 WARMUP = 2
@@ -161,14 +165,9 @@ def _measure_default(
     cost: StepCost, workload: Workload, params: list[torch.nn.Parameter], device: torch.device, steps: int
 ) -> None:
     """The default step's peak extra memory, host syncs and ms/step."""
-    from .contenders import fastmuon_contender
     from .hosttime import cuda_activity
 
-    contender = fastmuon_contender(
-        bench_workbench(workload.manifest, params, device, workload.optimizer, torch.bfloat16)
-    )
-    for _ in range(WARMUP):
-        contender.step()
+    contender = _warmed(workload, params, device)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -187,6 +186,14 @@ def _step_ms(
     workload: Workload, params: list[torch.nn.Parameter], device: torch.device, steps: int, **options: str
 ) -> float:
     """ms/step of fastmuon's step with ``options`` (e.g. ``nonfinite``), after the warm-up steps."""
+    return device_ms(_warmed(workload, params, device, **options).step, steps, device)
+
+
+def _warmed(
+    workload: Workload, params: list[torch.nn.Parameter], device: torch.device, **options: str
+) -> Contender:
+    """fastmuon's contender on ``params`` with the bench's options (and ``options``), after
+    :data:`WARMUP` steps."""
     from .contenders import fastmuon_contender
 
     contender = fastmuon_contender(
@@ -194,4 +201,4 @@ def _step_ms(
     )
     for _ in range(WARMUP):
         contender.step()
-    return device_ms(contender.step, steps, device)
+    return contender

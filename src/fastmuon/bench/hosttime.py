@@ -11,6 +11,7 @@ profiler adds a little to each op call, so the figure is slightly above the unpr
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -150,12 +151,20 @@ def cuda_activity(step: Callable[[], object]) -> dict[str, int]:
     """What one call of ``step`` made a GPU do, from ``torch.profiler``'s CUDA activity: the
     measured counterpart of :mod:`.trace`'s figures (see :func:`count_activity`). Host waits are
     those beyond the profiler's own: the ones it makes around a call that does nothing."""
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    counts = count_activity(_profiled(step, activities).events())
-    own = count_activity(_profiled(lambda: None, activities).events())
+    counts = count_activity(_profiled(step, _CUDA_ACTIVITIES).events())
+    own = _profilers_own_activity()
     for key in ("syncs", "event_waits"):
         counts[key] = max(0, counts[key] - own[key])
     return counts
+
+
+_CUDA_ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
+
+@functools.cache
+def _profilers_own_activity() -> dict[str, int]:
+    """What the profiler counts around a call that does nothing (measured once per process)."""
+    return count_activity(_profiled(lambda: None, _CUDA_ACTIVITIES).events())
 
 
 def count_activity(events) -> dict[str, int]:

@@ -204,19 +204,19 @@ class _Group:
 
     __slots__ = ("views", "tensors", "pieces", "block", "block_owner", "total", "host", "pads")
 
-    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]], tensors: list[Tensor]):
-        self.views = [v for v, _ in entries]
-        self.tensors = tensors  # whose memory the views are
+    def __init__(self, where: torch.device, entries: list[tuple[Tensor, int]]):
+        self.tensors = [t for t, _ in entries]  # whose memory the views are (none has gaps)
+        self.views: list[Tensor] = [_memory_view(t) for t in self.tensors]  # type: ignore[misc]
         held = sum(v.numel() for v in self.views)
         self.block = block_size(held, len({owner for _, owner in entries}))
         self.pieces: list[int] = []
         block_owner: list[int] = []
         run = 0
-        for k, (v, owner) in enumerate(entries):
-            run += v.numel()
+        for k, (t, owner) in enumerate(entries):
+            run += t.numel()
             last = k + 1 == len(entries) or entries[k + 1][1] != owner
             pad = -run % self.block if last else 0
-            self.pieces += [v.numel(), pad]
+            self.pieces += [t.numel(), pad]
             if last:
                 block_owner += [owner] * ((run + pad) // self.block)
                 run = 0
@@ -276,7 +276,6 @@ class SkipPlan:
     ):
         owners = list(owners)
         grouped: dict[tuple[torch.device, torch.dtype], list[tuple[Tensor, int]]] = {}
-        bases: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         self._loose: list[_Loose] = []
         for i in sorted(range(len(owners)), key=owners.__getitem__):
             p, state, owner = params[i], states[i], owners[i]
@@ -284,15 +283,12 @@ class SkipPlan:
             if owner in counts_only:
                 tensors = [t for t in tensors[1:] if t.dim() == 0]
             for t in tensors:
-                # a view of the detached tensor: the restore writes a leaf parameter in place
-                base = t.detach()
-                view = _memory_view(base)
-                if view is None:
+                # grouped detached (the restore writes a leaf parameter in place through its view)
+                if memory_order(t) is None:
                     self._loose.append(_Loose(t, owner, device.is_host(t.device)))
                 else:
-                    grouped.setdefault((t.device, t.dtype), []).append((view, owner))
-                    bases.setdefault((t.device, t.dtype), []).append(base)
-        self._groups = [_Group(key[0], entries, bases[key]) for key, entries in grouped.items()]
+                    grouped.setdefault((t.device, t.dtype), []).append((t.detach(), owner))
+        self._groups = [_Group(where, entries) for (where, _), entries in grouped.items()]
 
     def held(self) -> int:
         """The elements a snapshot copies (its padding aside)."""
