@@ -271,3 +271,27 @@ def test_host_reads_are_decided_when_the_engine_is_built(method, monkeypatch):
         assert bool(calls) == host_reads
     for a, b in zip(outs[True], outs[False]):
         assert torch.equal(a, b) if method == "standard" else rel_err(b, a) <= 2e-4
+
+
+def test_off_the_host_packed_buckets_share_one_eps_add_and_keep_their_bits(monkeypatch):
+    """Off the host, the buckets packed together are normalised before their kernels run, the
+    norms of all of them in one vector (one add of eps for all): the results are bit for bit
+    those of each kernel normalising its own bucket."""
+    from fastmuon.ns import device
+
+    monkeypatch.setattr(device, "is_host", lambda where: False)
+    monkeypatch.setattr(engine, "GATHER_MIN_RUNS", 1)
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for s in [(8, 30), (16, 40), (40, 16), (3, 5), (24, 24), (6, 7)]]
+    tensors[0] = tensors[0] * 2.0**100  # squares beyond fp32: the fp64 norm's case
+    calls = []
+    batched = engine.normalize_in_fp64_
+    monkeypatch.setattr(
+        engine, "normalize_in_fp64_", lambda bs, eps: calls.append(len(bs)) or batched(bs, eps)
+    )
+    together = orthogonalize(tensors, policy="exact", method="standard")
+    assert calls and max(calls) >= 2, calls
+    monkeypatch.setattr(engine, "takes_fp64_route", lambda *a: False)
+    alone = orthogonalize(tensors, policy="exact", method="standard")
+    for t, a, b in zip(tensors, together, alone):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b), t.shape

@@ -430,3 +430,23 @@ def test_fp32_ns_multiplies_in_fp32_under_a_lower_matmul_precision(monkeypatch):
         assert {precision for _, precision in seen} == {"high"}
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+@pytest.mark.parametrize("eps", [1e-7, 0.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp64_normalisation_of_several_batches_in_place_gives_each_its_own_bits(eps, dtype):
+    """Several batches normalised with their norms side by side (one add for all) get the
+    values the fp64 route gives each alone, at every scale and for zeros."""
+    from fastmuon.ns import newton_schulz as ns
+
+    torch.manual_seed(0)
+    scales = torch.tensor([2.0**e for e in (-110, 0, 20, 110)]).view(-1, 1, 1)
+    batches = [
+        (torch.randn(4, 6, 9) * scales).to(dtype),
+        torch.randn(2, 3, 3).to(dtype),
+        torch.zeros(1, 5, 8, dtype=dtype),
+    ]
+    expected = [ns._normalize_in_fp64(X, eps, None) for X in batches]
+    ns.normalize_in_fp64_(batches, eps)
+    for got, want in zip(batches, expected):
+        assert torch.equal(got, want)

@@ -36,10 +36,12 @@ from .newton_schulz import (
     check_method_preconditioning,
     default_steps,
     gram_first_run,
+    normalize_in_fp64_,
     ns_kernel,
     pinned_kernel,
     resolve_coefficients,
     resolve_preconditioning,
+    takes_fp64_route,
 )
 from .planner import Bucket, MatrixSpec, Plan
 from .workspace import BucketLayout, SharedWorkspace
@@ -372,12 +374,12 @@ class Orthogonalizer:
             keep = torch.stack(list(keep))
         staged = None if compiling else self._staged_gathers(sources)
         if staged is not None:
-            staged.pack(sources)
+            staged.pack(sources)  # and normalised, where buckets share that (see _StagedGathers)
         for rec in self.records:
             if staged is not None and rec in staged.packed:
-                self._run(rec, staged.batch(rec), compiling, staged.output(rec))
+                staged.run(rec)
                 continue
-            batch = self._pack(rec, sources, compiling)
+            batch = _pack(rec, sources, compiling)
             if keep is not None and rec.host:
                 # Off the host the rejected matrices are left in: every kernel works slot by
                 # slot, so a NaN stays in its own slot, whose parameter the guard puts back.
@@ -581,60 +583,6 @@ class Orthogonalizer:
             self._input_views = views
         return self._input_views or None
 
-    @staticmethod
-    def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tensor:
-        """Copy the bucket's sources (cast to the NS dtype) into its persistent buffer.
-
-        Nothing to copy where the sources are the bucket's :meth:`input_views` (written in place
-        by the caller). A bucket of few runs takes one ``stack`` per run straight into the run's
-        slots, whatever the sources' strides; one of many runs takes one foreach copy into its
-        members' places in a staging buffer and one index copy.
-        """
-        inputs = rec.inputs
-        if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
-            return rec.buffer  # type: ignore[return-value]
-        device = sources[rec.indices[0]].device
-        wide = sources[rec.indices[0]].dtype
-        if rec.gather is None and not (rec.host or rec.compiled or compiling) and wide != rec.bucket.dtype:
-            # off the host a casting stack copies one input at a time (a launch each): the runs
-            # are stacked in the sources' dtype (batched copies) and the NS normalisation, which
-            # writes a new tensor anyway, rounds to the bucket's dtype (see _run)
-            packed = (torch.empty if rec.fresh_input else torch.zeros)(
-                rec.bucket.shape, dtype=wide, device=device
-            )
-            for run in rec.runs:
-                torch.stack([sources[i] for i in run.tensors], out=run.slots(packed))
-            return packed
-        buf = rec.buffer
-        fresh = rec.fresh_input and rec.gather is None
-        if fresh:  # every element is written below: the allocator's cache serves it, nothing is kept
-            buf = torch.empty(rec.bucket.shape, dtype=rec.bucket.dtype, device=sources[rec.indices[0]].device)
-        elif buf is None:
-            buf = _make_buffer(rec, sources[rec.indices[0]].device)
-        index = rec.gather
-        if index is None:
-            regions = rec.slot_regions
-            if compiling or fresh:
-                regions = [run.slots(buf) for run in rec.runs]
-            elif regions is None:
-                regions = rec.slot_regions = [run.slots(buf) for run in rec.runs]
-            for run, slots in zip(rec.runs, regions):
-                _stack_into(slots, [sources[i] for i in run.tensors], compiling)
-            return buf
-        if not compiling:
-            # one copy (with the cast) of every source into its place in the staging buffer:
-            # the same values as concatenating their flat views, without a view per source per
-            # call (the sources are new tensors each step) and, on a CPU, faster than that cat
-            staging, places, target = rec.places or _make_places(rec, buf)
-            torch._foreach_copy_(places, rec.members(sources))
-            target.index_copy_(0, index, staging)
-            return buf
-        flat = [_memory_flat(sources[i], layout) for i, layout in zip(rec.indices, rec.layouts)]
-        staging = rec.staging if rec.staging is not None else _make_staging(rec, buf)
-        torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
-        buf.view(-1).index_copy_(0, index, staging)
-        return buf
-
     def _unpack(
         self,
         rec: BucketRecord,
@@ -680,6 +628,60 @@ class Orthogonalizer:
             results[i] = view
 
 
+def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tensor:
+    """Copy the bucket's sources (cast to the NS dtype) into its persistent buffer.
+
+    Nothing to copy where the sources are the bucket's :meth:`Orthogonalizer.input_views`
+    (written in place by the caller). A bucket of few runs takes one ``stack`` per run straight into the run's
+    slots, whatever the sources' strides; one of many runs takes one foreach copy into its
+    members' places in a staging buffer and one index copy.
+    """
+    inputs = rec.inputs
+    if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
+        return rec.buffer  # type: ignore[return-value]
+    device = sources[rec.indices[0]].device
+    wide = sources[rec.indices[0]].dtype
+    if rec.gather is None and not (rec.host or rec.compiled or compiling) and wide != rec.bucket.dtype:
+        # off the host a casting stack copies one input at a time (a launch each): the runs
+        # are stacked in the sources' dtype (batched copies) and the NS normalisation, which
+        # writes a new tensor anyway, rounds to the bucket's dtype (see _run)
+        packed = (torch.empty if rec.fresh_input else torch.zeros)(
+            rec.bucket.shape, dtype=wide, device=device
+        )
+        for run in rec.runs:
+            torch.stack([sources[i] for i in run.tensors], out=run.slots(packed))
+        return packed
+    buf = rec.buffer
+    fresh = rec.fresh_input and rec.gather is None
+    if fresh:  # every element is written below: the allocator's cache serves it, nothing is kept
+        buf = torch.empty(rec.bucket.shape, dtype=rec.bucket.dtype, device=sources[rec.indices[0]].device)
+    elif buf is None:
+        buf = _make_buffer(rec, sources[rec.indices[0]].device)
+    index = rec.gather
+    if index is None:
+        regions = rec.slot_regions
+        if compiling or fresh:
+            regions = [run.slots(buf) for run in rec.runs]
+        elif regions is None:
+            regions = rec.slot_regions = [run.slots(buf) for run in rec.runs]
+        for run, slots in zip(rec.runs, regions):
+            _stack_into(slots, [sources[i] for i in run.tensors], compiling)
+        return buf
+    if not compiling:
+        # one copy (with the cast) of every source into its place in the staging buffer:
+        # the same values as concatenating their flat views, without a view per source per
+        # call (the sources are new tensors each step) and, on a CPU, faster than that cat
+        staging, places, target = rec.places or _make_places(rec, buf)
+        torch._foreach_copy_(places, rec.members(sources))
+        target.index_copy_(0, index, staging)
+        return buf
+    flat = [_memory_flat(sources[i], layout) for i, layout in zip(rec.indices, rec.layouts)]
+    staging = rec.staging if rec.staging is not None else _make_staging(rec, buf)
+    torch.cat(flat, out=staging)  # one copy, with the cast to the NS dtype
+    buf.view(-1).index_copy_(0, index, staging)
+    return buf
+
+
 class _StagedGathers:
     """The gather buckets of an engine off the host, packed and unpacked in five launches.
 
@@ -690,11 +692,25 @@ class _StagedGathers:
     result and one cast takes them to the output dtype. On a GPU each op is a launch, so packing
     and unpacking cost five launches whatever the number of buckets (``4·buckets`` one bucket at
     a time); the inputs and results are fresh (the caller owns the results), so what is kept
-    is the index and the staging: 8 + 2 bytes per member element in bf16.
+    is the index and the staging: 8 + 2 bytes per member element in bf16. Buckets whose kernels
+    would each normalise through fp64 are normalised together as they are packed, one add of
+    eps for all of them where each kernel would take one.
     """
 
     def __init__(self, records: Sequence[BucketRecord], device: torch.device):
         self.packed = set(records)
+        # buckets normalised by pack, per (NS dtype, eps) where two or more share them (a bucket
+        # alone gains nothing: its kernel normalises it)
+        alike: dict[tuple[torch.dtype, float], list[BucketRecord]] = {}
+        for rec in records:
+            if (
+                rec.bucket.method == "standard"
+                and rec.config.preconditioning == "frobenius"
+                and takes_fp64_route(_numel(rec.bucket.shape), rec.bucket.dtype, device, rec.host)
+            ):
+                alike.setdefault((rec.bucket.dtype, rec.config.eps), []).append(rec)
+        self.normalizable = [(eps, recs) for (_, eps), recs in alike.items() if len(recs) > 1]
+        self.normalized = {rec for _, recs in self.normalizable for rec in recs}
         by_dtype: dict[torch.dtype, list[BucketRecord]] = {}
         for rec in records:
             by_dtype.setdefault(rec.bucket.dtype, []).append(rec)
@@ -729,13 +745,35 @@ class _StagedGathers:
     def pack(self, sources: Sequence[Tensor]) -> None:
         """This call's input buffers: zeros (the padding) with every member scattered in. Made
         per call, so nothing padded is kept between steps: on a GPU the allocator's cache
-        serves them, at one fill launch per NS dtype."""
+        serves them, at one fill launch per NS dtype. Buckets that share their normalisation
+        (``normalizable``) leave divided by their norms."""
         self._inputs = []
         for st in self.stages:
             torch._foreach_copy_(st.places, st.pick(sources))
             inputs = torch.zeros(st.total, dtype=st.staging.dtype, device=st.staging.device)
             self._inputs.append(inputs.index_copy_(0, st.index, st.staging))
         self._flat = [torch.empty_like(inputs) for inputs in self._inputs]
+        # where a bucket's kernel would take the fp64 route (the standard loop from Frobenius
+        # scaling), divided by the norms now, in place: per NS dtype and eps, the norms of all
+        # such buckets in one vector, so that one add serves them all; their kernels then start
+        # from the division's result
+        for eps, recs in self.normalizable:
+            normalize_in_fp64_([self.batch(rec) for rec in recs], eps)
+
+    def run(self, rec: BucketRecord) -> None:
+        """Bucket ``rec``'s NS, from this call's input (normalised by :meth:`pack` or not) into
+        its output."""
+        done = {"normalized": True} if rec in self.normalized else {}
+        rec.kernel(
+            self.batch(rec),
+            rec.schedule,
+            rec.config.eps,
+            _no_scratch,
+            self.output(rec),
+            host=False,
+            host_reads=False,
+            **done,
+        )
 
     def batch(self, rec: BucketRecord) -> Tensor:
         """Bucket ``rec``'s packed input of this call."""

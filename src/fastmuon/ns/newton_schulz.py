@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
@@ -365,12 +366,7 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: b
     that torch's fp64-accumulating norm writes first). So off the host a matrix's last bit may
     depend on the size of the bucket the plan gives it (fixed for a given set of parameters).
     """
-    if (
-        not host
-        and X.dtype != torch.float64
-        and X.device.type not in _NO_FP64
-        and X.numel() < FP64_ROUTE_MAX_ELEMENTS
-    ):
+    if takes_fp64_route(X.numel(), X.dtype, X.device, host):
         return _normalize_in_fp64(X, eps, out)
     scale = _power_of_two_below(_largest_entry(X, host))
     X = torch.div(X, scale, out=out)  # a new tensor: the division below may work in place
@@ -385,6 +381,31 @@ _NO_FP64 = frozenset({"mps"})
 #: more launches (a few µs each) cost less than the ~10 bytes per element it saves from here on
 #: (tens of MB at a GPU's few TB/s); smaller batches take the fp64 route's three launches.
 FP64_ROUTE_MAX_ELEMENTS = 2**24
+
+
+def takes_fp64_route(numel: int, dtype: torch.dtype, where: torch.device, host: bool) -> bool:
+    """Whether :func:`_normalize` divides a batch by way of :func:`_normalize_in_fp64`: off the
+    host (no free host check there), below fp64, on a device with it, and not too large."""
+    return (
+        not host and dtype != torch.float64 and where.type not in _NO_FP64 and numel < FP64_ROUTE_MAX_ELEMENTS
+    )
+
+
+def normalize_in_fp64_(batches: Sequence[Tensor], eps: float) -> None:
+    """:func:`_normalize_in_fp64` of several batches of one dtype in place, their norms side by
+    side in one vector: one norm and one division per batch, one add for them all (a launch per
+    batch fewer), each value the one the batch alone would get."""
+    ends = list(itertools.accumulate(X.size(0) for X in batches))
+    norms = torch.empty(ends[-1], dtype=torch.float64, device=batches[0].device)
+    parts = [norms[end - X.size(0) : end].view(-1, 1, 1) for X, end in zip(batches, ends)]
+    for X, norm in zip(batches, parts):
+        torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64, out=norm)
+    if eps:
+        norms.add_(eps)
+    else:
+        norms.clamp_min_(torch.finfo(batches[0].dtype).tiny)
+    for X, denom in zip(batches, parts):
+        torch.div(X, denom, out=X)
 
 
 def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None) -> Tensor:
@@ -464,11 +485,16 @@ def _iterate(
     host: bool,
     host_reads: bool,
     reuse_input: bool = False,
+    normalized: bool = False,
 ) -> Tensor:
     """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
     written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch.
     With ``reuse_input`` (see :data:`Scratch`) ``X``'s buffer is the second ping-pong buffer
-    once normalised, and the result lands in whichever of the two is free (``out`` unused)."""
+    once normalised, and the result lands in whichever of the two is free (``out`` unused).
+    ``normalized``: ``X`` is divided by its norms already (:func:`normalize_in_fp64_`), and its
+    buffer is the caller's to overwrite, as a second ping-pong buffer."""
+    if normalized:
+        return _polynomial_steps(X, schedule, scratch, out)
     source = X
     X = _normalize(X, eps, out=scratch("X", X.shape), host=host, host_reads=host_reads)
     return _polynomial_steps(X, schedule, scratch, out, spare=source if reuse_input else None)
