@@ -145,6 +145,29 @@ def _slot_view(batch: Tensor, slot: int, layout: TensorLayout, transposed: bool)
     return _region(batch[slot : slot + 1], layout, transposed)[0]
 
 
+@dataclass(frozen=True, eq=False)
+class BucketFrame:
+    """Where the members of a bucket that they fill sit in a ``(B, R, C)`` tensor laid out as
+    its NS input: for a caller that keeps such tensors itself (e.g. the members' momentum, see
+    :mod:`fastmuon.step.bucket_momentum`) and writes the input from them in one go."""
+
+    record: BucketRecord
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.record.bucket.shape)
+
+    def members(self, batch: Tensor) -> list[Tensor]:
+        """Each member's place in ``batch``, in slot order, a view in the member's own shape."""
+        return _slot_views(batch, self.record)
+
+    def stack(self, tensors: Sequence[Tensor], out: Tensor) -> None:
+        """``tensors`` (one per member, in slot order, each in its own shape) into ``out``: one
+        stack per run of slots of one layout and orientation."""
+        for run in self.record.runs:
+            torch.stack(list(tensors[run.start : run.stop]), out=run.slots(out))
+
+
 def _cast_places(rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: torch.dtype) -> list[Tensor]:
     """The members' places for their results cast to ``dtype``, back to back with their own
     strides, in the workspace clear of ``out`` (views made once per place)."""
@@ -460,6 +483,21 @@ class Orthogonalizer:
     def bucket_dtype(self, b: int) -> torch.dtype:
         """The dtype bucket ``b``'s NS runs in (its inputs' and results')."""
         return self.records[b].bucket.dtype
+
+    def frame(self, b: int) -> BucketFrame | None:
+        """Bucket ``b`` for a caller that keeps tensors laid out as its NS input (see
+        :class:`BucketFrame`): off the host, eager, its members filling every slot (else None)."""
+        rec = self.records[b]
+        if rec.host or rec.compiled or rec.padded or len(rec.indices) != rec.bucket.shape[0]:
+            return None
+        return BucketFrame(rec)
+
+    def open_batch(self, b: int) -> Tensor:
+        """:meth:`open_bucket` for a bucket with a :meth:`frame`: the ``(B, R, C)`` input buffer
+        itself, for a caller that writes all of it at once."""
+        batch = _fresh_input(self.records[b])
+        self._opened = (b, batch)
+        return batch
 
     def open_bucket(self, b: int) -> list[Tensor]:
         """Where bucket ``b``'s NS reads its members from, in slot order, each a view in the
@@ -861,12 +899,14 @@ def _fresh_input(rec: BucketRecord) -> Tensor:
 def _run_fresh(rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None) -> list[Tensor]:
     """:meth:`Orthogonalizer.run_bucket` off the host: NS of ``batch`` (the buffer
     :func:`_fresh_input` made), the kernel free to write into it once read (it is this call's
-    alone); the results in slot order, cast to ``out_dtype`` where given."""
+    alone); the results in slot order, cast to ``out_dtype`` where given: a bucket its members
+    fill in one cast (a launch, where one per member would be as many), views of it."""
     out = rec.kernel(batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True)
-    views = _slot_views(out, rec)
     if out_dtype is None or out_dtype == out.dtype:
-        return views
-    return [v.to(out_dtype) for v in views]
+        return _slot_views(out, rec)
+    if not rec.padded and len(rec.indices) == rec.bucket.shape[0]:
+        return _slot_views(out.to(out_dtype), rec)
+    return [v.to(out_dtype) for v in _slot_views(out, rec)]
 
 
 def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:

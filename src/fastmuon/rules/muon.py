@@ -213,7 +213,7 @@ def build(
     """The batched program; ``stage``: a variant's stage after NS over the program's matrices."""
     adamw_classes = AdamWClasses(pattern.lr, pattern.betas, pattern.eps, pattern.weight_decay)
     return TwoHalves(
-        MatrixProgram(items.matrices, pattern.lr, engine_for, stage),
+        MatrixProgram(items.matrices, pattern.lr, engine_for, stage, flagged=options.nonfinite != "ignore"),
         AdamWProgram(items.elementwise, adamw_classes, options.capturable, options.nonfinite != "ignore"),
     )
 

@@ -144,7 +144,13 @@ def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOp
     # a step may be given keep flags; the SGD half masks a tensor by torch's fused kernel only
     masking = options.nonfinite != "ignore" and not options.capturable
     return TwoHalves(
-        MatrixProgram(items.matrices, pattern.muon_lr, engine_for, mask_packed=masking),
+        MatrixProgram(
+            items.matrices,
+            pattern.muon_lr,
+            engine_for,
+            mask_packed=masking,
+            flagged=options.nonfinite != "ignore",
+        ),
         SGDProgram(items.elementwise, pattern.sgd_lr, fused_ok=not options.capturable, masking=masking),
     )
 

@@ -370,10 +370,11 @@ class StepDriver:
         live_grads = [_local(grads[k]) for k in positions]  # type: ignore[arg-type]  # the live ones
         masking = env.options.nonfinite != "ignore"  # "skip", and "raise" deferred on an accelerator
         local = [_local(params[k]) for k in positions] if masking else ()
+        update = env.rule.build(items, pattern, engine_for, env.options)
+        # read after the build, which may move buffers (see fastmuon.step.bucket_momentum)
         states = (
             [{k: _local(v) for k, v in env.state[params[k]].items()} for k in positions] if masking else ()
         )
-        update = env.rule.build(items, pattern, engine_for, env.options)
         guard = NonFiniteGuard(
             env.options.nonfinite, live_grads, local, states, defer=True, self_masked=update.self_masked()
         )

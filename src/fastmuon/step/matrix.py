@@ -24,6 +24,7 @@ from ..ns.matrices import MatrixMap
 from ..ns.newton_schulz import newton_schulz
 from .after_ns import AfterNS
 from .before_ns import SignInputs
+from .bucket_momentum import BucketMomentum, in_layout
 from .contracts import AfterNSStage, Engine, EngineFor
 from .elementwise import (
     RMS_SCALE,
@@ -106,6 +107,7 @@ def matrix_items(
                 piece=piece.number,
                 whole=piece.whole,
                 cautious=cautious,
+                state=state if piece.buf is buf else None,
             )
         )
     return items
@@ -238,11 +240,13 @@ class MatrixProgram:
         engine_for: EngineFor,
         stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
         mask_packed: bool = False,
+        flagged: bool = False,
     ):
         parts = batch_order(items)
         if mask_packed:  # large maskable matrices in parts of their own (see PACKED_MASK_MIN_ELEMENTS)
             parts = [sub for part in parts for sub in partition(part, _masks_when_packed).values()]
         ordered = [i for part in parts for i in part]  # not kept: the items hold this step's gradients
+        self.flagged = flagged  # steps come with keep flags: masked buckets may keep momentum in their layout
         self.params = [i.param for i in ordered]
         self.configs = [i.config for i in ordered]
         self.dtypes = [p.dtype for p in self.params]
@@ -314,6 +318,7 @@ class MatrixProgram:
         self.masked_positions: frozenset[int] = frozenset()  # see self_masked (set there too)
         self.stage_masks = False  # the stage after NS masks rejected matrices itself (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
+        self.bufs = [i.buf for i in ordered]  # where a bucket moved them into its layout, its views
         if self.buckets is None:
             self.masked_positions = self.packed_masked
 
@@ -356,6 +361,12 @@ class MatrixProgram:
             ks = sorted(members)  # the program's order: each stage's batches as over all matrices
             slot = {k: j for j, k in enumerate(members)}
             ns_dtype = engine.bucket_dtype(b)
+            masked = self.stage_masks and all(_masks_itself(ordered[k]) for k in ks)
+            parts = {part_of[k] for k in members}  # one part, stepped in the buffers' dtype
+            flat = None
+            if masked and self.flagged and len(parts) == 1 and self.part_specs[parts.pop()].work is None:
+                items = [ordered[k] for k in members]
+                flat = in_layout(engine, b, items, self.grad_positions, self.keep_positions)
             moms = []
             parts_here = []
             for p, (_, group, work, _) in enumerate(self.part_specs):
@@ -363,7 +374,7 @@ class MatrixProgram:
                 if not mine:
                     continue
                 parts_here.append(p)
-                bufs = [self.bufs[k] for k in mine]
+                bufs = [ordered[k].buf for k in mine]  # moved into the layout where flat
                 momentum: Momentum
                 if work is not None:
                     momentum = functools.partial(ema_momentum_widened_, dtype=work)
@@ -393,7 +404,6 @@ class MatrixProgram:
                 and min(self.params[k].numel() for k in ks) >= NARROW_APPLY_MIN_ELEMENTS
             )
             self.any_narrow = self.any_narrow or narrow
-            masked = self.stage_masks and all(_masks_itself(ordered[k]) for k in ks)
             (masked_here if masked else unmasked_here).update(ordered[k].index for k in ks)
             steps.append(
                 BucketStep(
@@ -416,6 +426,7 @@ class MatrixProgram:
                     masked=masked,
                     flag_places=tuple(self.keep_positions[k] for k in ks),
                     momentum_flags=[Gather([ks.index(k) for k in ks if part_of[k] == p]) for p in parts_here],
+                    flat=flat,
                 )
             )
         self.masked_positions = frozenset(masked_here - unmasked_here)
@@ -457,6 +468,9 @@ class MatrixProgram:
         if bucketwise is not None and not hooks and bucketwise.bucketwise():
             self._run_bucketwise(bucketwise, grads, scalars, scales, keep)
             return
+        for step in self.buckets or ():  # all buckets at once: from the buffers the state holds
+            if step.flat is not None:
+                step.flat.held()
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
         for p, (bufs, pick, g, out, momentum) in enumerate(self._momentum_parts()):
@@ -510,12 +524,19 @@ class MatrixProgram:
         # a tensor scale multiplies the updates in place: those must come in the full dtype
         narrow_ok = self.any_narrow and not any(isinstance(s, Tensor) for s in scales)
         for step in self.buckets or ():
-            views = engine.open_bucket(step.index)
             flags = step.flags(keep) if keep is not None and step.masked else None
-            if flags is None:
+            if step.flat is not None:  # the bucket's momentum in its layout: the input in one go
+                batch = engine.open_batch(step.index)
+                g = step.momentum[0].group
+                step.flat.step(grads, batch, keep, beta[g], nesterov[g])
+                views = step.flat.frame.members(batch) if len(step.signed) else []
+                del batch
+            elif flags is None:
+                views = engine.open_bucket(step.index)
                 for bufs, pick, g, out, momentum in step.momentum:
                     momentum(bufs, pick(grads), beta[g], nesterov[g], out=out(views))
             else:
+                views = engine.open_bucket(step.index)
                 rejected = list((~flags).unbind(0))
                 for (bufs, pick, g, out, _), mine in zip(step.momentum, step.momentum_flags):
                     _masked_momentum(
@@ -699,6 +720,7 @@ class BucketStep:
     flag_places: tuple[int, ...]
     momentum_flags: list[Gather]
     flag_index: dict[torch.device, Tensor] = field(default_factory=dict)
+    flat: BucketMomentum | None = None  # the momentum kept in the bucket's layout, if it is
 
     def flags(self, keep: Tensor) -> Tensor:
         """The members' keep flags (program order), a vector on the keep vector's device: one

@@ -39,3 +39,7 @@ class MatrixItem:
     sign_input: bool = False
     # the per-matrix state the rule's stage after NS reads (e.g. fastmuon.step.moments.Moment)
     stage: Any = None
+    # the parameter's state, where ``buf`` is its whole ``"momentum_buffer"`` (None: a piece of
+    # it): a bucket that keeps its members' momentum in one buffer re-points the entry there
+    # (see fastmuon.step.bucket_momentum)
+    state: dict[str, Any] | None = None

@@ -1,0 +1,134 @@
+"""A bucket's momentum kept in the bucket's own layout: one ``(B, R, C)`` buffer per bucket,
+each member parameter's ``momentum_buffer`` a view of its slot.
+
+Off the host, a bucket stepped on its own (see ``MatrixProgram``) that masks a rejected
+gradient itself would otherwise step its momentum one matrix at a time: a rejected matrix needs
+weights of its own, and torch's foreach ops take per-tensor weights only as host scalars, so each
+matrix cost three launches (a masked gradient, the EMA, the NS input). With the momentum laid
+out as the bucket's NS input, the weights are one ``(B, 1, 1)`` tensor: each gradient goes into
+its slot (zeros if rejected), then the EMA and the NS input take one launch each for the whole
+bucket, each element through the operations the per-matrix step applies (``M.lerp_(g, w)``,
+then ``g.lerp(M, b)`` or ``M·1``), so the values are the same. (The layout
+is the idea of flat parameters, as in FSDP's ``FlatParameter``, applied to optimizer state.)
+
+The parameters' state stays a tensor per parameter, as ``torch.optim`` keeps it: a view, in the
+parameter's shape (a transposed member's is a transposed view). A state dict saves each view
+with the storage they share; one loaded in its place is moved back into a bucket's buffer when
+the step is prepared again (``load_state_dict`` forgets the prepared step).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ns.engine import BucketFrame, Orthogonalizer
+from ..ns.gather import Gather
+from .matrix_item import MatrixItem
+
+#: the state entry a matrix's momentum lives in (see ``matrix_items``)
+KEY = "momentum_buffer"
+
+
+@dataclass(eq=False)
+class BucketMomentum:
+    """One bucket's EMA momentum step, its members' buffers views of ``buffer``."""
+
+    frame: BucketFrame
+    buffer: Tensor  # (B, R, C): every member's momentum, in slot order
+    views: list[Tensor]  # each member's view of it, in slot order: what its state holds
+    states: list[dict[str, Any]]  # the members' state, in slot order
+    grads: Gather  # the members' gradients among the step's, in slot order
+    flag_places: tuple[int, ...]  # the members' places in the step's keep vector, in slot order
+    zero: Tensor  # what a rejected gradient is read as (0-d, made once: a fill is a launch)
+    flag_index: dict[torch.device, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def over(
+        cls, frame: BucketFrame, items: Sequence[MatrixItem], grads: Gather, flag_places: tuple[int, ...]
+    ) -> BucketMomentum:
+        """The step of a bucket whose members are ``items`` (in slot order, each with its
+        ``state``), their buffers moved into a new buffer (``buf`` and the state entry then the
+        member's view of it)."""
+        buffer = torch.empty(frame.shape, dtype=items[0].buf.dtype, device=items[0].buf.device)
+        views = frame.members(buffer)
+        states: list[dict[str, Any]] = [it.state for it in items]  # type: ignore[misc]  # eligible ones have it
+        for it, view in zip(items, views):
+            view.copy_(it.buf)
+            it.state[KEY] = it.buf = view  # type: ignore[index]
+        return cls(frame, buffer, views, states, grads, flag_places, buffer.new_zeros(()))
+
+    def step(
+        self, grads: Sequence[Tensor], batch: Tensor, keep: Tensor | None, beta: float, nesterov: bool
+    ) -> None:
+        """``M ← lerp(M, g, 1−β)`` and the NS input (``lerp(g, M, β)``, Nesterov, else ``M``)
+        written into ``batch``, the bucket's input buffer. With ``keep`` a rejected member's
+        gradient is read as zeros and its weights are 0: its buffer stays as it was
+        (``M + 0·(0 − M)``) and its NS input is exact zeros, as ``MatrixProgram``'s masked
+        per-matrix step leaves them."""
+        self.held()
+        M = self.buffer
+        G = torch.empty(M.shape, dtype=M.dtype, device=M.device)
+        mine = self.grads(grads)
+        if keep is None:
+            self.frame.stack(mine, G)
+            M.lerp_(G, 1 - beta)
+            if nesterov:
+                torch.lerp(G, M, beta, out=batch)
+            else:
+                batch.copy_(M)
+            return
+        flags = self._flags(keep)
+        # each gradient, zeros if rejected, straight into its slot: one pass over the gradients
+        # (a stack and then a masked fill would take two)
+        for g, rejected, slot in zip(mine, (~flags).view(-1).unbind(0), self.frame.members(G)):
+            torch.where(rejected, self.zero, g, out=slot)
+        M.lerp_(G, torch.mul(flags, 1 - beta))
+        if nesterov:
+            torch.lerp(G, M, torch.mul(flags, beta), out=batch)
+        else:
+            torch.mul(M, flags.to(M.dtype), out=batch)
+
+    def held(self) -> None:
+        """Each member's state still holds its view: where another tensor was put in its place
+        (a step prepared for other gradients keeps these members elsewhere, or a hand-made
+        change), its values are moved back into this buffer and the entry re-pointed. No
+        Python frame per member."""
+        current = [state[KEY] for state in self.states]
+        if all(map(operator.is_, current, self.views)):
+            return
+        for state, view, now in zip(self.states, self.views, current):
+            if now is not view:
+                view.copy_(now)
+                state[KEY] = view
+
+    def _flags(self, keep: Tensor) -> Tensor:
+        """The members' keep flags as ``(B, 1, 1)``: one index select, no host read."""
+        index = self.flag_index.get(keep.device)
+        if index is None:
+            index = self.flag_index[keep.device] = torch.tensor(self.flag_places, device=keep.device)
+        return keep.index_select(0, index).view(-1, 1, 1)
+
+
+def in_layout(
+    engine: Orthogonalizer,
+    b: int,
+    items: Sequence[MatrixItem],
+    grad_positions: Sequence[int],
+    keep_positions: Sequence[int],
+) -> BucketMomentum | None:
+    """Bucket ``b``'s momentum step in its layout, its members (``items``, in slot order, at
+    ``grad_positions`` among the step's gradients and ``keep_positions`` in its keep vector,
+    both by place in the program) moved there; None where the members do not fill the bucket
+    or are pieces of a parameter, or a compiler traces the step (no state is moved in a trace)."""
+    frame = engine.frame(b) if not torch.compiler.is_compiling() else None
+    if frame is None or any(it.state is None for it in items):
+        return None
+    members = engine.members(b)
+    grads = Gather([grad_positions[k] for k in members])
+    return BucketMomentum.over(frame, items, grads, tuple(keep_positions[k] for k in members))
