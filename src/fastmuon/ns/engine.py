@@ -486,11 +486,13 @@ class Orthogonalizer:
 
     def frame(self, b: int) -> BucketFrame | None:
         """Bucket ``b`` for a caller that keeps tensors laid out as its NS input (see
-        :class:`BucketFrame`): off the host, eager, its members filling every slot (else None)."""
+        :class:`BucketFrame`): off the host, eager, its members filling every slot, and its
+        kernel one that takes :meth:`run_bucket`'s ``drop`` (else None)."""
         rec = self.records[b]
         if rec.host or rec.compiled or rec.padded or len(rec.indices) != rec.bucket.shape[0]:
             return None
-        return BucketFrame(rec)
+        takes_drop = rec.bucket.method in ("standard", "gram") and rec.config.preconditioning == "frobenius"
+        return BucketFrame(rec) if takes_drop else None
 
     def open_batch(self, b: int) -> Tensor:
         """:meth:`open_bucket` for a bucket with a :meth:`frame`: the ``(B, R, C)`` input buffer
@@ -534,12 +536,15 @@ class Orthogonalizer:
         out_dtype: torch.dtype | None = None,
         keep: Tensor | None = None,
         keep_positions: tuple[int, ...] | None = None,
+        drop: Tensor | None = None,
     ) -> list[Tensor]:
         """Bucket ``b``'s NS of what :meth:`open_bucket` handed out, as results in slot order with
         each member's shape: in the NS dtype (``out_dtype`` None), else cast to ``out_dtype``.
 
         They are views of the buffer the next bucket reuses: consume them first. ``keep`` and
-        ``keep_positions``: as in :meth:`__call__`.
+        ``keep_positions``: as in :meth:`__call__`. ``drop`` (off the host, a :meth:`frame`'s
+        bucket): ``(B, 1, 1)`` floats, 0 where a member's result must be zeros though its input
+        is finite (zeroed in the normalisation, no pass of its own), 1 elsewhere.
         """
         rec = self.records[b]
         layout: BucketLayout = rec.shared  # type: ignore[assignment]  # None off the host
@@ -553,7 +558,7 @@ class Orthogonalizer:
         if keep is not None:
             zero_rejected_(batch, keep.index_select(0, self._keep_index(rec, keep.device, keep_positions)))
         if not rec.host:
-            return _run_fresh(rec, batch, out_dtype)
+            return _run_fresh(rec, batch, out_dtype, drop)
         eps = rec.config.eps
         if rec.reuse:
             out = rec.kernel(
@@ -896,12 +901,17 @@ def _fresh_input(rec: BucketRecord) -> Tensor:
     return make(bucket.shape, dtype=bucket.dtype, device=bucket.device)
 
 
-def _run_fresh(rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None) -> list[Tensor]:
+def _run_fresh(
+    rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None, drop: Tensor | None = None
+) -> list[Tensor]:
     """:meth:`Orthogonalizer.run_bucket` off the host: NS of ``batch`` (the buffer
     :func:`_fresh_input` made), the kernel free to write into it once read (it is this call's
     alone); the results in slot order, cast to ``out_dtype`` where given: a bucket its members
     fill in one cast (a launch, where one per member would be as many), views of it."""
-    out = rec.kernel(batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True)
+    masked = {} if drop is None else {"keep": drop}
+    out = rec.kernel(
+        batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True, **masked
+    )
     if out_dtype is None or out_dtype == out.dtype:
         return _slot_views(out, rec)
     if not rec.padded and len(rec.indices) == rec.bucket.shape[0]:

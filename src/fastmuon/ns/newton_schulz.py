@@ -323,7 +323,15 @@ def _fresh(tag: str, shape: tuple[int, ...]) -> None:
     return None
 
 
-def _normalize(X: Tensor, eps: float, out: Tensor | None = None, *, host: bool, host_reads: bool) -> Tensor:
+def _normalize(
+    X: Tensor,
+    eps: float,
+    out: Tensor | None = None,
+    *,
+    host: bool,
+    host_reads: bool,
+    keep: Tensor | None = None,
+) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
     Where a host check is free (``host_reads``: a CPU, eager, reads allowed) each matrix whose norm is in
@@ -338,7 +346,7 @@ def _normalize(X: Tensor, eps: float, out: Tensor | None = None, *, host: bool, 
     """
     if out is None and not X.is_contiguous():
         out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
-    if _host_check_is_free(X, host_reads):
+    if keep is None and _host_check_is_free(X, host_reads):
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
         exact = _plain_norm_is_exact(norm)
         if all(exact):
@@ -347,10 +355,12 @@ def _normalize(X: Tensor, eps: float, out: Tensor | None = None, *, host: bool, 
             safe = _normalize_safe(X, eps, host=host)
             plain = torch.div(X, _plus_eps(norm, eps), out=out)
             return torch.where(_slot_mask(exact, X.device), plain, safe, out=plain)
-    return _normalize_safe(X, eps, out, host=host)
+    return _normalize_safe(X, eps, out, host=host, keep=keep)
 
 
-def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: bool) -> Tensor:
+def _normalize_safe(
+    X: Tensor, eps: float, out: Tensor | None = None, *, host: bool, keep: Tensor | None = None
+) -> Tensor:
     """``X / (‖X‖ + eps)`` computed so that huge or tiny matrices neither overflow nor underflow.
 
     Computed as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest
@@ -365,13 +375,19 @@ def _normalize_safe(X: Tensor, eps: float, out: Tensor | None = None, *, host: b
     batch in its own dtype (about 12 bytes per bf16 element, against 22 through the fp64 copy
     that torch's fp64-accumulating norm writes first). So off the host a matrix's last bit may
     depend on the size of the bucket the plan gives it (fixed for a given set of parameters).
+
+    ``keep`` (``(B, 1, 1)``, 1 or 0 per matrix): a matrix whose flag is 0 comes out zeros, its
+    denominator divided by 0 (inf), so a step that must not apply a matrix's result (its
+    gradient rejected, its input finite) needs no pass of its own to zero it; the others'
+    denominators are divided by 1, exactly.
     """
     if takes_fp64_route(X.numel(), X.dtype, X.device, host):
-        return _normalize_in_fp64(X, eps, out)
+        return _normalize_in_fp64(X, eps, out, keep)
     scale = _power_of_two_below(_largest_entry(X, host))
     X = torch.div(X, scale, out=out)  # a new tensor: the division below may work in place
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
-    return X.div_(norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny))
+    denom = norm + eps / scale if eps else norm.clamp_min(torch.finfo(X.dtype).tiny)
+    return X.div_(denom if keep is None else denom.div_(keep))
 
 
 #: Device types without float64 arithmetic (they take the power-of-two route).
@@ -408,7 +424,7 @@ def normalize_in_fp64_(batches: Sequence[Tensor], eps: float) -> None:
         torch.div(X, denom, out=X)
 
 
-def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None) -> Tensor:
+def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None, keep: Tensor | None = None) -> Tensor:
     """``X / (‖X‖ + eps)`` with the norm and the division in fp64, rounded once to ``X``'s dtype.
 
     Squares of fp32/bf16 entries cannot overflow or underflow in fp64 (their exponents span
@@ -419,6 +435,8 @@ def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None) -> Tensor:
     """
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     denom = norm.add_(eps) if eps else norm.clamp_min_(torch.finfo(X.dtype).tiny)
+    if keep is not None:  # see _normalize_safe
+        denom.div_(keep)
     if out is None:
         out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
     return torch.div(X, denom, out=out)
@@ -486,17 +504,19 @@ def _iterate(
     host_reads: bool,
     reuse_input: bool = False,
     normalized: bool = False,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
     written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch.
     With ``reuse_input`` (see :data:`Scratch`) ``X``'s buffer is the second ping-pong buffer
     once normalised, and the result lands in whichever of the two is free (``out`` unused).
     ``normalized``: ``X`` is divided by its norms already (:func:`normalize_in_fp64_`), and its
-    buffer is the caller's to overwrite, as a second ping-pong buffer."""
+    buffer is the caller's to overwrite, as a second ping-pong buffer. ``keep``: see
+    :func:`_normalize_safe`."""
     if normalized:
         return _polynomial_steps(X, schedule, scratch, out)
     source = X
-    X = _normalize(X, eps, out=scratch("X", X.shape), host=host, host_reads=host_reads)
+    X = _normalize(X, eps, out=scratch("X", X.shape), host=host, host_reads=host_reads, keep=keep)
     return _polynomial_steps(X, schedule, scratch, out, spare=source if reuse_input else None)
 
 
@@ -594,6 +614,7 @@ def _iterate_gram(
     host: bool,
     host_reads: bool,
     reuse_input: bool = False,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """The same iteration carried out on the small ``R×R`` side, for wide ``R×C`` batches.
 
@@ -614,6 +635,7 @@ def _iterate_gram(
     With ``reuse_input`` (see :data:`Scratch`) the restarts alternate between scratch and
     ``X``'s own buffer (free after the first restart), and the result lands in whichever of
     them is free (``out`` is used only where the last iterate is still the input itself).
+    ``keep``: see :func:`_normalize_safe`.
     """
     source = X
     # nothing kept (every temporary fresh) and the input ours: it is normalised in place, and
@@ -621,7 +643,7 @@ def _iterate_gram(
     # two such buffers live at once, not four
     rotate = reuse_input and scratch is _fresh and X.is_contiguous()
     X, A, inv_norm = _normalized_gram(
-        X, eps, scratch, host=host, host_reads=host_reads, into=X if rotate else None
+        X, eps, scratch, host=host, host_reads=host_reads, into=X if rotate else None, keep=keep
     )
     restarts = gram_restarts(len(schedule), X.dtype, gram_first_run(schedule))
     Q: Tensor | None = None
@@ -710,7 +732,14 @@ def gram_runs(steps: int, dtype: torch.dtype | None, first_run: int = DEFAULT_GR
 
 
 def _normalized_gram(
-    X: Tensor, eps: float, scratch: Scratch, *, host: bool, host_reads: bool, into: Tensor | None = None
+    X: Tensor,
+    eps: float,
+    scratch: Scratch,
+    *,
+    host: bool,
+    host_reads: bool,
+    into: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten.
     ``into``: where the second form's ``X₀`` goes (``X`` itself may be given: normalised in place).
@@ -725,7 +754,7 @@ def _normalized_gram(
     never depends on its bucket mates (a skipped matrix's zeros do not change the others).
     """
     gram_shape = (X.size(0), X.size(1), X.size(1))
-    if _host_check_is_free(X, host_reads):
+    if keep is None and _host_check_is_free(X, host_reads):
         A = torch.bmm(X, X.mT, out=scratch("A", gram_shape))
         norm = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min_(0).sqrt_().view(-1, 1, 1)
         exact = _plain_norm_is_exact(norm)
@@ -739,7 +768,9 @@ def _normalized_gram(
             A0 = torch.bmm(X0, X0.mT)
             A = torch.where(plain, A.mul_(inv_norm.square()), A0, out=A)
             return X0, A, torch.where(plain, inv_norm, 1.0)
-    X0 = _normalize_safe(X, eps, out=into if into is not None else scratch("X", X.shape), host=host)
+    X0 = _normalize_safe(
+        X, eps, out=into if into is not None else scratch("X", X.shape), host=host, keep=keep
+    )
     return X0, torch.bmm(X0, X0.mT, out=scratch("A", gram_shape)), None
 
 

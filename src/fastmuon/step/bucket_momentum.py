@@ -65,12 +65,15 @@ class BucketMomentum:
 
     def step(
         self, grads: Sequence[Tensor], batch: Tensor, keep: Tensor | None, beta: float, nesterov: bool
-    ) -> None:
+    ) -> Tensor | None:
         """``M ← lerp(M, g, 1−β)`` and the NS input (``lerp(g, M, β)``, Nesterov, else ``M``)
         written into ``batch``, the bucket's input buffer. With ``keep`` a rejected member's
-        gradient is read as zeros and its weights are 0: its buffer stays as it was
-        (``M + 0·(0 − M)``) and its NS input is exact zeros, as ``MatrixProgram``'s masked
-        per-matrix step leaves them."""
+        gradient is read as zeros and its EMA weight is 0: its buffer stays as it was
+        (``M + 0·(0 − M)``). Its NS input is then ``M`` times 0 (exact zeros), or, Nesterov,
+        ``lerp(0, M, β)``, finite: the returned ``(B, 1, 1)`` flags are then the engine's
+        ``drop`` (``run_bucket``), whose normalisation zeroes it. (A per-slot weight would need
+        a tensor weight, and torch's ``lerp`` writes one only into its inputs' dtype, not the
+        NS dtype: the NS input would take a cast copy, a pass over the bucket.)"""
         self.held()
         M = self.buffer
         G = torch.empty(M.shape, dtype=M.dtype, device=M.device)
@@ -82,17 +85,19 @@ class BucketMomentum:
                 torch.lerp(G, M, beta, out=batch)
             else:
                 batch.copy_(M)
-            return
+            return None
         flags = self._flags(keep)
         # each gradient, zeros if rejected, straight into its slot: one pass over the gradients
         # (a stack and then a masked fill would take two)
         for g, rejected, slot in zip(mine, (~flags).view(-1).unbind(0), self.frame.members(G)):
             torch.where(rejected, self.zero, g, out=slot)
         M.lerp_(G, torch.mul(flags, 1 - beta))
+        ones = flags.to(M.dtype)
         if nesterov:
-            torch.lerp(G, M, torch.mul(flags, beta), out=batch)
-        else:
-            torch.mul(M, flags.to(M.dtype), out=batch)
+            torch.lerp(G, M, beta, out=batch)
+            return ones
+        torch.mul(M, ones, out=batch)
+        return None
 
     def held(self) -> None:
         """Each member's state still holds its view: where another tensor was put in its place

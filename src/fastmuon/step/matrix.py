@@ -525,10 +525,11 @@ class MatrixProgram:
         narrow_ok = self.any_narrow and not any(isinstance(s, Tensor) for s in scales)
         for step in self.buckets or ():
             flags = step.flags(keep) if keep is not None and step.masked else None
+            drop = None  # a flat bucket's rejected members, zeroed in the normalisation
             if step.flat is not None:  # the bucket's momentum in its layout: the input in one go
                 batch = engine.open_batch(step.index)
                 g = step.momentum[0].group
-                step.flat.step(grads, batch, keep, beta[g], nesterov[g])
+                drop = step.flat.step(grads, batch, keep, beta[g], nesterov[g])
                 views = step.flat.frame.members(batch) if len(step.signed) else []
                 del batch
             elif flags is None:
@@ -548,7 +549,7 @@ class MatrixProgram:
             dtype = None if narrow or (stage is not None and step.exact_cast) else step.out_dtype
             # a masked bucket's rejected inputs are exact zeros already (see _masked_momentum)
             zeroed = keep if flags is None else None
-            updates = step.order(engine.run_bucket(step.index, dtype, zeroed, self.keep_positions))
+            updates = step.order(engine.run_bucket(step.index, dtype, zeroed, self.keep_positions, drop))
             # off the host the bucket's input and, once applied, its results are freed here, so
             # that the next bucket's memory is theirs (names held over would keep them alive)
             del views
