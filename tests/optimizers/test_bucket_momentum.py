@@ -202,3 +202,26 @@ def test_the_buffers_moved_out_of_are_freed(accelerator_paths):
     gc.collect()
     assert _bucketed(opt, params)[1]
     assert all(ref() is None for ref in former)
+
+
+def test_a_bucket_moves_in_while_the_buckets_before_it_have_freed_theirs(accelerator_paths, monkeypatch):
+    """Moving the buffers at preparation holds one bucket's worth more at a time, not a second
+    copy of every matrix's momentum."""
+    import gc
+    import weakref
+
+    params = make_params(SHAPES)
+    opt = _muon(params)
+    opt.init_state()
+    former = [weakref.ref(opt.state[p]["momentum_buffer"]) for p in params[:6]]
+    alive_at_each = []
+    over = bucket_momentum.BucketMomentum.over.__func__
+
+    def counting(cls, frame, items, *args):
+        gc.collect()
+        alive_at_each.append(sum(ref() is not None for ref in former))
+        return over(cls, frame, items, *args)
+
+    monkeypatch.setattr(bucket_momentum.BucketMomentum, "over", classmethod(counting))
+    run_optimizer(opt, params, make_grads(params, steps=1))
+    assert alive_at_each == [6, 3]

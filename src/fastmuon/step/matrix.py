@@ -318,7 +318,6 @@ class MatrixProgram:
         self.masked_positions: frozenset[int] = frozenset()  # see self_masked (set there too)
         self.stage_masks = False  # the stage after NS masks rejected matrices itself (set there too)
         self.buckets = self._bucket_steps(ordered, scale_class, whole)
-        self.bufs = [i.buf for i in ordered]  # where a bucket moved them into its layout, its views
         if self.buckets is None:
             self.masked_positions = self.packed_masked
 
@@ -367,6 +366,9 @@ class MatrixProgram:
             if masked and self.flagged and len(parts) == 1 and self.part_specs[parts.pop()].work is None:
                 items = [ordered[k] for k in members]
                 flat = in_layout(engine, b, items, self.grad_positions, self.keep_positions)
+                if flat is not None:  # the former buffers freed now: a bucket's worth at a time
+                    for k in members:
+                        self.bufs[k] = ordered[k].buf
             moms = []
             parts_here = []
             for p, (_, group, work, _) in enumerate(self.part_specs):
