@@ -161,12 +161,6 @@ class BucketFrame:
         """Each member's place in ``batch``, in slot order, a view in the member's own shape."""
         return _slot_views(batch, self.record)
 
-    def stack(self, tensors: Sequence[Tensor], out: Tensor) -> None:
-        """``tensors`` (one per member, in slot order, each in its own shape) into ``out``: one
-        stack per run of slots of one layout and orientation."""
-        for run in self.record.runs:
-            torch.stack(list(tensors[run.start : run.stop]), out=run.slots(out))
-
 
 def _cast_places(rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: torch.dtype) -> list[Tensor]:
     """The members' places for their results cast to ``dtype``, back to back with their own
@@ -489,7 +483,7 @@ class Orthogonalizer:
         :class:`BucketFrame`): off the host, eager, its members filling every slot, and its
         kernel one that takes :meth:`run_bucket`'s ``drop`` (else None)."""
         rec = self.records[b]
-        if rec.host or rec.compiled or rec.padded or len(rec.indices) != rec.bucket.shape[0]:
+        if rec.host or rec.compiled or not _filled(rec):
             return None
         takes_drop = rec.bucket.method in ("standard", "gram") and rec.config.preconditioning == "frobenius"
         return BucketFrame(rec) if takes_drop else None
@@ -914,9 +908,14 @@ def _run_fresh(
     )
     if out_dtype is None or out_dtype == out.dtype:
         return _slot_views(out, rec)
-    if not rec.padded and len(rec.indices) == rec.bucket.shape[0]:
+    if _filled(rec):
         return _slot_views(out.to(out_dtype), rec)
     return [v.to(out_dtype) for v in _slot_views(out, rec)]
+
+
+def _filled(rec: BucketRecord) -> bool:
+    """Whether the bucket's members fill every slot of it, whole (no padding, no empty slot)."""
+    return not rec.padded and len(rec.indices) == rec.bucket.shape[0]
 
 
 def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:

@@ -8,7 +8,7 @@ matrix cost three launches (a masked gradient, the EMA, the NS input). With the 
 out as the bucket's NS input, the weights are one ``(B, 1, 1)`` tensor: each gradient goes into
 its slot (zeros if rejected), then the EMA and the NS input take one launch each for the whole
 bucket, each element through the operations the per-matrix step applies (``M.lerp_(g, w)``,
-then ``g.lerp(M, b)`` or ``M·1``), so the values are the same. (The layout
+then ``g.lerp(M, β)`` or ``M·1``), so the values are the same. (The layout
 is the idea of flat parameters, as in FSDP's ``FlatParameter``, applied to optimizer state.)
 
 The parameters' state stays a tensor per parameter, as ``torch.optim`` keeps it: a view, in the
@@ -64,32 +64,23 @@ class BucketMomentum:
         return cls(frame, buffer, views, states, grads, flag_places, buffer.new_zeros(()))
 
     def step(
-        self, grads: Sequence[Tensor], batch: Tensor, keep: Tensor | None, beta: float, nesterov: bool
+        self, grads: Sequence[Tensor], batch: Tensor, keep: Tensor, beta: float, nesterov: bool
     ) -> Tensor | None:
         """``M ← lerp(M, g, 1−β)`` and the NS input (``lerp(g, M, β)``, Nesterov, else ``M``)
-        written into ``batch``, the bucket's input buffer. With ``keep`` a rejected member's
-        gradient is read as zeros and its EMA weight is 0: its buffer stays as it was
+        written into ``batch``, the bucket's input buffer (the state must hold the members'
+        views: see :meth:`held`). A member ``keep`` rejects has its
+        gradient read as zeros and its EMA weight 0: its buffer stays as it was
         (``M + 0·(0 − M)``). Its NS input is then ``M`` times 0 (exact zeros), or, Nesterov,
         ``lerp(0, M, β)``, finite: the returned ``(B, 1, 1)`` flags are then the engine's
         ``drop`` (``run_bucket``), whose normalisation zeroes it. (A per-slot weight would need
         a tensor weight, and torch's ``lerp`` writes one only into its inputs' dtype, not the
         NS dtype: the NS input would take a cast copy, a pass over the bucket.)"""
-        self.held()
         M = self.buffer
         G = torch.empty(M.shape, dtype=M.dtype, device=M.device)
-        mine = self.grads(grads)
-        if keep is None:
-            self.frame.stack(mine, G)
-            M.lerp_(G, 1 - beta)
-            if nesterov:
-                torch.lerp(G, M, beta, out=batch)
-            else:
-                batch.copy_(M)
-            return None
         flags = self._flags(keep)
         # each gradient, zeros if rejected, straight into its slot: one pass over the gradients
         # (a stack and then a masked fill would take two)
-        for g, rejected, slot in zip(mine, (~flags).view(-1).unbind(0), self.frame.members(G)):
+        for g, rejected, slot in zip(self.grads(grads), (~flags).view(-1).unbind(0), self.frame.members(G)):
             torch.where(rejected, self.zero, g, out=slot)
         M.lerp_(G, torch.mul(flags, 1 - beta))
         ones = flags.to(M.dtype)

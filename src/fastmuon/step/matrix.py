@@ -466,13 +466,13 @@ class MatrixProgram:
         if self.splits:
             grads = [g for index, split in self.splits for g in split(grads[index])] + list(grads)
         scales = [scalars.base[g] * f for g, f in self.scale_keys]
+        for step in self.buckets or ():  # the momentum steps read the buffers the state holds
+            if step.flat is not None:
+                step.flat.held()
         bucketwise = self.bucketwise_engine
         if bucketwise is not None and not hooks and bucketwise.bucketwise():
             self._run_bucketwise(bucketwise, grads, scalars, scales, keep)
             return
-        for step in self.buckets or ():  # all buckets at once: from the buffers the state holds
-            if step.flat is not None:
-                step.flat.held()
         # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
         for p, (bufs, pick, g, out, momentum) in enumerate(self._momentum_parts()):
@@ -528,7 +528,7 @@ class MatrixProgram:
         for step in self.buckets or ():
             flags = step.flags(keep) if keep is not None and step.masked else None
             drop = None  # a flat bucket's rejected members, zeroed in the normalisation
-            if step.flat is not None:  # the bucket's momentum in its layout: the input in one go
+            if step.flat is not None and keep is not None:  # the momentum in the bucket's layout
                 batch = engine.open_batch(step.index)
                 g = step.momentum[0].group
                 drop = step.flat.step(grads, batch, keep, beta[g], nesterov[g])
