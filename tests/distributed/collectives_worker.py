@@ -20,7 +20,7 @@ from gloo_rank import rank_args, run_rank
 import fastmuon
 from fastmuon.distributed import subgroups
 from fastmuon.ns import device as ns_device
-from fastmuon.step.cache import CACHE_SIZE
+from fastmuon.step.driver import CACHE_SIZE
 
 LOGGED = (
     "all_reduce",

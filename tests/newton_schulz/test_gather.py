@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastmuon.ns.gather import Gather
+from fastmuon.ns.engine import Gather
 
 
 def test_a_gather_picks_its_positions_in_order():

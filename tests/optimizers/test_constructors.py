@@ -21,7 +21,7 @@ from torch import nn
 
 import fastmuon
 from fastmuon import Muon, MuSGD
-from fastmuon.step.elementwise import lr_scale
+from fastmuon.step.matrix import lr_scale
 
 ULTRALYTICS_ORDER = ["params", "lr", "momentum", "weight_decay", "nesterov", "use_muon", "muon", "sgd"]
 

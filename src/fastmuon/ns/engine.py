@@ -20,14 +20,13 @@ import operator
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor
 
 from . import device
 from .device import compute_dtype, wider_dtype
-from .gather import Gather
 from .layout import memory_order
 from .newton_schulz import (
     METHODS,
@@ -44,7 +43,6 @@ from .newton_schulz import (
     takes_fp64_route,
 )
 from .planner import Bucket, MatrixSpec, Plan
-from .workspace import BucketLayout, SharedWorkspace
 
 
 @dataclass(frozen=True)
@@ -1180,3 +1178,178 @@ def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:
     keep = keep if isinstance(keep, Tensor) else torch.stack(list(keep))
     rejected = ~keep.view(-1, 1, 1)
     batch.masked_fill_(rejected, 0)
+
+
+class Gather:
+    """Picks fixed positions out of a per-step list (e.g. the gradients of one foreach call)."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: Sequence[int]):
+        self.indices = list(indices)
+
+    def __call__(self, seq: Sequence[Any]) -> list[Any]:
+        # map over a bound __getitem__: one C loop, no Python frame per item, and dynamo traces it
+        return list(map(seq.__getitem__, self.indices))
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __bool__(self) -> bool:
+        """Always true, empty or not (a picker is a callable, not a container): torch.compile
+        tests a callable's truth before calling it, and torch 2.11's Dynamo does so on a Gather
+        built inside the traced step before its ``__init__`` has run (no ``indices`` yet)."""
+        return True
+
+
+class SharedWorkspace:
+    """The flat buffer, and each bucket's layout in it (see :class:`BucketLayout`).
+
+    It grows only between buckets (:meth:`BucketLayout.open`), so no buffer a kernel holds is
+    ever moved under it: a request that does not fit during a bucket's call is served with a
+    fresh tensor and fits from the next call on.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.flat = torch.empty(0, dtype=torch.uint8, device=device)
+        self.layouts: list[BucketLayout] = []
+
+    def grow(self) -> None:
+        """Reach the largest layout known, dropping every view of the buffer it replaces (so
+        that one is freed now, not kept alive by a bucket's views until its next call)."""
+        need = max(layout.end for layout in self.layouts)
+        if need > self.flat.numel():
+            for layout in self.layouts:
+                layout.views.clear()
+                layout.cache.clear()
+            self.flat = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed first
+            self.flat = torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def layout(self, dtype: torch.dtype, shape: Sequence[int]) -> BucketLayout:
+        layout = BucketLayout(self, dtype, tuple(shape))
+        self.layouts.append(layout)
+        return layout
+
+
+def _align(n: int) -> int:
+    return -(-n // 64) * 64  # every region starts on a cache line, as the allocator's blocks do
+
+
+class BucketLayout:
+    """One bucket's regions of the shared buffer: its input batch at the start, then each
+    temporary the kernel asks for by tag (newton_schulz.Scratch), in the order first asked."""
+
+    def __init__(self, space: SharedWorkspace, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.space = space
+        self.dtype = dtype
+        self.shape = shape
+        self.offsets: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.end = _align(_numel(shape) * dtype.itemsize)
+        self.views: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+        # what a caller derives from the views (e.g. its members' views of them), dropped
+        # with them when the buffer grows
+        self.cache: dict[str, object] = {}
+
+    def open(self) -> Tensor:
+        """The input batch, with the buffer grown to this layout first (made once per buffer)."""
+        if self.end > self.space.flat.numel():
+            self.space.grow()
+        return self.batch()
+
+    def batch(self) -> Tensor:
+        """The input batch (the bucket's shape and dtype, at the start of the buffer)."""
+        return self._view("input", self.shape, 0)
+
+    def _view(
+        self, tag: str, shape: tuple[int, ...], offset: int, dtype: torch.dtype | None = None
+    ) -> Tensor:
+        space = self.space
+        key = (tag, shape)
+        view = self.views.get(key)
+        if view is None:
+            dtype = dtype or self.dtype
+            nbytes = _numel(shape) * dtype.itemsize
+            view = self.views[key] = space.flat[offset : offset + nbytes].view(dtype).view(shape)
+        return view
+
+    def scratch(self, tag: str, shape: tuple[int, ...]) -> Tensor:
+        """The kernel's temporary ``tag`` (newton_schulz.Scratch), in the bucket's dtype."""
+        key = (tag, tuple(shape))
+        view = self.views.get(key)
+        if view is not None:  # made where it fitted: growing the buffer drops every view
+            return view
+        offset = self.offsets.get(key)
+        if offset is None:
+            offset = self.offsets[key] = self.end
+            self.end += _align(_numel(key[1]) * self.dtype.itemsize)
+        if offset + _numel(key[1]) * self.dtype.itemsize > self.space.flat.numel():
+            return torch.empty(key[1], dtype=self.dtype, device=self.space.device)  # fits from the next call
+        return self._view(tag, key[1], offset)
+
+    def free_after(self, result: Tensor, nbytes: int) -> tuple[int, bool]:
+        """Where ``nbytes`` fit without touching ``result`` (what the kernel returned): the start
+        of the buffer where they fit before ``result``, else just after it; and whether the
+        buffer reaches that far now (else it does from the next call on)."""
+        flat = self.space.flat
+        offset = 0  # a fresh result (one that did not fit yet) leaves all of the buffer free
+        if result.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
+            start = result.data_ptr() - flat.data_ptr()
+            if nbytes > start:
+                offset = _align(start + _extent(result))
+        self.end = max(self.end, offset + nbytes)
+        return offset, offset + nbytes <= flat.numel()
+
+    def place(self, tag: str, dtype: torch.dtype, numel: int, offset: int) -> Tensor:
+        """A flat view of ``numel`` elements of ``dtype`` at ``offset`` (made once per buffer)."""
+        return self._view(f"{tag}:{dtype}@{offset}", (numel,), offset, dtype)
+
+
+def _extent(t: Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (dense or strided)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def ns_config(group: dict[str, Any]) -> NSConfig:
+    """:meth:`NSConfig.make` of a group's Newton–Schulz settings, made once per distinct values:
+    a step reads every group's config, and making one resolves and checks its coefficients. A
+    compiler's trace makes it afresh: it runs once, and dynamo warns of any ``lru_cache`` it
+    traces through."""
+    steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
+    dtype, method = group["ns_dtype"], group["ns_method"]
+    if not (_plain(steps) and _plain(eps) and _plain(coefficients)) or torch.compiler.is_compiling():
+        # a tensor may change in place
+        return NSConfig.make(steps, coefficients, eps, dtype, method)
+    try:
+        # the types too: equal values of other types (5 and 5.0) make configs that differ
+        # a type is hashable (typeshed's Hashable does not say so of type[Any])
+        return _cached_ns_config(
+            type(steps),  # type: ignore[arg-type]
+            steps,
+            coefficients,
+            type(eps),  # type: ignore[arg-type]
+            eps,
+            dtype,
+            method,
+        )
+    except TypeError as e:
+        if "unhashable" not in str(e):
+            raise
+        return NSConfig.make(steps, coefficients, eps, dtype, method)
+
+
+def _plain(value: Any) -> bool:
+    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return type(value) in (str, int, float, bool)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_ns_config(
+    _steps_type: type, steps: Any, coefficients: Any, _eps_type: type, eps: Any, dtype: Any, method: Any
+) -> NSConfig:
+    return NSConfig.make(steps, coefficients, eps, dtype, method)

@@ -21,15 +21,16 @@ from torch.utils.hooks import RemovableHandle
 
 from ..distributed.dtensor import local_shard as _local
 from ..ns import device
+from ..ns.engine import ns_config
 from ..ns.matrices import MatrixMap, maps_of
 from ..ns.planner import Plan, counted
-from ..step.collecting import ns_config
 from ..step.contracts import Rule, RuleHolder
 from ..step.driver import StepDriver, StepEnv
 from ..step.state_dtype import cast_groups_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict, with_family_tag
 from .options import Options
 from .param_names import agree_on_names, restore_names
+from .qk_clip import TAU as QK_CLIP_TAU
 from .qk_clip import QKClip, refuse_unreached_default
 from .share import NO_MUON_FIX, MuonShare, empty_plan_note, muon_share
 from .validation import (
@@ -223,19 +224,27 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         the attention parts by ``logit_maxima`` (``{layer: per-head maxima}``, checked first; see
         :mod:`fastmuon.optim.qk_clip`). First, a deferred non-finite verdict of the step before
         raises (``nonfinite="raise"`` on an accelerator: :mod:`fastmuon.step.deferred`)."""
-        self._driver.raise_pending()
+        if self._driver.pending is not None:
+            self._driver.raise_pending()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        clip = self._qk_clip.prepare(
-            self.param_groups, logit_maxima, self._param_name, self.process_group, not self.options.capturable
-        )
+        clip = None
+        if any([g.get(QK_CLIP_TAU) is not None for g in self.param_groups]):  # checked before the update
+            clip = self._qk_clip.prepare(
+                self.param_groups,
+                logit_maxima,
+                self._param_name,
+                self.process_group,
+                not self.options.capturable,
+            )
         if self.options.foreach is False:
             self._driver.reference_step(self._step_env())
         else:
             self._driver.step(self._step_env())
-        clip()
+        if clip is not None:
+            clip()
         return loss
 
     def _step_env(self) -> StepEnv:

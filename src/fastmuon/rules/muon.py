@@ -12,7 +12,8 @@ from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
-from ..ns.matrices import MatrixMap, maps_key
+from ..ns.engine import ns_config
+from ..ns.matrices import MatrixMap
 from ..step.adamw import (
     AdamWClasses,
     AdamWItem,
@@ -21,17 +22,19 @@ from ..step.adamw import (
     adamw_state,
     single_tensor_adamw,
 )
-from ..step.collecting import CollectEnv, live_params, ns_config
+from ..step.collecting import CollectEnv, live_params
 from ..step.contracts import COUNT, LIKE_PARAM, AfterNSStage, EngineFor, StepOptions
-from ..step.elementwise import lr_factor
+from ..step.driver import TwoHalves, classes_each
+from ..step.elementwise import Scalar
 from ..step.matrix import (
     MatrixProgram,
     MatrixScalars,
+    lr_factor,
     matrix_items,
+    matrix_structure,
     single_tensor_matrix_update,
 )
 from ..step.matrix_item import MatrixItem
-from ..step.program import Scalar, TwoHalves, classes_each
 from ..step.state_dtype import group_state_dtype
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
@@ -189,13 +192,7 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
     betas = [tuple(g["betas"]) for g in groups]
     eps = adamw_eps(groups)
     structure = tuple(
-        (
-            g.get("use_muon"),
-            lr_factor(g, i, "original"),
-            ns_config(g),
-            maps_key(g.get("matrices")),
-            g.get("cautious_weight_decay", False),
-        )
+        (matrix_structure(g, i, "original"), g.get("cautious_weight_decay", False))
         for i, g in enumerate(groups)
     )
     beta_c, nesterov_c, lr_c, betas_c, eps_c, wd_c = classes_each(beta, nesterov, lr, betas, eps, wd)

@@ -13,19 +13,22 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from ..ns.matrices import MatrixMap, maps_key
-from ..step.collecting import CollectEnv, live_params, ns_config
+from ..ns.engine import ns_config
+from ..ns.matrices import MatrixMap
+from ..step.collecting import CollectEnv, live_params
 from ..step.contracts import LIKE_PARAM, EngineFor, StepOptions
-from ..step.elementwise import lr_factor
+from ..step.driver import TwoHalves, classes_each
+from ..step.elementwise import Scalar
 from ..step.matrix import (
     MatrixProgram,
     MatrixScalars,
+    lr_factor,
     matrix_items,
+    matrix_structure,
     single_tensor_matrix_update,
     state_buffer,
 )
 from ..step.matrix_item import MatrixItem
-from ..step.program import Scalar, TwoHalves, classes_each
 from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
 from ..step.state_dtype import group_state_dtype
 from .roles import EMA, HEAVY_BALL, MUSGD
@@ -131,10 +134,7 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
     wd = [g["weight_decay"] for g in groups]
     base = [r * g["muon"] for r, g in zip(lr, groups)]
     sgd_lr = [r * g["sgd"] for r, g in zip(lr, groups)] + [r * 1.0 for r in lr]
-    structure = tuple(
-        (g.get("use_muon"), lr_factor(g, i, "ultralytics"), ns_config(g), maps_key(g.get("matrices")))
-        for i, g in enumerate(groups)
-    )
+    structure = tuple(matrix_structure(g, i, "ultralytics") for i, g in enumerate(groups))
     beta_c, nesterov_c, wd_c, base_c, sgd_c = classes_each(beta, nesterov, wd, base, sgd_lr)
     pattern = Pattern(beta_c, nesterov_c, wd_c, base_c, sgd_c, tuple(b == 0 for b in beta), structure)
     return pattern, Scalars(MatrixScalars(beta, nesterov, base), SGDScalars(beta, nesterov, wd, sgd_lr))

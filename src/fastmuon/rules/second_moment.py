@@ -39,9 +39,10 @@ from torch import Tensor
 from ..ns.matrices import MatrixMap
 from ..step.collecting import CollectEnv
 from ..step.contracts import LIKE_PARAM, VECTOR, EngineFor, StepOptions
+from ..step.driver import TwoHalves
+from ..step.elementwise import Scalar
 from ..step.matrix_item import MatrixItem
 from ..step.moments import MomentStage, SecondMoment, reference_normalize
-from ..step.program import Scalar, TwoHalves
 from . import muon as muon_rule
 from .muon import Extension, Items
 from .roles import ELEMENT_MOMENT, MUON, ROW_MOMENT

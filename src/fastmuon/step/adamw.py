@@ -19,9 +19,8 @@ import torch
 from torch import Tensor
 
 from ..ns import device
-from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable_stored, partition
-from .program import Scalar, strides_of
+from ..ns.engine import Gather
+from .elementwise import Scalar, foreach_scalar, fusable_stored, partition
 from .state_dtype import arithmetic_dtype, store_, widened
 
 
@@ -294,8 +293,8 @@ class AdamWProgram:
         """The fused kernel walks memory without looking at strides (see :func:`~fastmuon.step.elementwise.fusable`)."""
         for part in self.fused:
             if (
-                strides_of(part.pick(grads)) != part.grad_strides
-                or strides_of(part.params) != part.param_strides
+                list(map(Tensor.stride, part.pick(grads))) != part.grad_strides
+                or list(map(Tensor.stride, part.params)) != part.param_strides
             ):
                 return False
         return True

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ns.gather import Gather
+from ..ns.engine import Gather
 
 
 class SignInputs:

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..ns.engine import BucketFrame, Orthogonalizer
-from ..ns.gather import Gather
+from ..ns.engine import BucketFrame, Gather, Orthogonalizer
 from .matrix_item import MatrixItem
 
 #: the state entry a matrix's momentum lives in (see ``matrix_items``)

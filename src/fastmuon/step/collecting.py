@@ -7,14 +7,11 @@ gradient is checked — so a rule never reaches into the optimizer.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-import torch
 from torch import Tensor
 
-from ..ns.engine import NSConfig
 from ..ns.matrices import MatrixMap
 
 
@@ -56,49 +53,3 @@ def live_params(
             members.append((j, p, grad, live))
             live += 1
         yield gi, group, members
-
-
-def ns_config(group: dict[str, Any]) -> NSConfig:
-    """The Newton–Schulz settings of a group."""
-    return ns_config_of(
-        group["ns_steps"], group["ns_coefficients"], group["eps"], group["ns_dtype"], group["ns_method"]
-    )
-
-
-def ns_config_of(steps: Any, coefficients: Any, eps: Any, dtype: Any, method: Any) -> NSConfig:
-    """:meth:`NSConfig.make` of a group's values, made once per distinct values: a step reads
-    every group's config, and making one resolves and checks its coefficients. A compiler's
-    trace makes it afresh: it runs once, and dynamo warns of any ``lru_cache`` it traces through."""
-    if not (_plain(steps) and _plain(eps) and _plain(coefficients)) or torch.compiler.is_compiling():
-        # a tensor may change in place
-        return NSConfig.make(steps, coefficients, eps, dtype, method)
-    try:
-        # the types too: equal values of other types (5 and 5.0) make configs that differ
-        # a type is hashable (typeshed's Hashable does not say so of type[Any])
-        return _cached_ns_config(
-            type(steps),  # type: ignore[arg-type]
-            steps,
-            coefficients,
-            type(eps),  # type: ignore[arg-type]
-            eps,
-            dtype,
-            method,
-        )
-    except TypeError as e:
-        if "unhashable" not in str(e):
-            raise
-        return NSConfig.make(steps, coefficients, eps, dtype, method)
-
-
-def _plain(value: Any) -> bool:
-    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
-    if isinstance(value, tuple):
-        return all(map(_plain, value))
-    return type(value) in (str, int, float, bool)
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_ns_config(
-    _steps_type: type, steps: Any, coefficients: Any, _eps_type: type, eps: Any, dtype: Any, method: Any
-) -> NSConfig:
-    return NSConfig.make(steps, coefficients, eps, dtype, method)

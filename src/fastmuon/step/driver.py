@@ -16,10 +16,11 @@ any rank; zeros stand in where a rank has none).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 
@@ -30,19 +31,17 @@ from ..distributed.context import DistContext, agree_across_ranks, begin_step, b
 from ..distributed.dtensor import LocalShards, is_dtensor, localize
 from ..distributed.dtensor import local_shard as _local
 from ..distributed.inflight import InFlight
-from ..distributed.parts import provisional_parts
+from ..distributed.parts import PartsTable, provisional_parts
 from ..ns.build import build_orthogonalizer
-from ..ns.engine import NSConfig
-from ..ns.gather import Gather
+from ..ns.engine import Gather, NSConfig
 from ..ns.matrices import MatrixMap
 from ..ns.planner import Plan
-from .cache import StepCache
 from .collecting import CollectEnv
-from .contracts import Rule, StepOptions
+from .contracts import HalfProgram, MatrixHalf, Rule, StepOptions, UpdateProgram
 from .deferred import PendingFlags
+from .elementwise import Scalar
 from .matrix import batch_order
 from .nonfinite import NonFiniteGuard
-from .program import Scalar, StepProgram
 from .state_marks import drop_state_after, mark_state
 
 if TYPE_CHECKING:
@@ -466,3 +465,162 @@ class StepDriver:
             env, site, params, [i.config for i in ordered], params, env.options.policy
         ).plan
         return plan
+
+
+def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
+    """Each value's class in each sequence: the index of its first equal value (equality of
+    floats, identity of tensors). Two steps with equal classes partition the parameters alike.
+    One call for all of a step's sequences."""
+    out: list[tuple[int, ...]] = []
+    for vs in values:
+        first: dict[Hashable, int] = {}
+        out += (tuple(first.setdefault(v, i) for i, v in enumerate(vs)),)  # no call per sequence
+    return out
+
+
+class TwoHalves:
+    """A rule's update prepared once as its two halves: the matrices' (see
+    :class:`~fastmuon.step.matrix.MatrixProgram`), then the elementwise one (SGD, AdamW) on the
+    parameters after it. It reads the step's scalars as their fields ``matrices`` and
+    ``elementwise``."""
+
+    def __init__(self, matrices: MatrixHalf, elementwise: HalfProgram):
+        self.matrices = matrices
+        self.elementwise = elementwise
+
+    def fits(self, grads: Sequence[Tensor]) -> bool:
+        return self.elementwise.fits(grads)
+
+    def run(self, grads: Sequence[Tensor], s: Any, keep: Tensor | None, hooks: Mapping[int, Any]) -> None:
+        self.matrices.run(grads, s.matrices, keep, hooks)
+        self.elementwise.run(grads, s.elementwise, keep)
+
+    def self_masked(self) -> frozenset[int]:
+        """The parameters (places among the step's gradients) whose update leaves them and all
+        their device state as they were where ``keep`` rejects their gradient, with nothing put
+        back: those that every half stepping them masks (MuSGD's large matrices are stepped and
+        masked by both)."""
+        matrices, elementwise = self.matrices.self_masked(), self.elementwise.self_masked()
+        on_matrices, on_elementwise = self.matrices.positions, self.elementwise.positions
+        return frozenset(
+            i
+            for i in matrices | elementwise
+            if (i in matrices or i not in on_matrices) and (i in elementwise or i not in on_elementwise)
+        )
+
+
+class StepProgram:
+    """One step, prepared: the update's program and what every step around it needs.
+
+    ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
+    ``guard`` (:class:`~fastmuon.step.nonfinite.NonFiniteGuard`) handles NaN/Inf gradients;
+    ``owners`` (``(group, j)`` each) name the parameters in errors; ``shards`` (sharded
+    parameters: :class:`~fastmuon.distributed.dtensor.LocalShards`) the local tensors the
+    program updates, whose gradients a step takes as local shards too.
+    """
+
+    def __init__(
+        self,
+        update: UpdateProgram,
+        live: Gather,
+        guard: NonFiniteGuard,
+        owners: list[tuple[dict[str, Any], int]],
+        shards: LocalShards | None = None,
+    ):
+        self.update = update
+        self.matrices = update.matrices
+        self.live_pick = live
+        self.guard = guard
+        self.owners = owners
+        self.shards = shards
+
+    @property
+    def plan(self) -> Plan | None:
+        """The batching plan the program's Newton–Schulz runs (None: no matrix)."""
+        return self.matrices.plan if self.matrices is not None else None
+
+    def live(self, grads: Sequence[Any]) -> list[Tensor]:
+        """This step's gradients of the parameters the program updates (local shards if sharded)."""
+        picked = self.live_pick(grads)
+        if self.shards is not None:
+            picked = [g.to_local() if hasattr(g, "to_local") else g for g in picked]
+        return picked
+
+    def fits(self, grads: list[Tensor]) -> bool:
+        """Whether this step's gradients have the layouts the program was built for (and the
+        sharded parameters still the local tensors it updates)."""
+        return self.update.fits(grads) and (self.shards is None or self.shards.current())
+
+    def name_of(self, param_name: Callable[[dict[str, Any], int], str]) -> Callable[[int], str]:
+        """Names the ``k``-th parameter of the program, through ``param_name(group, j)``."""
+        return lambda k: param_name(*self.owners[k])
+
+
+#: How many programs (and executors) are kept: a run alternates between a few step shapes at most
+#: (e.g. with and without a frozen part), and each holds buffers as large as its matrices.
+CACHE_SIZE = 4
+
+
+class StepCache:
+    """Programs by step key, executors by matrix key, the flat parameters (and, over DTensors,
+    every rank's part of each), the last plan."""
+
+    def __init__(self, last_plan: Plan | None = None):
+        self.programs: dict[Hashable, Any] = {}
+        self.engines: OrderedDict[Hashable, Any] = OrderedDict()
+        self.last_plan = last_plan
+        self._noted: tuple[Plan, str, Plan] | None = None
+        self._params: tuple[list[Tensor], bool] | None = None
+        self.parts = PartsTable()  # where each rank's part of every parameter lies (DTensors)
+
+    def params(self, groups: list[dict[str, Any]]) -> tuple[list[Tensor], bool]:
+        """Every group's parameters in order, as a step reads their gradients, and whether any
+        is a DTensor (FSDP2: the step is then a distributed one)."""
+        if self._params is None:
+            flat = [p for g in groups for p in g["params"]]
+            self._params = (flat, any(map(is_dtensor, flat)))
+        return self._params
+
+    def program(self, key: Hashable) -> Any:
+        return self.programs.get(key)
+
+    def remember(self, key: Hashable, program: Any) -> None:
+        """Keep ``program`` for later steps with ``key`` (the oldest goes past a few). A program
+        replacing a misfit one takes its place in the order, so the programs a distributed run
+        keeps, and which it forgets, are the same on every rank."""
+        self.programs[key] = program
+        if len(self.programs) > CACHE_SIZE:
+            del self.programs[next(iter(self.programs))]
+
+    def engine(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The executor for ``key``, built on first sight; the most recently used is kept longest."""
+        engine = self.engines.get(key)
+        if engine is None:
+            engine = build()
+            self.engines[key] = engine
+            if len(self.engines) > CACHE_SIZE:
+                self.engines.popitem(last=False)
+        else:
+            self.engines.move_to_end(key)
+        self.last_plan = engine.plan
+        return engine
+
+    def noted(self, plan: Plan, note: str) -> Plan:
+        """``plan`` with ``note`` added: the same object while neither changes (a reused plan is
+        the same plan to whoever asks for it twice)."""
+        kept = self._noted
+        if kept is not None and kept[0] is plan and kept[1] == note:
+            return kept[2]
+        noted = dataclasses.replace(plan, note=f"{plan.note}; {note}" if plan.note else note)
+        self._noted = (plan, note, noted)
+        return noted
+
+    def forget_programs(self) -> None:
+        """After the groups, their ``params`` or the state changed: programs are rebuilt."""
+        self.programs.clear()
+        self._params = None
+
+    def clear(self) -> None:
+        """Programs and executors both (new parameters or a loaded state)."""
+        self.forget_programs()
+        self.engines.clear()

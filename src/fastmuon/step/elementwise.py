@@ -8,15 +8,14 @@ function that returns a buffer it also modifies says so.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from ..ns import device
-from .state_dtype import arithmetic_dtype, store_, widened
+from .state_dtype import arithmetic_dtype
 
 ADJUST_LR = ("ultralytics", "original", "match_rms_adamw", "spectral_unclamped", "none")
 
@@ -28,63 +27,6 @@ RMS_SCALE = 0.2
 ADJUST_LR_ALIAS = "adjust_lr"
 
 T = TypeVar("T")
-
-
-def ema_momentum_(
-    bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor] | None = None
-) -> list[Tensor]:
-    """``M ← β·M + (1−β)·g`` in place; returns the update ``β·M + (1−β)·g`` (Nesterov) or ``M``.
-
-    Without ``out`` the Nesterov update is new tensors and the plain one is ``M`` itself; with
-    ``out`` (tensors of the same shapes, e.g. views into the NS engine's input buffers) the
-    update is written there and ``out`` returned, computed by the same operations.
-    """
-    torch._foreach_lerp_(bufs, grads, 1 - beta)
-    if out is None:
-        # the foreach ops return a list (torch's stub says a tuple)
-        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs  # type: ignore[return-value]
-    torch._foreach_copy_(out, grads if nesterov else bufs)
-    if nesterov:
-        torch._foreach_lerp_(out, bufs, beta)  # g + β·(M − g), as the out-of-place lerp computes it
-    return out
-
-
-def ema_momentum_cast_(
-    bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor]
-) -> list[Tensor]:
-    """:func:`ema_momentum_` writing the update into ``out`` of other dtypes (e.g. bf16 views of
-    NS input buffers for fp32 momentum): each value is computed in the buffers' dtype and
-    rounded once on the store, as computing it and then casting does, in one pass instead of
-    a fresh tensor and a casting copy."""
-    torch._foreach_lerp_(bufs, grads, 1 - beta)
-    if nesterov:
-        for g, m, o in zip(grads, bufs, out):
-            torch.lerp(g, m, beta, out=o)
-    else:
-        torch._foreach_copy_(out, bufs)
-    return out
-
-
-def ema_momentum_widened_(
-    bufs: list[Tensor],
-    grads: list[Tensor],
-    beta: float,
-    nesterov: bool,
-    out: list[Tensor] | None = None,
-    *,
-    dtype: torch.dtype,
-) -> list[Tensor]:
-    """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
-    (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
-    written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
-    computed from the unrounded ``M``, rounded once on the store into an ``out`` of another dtype."""
-    m, g = widened(bufs, dtype), widened(grads, dtype)
-    if out is not None and any(o.dtype != dtype for o in out):
-        update = ema_momentum_cast_(m, g, beta, nesterov, out)
-    else:
-        update = ema_momentum_(m, g, beta, nesterov, out)
-    store_(bufs, m)
-    return update
 
 
 def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
@@ -133,41 +75,19 @@ def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
     return torch.tensor(value, dtype=like.dtype) if host else value
 
 
-def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
-    """A group's per-matrix learning-rate factor: its ``adjust_lr_fn`` (``default`` where it is
-    None) and its ``rms_scale``. An ``adjust_lr`` key (MuSGD's alias, read where a group is
-    added) set on a group afterwards would be ignored, so it is refused here, before anything
-    changes."""
-    if ADJUST_LR_ALIAS in group:
-        raise ValueError(
-            f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "
-            "was added, which the step does not read; set group['adjust_lr_fn'] instead and delete "
-            "the adjust_lr entry"
-        )
-    mode = group["adjust_lr_fn"]
-    return (default if mode is None else mode), group.get("rms_scale", RMS_SCALE)
-
-
-def lr_scale(mode: str, shape: Sequence[int], rms_scale: float = RMS_SCALE) -> float:
-    """The per-matrix factor on the orthogonalised update (``s`` in "Update rules" in
-    docs/optimizers.md); ``rms_scale`` is the update RMS "match_rms_adamw" aims at."""
-    rows, cols = shape[0], math.prod(shape[1:])
-    if mode == "ultralytics":  # on the raw tensor's last two dims: 1 for square conv kernels
-        return math.sqrt(max(1.0, shape[-2] / shape[-1]))
-    if mode == "original":
-        return math.sqrt(max(1.0, rows / cols))
-    if mode == "match_rms_adamw":
-        return rms_scale * math.sqrt(max(rows, cols))
-    if mode == "spectral_unclamped":  # keeps the update's spectral norm at sqrt(rows/cols), wide ones too
-        return math.sqrt(rows / cols)
-    if mode == "none":
-        return 1.0
-    raise ValueError(f"unknown adjust_lr_fn {mode!r}; choose one of {ADJUST_LR}")
-
-
 def partition(items: Iterable[T], key: Callable[[T], Hashable]) -> dict[Hashable, list[T]]:
     """Group items by key, keeping first-seen order (one foreach call per group)."""
     groups: dict[Hashable, list[T]] = {}
     for item in items:
         groups.setdefault(key(item), []).append(item)
     return groups
+
+
+#: A learning rate or a product of one: a Python number, or a 0-d tensor (used as a tensor).
+Scalar = Any
+
+
+def scale_limit(on: torch.device) -> int:
+    """How many distinct scales take one fused ``add_`` each before one scaling pass and one
+    subtracting pass over all of them cost less: every call is a launch on a GPU."""
+    return 8 if device.is_host(on) else 1

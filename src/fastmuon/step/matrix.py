@@ -7,6 +7,7 @@ only in ``decay`` (Muon's decoupled weight decay; 1 for MuSGD) and in what ``sca
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -18,25 +19,15 @@ from ..distributed.dtensor import local_shard
 from ..distributed.sharded import Piece, held_pieces
 from ..ns import device as ns_device
 from ..ns.device import compute_dtype
-from ..ns.engine import NSConfig, Orthogonalizer
-from ..ns.gather import Gather
-from ..ns.matrices import MatrixMap
+from ..ns.engine import Gather, NSConfig, Orthogonalizer, ns_config
+from ..ns.matrices import MatrixMap, maps_key
 from ..ns.newton_schulz import newton_schulz
-from .after_ns import AfterNS
 from .before_ns import SignInputs
 from .bucket_momentum import BucketMomentum, in_layout
 from .contracts import AfterNSStage, Engine, EngineFor
-from .elementwise import (
-    RMS_SCALE,
-    ema_momentum_,
-    ema_momentum_cast_,
-    ema_momentum_widened_,
-    lr_scale,
-    partition,
-)
+from .elementwise import ADJUST_LR, ADJUST_LR_ALIAS, RMS_SCALE, Scalar, partition, scale_limit
 from .matrix_item import MatrixItem
-from .program import Scalar, scale_limit
-from .state_dtype import arithmetic_dtype
+from .state_dtype import arithmetic_dtype, store_, widened
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor, dtype: torch.dtype | None = None) -> Tensor:
@@ -732,3 +723,292 @@ class BucketStep:
         if index is None:
             index = self.flag_index[keep.device] = torch.tensor(self.flag_places, device=keep.device)
         return keep.index_select(0, index)
+
+
+class Decayed(NamedTuple):
+    """Matrices that take one kind of decay: their parameters and param groups."""
+
+    params: list[Tensor]
+    groups: list[int]
+
+
+class Cautious(NamedTuple):
+    """The cautious matrices: where their updates sit, their parameters and param groups."""
+
+    pick: Gather
+    params: list[Tensor]
+    groups: list[int]
+
+
+class ScaleClass(NamedTuple):
+    """A scale class of the program with matrices here, and where they sit among them."""
+
+    scale: int  # the class's place among the program's scales
+    pick: Gather
+
+
+@dataclass
+class AfterNS:
+    """The stages after NS over some matrices of a program, listed in the program's order.
+
+    ``scale_classes``: per class of the program's scales (see ``MatrixProgram.scale_keys``) that
+    has matrices here, its index and where its matrices sit in this set.
+    """
+
+    params: list[Tensor]
+    item_groups: list[int]
+    variant: Callable[[list[Tensor], Any], list[Tensor]] | None
+    cautious: Cautious | None  # the cautious matrices, apart
+    plain: Decayed  # the others
+    scale_classes: list[ScaleClass]
+    scale_params: list[list[Tensor]]
+
+    @classmethod
+    def over(
+        cls,
+        items: Sequence[Any],
+        params: Sequence[Tensor],
+        item_groups: Sequence[int],
+        scale_class: Sequence[int],
+        variant: Callable[[list[Tensor], Any], list[Tensor]] | None,
+    ) -> AfterNS:
+        """The stages over ``items`` (MatrixItems, with their ``params``, groups and scale
+        classes, in the program's order); ``variant``: the variant's stage over them, or None."""
+        n = len(items)
+        cautious = [k for k in range(n) if items[k].cautious]
+        plain = [k for k in range(n) if not items[k].cautious]
+        by_class: dict[int, list[int]] = {}
+        for k in range(n):
+            by_class.setdefault(scale_class[k], []).append(k)
+        classes = sorted(by_class)
+        return cls(
+            params=list(params),
+            item_groups=list(item_groups),
+            variant=variant,
+            cautious=(
+                Cautious(Gather(cautious), [params[k] for k in cautious], [item_groups[k] for k in cautious])
+                if cautious
+                else None
+            ),
+            plain=Decayed([params[k] for k in plain], [item_groups[k] for k in plain]),
+            scale_classes=[ScaleClass(c, Gather(by_class[c])) for c in classes],
+            scale_params=[[params[k] for k in by_class[c]] for c in classes],
+        )
+
+    def run(
+        self,
+        updates: list[Tensor],
+        scalars: Any,
+        scales: Sequence[Scalar],
+        groups: Sequence[int],
+        one_pass: bool,
+        owned: bool = True,
+        keep: Tensor | None = None,
+    ) -> None:
+        """Apply ``updates`` (NS results of these matrices, in their order); ``scales``: the
+        program's, one per scale class; ``groups``: the program's param groups; ``one_pass``:
+        whether the program applies with one ``add_`` per scale class (see ``apply_scaled_``).
+        ``keep``: one bool per matrix on the device, False where its gradient was rejected (its
+        update is then zero): its decay factor is masked to 1 (``where(keep, decay, 1)``, the
+        same fp32 value a Python factor gives where kept), one multiply per matrix."""
+        if self.variant is not None:
+            updates = self.variant(updates, scalars)
+        decay = scalars.decay
+        if decay is not None and keep is not None:
+            factors: dict[int, list[Tensor]] = {}
+            for g in sorted(set(self.item_groups)):
+                if isinstance(decay[g], Tensor) or decay[g] != 1:
+                    factors[g] = list(torch.where(keep, decay[g], 1.0).unbind(0))
+            for j, (p, g) in enumerate(zip(self.params, self.item_groups)):
+                if g in factors:
+                    p.mul_(factors[g][j])
+        elif decay is not None:
+            if self.cautious is not None:
+                cautious_decay_(updates, decay, *self.cautious)
+            params, item_groups = self.plain
+            if any(isinstance(decay[g], Tensor) for g in groups):
+                for g in groups:
+                    mine = [p for p, h in zip(params, item_groups) if h == g]
+                    if mine:
+                        torch._foreach_mul_(mine, decay[g])
+            elif any(decay[g] != 1 for g in groups) and params:
+                torch._foreach_mul_(params, [decay[g] for g in item_groups])
+        apply_scaled_(
+            self.scale_params,
+            [pick(updates) for _, pick in self.scale_classes],
+            [scales[c] for c, _ in self.scale_classes],
+            owned=owned,
+            one_pass=one_pass,
+        )
+
+
+def cautious_decay_(
+    updates: Sequence[Tensor],
+    decay: Sequence[Scalar],
+    pick: Gather,
+    params: list[Tensor],
+    item_groups: list[int],
+) -> None:
+    """``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` over the cautious matrices (``pick`` finds their updates),
+    in a fixed number of foreach calls (see ``matrix.cautious_decay``): the mask from the
+    product's sign (+1 clamped at 1)."""
+    masked = torch._foreach_mul(pick(updates), params)
+    torch._foreach_sign_(masked)
+    torch._foreach_add_(masked, 1)
+    torch._foreach_clamp_max_(masked, 1)  # 1 where u·p ≥ 0, else 0
+    torch._foreach_mul_(masked, params)
+    rates = [1 - decay[g] for g in item_groups]  # lr·wd
+    if any(isinstance(r, Tensor) for r in rates):
+        for m, r in zip(masked, rates):
+            m.mul_(r)
+    else:
+        torch._foreach_mul_(masked, rates)
+    torch._foreach_sub_(params, masked)
+
+
+def apply_scaled_(
+    params: Sequence[list[Tensor]],
+    updates: Sequence[list[Tensor]],
+    scales: Sequence[Scalar],
+    *,
+    owned: bool,
+    limit: int | None = None,
+    one_pass: bool | None = None,
+) -> None:
+    """``p ← p − scale·u`` for each class of (params, updates, scale).
+
+    Few classes (at most ``limit``) take one fused ``add_`` each (one pass); many take one
+    scaling pass and one subtracting pass over all of them. ``one_pass`` makes that choice
+    instead of ``limit`` (a caller applying a set of classes in parts keeps its whole set's). A
+    tensor scale is used as a tensor (no host read): a scaling pass and a subtracting pass for
+    its class. With ``owned`` the updates may be scaled in place.
+    """
+    if any(isinstance(s, Tensor) for s in scales):
+        for ps, us, s in zip(params, updates, scales):
+            if not ps:
+                continue
+            if owned:
+                torch._foreach_mul_(us, s)
+                torch._foreach_sub_(ps, us)
+            else:
+                torch._foreach_sub_(ps, torch._foreach_mul(us, s))
+        return
+    if one_pass is None:
+        one_pass = len(scales) <= limit  # type: ignore[operator]
+    if one_pass:
+        for ps, us, s in zip(params, updates, scales):
+            if ps:
+                torch._foreach_add_(ps, us, alpha=-s)
+        return
+    all_params = [p for ps in params for p in ps]
+    all_updates = [u for us in updates for u in us]
+    per_item = [s for ps, s in zip(params, scales) for _ in ps]
+    if not all_params:
+        return
+    if owned:
+        torch._foreach_mul_(all_updates, per_item)
+        torch._foreach_sub_(all_params, all_updates)
+    else:
+        torch._foreach_sub_(all_params, torch._foreach_mul(all_updates, per_item))
+
+
+def ema_momentum_(
+    bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor] | None = None
+) -> list[Tensor]:
+    """``M ← β·M + (1−β)·g`` in place; returns the update ``β·M + (1−β)·g`` (Nesterov) or ``M``.
+
+    Without ``out`` the Nesterov update is new tensors and the plain one is ``M`` itself; with
+    ``out`` (tensors of the same shapes, e.g. views into the NS engine's input buffers) the
+    update is written there and ``out`` returned, computed by the same operations.
+    """
+    torch._foreach_lerp_(bufs, grads, 1 - beta)
+    if out is None:
+        # the foreach ops return a list (torch's stub says a tuple)
+        return torch._foreach_lerp(grads, bufs, beta) if nesterov else bufs  # type: ignore[return-value]
+    torch._foreach_copy_(out, grads if nesterov else bufs)
+    if nesterov:
+        torch._foreach_lerp_(out, bufs, beta)  # g + β·(M − g), as the out-of-place lerp computes it
+    return out
+
+
+def ema_momentum_cast_(
+    bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor]
+) -> list[Tensor]:
+    """:func:`ema_momentum_` writing the update into ``out`` of other dtypes (e.g. bf16 views of
+    NS input buffers for fp32 momentum): each value is computed in the buffers' dtype and
+    rounded once on the store, as computing it and then casting does, in one pass instead of
+    a fresh tensor and a casting copy."""
+    torch._foreach_lerp_(bufs, grads, 1 - beta)
+    if nesterov:
+        for g, m, o in zip(grads, bufs, out):
+            torch.lerp(g, m, beta, out=o)
+    else:
+        torch._foreach_copy_(out, bufs)
+    return out
+
+
+def ema_momentum_widened_(
+    bufs: list[Tensor],
+    grads: list[Tensor],
+    beta: float,
+    nesterov: bool,
+    out: list[Tensor] | None = None,
+    *,
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
+    (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
+    written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
+    computed from the unrounded ``M``, rounded once on the store into an ``out`` of another dtype."""
+    m, g = widened(bufs, dtype), widened(grads, dtype)
+    if out is not None and any(o.dtype != dtype for o in out):
+        update = ema_momentum_cast_(m, g, beta, nesterov, out)
+    else:
+        update = ema_momentum_(m, g, beta, nesterov, out)
+    store_(bufs, m)
+    return update
+
+
+def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
+    """A group's per-matrix learning-rate factor: its ``adjust_lr_fn`` (``default`` where it is
+    None) and its ``rms_scale``. An ``adjust_lr`` key (MuSGD's alias, read where a group is
+    added) set on a group afterwards would be ignored, so it is refused here, before anything
+    changes."""
+    if ADJUST_LR_ALIAS in group:
+        raise ValueError(
+            f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "
+            "was added, which the step does not read; set group['adjust_lr_fn'] instead and delete "
+            "the adjust_lr entry"
+        )
+    mode = group["adjust_lr_fn"]
+    return (default if mode is None else mode), group.get("rms_scale", RMS_SCALE)
+
+
+def matrix_structure(group: Mapping[str, Any], index: int, default: str) -> tuple[Any, ...]:
+    """What of a group shapes its matrices' program, read every step: ``use_muon``, its lr
+    factor (``default``: the rule's ``adjust_lr_fn``), its NS settings and a hashable stand-in
+    for its matrix maps (a string, the usual case, is its own)."""
+    spec = group.get("matrices")
+    return (
+        group.get("use_muon"),
+        lr_factor(group, index, default),
+        ns_config(group),
+        spec if spec is None or type(spec) is str else maps_key(spec),
+    )
+
+
+def lr_scale(mode: str, shape: Sequence[int], rms_scale: float = RMS_SCALE) -> float:
+    """The per-matrix factor on the orthogonalised update (``s`` in "Update rules" in
+    docs/optimizers.md); ``rms_scale`` is the update RMS "match_rms_adamw" aims at."""
+    rows, cols = shape[0], math.prod(shape[1:])
+    if mode == "ultralytics":  # on the raw tensor's last two dims: 1 for square conv kernels
+        return math.sqrt(max(1.0, shape[-2] / shape[-1]))
+    if mode == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "match_rms_adamw":
+        return rms_scale * math.sqrt(max(rows, cols))
+    if mode == "spectral_unclamped":  # keeps the update's spectral norm at sqrt(rows/cols), wide ones too
+        return math.sqrt(rows / cols)
+    if mode == "none":
+        return 1.0
+    raise ValueError(f"unknown adjust_lr_fn {mode!r}; choose one of {ADJUST_LR}")

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..ns import device
-from ..ns.gather import Gather
+from ..ns.engine import Gather
 from ..ns.layout import memory_order
 from .deferred import PendingFlags, host_buffer, nothing_to_finish
 

@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from ..ns import device
-from ..ns.gather import Gather
-from .elementwise import foreach_scalar, fusable_stored, partition
-from .program import Scalar, apply_scaled_, scale_limit, strides_of
+from ..ns.engine import Gather
+from .elementwise import Scalar, foreach_scalar, fusable_stored, partition, scale_limit
+from .matrix import apply_scaled_
 from .state_dtype import arithmetic_dtype, store_, widened
 
 #: each tensor's strides; the (pick, parameters) of each learning-rate class
@@ -181,8 +181,8 @@ class SGDProgram:
         must still have the layouts it was chosen for."""
         for part in self.fused:
             if (
-                strides_of(part.pick(grads)) != part.grad_strides
-                or strides_of(part.params) != part.param_strides
+                list(map(Tensor.stride, part.pick(grads))) != part.grad_strides
+                or list(map(Tensor.stride, part.params)) != part.param_strides
             ):
                 return False
         return True
