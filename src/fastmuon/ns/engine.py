@@ -18,7 +18,7 @@ import functools
 import itertools
 import operator
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -255,6 +255,9 @@ class BucketRecord:
     config: NSConfig
     schedule: list[Coefficients]  # the config's coefficients, as the kernels take them
     kernel: Callable[..., Tensor]  # newton_schulz.ns_kernel(method, preconditioning), or its compiled form
+    # the eager kernel itself, fp32 products not pinned: what a bucket-at-a-time call runs while
+    # torch's fp32 matmul precision is "highest" (the default: nothing to pin, no wrapper to enter)
+    eager: Callable[..., Tensor]
     compiled: bool  # the kernel runs through torch.compile
     host: bool  # the bucket lives on the host's CPU (device.is_host)
     host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
@@ -351,6 +354,7 @@ class Orthogonalizer:
             config=config,
             schedule=list(config.coefficients),
             kernel=_bucket_kernel(bucket, pre, compiled),
+            eager=ns_kernel(bucket.method, pre),
             compiled=compiled,
             host=host,
             # a compiled kernel is traced, and a trace cannot branch on a value read on the host
@@ -552,8 +556,9 @@ class Orthogonalizer:
         if not rec.host:
             return _run_fresh(rec, batch, out_dtype, drop)
         eps = rec.config.eps
+        kernel = rec.eager if torch.get_float32_matmul_precision() == "highest" else rec.kernel
         if rec.reuse:
-            out = rec.kernel(
+            out = kernel(
                 batch,
                 rec.schedule,
                 eps,
@@ -564,7 +569,7 @@ class Orthogonalizer:
             )
             views: list[Tensor] = layout.cache["results"](out)  # type: ignore[operator]
         else:  # fresh output and temporaries (see REUSE_MAX_ROWS): views made per call
-            out = rec.kernel(batch, rec.schedule, eps, host=True, host_reads=rec.host_reads)
+            out = kernel(batch, rec.schedule, eps, host=True, host_reads=rec.host_reads)
             views = _slot_views(out, rec)
         if out_dtype is None or out_dtype == out.dtype:
             return views
@@ -1313,14 +1318,14 @@ def _extent(t: Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def ns_config(group: dict[str, Any]) -> NSConfig:
+def ns_config(group: Mapping[str, Any]) -> NSConfig:
     """:meth:`NSConfig.make` of a group's Newton–Schulz settings, made once per distinct values:
     a step reads every group's config, and making one resolves and checks its coefficients. A
     compiler's trace makes it afresh: it runs once, and dynamo warns of any ``lru_cache`` it
     traces through."""
     steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
     dtype, method = group["ns_dtype"], group["ns_method"]
-    if not (_plain(steps) and _plain(eps) and _plain(coefficients)) or torch.compiler.is_compiling():
+    if not _plain((steps, eps, coefficients)) or torch.compiler.is_compiling():
         # a tensor may change in place
         return NSConfig.make(steps, coefficients, eps, dtype, method)
     try:
@@ -1342,10 +1347,16 @@ def ns_config(group: dict[str, Any]) -> NSConfig:
 
 
 def _plain(value: Any) -> bool:
-    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
-    if isinstance(value, tuple):
-        return all(map(_plain, value))
-    return type(value) in (str, int, float, bool)
+    """A string, a Python number, or tuples of them: values that cannot change after hashing
+    (walked in one loop: a step reads every group's settings)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, tuple):
+            todo += v
+        elif type(v) not in (str, int, float, bool):
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=64)

@@ -64,6 +64,19 @@ def _option(name: str) -> property:
     )
 
 
+def _lr_value(lr: Any) -> Any:
+    """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no device
+    waits); a tensor on an accelerator stays a tensor (reading it would make the host wait)."""
+    if isinstance(lr, Tensor) and device.is_host(lr.device):
+        return lr.item()
+    return lr
+
+
+def _as_given(lr: Any) -> Any:
+    """A group's ``lr`` as a ``capturable`` step uses it: a tensor stays a tensor."""
+    return lr
+
+
 class MatrixOptimizer(Optimizer, RuleHolder):
     """Base for optimizers that orthogonalise matrix updates through the batched engine.
 
@@ -201,14 +214,6 @@ class MatrixOptimizer(Optimizer, RuleHolder):
     def _check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
         check_grad(self._param_name(group, j), type(self).__name__, grad)
 
-    def _lr_value(self, lr: Any) -> Any:
-        """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no
-        device waits) unless ``capturable``; a tensor on an accelerator, or any tensor when
-        ``capturable``, stays a tensor (reading it would make the host wait for the device)."""
-        if isinstance(lr, Tensor) and not self.options.capturable and device.is_host(lr.device):
-            return lr.item()
-        return lr
-
     # ----- the step ---------------------------------------------------------------------
     @overload
     def step(self, closure: None = None, *, logit_maxima: _Maxima = None) -> None: ...
@@ -224,25 +229,23 @@ class MatrixOptimizer(Optimizer, RuleHolder):
         the attention parts by ``logit_maxima`` (``{layer: per-head maxima}``, checked first; see
         :mod:`fastmuon.optim.qk_clip`). First, a deferred non-finite verdict of the step before
         raises (``nonfinite="raise"`` on an accelerator: :mod:`fastmuon.step.deferred`)."""
-        if self._driver.pending is not None:
-            self._driver.raise_pending()
+        driver, groups = self._driver, self.param_groups
+        if driver.pending is not None:
+            driver.raise_pending()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         clip = None
-        if any([g.get(QK_CLIP_TAU) is not None for g in self.param_groups]):  # checked before the update
+        if any([g.get(QK_CLIP_TAU) is not None for g in groups]):  # checked before the update
+            host_reads = not self.options.capturable
             clip = self._qk_clip.prepare(
-                self.param_groups,
-                logit_maxima,
-                self._param_name,
-                self.process_group,
-                not self.options.capturable,
+                groups, logit_maxima, self._param_name, self.process_group, host_reads
             )
         if self.options.foreach is False:
-            self._driver.reference_step(self._step_env())
+            driver.reference_step(self._step_env())
         else:
-            self._driver.step(self._step_env())
+            driver.step(self._step_env())
         if clip is not None:
             clip()
         return loss
@@ -256,7 +259,7 @@ class MatrixOptimizer(Optimizer, RuleHolder):
             self.process_group,
             type(self).__name__,
             self._param_name,
-            self._lr_value,
+            _lr_value if not self.options.capturable else _as_given,
             self._check_grad,
             self._maps_of,
         )

@@ -1,6 +1,6 @@
 """The contracts between the layers, checked by mypy and, for a rule, when its optimizer class
 is made: what a rule offers (:class:`Rule`), what its prepared update offers the driver
-(:class:`UpdateProgram`, :class:`MatrixHalf`, :class:`HalfProgram`, :class:`AfterNSStage`), what an engine offers the matrix program
+(its elementwise half: :class:`HalfProgram`; a stage after NS: :class:`AfterNSStage`), what an engine offers the matrix program
 (:class:`Engine`, :data:`EngineFor`; one that runs bucket by bucket is ``fastmuon.ns.engine.Orthogonalizer`` itself) and what the step reads of an
 optimizer's options (:class:`StepOptions`).
 
@@ -94,31 +94,6 @@ class HalfProgram(Protocol):
     def self_masked(self) -> frozenset[int]: ...
 
 
-class MatrixHalf(Protocol):
-    """What the driver reads of an update's matrix half (``fastmuon.step.matrix.MatrixProgram``)."""
-
-    params: list[Tensor]
-    engine: Engine | None
-    positions: frozenset[int]  # the step's parameters (their places among its gradients) it updates
-
-    @property
-    def plan(self) -> Plan | None: ...
-    def run(
-        self, grads: Sequence[Tensor], scalars: Any, keep: Tensor | None, hooks: Mapping[int, Any]
-    ) -> None: ...
-    def self_masked(self) -> frozenset[int]: ...
-
-
-class UpdateProgram(Protocol):
-    """A rule's update prepared once (``Rule.build``): what the driver runs every step."""
-
-    @property
-    def matrices(self) -> MatrixHalf | None: ...
-    def fits(self, grads: Sequence[Tensor]) -> bool: ...
-    def run(self, grads: Sequence[Tensor], s: Any, keep: Tensor | None, hooks: Mapping[int, Any]) -> None: ...
-    def self_masked(self) -> frozenset[int]: ...
-
-
 class RuleItems(Protocol):
     """A step's work items (a rule's ``Items``): one list per half, the matrices first."""
 
@@ -156,7 +131,7 @@ class Rule(Protocol):
     ) -> tuple[Any, Any]: ...
     def build(
         self, items: Any, pattern: Any, engine_for: EngineFor, options: StepOptions
-    ) -> UpdateProgram: ...
+    ) -> Any: ...  # a fastmuon.step.driver.TwoHalves
     def reference(self, items: Any) -> None: ...
 
 

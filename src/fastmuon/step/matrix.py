@@ -22,6 +22,7 @@ from ..ns.device import compute_dtype
 from ..ns.engine import Gather, NSConfig, Orthogonalizer, ns_config
 from ..ns.matrices import MatrixMap, maps_key
 from ..ns.newton_schulz import newton_schulz
+from ..ns.planner import Plan
 from .before_ns import SignInputs
 from .bucket_momentum import BucketMomentum, in_layout
 from .contracts import AfterNSStage, Engine, EngineFor
@@ -443,14 +444,23 @@ class MatrixProgram:
         return self.masked_positions
 
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan | None:
+        """The batching plan its Newton–Schulz runs (None: no matrix)."""
         return self.engine.plan if self.engine is not None else None
 
     def run(
         self, grads: Sequence[Tensor], scalars: MatrixScalars, keep: Tensor | None, hooks: Mapping[int, Any]
     ) -> None:
         """One step over this step's ``grads``; ``hooks`` (see
-        ``MatrixOptimizer.register_orthogonalize_hook``) wrap its Newton–Schulz call."""
+        ``MatrixOptimizer.register_orthogonalize_hook``) wrap its Newton–Schulz call, which then
+        runs all buckets at once (:meth:`_run_whole`), as a compiler's trace does.
+
+        Else it runs one bucket at a time: momentum into the bucket's NS inputs, NS, every stage
+        after it, before the next bucket reuses the buffers (the host's shared workspace, or
+        what the caching allocator hands back). A rule's stage after NS takes the results in
+        the NS dtype where widening them is exact; the others take them cast into the
+        parameters' dtype and layout (an apply from the slots' strides runs a slower loop).
+        """
         engine = self.engine
         if engine is None:  # no matrix
             return
@@ -461,55 +471,10 @@ class MatrixProgram:
             if step.flat is not None:
                 step.flat.held()
         bucketwise = self.bucketwise_engine
-        if bucketwise is not None and not hooks and bucketwise.bucketwise():
-            self._run_bucketwise(bucketwise, grads, scalars, scales, keep)
+        if bucketwise is None or hooks or not bucketwise.bucketwise():
+            self._run_whole(engine, grads, scalars, scales, keep, hooks)
             return
-        # 1. momentum, one foreach call per (β, nesterov, device, dtype)
-        sources: list[Tensor] = []
-        for p, (bufs, pick, g, out, momentum) in enumerate(self._momentum_parts()):
-            places = self.part_specs[p].flag_places
-            if places is not None and keep is not None and out is None:  # large ones masking themselves
-                flags = self._part_flags(p, places, keep)
-                inputs = [torch.empty_like(b) for b in bufs]  # what NS reads: exact zeros where rejected
-                every = self._part_every[p]
-                rejected = list((~flags).unbind(0))
-                _masked_momentum(
-                    bufs, pick(grads), flags, every, rejected, scalars.beta[g], scalars.nesterov[g], inputs
-                )
-                sources += inputs
-                continue
-            sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
-        if self.sign is not None:
-            self.sign.run(sources, self.owned_inputs)
-        # 2. orthogonalise, one NS call per bucket of the cached plan
-        args = (engine, sources, self.dtypes, keep, self.keep_positions)
-        if hooks:
-            call = functools.partial(orthogonalize_step, *args)
-            for hook in hooks.values():
-                call = functools.partial(hook, call)
-            updates = call()
-        else:
-            updates = orthogonalize_step(*args)
-        # 3-4. the rule's stage, decay, scale and apply
-        self.after.run(updates, scalars, scales, self.groups, self.one_pass)
-
-    def _run_bucketwise(
-        self,
-        engine: Orthogonalizer,
-        grads: Sequence[Tensor],
-        scalars: MatrixScalars,
-        scales: list[Scalar],
-        keep: Tensor | None,
-    ) -> None:
-        """The step one bucket at a time: momentum into the bucket's NS inputs, NS, then every
-        stage after it, before the next bucket reuses the buffers (on the host: the shared
-        workspace; off it: the memory the caching allocator hands back).
-
-        The rule's stage after NS takes the results in the NS dtype where widening them is exact (it
-        stacks them and computes in fp32, the values it gets from results cast first); the
-        other stages take them cast into the parameters' dtype and layout, as one engine call
-        returns them (an apply from the slots' strides and dtype runs a slower elementwise loop).
-        """
+        engine = bucketwise
         stage = self.stage
         beta, nesterov = scalars.beta, scalars.nesterov
         # the stage's classes seen in part (one spanning buckets: None where not fed yet)
@@ -570,6 +535,45 @@ class MatrixProgram:
                 else:
                     results = stage.run_class(c, pending.pop(c), scalars)
                     self.class_after[c].run(results, scalars, scales, self.groups, self.one_pass)
+
+    def _run_whole(
+        self,
+        engine: Engine,
+        grads: Sequence[Tensor],
+        scalars: MatrixScalars,
+        scales: list[Scalar],
+        keep: Tensor | None,
+        hooks: Mapping[int, Any],
+    ) -> None:
+        """The step with every bucket's NS in one engine call (see :meth:`run`)."""
+        # 1. momentum, one foreach call per (β, nesterov, device, dtype)
+        sources: list[Tensor] = []
+        for p, (bufs, pick, g, out, momentum) in enumerate(self._momentum_parts()):
+            places = self.part_specs[p].flag_places
+            if places is not None and keep is not None and out is None:  # large ones masking themselves
+                flags = self._part_flags(p, places, keep)
+                inputs = [torch.empty_like(b) for b in bufs]  # what NS reads: exact zeros where rejected
+                every = self._part_every[p]
+                rejected = list((~flags).unbind(0))
+                _masked_momentum(
+                    bufs, pick(grads), flags, every, rejected, scalars.beta[g], scalars.nesterov[g], inputs
+                )
+                sources += inputs
+                continue
+            sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
+        if self.sign is not None:
+            self.sign.run(sources, self.owned_inputs)
+        # 2. orthogonalise, one NS call per bucket of the cached plan
+        args = (engine, sources, self.dtypes, keep, self.keep_positions)
+        if hooks:
+            call = functools.partial(orthogonalize_step, *args)
+            for hook in hooks.values():
+                call = functools.partial(hook, call)
+            updates = call()
+        else:
+            updates = orthogonalize_step(*args)
+        # 3-4. the rule's stage, decay, scale and apply
+        self.after.run(updates, scalars, scales, self.groups, self.one_pass)
 
     def _part_flags(self, p: int, places: tuple[int, ...], keep: Tensor) -> Tensor:
         """Momentum part ``p``'s members' keep flags (``places`` in the keep vector)."""

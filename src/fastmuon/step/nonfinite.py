@@ -17,18 +17,14 @@ for the next call to read (see :mod:`fastmuon.step.deferred`).
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..ns import device
-from ..ns.engine import Gather
 from ..ns.layout import memory_order
-from .deferred import PendingFlags, host_buffer, nothing_to_finish
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
@@ -45,74 +41,6 @@ def check_mode(mode: Any) -> str:
     if not isinstance(mode, str) or mode not in NONFINITE_MODES:
         raise ValueError(f"invalid nonfinite={mode!r}; choose one of {NONFINITE_MODES}")
     return mode
-
-
-def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
-    """``(indices, ok)`` per (device, dtype) of the non-empty gradients: ``ok[k]`` is True when
-    every entry of ``grads[indices[k]]`` is finite.
-
-    The max-abs norm is inf or NaN exactly when some entry is, and unlike a sum of squares it
-    cannot overflow on huge but finite gradients. One fused norm call per (device, dtype).
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, g in enumerate(grads):
-        if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
-            groups.setdefault((g.device, g.dtype), []).append(i)
-    return [
-        (indices, _finite([grads[i] for i in indices], device.is_host(where)))
-        for (where, _), indices in groups.items()
-    ]
-
-
-def _finite(tensors: list[Tensor], host: bool) -> Tensor:
-    """Whether each tensor's entries are all finite, as a bool vector: a max-abs norm is below
-    inf exactly when no entry is NaN or ±inf (NaN compares False), one comparison kernel."""
-    return _max_abs(tensors, host) < math.inf
-
-
-def _max_abs(tensors: list[Tensor], host: bool) -> Tensor:
-    """Each tensor's largest |entry|, stacked. On the host's CPU (``host``) the fused inf-norm
-    runs one slow kernel per tensor, slower than abs + max there; a compiler's trace takes the
-    inf-norm everywhere (it cannot trace ``_foreach_max`` and would break the graph there)."""
-    if host and not torch.compiler.is_compiling():
-        return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
-    return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
-
-
-def raise_if_nonfinite(
-    grads: Sequence[Tensor], name: Callable[[int], str], *, flags_given: bool = False
-) -> None:
-    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per device).
-
-    With ``flags_given`` the first argument holds finished 0-d flags instead of gradients."""
-    if flags_given:
-        groups = [(list(range(len(grads))), torch.stack(list(grads)))] if grads else []
-    else:
-        # Fast screen first: an L2 norm is finite whenever every entry is (it only errs the
-        # other way, when squares of huge finite entries overflow), and it is the cheapest fused
-        # reduction on both CPU and GPU. Only a failed screen pays for the exact max-abs check.
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for g in grads:
-            if g.numel() > 0:
-                by_device.setdefault(g.device, []).append(g)
-        if all(bool((torch.stack(torch._foreach_norm(gs)) < math.inf).all()) for gs in by_device.values()):
-            return
-        groups = _finite_by_group(grads)
-    flags_by_device: dict[torch.device, list[Tensor]] = {}
-    for _, ok in groups:
-        flags_by_device.setdefault(ok.device, []).append(ok)
-    if all(bool(torch.cat(oks).all()) for oks in flags_by_device.values()):
-        return
-    for indices, ok in groups:
-        if bool(ok.all()):
-            continue
-        bad = [indices[k] for k in (~ok).nonzero().flatten().tolist()]
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-        raise FloatingPointError(
-            f"{name(bad[0])} has a non-finite gradient (NaN or Inf){more}; the step was not applied. "
-            "Find the cause (learning rate, loss scale, data), use torch.amp.GradScaler for fp16 "
-            "training, or pass nonfinite='skip' to leave such parameters untouched for the step"
-        )
 
 
 def _memory_view(t: Tensor) -> Tensor | None:
@@ -132,46 +60,6 @@ class _Loose(NamedTuple):
     tensor: Tensor
     owner: int  # its parameter's place in the keep vector
     host: bool  # on the host's CPU
-
-
-class FiniteCheck:
-    """Which of a fixed list of gradients are finite, as one bool vector on the first one's
-    device: one fused max-abs per (device, dtype), no host read (the lists are made once)."""
-
-    def __init__(self, grads: Sequence[Tensor]):
-        self.size = len(grads)
-        self.device = grads[0].device if grads else torch.device("cpu")
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, g in enumerate(grads):
-            if g.numel() > 0:
-                groups.setdefault((g.device, g.dtype), []).append(i)
-        # (pick, positions, whether on the host's CPU): decided here, once per program. A plain
-        # tuple: the per-parameter path builds a check every step, and a record's constructor
-        # would be one more Python call there
-        self._groups = [
-            (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
-            for (where, _), idx in groups.items()
-        ]
-        by_device: dict[torch.device, list[int]] = {}
-        for (where, _), idx in groups.items():
-            by_device.setdefault(where, []).extend(idx)
-        self._by_device = [Gather(idx) for idx in by_device.values()]
-
-    def __call__(self, grads: Sequence[Tensor]) -> Tensor:
-        if len(self._groups) == 1 and len(self._groups[0][0]) == self.size:  # all in one, in order
-            pick, _, host = self._groups[0]
-            return _finite(pick(grads), host)
-        keep = torch.ones(self.size, dtype=torch.bool, device=self.device)
-        for pick, positions, host in self._groups:
-            ok = _finite(pick(grads), host)
-            keep.index_copy_(0, positions, ok.to(self.device))
-        return keep
-
-    def screen(self, grads: Sequence[Tensor]) -> bool:
-        """Whether every gradient is finite (one host read per device): the cheap test of "raise"."""
-        return all(
-            bool((torch.stack(torch._foreach_norm(pick(grads))) < math.inf).all()) for pick in self._by_device
-        )
 
 
 #: A group's elements are laid out owner by owner, each owner's run padded to whole blocks, so
@@ -263,7 +151,7 @@ class SkipPlan:
     ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
     ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and
     :meth:`restore` after it with the keep vector. ``counts_only``: the owners whose update masks its own tensors (see
-    ``UpdateProgram.self_masked``): of theirs only the 0-d state (AdamW's step count, which the
+    ``TwoHalves.self_masked``): of theirs only the 0-d state (AdamW's step count, which the
     update counts on the host) is taken.
     """
 
@@ -321,135 +209,3 @@ class SkipPlan:
         """``saved`` with only the host's CPU tensors' copies kept (None elsewhere)."""
         hosts = [g.host for g in self._groups] + [host for _, _, host in self._loose]
         return [s if host else None for s, host in zip(saved, hosts)]
-
-
-class NonFiniteGuard:
-    """A step's handling of NaN/Inf gradients over a fixed list of gradients.
-
-    ``mode`` "raise" refuses the step naming the first bad parameter; "skip" puts each
-    parameter with a bad gradient and all of ``states[i]`` back after the update (``params[i]``
-    owns ``grads[i]``); "ignore" does nothing. In a distributed run the ranks must decide alike
-    (a NaN may sit in one rank's shard only): :meth:`keep` then takes ``agree``, which combines
-    every rank's flags.
-
-    With ``defer`` (the prepared step), "raise" over gradients not all on the host's CPU is
-    ``deferred``: the step runs masked as "skip" runs, and :meth:`settle` sends its flags to
-    the host for the next call to read, so no step waits for the device.
-    """
-
-    def __init__(
-        self,
-        mode: str,
-        grads: Sequence[Tensor],
-        params: Sequence[Tensor] = (),
-        states: Sequence[dict[str, Any]] = (),
-        *,
-        defer: bool = False,
-        self_masked: frozenset[int] = frozenset(),
-    ):
-        self.mode = mode
-        self.check = FiniteCheck(grads)
-        self.deferred = (
-            mode == "raise" and defer and bool(params) and not all(device.is_host(g.device) for g in grads)
-        )
-        masking = mode == "skip" or self.deferred
-        # what the update leaves as it was by itself (see UpdateProgram.self_masked) is never
-        # copied: of such a parameter only a step count may be
-        rest = [
-            i
-            for i in range(len(params))
-            if i not in self_masked or any(isinstance(t, Tensor) and t.dim() == 0 for t in states[i].values())
-        ]
-        self.skip = (
-            SkipPlan([params[i] for i in rest], [states[i] for i in rest], rest, self_masked)
-            if masking and rest
-            else None
-        )
-        # everything, for a step that does not take the self-masking path (see :meth:`snapshot`)
-        self.skip_all = (
-            SkipPlan(params, states, range(len(params))) if masking and params and self_masked else self.skip
-        )
-        self.masking = masking and bool(params)
-        # a "skip" over accelerator gradients whose state lies partly on the host (AdamW's step
-        # counts) puts that part back when the flags reach the host, as a deferred "raise" does:
-        # reading them at once would make the host wait for the device every step
-        self.host_later = (
-            mode == "skip"
-            and self.skip_all is not None
-            and self.skip_all.holds_host()
-            and not all(device.is_host(g.device) for g in grads)
-        )
-        self._flags = host_buffer(len(grads)) if self.deferred or self.host_later else None
-
-    def keep(
-        self,
-        grads: Sequence[Tensor],
-        name: Callable[[int], str],
-        agree: Callable[[Tensor], Tensor] | None = None,
-    ) -> Tensor | None:
-        """Call after the state buffers exist and before anything is written: raises (a
-        "raise" that is not deferred), or returns the keep vector (one bool per gradient, on the
-        device) whose ``False`` entries :meth:`settle` puts back; ``None``: nothing to put back."""
-        if self.mode == "ignore" or not grads:
-            return None
-        # a traced step decides on the host as the CPU does: nothing of it outlives the trace
-        if self.mode == "raise" and (not self.deferred or torch.compiler.is_compiling()):
-            if agree is None:
-                if not self.check.screen(grads):
-                    raise_if_nonfinite(grads, name)
-                return None
-            keep = agree(self.check(grads))
-            raise_if_nonfinite(list(keep.unbind(0)), name, flags_given=True)
-            return None
-        keep = self.check(grads)
-        return agree(keep) if agree is not None else keep
-
-    def snapshot(self, keep: Tensor | None, whole: bool = False) -> list[Tensor] | None:
-        """What the update may overwrite, saved (only where something may have to go back and
-        the update does not keep it as it was by itself). ``whole``: this step's update does
-        not take its self-masking path (an orthogonalize hook or a compiler's trace makes the
-        matrix half run all buckets at once, unmasked): everything is saved. :meth:`restore`
-        and :meth:`settle` are given the same ``whole``."""
-        plan = self.skip_all if whole else self.skip
-        return plan.snapshot() if keep is not None and plan is not None else None
-
-    def restore(self, saved: list[Tensor] | None, keep: Tensor | None, whole: bool = False) -> None:
-        """Put back every tensor of a parameter whose gradient was not finite."""
-        plan = self.skip_all if whole else self.skip
-        if saved is not None and keep is not None and plan is not None:
-            plan.restore(saved, keep)
-
-    def settle(
-        self,
-        saved: list[Tensor] | None,
-        keep: Tensor,
-        name: Callable[[int], str],
-        step: int,
-        whole: bool = False,
-    ) -> PendingFlags | None:
-        """After a completed update: "skip" puts everything copied back now (None). A deferred
-        "raise" puts back what lives on the device, starts the flags' copy to the host and
-        returns them, pending: read, they raise and put back the host's tensors too."""
-        if not self.masking:
-            return None
-        plan = self.skip_all if whole else self.skip
-        if not (self.deferred or self.host_later) or torch.compiler.is_compiling():
-            if plan is not None and saved is not None:
-                plan.restore(saved, keep)
-            return None
-        finish: Callable[[Tensor], None] = nothing_to_finish
-        if plan is not None and saved is not None:
-            plan.restore(saved, keep, on_host=False)
-            finish = functools.partial(_restore_on_host, plan, plan.on_host(saved))
-        return PendingFlags.start(
-            keep,
-            self._flags,  # type: ignore[arg-type]
-            step,
-            name,
-            finish,
-            raises=self.deferred,
-        )
-
-
-def _restore_on_host(plan: SkipPlan, held: list[Tensor | None], flags: Tensor) -> None:
-    plan.restore(held, flags, on_host=True)
