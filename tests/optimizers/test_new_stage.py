@@ -2,15 +2,16 @@
 class and this test, nothing in fastmuon's core.
 
 The stage equalises each matrix's columns: ``Ô[:, j] = O[:, j] · RMS(O) / RMS(O[:, j])`` (every
-column of the update at the update's own RMS). It keeps no state, so its rule is Muon's but for
-the stage: the batched program takes it as a class of matrices stacked together (``classes``,
-``__call__`` and ``run_class``, what :class:`fastmuon.step.contracts.AfterNSStage` asks), the
-per-parameter path as one function of a matrix's update.
+column of the update at the update's own RMS). It keeps no state, and its rule is Muon's with
+the stage after NS (``StagedRule``, NorMuon's and AdaMuon's too): the batched program takes it as
+a class of matrices stacked together (``classes``, ``__call__`` and ``run_class``, what
+:class:`fastmuon.step.contracts.AfterNSStage` asks), the per-parameter path as one function of a
+matrix's update.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -20,8 +21,8 @@ from reference_impl import adamw_reference_step, adjust, ema_update, ns_referenc
 from torch import Tensor, nn
 
 import fastmuon
-from fastmuon.rules import muon as muon_rule
-from fastmuon.step.contracts import Rule, missing_members
+from fastmuon.rules.second_moment import StagedRule
+from fastmuon.step.contracts import LIKE_PARAM, Rule
 from fastmuon.step.matrix_item import MatrixItem
 
 HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, ns_dtype=torch.float32)
@@ -61,31 +62,40 @@ def equalise_one(item: MatrixItem, o: Tensor) -> Tensor:
     return equalise(o.to(torch.float32).reshape(1, o.shape[0], -1)).to(o.dtype).reshape(o.shape)
 
 
-class ColumnRMSRule:
-    """Muon's rule with the stage after NS."""
+class ColumnRMS:
+    """The kind of stage (:class:`fastmuon.step.contracts.AfterNSKind`): no state of its own, no
+    settings, Muon's lr factor."""
 
-    family = muon_rule.family
-    other_update = muon_rule.other_update
-    state_keys = muon_rule.state_keys
-    is_matrix = staticmethod(muon_rule.is_matrix)
-    state_roles = staticmethod(muon_rule.state_roles)
-    state_shapes = staticmethod(muon_rule.state_shapes)
-    collect = staticmethod(muon_rule.collect)
-    scalars = staticmethod(muon_rule.scalars)
+    key = None
+    shaped = LIKE_PARAM
+    role = None
 
-    @staticmethod
-    def build(items: Any, pattern: Any, engine_for: Any, options: Any) -> Any:
-        return muon_rule.build(items, pattern, engine_for, options, ColumnRMSStage)
+    def shape(self, p: Tensor, m: Any) -> tuple[int, ...]:
+        return tuple(p.shape)
 
-    @staticmethod
-    def reference(items: Any) -> None:
-        muon_rule.reference(items, equalise_one)
+    def adjust(self, group: Mapping[str, Any]) -> str:
+        return group["adjust_lr_fn"] or "original"
+
+    def attach(self, group: Any, p: Tensor, m: Any, state: Any, items: list[MatrixItem], env: Any) -> None:
+        """Nothing per matrix: the stage reads only its update."""
+
+    def pattern(self, groups: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+        return ()
+
+    def scalars(self, groups: Sequence[Mapping[str, Any]], s: Any) -> Any:
+        return s
+
+    def batched(self, items: list[MatrixItem]) -> ColumnRMSStage:
+        return ColumnRMSStage(items)
+
+    def reference(self, item: MatrixItem, update: Tensor) -> Tensor:
+        return equalise_one(item, update)
 
 
 class ColumnMuon(fastmuon.Muon):
     """Muon whose orthogonalised update has its columns equalised."""
 
-    _rule = ColumnRMSRule()
+    _rule = StagedRule("column_rms", ColumnRMS())
 
 
 def reference_step(p: Tensor, g: Tensor, state: dict, *, lr, momentum, nesterov, weight_decay) -> None:
@@ -97,7 +107,7 @@ def reference_step(p: Tensor, g: Tensor, state: dict, *, lr, momentum, nesterov,
 
 
 def test_the_rule_satisfies_the_contract():
-    assert isinstance(ColumnMuon._rule, Rule) and missing_members(ColumnMuon._rule) == []
+    assert isinstance(ColumnMuon._rule, Rule)
 
 
 def shapes_and_grads(seed: int):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
@@ -459,7 +460,9 @@ def _plain_norm_is_exact(norm: Tensor) -> list[bool]:
     """Per matrix, whether its norm is in range (NaN is not). One host read of a few numbers:
     cheaper than tensor ops."""
     low, high = _PLAIN_NORM_RANGE
-    return [low <= v <= high for v in norm.view(-1).tolist()]
+    values = norm.view(-1).tolist()
+    # ``low <= v <= high`` per value, through C-level comparisons: no Python frame per matrix
+    return list(map(operator.and_, map(low.__le__, values), map(high.__ge__, values)))
 
 
 def _slot_mask(flags: list[bool], device: torch.device) -> Tensor:
@@ -757,8 +760,7 @@ def _normalized_gram(
     if keep is None and _host_check_is_free(X, host_reads):
         A = torch.bmm(X, X.mT, out=scratch("A", gram_shape))
         norm = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min_(0).sqrt_().view(-1, 1, 1)
-        low, high = _PLAIN_NORM_RANGE  # per matrix, whether its norm is in range (NaN is not)
-        exact = [low <= v <= high for v in norm.view(-1).tolist()]  # a few numbers: one host read
+        exact = _plain_norm_is_exact(norm)
         inv_norm = _plus_eps(norm, eps).reciprocal_()
         if all(exact):
             return X, A.mul_(inv_norm.square()), inv_norm

@@ -2,7 +2,7 @@
 
 A subclass names its update rule (``_rule``, a rule of :mod:`fastmuon.rules`: what a group
 contributes, the step's scalars, its program and reference) and checks its own group values;
-the optimizer-wide settings are one frozen :class:`~fastmuon.optim.options.Options`.
+the optimizer-wide settings are one frozen :class:`~fastmuon.step.options.Options`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from ..ns import device
 from ..ns.engine import ns_config
 from ..ns.matrices import MatrixMap, maps_of
 from ..ns.planner import Plan, counted
-from ..step.contracts import Rule, RuleHolder
+from ..step.contracts import Rule
 from ..step.driver import StepDriver, StepEnv
+from ..step.options import Options
 from ..step.state_dtype import cast_groups_state, check_state_dtype
 from .checkpoint import LoadTarget, adapt_state_dict, with_family_tag
-from .options import Options
 from .param_names import agree_on_names, restore_names
 from .qk_clip import TAU as QK_CLIP_TAU
 from .qk_clip import QKClip, refuse_unreached_default
@@ -77,7 +77,7 @@ def _as_given(lr: Any) -> Any:
     return lr
 
 
-class MatrixOptimizer(Optimizer, RuleHolder):
+class MatrixOptimizer(Optimizer):
     """Base for optimizers that orthogonalise matrix updates through the batched engine.
 
     It checks groups whole before storing them, names parameters in errors, and runs a step:
@@ -86,6 +86,7 @@ class MatrixOptimizer(Optimizer, RuleHolder):
     or, with ``foreach=False``, the rule's per-parameter reference.
     """
 
+    _rule: ClassVar[Rule]  # the update rule (one of fastmuon.rules): what mypy checks a class names
     _lr_factor_alias: ClassVar[str | None] = None  # a second name of adjust_lr_fn (a keyword, a group key)
 
     foreach = _option("foreach")

@@ -87,7 +87,7 @@ from ..rules.roles import (
     ROW_MOMENT,
     SGD,
 )
-from ..rules.second_moment import ADAMUON, MOMENTS, NORMUON, SecondMomentRule
+from ..rules.second_moment import ADAMUON, MOMENTS, NORMUON, StagedRule
 from ..step.contracts import Rule
 from .state import check_state_layout, state_kinds
 from .validation import is_number
@@ -217,7 +217,7 @@ def tagged_writer(state_dict: dict[str, Any]) -> Writer | None:
             "another optimizer or a newer fastmuon; load it there, or delete that entry to have the "
             "groups' keys say which optimizer wrote them"
         )
-    return Writer(rule.family, rule.moment.role if isinstance(rule, SecondMomentRule) else None)
+    return Writer(rule.family, rule.stage.role if isinstance(rule, StagedRule) else None)
 
 
 # every buffer name a known optimizer writes: the declared ones and torch Adam's amsgrad maximum

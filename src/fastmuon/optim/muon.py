@@ -4,9 +4,8 @@ rest), its group checks and AdamW's defaults; the update itself is :mod:`fastmuo
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import fields
-from inspect import Parameter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -19,13 +18,11 @@ from ..rules import muon as muon_rule
 from ..step.contracts import Rule
 from ..step.elementwise import ADJUST_LR, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
+from ..step.options import ArgumentTypeError, Options, check_foreach
 from .base import MatrixOptimizer
-from .options import Options
 from .qk_clip import DEFAULT_ALPHA, refuse_settings_without_parts
 from .qk_clip import check_group as check_qk_clip
 from .validation import (
-    ArgumentTypeError,
-    check_foreach,
     check_fraction,
     check_nonnegative,
     implied_ns_steps,
@@ -226,46 +223,3 @@ def muon_settings(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], Options
     check_nonnegative("adamw_lr", defaults["adamw_lr"], "Muon")
     options = Options(**{f.name: defaults.pop(f.name) for f in fields(Options)})
     return defaults, options
-
-
-def with_muon_options(
-    defaults: Mapping[str, Any] | None = None,
-) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a variant's ``__init__(self, params, *args, <its keyword-only options>, **options)``
-    the signature that lists every option: Muon's positional ones (with the variant's
-    ``defaults`` where it changes them), its own, then Muon's keyword-only ones. Muon's
-    constructor is the one declaration of Muon's options; :func:`bind_muon_options` reads a
-    call's values back."""
-
-    def decorate(init: Callable[..., None]) -> Callable[..., None]:
-        muon = list(inspect.signature(Muon.__init__).parameters.values())
-        own = [p for p in inspect.signature(init).parameters.values() if p.kind is Parameter.KEYWORD_ONLY]
-        changed = defaults or {}
-        head = [p.replace(default=changed[p.name]) if p.name in changed else p for p in muon]
-        positional = [p for p in head if p.kind is not Parameter.KEYWORD_ONLY]
-        keyword = [p for p in head if p.kind is Parameter.KEYWORD_ONLY]
-        init.__signature__ = inspect.Signature([*positional, *own, *keyword])  # type: ignore[attr-defined]
-        return init
-
-    return decorate
-
-
-def bind_muon_options(
-    init: Callable[..., None],
-    self: object,
-    params: ParamsT,
-    args: tuple[Any, ...],
-    options: Mapping[str, Any],
-) -> tuple[dict[str, Any], Options, ProcessGroup | None]:
-    """:func:`muon_settings` of a call of a variant's ``init`` (made by :func:`with_muon_options`):
-    Muon's options by name, each its value or its default; and the call's ``process_group``. An
-    unknown or repeated argument raises ``TypeError`` as Python's own call would, naming the
-    class."""
-    try:
-        bound = inspect.signature(init).bind(self, params, *args, **options)
-    except TypeError as e:
-        raise TypeError(f"{type(self).__name__}(): {e}") from None
-    bound.apply_defaults()
-    values = bound.arguments
-    defaults, settings = muon_settings({name: values[name] for name in muon_options()})
-    return defaults, settings, values["process_group"]

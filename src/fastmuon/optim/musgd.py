@@ -15,12 +15,10 @@ from ..rules import musgd as musgd_rule
 from ..step.contracts import Rule
 from ..step.elementwise import ADJUST_LR, ADJUST_LR_ALIAS, RMS_SCALE
 from ..step.nonfinite import DEFAULT_NONFINITE
+from ..step.options import ArgumentTypeError, Options, check_foreach
 from .base import MatrixOptimizer
-from .options import Options
 from .validation import (
-    ArgumentTypeError,
     UnsupportedOptionError,
-    check_foreach,
     check_nonnegative,
     implied_ns_steps,
     resolve_alias,

@@ -3,17 +3,28 @@ options; the update itself is :mod:`fastmuon.rules.second_moment`'s, one rule fo
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+import torch
+from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..distributed.dtensor import is_dtensor
+from ..ns.matrices import MatrixMapSpec
+from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, CostModel
 from ..rules.second_moment import ADAMUON, NORMUON
 from ..step.contracts import Rule
+from ..step.elementwise import RMS_SCALE
 from ..step.moments import RESCALES
+from ..step.nonfinite import DEFAULT_NONFINITE
+from ..step.options import ArgumentTypeError
 from .base import MatrixOptimizer
-from .muon import Muon, bind_muon_options, with_muon_options
-from .validation import ArgumentTypeError, check_fraction, check_nonnegative
+from .muon import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, Muon, muon_options, muon_settings
+from .qk_clip import DEFAULT_ALPHA
+from .validation import check_fraction, check_nonnegative
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class _SecondMomentMuon(Muon):
@@ -79,21 +90,48 @@ class NorMuon(_SecondMomentMuon):
 
     _rule: ClassVar[Rule] = NORMUON
 
-    @with_muon_options()
     def __init__(
         self,
         params: ParamsT,
-        *args: Any,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = None,
+        *,
         beta2: float = 0.95,
         moment_eps: float = 1e-8,
         rescale: str = "norm",
-        **options: Any,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "auto",
+        matrices: MatrixMapSpec | list = "flatten",  # type: ignore[type-arg]  # the annotation inspect shows
+        policy: str = "auto",
+        rms_scale: float = RMS_SCALE,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        adamw_eps: float = ADAMW_EPS,
+        adamw_lr: float = ADAMW_LR,
+        foreach: bool | None = None,
+        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
+        process_group: ProcessGroup | None = None,
+        nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
+        owner_group_size: int | None = None,
+        max_exchange_bytes: int | None = None,
+        cautious_weight_decay: bool = False,
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = DEFAULT_ALPHA,
+        state_dtype: torch.dtype | None = None,
     ):
-        # Muon's settings joined by the variant's group options reach the base class at once (Muon's
-        # constructor does no more than build them)
-        defaults, settings, process_group = bind_muon_options(NorMuon.__init__, self, params, args, options)
+        # Muon's options, then the variant's group options: Muon's constructor does no more
+        arguments = locals()
+        defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
-        MatrixOptimizer.__init__(self, params, defaults, settings, process_group)
+        MatrixOptimizer.__init__(self, params, defaults, options, process_group)
 
 
 class AdaMuon(_SecondMomentMuon):
@@ -129,20 +167,49 @@ class AdaMuon(_SecondMomentMuon):
 
     _rule: ClassVar[Rule] = ADAMUON
 
-    @with_muon_options(defaults={"nesterov": False})
     def __init__(
         self,
         params: ParamsT,
-        *args: Any,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = False,
+        ns_coefficients: Any = (3.4445, -4.775, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int | None = None,
+        adjust_lr_fn: str | None = None,
+        *,
         beta2: float = 0.95,
         moment_eps: float = 1e-8,
         sign_momentum: bool = True,
         rescale: str = "rms",
-        **options: Any,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_method: str = "auto",
+        matrices: MatrixMapSpec | list = "flatten",  # type: ignore[type-arg]  # the annotation inspect shows
+        policy: str = "auto",
+        rms_scale: float = RMS_SCALE,
+        betas: tuple[float, float] = ADAMW_BETAS,
+        adamw_eps: float = ADAMW_EPS,
+        adamw_lr: float = ADAMW_LR,
+        foreach: bool | None = None,
+        max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+        cost_model: CostModel | str | None = None,
+        compile: bool = False,
+        process_group: ProcessGroup | None = None,
+        nonfinite: str = DEFAULT_NONFINITE,
+        capturable: bool = False,
+        owner_group_size: int | None = None,
+        max_exchange_bytes: int | None = None,
+        cautious_weight_decay: bool = False,
+        qk_clip_tau: float | None = None,
+        qk_clip_alpha: float = DEFAULT_ALPHA,
+        state_dtype: torch.dtype | None = None,
     ):
-        defaults, settings, process_group = bind_muon_options(AdaMuon.__init__, self, params, args, options)
+        # Muon's options, then the variant's group options: Muon's constructor does no more
+        arguments = locals()
+        defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)
-        MatrixOptimizer.__init__(self, params, defaults, settings, process_group)
+        MatrixOptimizer.__init__(self, params, defaults, options, process_group)
 
     def _validate_group(self, group: dict[str, Any], where: str) -> None:
         super()._validate_group(group, where)

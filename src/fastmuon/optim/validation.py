@@ -17,12 +17,8 @@ from ..distributed.parts import check_placements
 from ..ns.newton_schulz import default_steps
 from ..rules.roles import ADAM_AVG, ADAM_AVG_SQ, ELEMENT_MOMENT, EMA, HEAVY_BALL, ROW_MOMENT
 from ..step.elementwise import ADJUST_LR_ALIAS, RMS_SCALE
+from ..step.options import ArgumentTypeError
 from ..step.state_dtype import lost_decays
-
-
-class ArgumentTypeError(TypeError, ValueError):
-    """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
-    torch's optimizers' checks, a ``ValueError``)."""
 
 
 class UnsupportedOptionError(TypeError, ValueError):
@@ -57,26 +53,6 @@ def check_fraction(name: str, value: Any, where: str) -> None:
     check_nonnegative(name, value, where)
     if not value < 1:
         raise ValueError(f"invalid {name} {value!r} in {where}: it must be in [0, 1)")
-
-
-def check_foreach(foreach: Any) -> bool | None:
-    """``foreach`` as torch's optimizers take it: ``None`` (pick the fast path), True or False."""
-    if foreach is not None and not isinstance(foreach, bool):
-        raise ArgumentTypeError(f"foreach must be None, True or False, got {foreach!r}")
-    return foreach
-
-
-def check_capturable(capturable: bool, nonfinite: str) -> None:
-    """A captured step (a CUDA graph) replays kernels only: it cannot read on the host whether
-    a step's gradients were finite, which ``nonfinite="raise"`` must do (at the latest one call
-    later), so the pair is refused; "skip" masks on the device and "ignore" checks nothing."""
-    if capturable and nonfinite == "raise":
-        raise ValueError(
-            "capturable=True cannot be combined with nonfinite='raise' (the default): raising must "
-            "read on the host whether the gradients were finite, which a captured step never does; "
-            "pass nonfinite='skip' (parameters with a NaN/Inf gradient keep their weights and state "
-            "for the step, decided on the device) or nonfinite='ignore' (no check)"
-        )
 
 
 def check_capturable_setup(

@@ -2,7 +2,7 @@
 
 A rule is a module (or, where one parametrised rule serves several optimizers, an object) each
 optimizer class names (read as ``opt.rule``); it satisfies
-:class:`fastmuon.step.contracts.Rule`, checked when the class is made. It says, for its family
+:class:`fastmuon.step.contracts.Rule` (mypy checks what a class names). It says, for its family
 of optimizers:
 
 - ``family``: its name in checkpoints (see :mod:`fastmuon.optim.checkpoint`);

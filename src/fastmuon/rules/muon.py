@@ -23,7 +23,7 @@ from ..step.adamw import (
     single_tensor_adamw,
 )
 from ..step.collecting import CollectEnv, live_params
-from ..step.contracts import COUNT, LIKE_PARAM, AfterNSStage, EngineFor, StepOptions
+from ..step.contracts import COUNT, LIKE_PARAM, AfterNSStage, EngineFor
 from ..step.driver import TwoHalves, classes_each
 from ..step.elementwise import Scalar
 from ..step.matrix import (
@@ -35,6 +35,7 @@ from ..step.matrix import (
     single_tensor_matrix_update,
 )
 from ..step.matrix_item import MatrixItem
+from ..step.options import Options
 from ..step.state_dtype import group_state_dtype
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
@@ -204,7 +205,7 @@ def build(
     items: Items,
     pattern: Pattern,
     engine_for: EngineFor,
-    options: StepOptions,
+    options: Options,
     stage: Callable[[list[MatrixItem]], AfterNSStage] | None = None,
 ) -> TwoHalves:
     """The batched program; ``stage``: a variant's stage after NS over the program's matrices."""

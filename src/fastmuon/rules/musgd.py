@@ -16,7 +16,7 @@ from torch import Tensor
 from ..ns.engine import ns_config
 from ..ns.matrices import MatrixMap
 from ..step.collecting import CollectEnv, live_params
-from ..step.contracts import LIKE_PARAM, EngineFor, StepOptions
+from ..step.contracts import LIKE_PARAM, EngineFor
 from ..step.driver import TwoHalves, classes_each
 from ..step.elementwise import Scalar
 from ..step.matrix import (
@@ -29,6 +29,7 @@ from ..step.matrix import (
     state_buffer,
 )
 from ..step.matrix_item import MatrixItem
+from ..step.options import Options
 from ..step.sgd import SGDItem, SGDProgram, SGDScalars, single_tensor_sgd
 from ..step.state_dtype import group_state_dtype
 from .roles import EMA, HEAVY_BALL, MUSGD
@@ -140,7 +141,7 @@ def scalars(groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar])
     return pattern, Scalars(MatrixScalars(beta, nesterov, base), SGDScalars(beta, nesterov, wd, sgd_lr))
 
 
-def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOptions) -> TwoHalves:
+def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Options) -> TwoHalves:
     # a step may be given keep flags; the SGD half masks a tensor by torch's fused kernel only
     masking = options.nonfinite != "ignore" and not options.capturable
     return TwoHalves(

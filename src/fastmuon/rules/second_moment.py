@@ -38,11 +38,12 @@ from torch import Tensor
 
 from ..ns.matrices import MatrixMap
 from ..step.collecting import CollectEnv
-from ..step.contracts import LIKE_PARAM, VECTOR, EngineFor, StepOptions
+from ..step.contracts import AfterNSKind, EngineFor
 from ..step.driver import TwoHalves
 from ..step.elementwise import Scalar
 from ..step.matrix_item import MatrixItem
-from ..step.moments import MomentStage, SecondMoment, reference_normalize
+from ..step.moments import SecondMoment
+from ..step.options import Options
 from . import muon as muon_rule
 from .muon import Extension, Items
 from .roles import ELEMENT_MOMENT, MUON, ROW_MOMENT
@@ -52,18 +53,18 @@ class Pattern(NamedTuple):
     """Muon's pattern, and the groups' second-moment settings that shape the program."""
 
     muon: muon_rule.Pattern
-    moment: tuple[Any, ...]  # per group: its rescale (and, where the rule signs, sign_momentum)
+    stage: tuple[Any, ...]  # per group: the stage's settings (and, where the rule signs, sign_momentum)
 
 
 class SignedMoment:
-    """A moment's collection extended: each matrix's NS input is its momentum's sign where the
+    """A stage's collection extended: each matrix's NS input is its momentum's sign where the
     group's ``sign_momentum`` says (the stage before NS)."""
 
-    def __init__(self, moment: SecondMoment):
-        self.moment = moment
+    def __init__(self, stage: AfterNSKind):
+        self.stage = stage
 
     def adjust(self, group: Mapping[str, Any]) -> str:
-        return self.moment.adjust(group)
+        return self.stage.adjust(group)
 
     def attach(
         self,
@@ -74,46 +75,50 @@ class SignedMoment:
         items: list[MatrixItem],
         env: CollectEnv,
     ) -> None:
-        self.moment.attach(group, p, m, state, items, env)
+        self.stage.attach(group, p, m, state, items, env)
         sign = bool(group["sign_momentum"])
         for it in items:
             it.sign_input = sign
 
 
-class SecondMomentRule:
-    """The rule of a Muon with a second moment (satisfies :class:`fastmuon.step.contracts.Rule`).
+class StagedRule:
+    """Muon with a stage after NS (satisfies :class:`fastmuon.step.contracts.Rule`): the rule of
+    NorMuon and AdaMuon, and of any variant made of an :class:`~fastmuon.step.contracts.AfterNSKind`.
 
-    ``moment`` says how ``v`` averages and where it is kept; ``signed``, whether groups carry
-    ``sign_momentum`` (AdaMuon's: NS of the momentum's sign). Its state dicts are Muon's (the
-    same group keys and buffers) plus ``second_moment``, which loading carries from a state dict
-    of the same variant only (see :mod:`fastmuon.optim.checkpoint`) and a fresh step makes as
-    zeros.
+    ``stage`` says what each matrix carries, the state it keeps and how its update changes
+    after NS; ``signed``, whether groups carry ``sign_momentum`` (AdaMuon's: NS of the
+    momentum's sign). Its state dicts are Muon's (the same group keys and buffers) plus the
+    stage's entry, which loading carries from a state dict of the same variant only (see
+    :mod:`fastmuon.optim.checkpoint`) and a fresh step makes as zeros.
     """
 
     family = MUON
     other_update = muon_rule.other_update  # the parameters it does not orthogonalise take Muon's AdamW
     is_matrix = staticmethod(muon_rule.is_matrix)
 
-    def __init__(self, name: str, moment: SecondMoment, *, signed: bool):
+    def __init__(self, name: str, stage: AfterNSKind, *, signed: bool = False):
         self.__name__ = name
-        self.moment = moment
+        self.stage = stage
         self.signed = signed
-        shaped = VECTOR if moment.per_row else LIKE_PARAM
-        self.state_keys: Mapping[str, str] = MappingProxyType({**muon_rule.state_keys, moment.key: shaped})
-        self._extension: Extension = SignedMoment(moment) if signed else moment
+        own = {stage.key: stage.shaped} if stage.key is not None else {}
+        self.state_keys: Mapping[str, str] = MappingProxyType({**muon_rule.state_keys, **own})
+        self._extension: Extension = SignedMoment(stage) if signed else stage
 
     def __repr__(self) -> str:
         return f"<update rule {self.__name__}>"
 
     def state_roles(self, group: dict[str, Any], p: Tensor) -> dict[str, str]:
-        """Muon's buffers, and a matrix's second moment."""
+        """Muon's buffers, and a matrix's entry of the stage."""
         roles = muon_rule.state_roles(group, p)
-        return {**roles, self.moment.key: self.moment.role} if muon_rule.is_matrix(group, p) else roles
+        key, role = self.stage.key, self.stage.role
+        if key is None or not muon_rule.is_matrix(group, p):
+            return roles
+        return {**roles, key: role or key}  # no role: state that only this rule's steps read
 
     def state_shapes(self, group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tuple[int, ...]]:
-        """The shape of each buffer the loader must check: ``second_moment``, one entry per row of
-        each of ``p``'s matrices under its map ``m`` (per row) or ``p``'s own (elementwise)."""
-        return {self.moment.key: self.moment.shape(p, m)} if muon_rule.is_matrix(group, p) else {}
+        """The shape of the stage's entry of a matrix parameter ``p`` under its map ``m``."""
+        key = self.stage.key
+        return {key: self.stage.shape(p, m)} if key is not None and muon_rule.is_matrix(group, p) else {}
 
     def collect(
         self, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv
@@ -124,27 +129,25 @@ class SecondMomentRule:
         self, groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar]
     ) -> tuple[Pattern, muon_rule.Scalars]:
         pattern, s = muon_rule.scalars(groups, lr_value)
-        moment: tuple[tuple[Any, ...], ...]
+        stage = self.stage.pattern(groups)
         if self.signed:
-            moment = tuple((g["rescale"], g["sign_momentum"]) for g in groups)
-        else:
-            moment = tuple((g["rescale"],) for g in groups)
-        matrices = self.moment.scalars(groups, s.matrices)
-        return Pattern(pattern, moment), muon_rule.Scalars(matrices, s.elementwise)
+            stage = tuple((*own, g["sign_momentum"]) for own, g in zip(stage, groups))
+        matrices = self.stage.scalars(groups, s.matrices)
+        return Pattern(pattern, stage), muon_rule.Scalars(matrices, s.elementwise)
 
-    def build(self, items: Items, pattern: Pattern, engine_for: EngineFor, options: StepOptions) -> TwoHalves:
-        return muon_rule.build(items, pattern.muon, engine_for, options, MomentStage)
+    def build(self, items: Items, pattern: Pattern, engine_for: EngineFor, options: Options) -> TwoHalves:
+        return muon_rule.build(items, pattern.muon, engine_for, options, self.stage.batched)
 
     def reference(self, items: Items) -> None:
         """The same update, one parameter at a time: the per-parameter reference path."""
-        muon_rule.reference(items, reference_normalize)
+        muon_rule.reference(items, self.stage.reference)
 
 
 #: NorMuon's: per-row second moment; ``β₂ = 0.95`` and ``ε = 1e-8`` are the paper's and dion's
-NORMUON = SecondMomentRule("normuon", SecondMoment("second_moment", ROW_MOMENT, per_row=True), signed=False)
+ROW = SecondMoment("second_moment", ROW_MOMENT, per_row=True)
 #: AdaMuon's: elementwise second moment of NS of the momentum's sign (``sign_momentum``)
-ADAMUON = SecondMomentRule(
-    "adamuon", SecondMoment("second_moment", ELEMENT_MOMENT, per_row=False), signed=True
-)
+ELEMENTWISE = SecondMoment("second_moment", ELEMENT_MOMENT, per_row=False)
+NORMUON = StagedRule("normuon", ROW)
+ADAMUON = StagedRule("adamuon", ELEMENTWISE, signed=True)
 #: each second moment by the role it has in checkpoints
-MOMENTS = {r.moment.role: r.moment for r in (NORMUON, ADAMUON)}
+MOMENTS: dict[str, SecondMoment] = {m.role: m for m in (ROW, ELEMENTWISE)}

@@ -34,12 +34,28 @@ class CollectEnv(NamedTuple):
         return None if self.parts is None else self.parts(p)
 
 
+class Member(NamedTuple):
+    """A parameter with a gradient this step: its place in its group, its gradient (checked) and
+    its place among the step's parameters with gradients (a step program's positions)."""
+
+    j: int
+    param: Tensor
+    grad: Tensor
+    position: int
+
+
+class LiveGroup(NamedTuple):
+    """A param group's parameters with a gradient this step, in order."""
+
+    number: int  # the group's place among the optimizer's groups
+    group: dict[str, Any]
+    members: list[Member]
+
+
 def live_params(
     groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv
-) -> Iterator[tuple[int, dict[str, Any], list[tuple[int, Tensor, Tensor, int]]]]:
-    """Per group: ``(group index, group, [(j, param, grad, index), ...])`` for the parameters with
-    a gradient (checked), in order; ``grads`` runs over every group's parameters, and ``index``
-    counts the parameters with gradients across groups (a step program's positions)."""
+) -> Iterator[LiveGroup]:
+    """Each group's parameters with a gradient (``grads`` runs over every group's parameters)."""
     flat = 0
     live = 0
     for gi, group in enumerate(groups):
@@ -50,6 +66,6 @@ def live_params(
             if grad is None:
                 continue
             env.check_grad(group, j, grad)
-            members.append((j, p, grad, live))
+            members.append(Member(j, p, grad, live))
             live += 1
-        yield gi, group, members
+        yield LiveGroup(gi, group, members)

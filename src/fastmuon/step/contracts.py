@@ -1,55 +1,33 @@
-"""The contracts between the layers, checked by mypy and, for a rule, when its optimizer class
-is made: what a rule offers (:class:`Rule`), what its prepared update offers the driver
-(its elementwise half: :class:`HalfProgram`; a stage after NS: :class:`AfterNSStage`), what an engine offers the matrix program
-(:class:`Engine`, :data:`EngineFor`; one that runs bucket by bucket is ``fastmuon.ns.engine.Orthogonalizer`` itself) and what the step reads of an
-optimizer's options (:class:`StepOptions`).
+"""The contracts between the layers, checked by mypy: what a rule offers (:class:`Rule`), the
+parts a variant supplies (a kind of stage after NS: :class:`AfterNSKind`, and the batched stage
+it makes: :class:`AfterNSStage`), an update's elementwise half (:class:`HalfProgram`), what an
+engine offers the matrix program (:class:`Engine`, :data:`EngineFor`). Each has several
+implementations.
 
 They live in ``step/``, the lowest layer that holds every type they name; a rule satisfies
 :class:`Rule` as a module (its functions and constants are the members) or as an object
-(one parametrised class for several optimizers).
+(:class:`~fastmuon.rules.second_moment.StagedRule`, one class for several optimizers).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from ..ns.engine import NSConfig
 from ..ns.matrices import MatrixMap
-from ..ns.planner import CostModel, Plan
+from ..ns.planner import Plan
 from .collecting import CollectEnv
 from .matrix_item import MatrixItem
+from .options import Options
 
 #: How a saved state entry is shaped (a rule's ``state_keys``; see :mod:`fastmuon.optim.state`).
 LIKE_PARAM = "like_param"  # its parameter's shape
 COUNT = "count"  # one number (AdamW's step count)
 VECTOR = "vector"  # one dim, its length set by the group's matrix maps (``state_shapes``)
-
-
-class StepOptions(Protocol):
-    """What the step reads of an optimizer's options (:class:`fastmuon.optim.options.Options`)."""
-
-    @property
-    def foreach(self) -> bool | None: ...
-    @property
-    def policy(self) -> str: ...
-    @property
-    def compile(self) -> bool: ...
-    @property
-    def max_bucket_bytes(self) -> int: ...
-    @property
-    def cost_model(self) -> CostModel | str | None: ...
-    @property
-    def nonfinite(self) -> str: ...
-    @property
-    def capturable(self) -> bool: ...
-    @property
-    def owner_group_size(self) -> int | None: ...
-    @property
-    def max_exchange_bytes(self) -> int | None: ...
 
 
 class Engine(Protocol):
@@ -67,7 +45,7 @@ EngineFor = Callable[[list[Tensor], list[NSConfig], list[Any]], Engine]
 
 
 class AfterNSStage(Protocol):
-    """A rule's stage after NS over a program's matrices (``fastmuon.step.moments.MomentStage``):
+    """A stage after NS over a program's matrices (what :meth:`AfterNSKind.batched` makes):
     it maps their NS results, in the program's order, to the updates applied. ``classes``
     (position lists first) and ``run_class`` let a step that runs bucket by bucket run it per
     class of matrices stacked together. A stage whose class attribute ``masks_rejected`` is
@@ -82,6 +60,56 @@ class AfterNSStage(Protocol):
         self, c: int, updates: Sequence[Tensor], scalars: Any, flags: Tensor | None = None
     ) -> list[Tensor]: ...
     def flags(self, c: int, keep: Tensor) -> Tensor: ...
+
+
+class AfterNSKind(Protocol):
+    """A kind of stage after NS, as a variant of Muon is made of one (``StagedRule``): what it
+    adds to each matrix item, the state it keeps, its settings per step, its batched stage and
+    its per-matrix reference. Implemented by the second moment of NorMuon and AdaMuon
+    (``fastmuon.step.moments.SecondMoment``); a new stage implements it outside the core.
+
+    ``key``: the state entry it keeps per matrix parameter (None: none), shaped as ``shaped``
+    says (:data:`LIKE_PARAM`, or :data:`VECTOR` with :meth:`shape`) and following ``role`` in
+    checkpoints (None: not carried across optimizers)."""
+
+    @property
+    def key(self) -> str | None: ...
+    @property
+    def shaped(self) -> str: ...
+    @property
+    def role(self) -> str | None: ...
+    def shape(self, p: Tensor, m: MatrixMap) -> tuple[int, ...]: ...
+    def adjust(self, group: Mapping[str, Any]) -> str:
+        """The group's lr factor mode (``adjust_lr_fn``, resolved)."""
+        ...
+
+    def attach(
+        self,
+        group: Mapping[str, Any],
+        p: Tensor,
+        m: MatrixMap,
+        state: dict[str, Any],
+        items: list[MatrixItem],
+        env: CollectEnv,
+    ) -> None:
+        """Give ``p``'s matrix items (one per matrix of its map ``m``) what the stage reads."""
+        ...
+
+    def pattern(self, groups: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+        """The groups' settings that shape the batched stage (a program is rebuilt when they change)."""
+        ...
+
+    def scalars(self, groups: Sequence[Mapping[str, Any]], s: Any) -> Any:
+        """The matrix update's scalars ``s`` (``MatrixScalars``) with the stage's own, read each step."""
+        ...
+
+    def batched(self, items: list[MatrixItem]) -> AfterNSStage:
+        """The stage over a program's matrices (``items``, in its order)."""
+        ...
+
+    def reference(self, item: MatrixItem, update: Tensor) -> Tensor:
+        """The stage over one matrix's NS result (the per-parameter path)."""
+        ...
 
 
 class HalfProgram(Protocol):
@@ -130,35 +158,6 @@ class Rule(Protocol):
         self, groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Any]
     ) -> tuple[Any, Any]: ...
     def build(
-        self, items: Any, pattern: Any, engine_for: EngineFor, options: StepOptions
+        self, items: Any, pattern: Any, engine_for: EngineFor, options: Options
     ) -> Any: ...  # a fastmuon.step.driver.TwoHalves
     def reference(self, items: Any) -> None: ...
-
-
-def missing_members(rule: object) -> list[str]:
-    """The members of :class:`Rule` that ``rule`` lacks (none: it is a rule)."""
-    members = {*Rule.__annotations__, *(n for n, v in vars(Rule).items() if callable(v) and n[0] != "_")}
-    return sorted(n for n in members if not hasattr(rule, n))
-
-
-def check_rule(owner: str, rule: object | None) -> None:
-    """Refuse, naming ``owner`` (an optimizer class) and what is missing, a ``rule`` that lacks a
-    member of :class:`Rule` (None: the class names no rule of its own)."""
-    missing = missing_members(rule) if rule is not None else []
-    if missing:
-        raise TypeError(
-            f"{owner}._rule ({getattr(rule, '__name__', rule)!r}) is not an update rule: it lacks "
-            f"{', '.join(missing)}; define them in the rule (see fastmuon.step.contracts.Rule)"
-        )
-
-
-class RuleHolder:
-    """A class that names its update rule as ``_rule`` (the optimizers): a rule lacking a member
-    of :class:`Rule` is refused when the class is made, not at its first step."""
-
-    #: the update rule, one of :mod:`fastmuon.rules`
-    _rule: ClassVar[Rule]
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        check_rule(cls.__name__, cls.__dict__.get("_rule"))

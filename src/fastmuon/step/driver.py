@@ -39,11 +39,12 @@ from ..ns.engine import Gather, NSConfig
 from ..ns.matrices import MatrixMap
 from ..ns.planner import Plan
 from .collecting import CollectEnv
-from .contracts import HalfProgram, Rule, StepOptions
+from .contracts import HalfProgram, Rule
 from .deferred import PendingFlags, host_buffer, nothing_to_finish
 from .elementwise import Scalar
 from .matrix import MatrixProgram, batch_order
 from .nonfinite import SkipPlan
+from .options import Options
 from .state_marks import drop_state_after, mark_state
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class StepEnv(NamedTuple):
     groups: list[dict[str, Any]]
     state: MutableMapping[Tensor, dict[str, Any]]  # per-parameter state (a defaultdict: made on first use)
     rule: Rule  # one of fastmuon.rules
-    options: StepOptions  # the optimizer's Options
+    options: Options  # the optimizer's Options
     process_group: ProcessGroup | None  # DDP's, or None
     optimizer: str  # its class name, for errors
     param_name: Callable[[dict[str, Any], int], str]

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..ns.matrices import MatrixMap
 from .collecting import CollectEnv
+from .contracts import LIKE_PARAM, VECTOR
 from .matrix import MatrixScalars
 from .matrix_item import MatrixItem
 from .state_dtype import group_state_dtype
@@ -72,6 +73,11 @@ class SecondMoment:
     role: str
     per_row: bool
 
+    @property
+    def shaped(self) -> str:
+        """How the entry is shaped: one entry per row of each matrix, or the parameter's own."""
+        return VECTOR if self.per_row else LIKE_PARAM
+
     def shape(self, p: Tensor, m: MatrixMap) -> tuple[int, ...]:
         """The entry's shape for ``p`` under its map ``m``."""
         return (sum(_neurons(m, p.shape)),) if self.per_row else tuple(p.shape)
@@ -115,6 +121,16 @@ class SecondMoment:
         rms = ADAMW_RMS if group["rescale"] == "rms" else None
         for it, v in zip(items, views):
             it.stage = Moment(v, group["beta2"], group["moment_eps"], rms, m.transposed)
+
+    def pattern(self, groups: Sequence[Mapping[str, Any]]) -> tuple[Any, ...]:
+        """Each group's ``rescale`` (it sets the stage's classes)."""
+        return tuple((g["rescale"],) for g in groups)
+
+    def batched(self, items: list[MatrixItem]) -> MomentStage:
+        return MomentStage(items)
+
+    def reference(self, item: MatrixItem, update: Tensor) -> Tensor:
+        return reference_normalize(item, update)
 
     def scalars(self, groups: Sequence[Mapping[str, Any]], s: MatrixScalars) -> MomentScalars:
         """The matrix update's scalars ``s`` with the moment's ``β₂`` and ``ε`` (read each step,

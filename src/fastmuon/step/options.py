@@ -7,10 +7,10 @@ them; a group's hyperparameters live in its dict, as in ``torch.optim``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..ns.planner import DEFAULT_MAX_BUCKET_BYTES, POLICIES, CostModel
-from ..step.nonfinite import DEFAULT_NONFINITE, check_mode
-from .validation import check_capturable, check_foreach
+from .nonfinite import DEFAULT_NONFINITE, check_mode
 
 
 @dataclass(frozen=True)
@@ -58,3 +58,28 @@ class Options:
         object.__setattr__(self, "compile", bool(self.compile))
         object.__setattr__(self, "max_bucket_bytes", int(self.max_bucket_bytes))
         object.__setattr__(self, "capturable", bool(self.capturable))
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """A constructor argument or group value of the wrong type (a ``TypeError`` and, like
+    torch's optimizers' checks, a ``ValueError``)."""
+
+
+def check_foreach(foreach: Any) -> bool | None:
+    """``foreach`` as torch's optimizers take it: ``None`` (pick the fast path), True or False."""
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ArgumentTypeError(f"foreach must be None, True or False, got {foreach!r}")
+    return foreach
+
+
+def check_capturable(capturable: bool, nonfinite: str) -> None:
+    """A captured step (a CUDA graph) replays kernels only: it cannot read on the host whether
+    a step's gradients were finite, which ``nonfinite="raise"`` must do (at the latest one call
+    later), so the pair is refused; "skip" masks on the device and "ignore" checks nothing."""
+    if capturable and nonfinite == "raise":
+        raise ValueError(
+            "capturable=True cannot be combined with nonfinite='raise' (the default): raising must "
+            "read on the host whether the gradients were finite, which a captured step never does; "
+            "pass nonfinite='skip' (parameters with a NaN/Inf gradient keep their weights and state "
+            "for the step, decided on the device) or nonfinite='ignore' (no check)"
+        )
