@@ -1,11 +1,8 @@
-"""What an optimizer hands the distributed layer (a :class:`DistContext`, never itself), and
-what the layer does with it: agree on which parameters step, combine the ranks' verdicts on
-non-finite gradients, and build the step's NS executor (replicated or sharded).
-
-Everything is ``torch.distributed``; the only assumption is that all ranks step the same set of
-parameters, which :func:`begin_step` enforces with one small all_reduce per step. Every
-collective goes through an :class:`~fastmuon.distributed.inflight.InFlight`, and exchange buffers
-persist between steps: nothing a collective touched is freed by the process group's own threads.
+"""What an optimizer hands the distributed layer (a :class:`DistContext`, never itself) and what
+the layer does with it: agree on which parameters step (all ranks must step the same ones),
+combine the ranks' non-finite verdicts, build the step's NS executor. Every collective goes
+through an :class:`~fastmuon.distributed.inflight.InFlight` and exchange buffers persist, so no
+process-group thread frees a tensor a collective touched.
 """
 
 from __future__ import annotations
@@ -32,11 +29,9 @@ from .sharded import ShardedMatrix, SplitShardedOrthogonalizer
 from .subgroups import host_twin, splits_default
 
 
-# ----- the optimizer side: building, agreeing, localising ------------------------------------
 @dataclass(frozen=True)
 class DistContext:
-    """What an optimizer hands the distributed layer (never itself): the ranks, the keeper of
-    in-flight collectives, its settings, and how to name a parameter or build a local engine."""
+    """What an optimizer hands the distributed layer instead of itself."""
 
     process_group: Any  # DDP: the ranks that share the NS work; None under FSDP2 (the mesh's)
     inflight: InFlight  # holds every collective's tensors until the next step settles them
@@ -54,9 +49,8 @@ def build_distributed(
     policy: str,
     group: Any = None,
 ) -> ShardedOrthogonalizer | SplitShardedOrthogonalizer | ReplicatedOrthogonalizer:
-    """The orthogonalizer for a step's matrices: through the exchange if they are held in
-    parts (``wholes`` holds each one's :class:`ShardedMatrix`, its parts over ``group``), else
-    replicated over ``ctx.process_group`` (DDP)."""
+    """The orthogonalizer for a step's matrices: the exchange where ``wholes`` holds each one's
+    :class:`ShardedMatrix` (its parts over ``group``), else replicated over DDP's group."""
     sharded = [isinstance(g, ShardedMatrix) for g in wholes]
     if any(sharded) and params:
         assert all(sharded), "a step over DTensors describes every matrix by its parts"
@@ -131,10 +125,8 @@ def build_distributed(
 
 
 def _owner_group_size(asked: int | None, group: Any) -> int | None:
-    """``asked``, or 1 (no owner groups) over a mesh of only some ranks of a default group
-    bound to a device: its owner groups would be made by their members alone, and torch then
-    splits the default communicator, which every rank of the job must enter (see
-    :mod:`.subgroups`)."""
+    """``asked``, or 1 (no owner groups) over some ranks of a device-bound default group: their
+    members alone would make them, but its split needs every rank (see :mod:`.subgroups`)."""
     if group is not None and dist.get_world_size(group) != dist.get_world_size() and splits_default():
         return 1
     return asked
@@ -147,9 +139,8 @@ def _plan(
     policy: str,
     group: ProcessGroup | None,
 ) -> tuple[Plan, Any, int]:
-    """The plan every rank builds alike, with the cost model and thread count it was made with:
-    what varies by rank and steers the planner (a calibrated cost model, the thread count that
-    prices eigendecompositions) is rank 0's, sent to all."""
+    """The plan every rank builds alike, with its cost model and thread count: these vary by
+    rank and steer the planner, so rank 0's are sent to all."""
     box: list[Any] = [resolve_cost_model(ctx.options.cost_model, specs), torch.get_num_threads()]
     src = 0 if group is None else dist.get_global_rank(group, 0)
     device = specs[0].device if specs else torch.device("cpu")
@@ -164,8 +155,7 @@ def _plan(
 def _broadcast_object(
     obj: Any, src: int, group: ProcessGroup | None, inflight: InFlight, device: torch.device
 ) -> Any:
-    """``obj`` as rank ``src`` (a global rank) has it, on every rank: ``broadcast_object_list``'s
-    pickle and two broadcasts, with the buffers held by ``inflight`` (see inflight.py)."""
+    """``obj`` from global rank ``src`` on every rank, its buffers held by ``inflight``."""
     device = collective_device(device, group)
     data = pickle.dumps(obj) if dist.get_rank() == src else b""
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -181,10 +171,8 @@ def _broadcast_object(
 
 
 def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
-    """Every rank's keep flags combined (finite only where finite on every rank), one
-    all-reduce on the device the group's backend takes (held by ``inflight``, see
-    inflight.py), returned on ``keep``'s device. Nothing is read on the host: on an
-    accelerator the combined flags stay there."""
+    """Every rank's keep flags combined (finite only where finite everywhere) by one all-reduce,
+    returned on ``keep``'s device; nothing is read on the host."""
     ok = keep.to(collective_device(keep.device, group), torch.float32)
     inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
     inflight.wait()
@@ -193,15 +181,9 @@ def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
 
 def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict[Tensor, Tensor]:
     """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
-
-    A parameter steps on every rank if any rank has a gradient for it (a rank without one
-    treats it as zero), so all ranks build the same plan and issue the same collectives.
-    The flags are the host's: they go through a group that carries host tensors
-    (:func:`host_group`), so the host waits for the other ranks but never for the device;
-    only over an accelerator-only group of some ranks do they go through the device, and
-    reading them back then waits for the device's queue. ``inflight`` keeps the all_reduce's
-    buffer until the next step settles it.
-    """
+    A parameter steps everywhere if any rank has its gradient, so all ranks issue the same
+    collectives. The flags go through a host group (:func:`host_group`) where there is one: the
+    host then waits for the other ranks but never for the device."""
     if not params:
         return {}
     flags = [p.grad is not None for p in params]
@@ -222,15 +204,10 @@ def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict
 
 
 def host_group(group: Any) -> Any | None:
-    """A group over ``group``'s ranks whose backend takes host tensors, or None where none can
-    be had without risk: ``group`` itself if its backend takes them (gloo, or a backend per
-    device such as ``"cpu:gloo,cuda:nccl"``); for an accelerator-only group (NCCL) over every
-    rank of the job, a gloo twin of the world, made once by every rank (``new_group`` over
-    every rank is a collective of the default group, which every rank enters alike); for one
-    over only some ranks, None: a twin would be made by its members alone, and under a
-    default group bound to a device (``init_process_group(device_id=...)``) torch makes every
-    rank outside a new group split the default communicator, which the members of a gloo
-    group never do, so the job would hang."""
+    """A group over ``group``'s ranks that takes host tensors: ``group`` itself if its backend
+    does (gloo, ``"cpu:gloo,cuda:nccl"``); over every rank, a gloo twin of the world made by every
+    rank alike; over some ranks, None: under a device-bound default group every rank outside a
+    new group must enter its split, so a twin made by its members alone would hang the job."""
     if _takes_host_tensors(group):
         return group
     if not dist.is_gloo_available():

@@ -1,5 +1,5 @@
-"""DTensor facts the step needs: is a tensor sharded, its local shard, whether a program's
-local tensors are still the parameters' own, and a step's work items on local shards."""
+"""DTensor facts the step needs: local shards, whether a program's are still current, and
+work items on local shards."""
 
 from __future__ import annotations
 
@@ -32,13 +32,10 @@ _local_tensor = operator.attrgetter("_local_tensor")
 
 
 class LocalShards:
-    """The local tensors of a step program's DTensor parameters, as they were when it was built.
-
-    The program updates views of them. FSDP2 gives a parameter a new local tensor when it
-    re-pads one (after ``nn.Module._apply`` or ``load_state_dict(assign=True)``), and views of
-    the old one would then update memory that is no longer the parameter's: :meth:`current`
-    tells whether each parameter still holds the tensor the program was built over.
-    """
+    """The local tensors of a step program's DTensor parameters, as they were when it was built:
+    FSDP2 gives a parameter a new one when it re-pads (``nn.Module._apply``,
+    ``load_state_dict(assign=True)``), and the program's views of the old one would update memory
+    no longer the parameter's, so :meth:`current` checks each still holds its own."""
 
     def __init__(self, params: Sequence[Any]):
         self._params = [p for p in params if is_dtensor(p)]
@@ -49,12 +46,8 @@ class LocalShards:
 
 
 def localize(items: Sequence[Any], optimizer: str) -> None:
-    """Swap every DTensor field of the step's items for its local shard, in place.
-
-    The elementwise maths is then plain foreach work on local tensors (DTensor dispatch per op
-    would cost more than the maths). A matrix item's ``whole`` describes its matrix across
-    ranks (see :mod:`fastmuon.distributed.sharded`).
-    """
+    """Swap every DTensor field but ``whole`` of the step's items for its local shard, in place:
+    per-op DTensor dispatch would cost more than the elementwise maths."""
     for item in items:
         param: Any = getattr(item, "param", None)  # a work item's own parameter
         for f in fields(item):

@@ -1,13 +1,11 @@
-"""Newton–Schulz of matrices whose parts lie on several ranks (FSDP2, HSDP, tensor parallel,
-expert parallel, and plain tensors replicated beside them).
+"""Newton–Schulz of matrices whose parts lie on several ranks (FSDP2, HSDP, TP, EP).
 
-Each matrix has one owner. One ``all_to_all`` brings the owner every part of its matrices (from
-the nearest rank holding that part: a replica in the owner's own replica group under HSDP), the
-owner orthogonalises its buckets, and a second ``all_to_all`` sends every rank that holds part
-of a matrix its part of the result: every replica receives the same update. This is the
-gather-to-owner / scatter-back scheme of muon-fsdp2 and torchtitan, over boxes of any layout
-and batched here to two collectives per NS dtype and step. Sizes are exact (every rank computes
-every box's size from the boxes of :mod:`.parts`), so uneven and empty shards need no padding.
+One ``all_to_all`` brings each matrix's owner every part (from the nearest holder: under HSDP a
+replica in its own replica group), the owner orthogonalises its buckets, and a second sends
+every holder, replicas alike, its part of the result.
+This is the gather-to-owner / scatter-back scheme of muon-fsdp2 and torchtitan, over boxes of
+any layout and batched here to two collectives per NS dtype and round. Every rank computes every
+box's size (:mod:`.parts`), so uneven and empty shards need no padding.
 """
 
 from __future__ import annotations
@@ -32,8 +30,7 @@ from .parts import Region, region_numel, region_sizes, whole_region
 from .stats import CommStats, Timer
 from .subgroups import local_subgroup, world_subgroup
 
-#: A rank's gather sizes (to each owner, from each rank) and scatter sizes (to each rank, from
-#: each owner) of one round, in elements (see :meth:`Routes.round_sizes`).
+#: A rank's gather and scatter sizes of one round, in elements (see :meth:`Routes.round_sizes`).
 RoundSizes = tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
 #: An index into a tensor: a slice per dim of a region.
 Index = tuple[slice, ...]
@@ -47,25 +44,23 @@ def contiguous_layout(shape: Sequence[int]) -> TensorLayout:
 
 
 def source_of(holders: Sequence[int], owner: int) -> int:
-    """The rank an owner takes a part from: itself if it holds the part, else the nearest
-    holder by rank number (ranks of one node, or of one replica group, are numbered together)."""
+    """The rank an owner takes a part from: itself, else the nearest holder by rank number
+    (ranks of one node, or of one replica group, are numbered together)."""
     if owner in holders:
         return owner
     return min(holders, key=lambda r: (abs(r - owner), r))
 
 
-#: The exchange buffers' default cap per rank where the step is not given one: the rank's own
-#: shard in the NS dtype, or twice this less the shard, whichever is larger (then its results,
-#: one shard, plus its round buffers stay within max(2x the shard, 2 GiB)).
+#: The default per-rank buffer cap is the larger of the rank's shard (NS dtype) and twice this
+#: less the shard, so its results (one shard) plus round buffers stay within max(2x shard, 2 GiB).
 DEFAULT_MIN_EXCHANGE_BYTES = 2**30
 
 
 def exchange_caps(
     given: int | None, held: Sequence[Sequence[Region | None]], itemsizes: Sequence[int], world: int
 ) -> list[int]:
-    """Every rank's cap on its round buffers: ``given`` for all, else (see
-    :data:`DEFAULT_MIN_EXCHANGE_BYTES`) what keeps them and its results, one shard of the
-    exchanged matrices in the NS dtype, within max(2x the shard, 2 GiB)."""
+    """Every rank's cap on its round buffers, in bytes: ``given``, else the default of
+    :data:`DEFAULT_MIN_EXCHANGE_BYTES` over its shard of the exchanged matrices."""
     if given is not None:
         return [int(given)] * world
     shard = [0] * world
@@ -81,10 +76,9 @@ def pack_rounds(
     caps: Sequence[int] | None,
     world: int,
 ) -> dict[torch.dtype, list[list[int]]]:
-    """Units per NS dtype, in order, packed greedily into rounds: a unit joins the current round
-    unless some rank it needs bytes on (``needs[k]``: ranks and their round-buffer bytes) would
-    pass its cap; a unit larger than a cap on its own gets a round of its own (the caller refuses
-    that where the cap was given). ``caps`` None: one round per dtype."""
+    """Units per NS dtype packed greedily, in order, into rounds: a unit starts a new round where
+    a rank it needs bytes on (``needs[k]``: ranks, bytes) would pass its cap, so an oversized unit
+    gets a round alone. ``caps`` None: one round per dtype."""
     rounds: dict[torch.dtype, list[list[int]]] = {}
     cap = None if caps is None else np.asarray(caps, dtype=np.int64)
     for dtype in dict.fromkeys(dtypes):
@@ -106,8 +100,7 @@ def pack_rounds(
 
 
 def block_region(shape: Sequence[int], k: int, g: int) -> Region:
-    """Block ``k`` of ``g`` of a matrix split along its long side (the columns of its wide
-    orientation: a tall matrix's rows, a wide one's columns), in the matrix's coordinates."""
+    """Block ``k`` of ``g`` of a matrix split along its long side, in the matrix's coordinates."""
     rows, cols = shape[0], math.prod(shape[1:])
     d = 0 if rows > cols else 1
     n = shape[d]
@@ -130,8 +123,8 @@ def _within(inner: Region, outer: Region) -> Region:
 
 @dataclass(frozen=True)
 class Target:
-    """What one rank orthogonalises of a matrix: the whole of it (a single owner), or block
-    ``member`` of an owner group's split (``region``, in the matrix's coordinates)."""
+    """What one rank orthogonalises of a matrix: all of it, or block ``member`` of its owner
+    group's split (``region``, in the matrix's coordinates)."""
 
     matrix: int
     region: Region
@@ -142,16 +135,11 @@ class Target:
 
 class Routes:
     """Who sends which part of which matrix to whom, in which round: a pure function of the
-    plan's work units, the matrices' boxes on every rank, the world size and the buffer caps
-    (so every rank computes the same, and a planner can compute it without running one).
-
-    A matrix with one owner is one target; an owner group's matrix is one target per member
-    (its column block). ``sources[t]`` lists the ``(rank, region)`` pairs target ``t`` is
-    assembled from (each distinct part's nearest holder, see :func:`source_of`), and every
-    holder of a part of the target gets that part of the result back. ``rounds[dtype]`` splits
-    the units of each NS dtype, in order, into rounds whose gather and scatter-send buffers stay
-    within every rank's cap (``caps[r]`` bytes); the results a rank receives are kept for the
-    step (its shard in the NS dtype).
+    units, every rank's boxes, the world size and the caps, so every rank computes the same.
+    A single-owner matrix is one target, an owner group's one per member (its column block).
+    ``sources[t]``: the ``(rank, region)`` pairs target ``t`` is assembled from (each part's
+    nearest holder); ``pieces[t]``: every holder's piece of its result. ``rounds[dtype]`` splits
+    each NS dtype's units into rounds whose buffers fit every rank's cap (``caps[r]`` bytes).
     """
 
     def __init__(
@@ -210,7 +198,6 @@ class Routes:
             self.pieces.append(sorted(back))
         self.rounds = self._rounds(caps)
 
-    # ----- sizes ------------------------------------------------------------------------------
     def unit_bytes(self, k: int, rank: int) -> int:
         """Round-buffer bytes unit ``k`` needs on ``rank``: what it sends to owners, receives as
         an owner, and sends back as an owner (what it receives back lands in its results)."""
@@ -287,9 +274,8 @@ class Routes:
         return {d: [self.round_sizes(units, rank) for units in rs] for d, rs in self.rounds.items()}
 
     def buffer_bytes(self, rank: int) -> int:
-        """Exchange buffers ``rank`` keeps between steps: per NS dtype one round buffer, sized
-        for the largest round's gather send, gather receive and scatter send together (a round
-        uses it for all three), and every round's results."""
+        """Bytes of exchange buffers ``rank`` keeps between steps: per NS dtype one round buffer
+        (see ``_round_numel``) and every round's results."""
         total = 0
         for dtype, per_round in self.sizes(rank).items():
             total += dtype.itemsize * (_round_numel(per_round) + _results_numel(per_round))
@@ -301,14 +287,10 @@ class Routes:
 
 
 class ShardedOrthogonalizer:
-    """Gather each target to its owner, orthogonalise there (in buckets, or with its owner
-    group), scatter the parts back; in rounds whose buffers stay within the caps.
-
-    Two ``all_to_all_single`` calls per round and NS dtype (see the module docstring); parts
-    travel cast to the NS dtype, as the single-process engine casts when packing. The round
-    buffers persist between steps, sized for the largest round, and so does every round's
-    results buffer: the results are views of it, valid until the next call.
-    """
+    """Gather each target to its owner, orthogonalise it there (in buckets, or with its owner
+    group) and scatter the parts back, in rounds within the caps. Parts travel in the NS dtype,
+    as the one-process engine packs them; buffers persist, so results are views valid until the
+    next call."""
 
     def __init__(
         self,
@@ -422,10 +404,8 @@ class ShardedOrthogonalizer:
     def _round_plan(
         self, ks: Sequence[int]
     ) -> tuple[list[tuple[int, Index]], list[int], list[tuple[int, Index]], list[Back]]:
-        """What this rank does in the round of units ``ks``, worked out once: the parts it sends
-        (matrix, index into its local part), in the order owners expect them; the targets it
-        owns; the pieces of their results it sends back (target's position, index into the
-        result); and the pieces it receives (matrix, region, offset, numel, sizes)."""
+        """This rank's share of the round of units ``ks``, worked out once: parts to send (in the
+        order owners expect), targets owned, result pieces to send back, and pieces received."""
         me, routes = self.rank, self.routes
         order = routes.owned(ks)
         gather = [
@@ -462,8 +442,7 @@ class ShardedOrthogonalizer:
     def _orthogonalise(
         self, dtype: torch.dtype, r: int, mine: list[int], inputs: list[Tensor]
     ) -> list[Tensor]:
-        """NS of this rank's targets of round ``r``: single-owner ones through the round's
-        engine, owner-group blocks with their groups (in unit order, as every member calls)."""
+        """NS of this rank's targets of round ``r``; group blocks in unit order, as members call."""
         routes = self.routes
         outs: list[Tensor | None] = [None] * len(mine)
         single = [j for j, t in enumerate(mine) if not self.units[routes.targets[t].unit].group]
@@ -501,8 +480,7 @@ class ShardedOrthogonalizer:
         return kept + [t for e, _ in self._engines.values() for t in e.workspaces()]
 
     def _assemble(self, recv: Tensor, recv_sizes: list[int], owned: list[int]) -> list[Tensor]:
-        """Each owned target whole from the parts every rank sent: a view where one part is the
-        whole, one ``cat`` where the parts are row blocks, else copies into the whole."""
+        """Each owned target whole from the parts every rank sent (see ``_whole``)."""
         chunks = list(recv.split_with_sizes(recv_sizes))
         offsets = [0] * self.world
         routes = self.routes
@@ -527,8 +505,7 @@ def _is_tall(shape: Sequence[int]) -> bool:
 
 
 def _round_numel(per_round: list[RoundSizes]) -> int:
-    """Elements of the round buffer: the largest round's gather send, gather receive and
-    scatter send together."""
+    """Elements of the round buffer: the largest round's gather send, receive and scatter send."""
     return max(sum(gs) + sum(gr) + sum(ss) for (gs, gr), (ss, _) in per_round)
 
 
@@ -538,9 +515,7 @@ def _results_numel(per_round: list[RoundSizes]) -> int:
 
 
 def _my_part(got: list[tuple[Region, Tensor]], region: Region | None, dtype: torch.dtype) -> Tensor:
-    """This rank's part of a result from the pieces its targets' owners sent (a view where one
-    piece is all of it), in ``dtype``; ``region``: this rank's part (it holds one: a result
-    comes back only to a holder)."""
+    """This rank's part (``region``) of a result, in ``dtype``, from the pieces owners sent."""
     if len(got) == 1:
         out = got[0][1]
     else:
@@ -552,12 +527,10 @@ def _my_part(got: list[tuple[Region, Tensor]], region: Region | None, dtype: tor
 
 
 def _owner_groups(units: Sequence[WorkUnit], rank: int, group: Any) -> dict[tuple[int, ...], Any]:
-    """A process group for each owner group this rank belongs to, each made once per set of
-    ranks (see :mod:`.subgroups`: a rebuilt engine reuses them). Over every rank of the job,
-    every rank creates every owner group, in one order (``new_group`` is then a collective of
-    the default group, as torch asks); over a mesh of only some ranks, only the members do,
-    which :func:`.context.build_distributed` allows only where no split of a device-bound
-    default group is involved (owner groups of one rank otherwise)."""
+    """A process group per owner group this rank is in (see :mod:`.subgroups`). Over every rank
+    of the job every rank creates every one in one order, as ``new_group`` asks; over some ranks
+    only the members do, which :func:`.context.build_distributed` allows only where no
+    device-bound default group would be split."""
     wanted = sorted({u.group for u in units if u.group})
     out: dict[tuple[int, ...], Any] = {}
     everyone = group is None or dist.get_world_size(group) == dist.get_world_size()
@@ -595,7 +568,8 @@ def _part(t: Tensor, region: Region) -> Tensor:
 
 
 def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: int) -> Tensor:
-    """``count`` whole matrices of ``shape`` from their parts (each ``(count, *part)``)."""
+    """``count`` whole matrices of ``shape`` from their parts (each ``(count, *part)``): a view
+    where one part is the whole, one ``cat`` of row blocks, else copies."""
     if len(blocks) == 1 and blocks[0][0] == whole_region(shape):
         return blocks[0][1]
     if all(region[1:] == whole_region(shape)[1:] for region, _ in blocks):  # row blocks, in row order
@@ -608,8 +582,7 @@ def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: i
 
 
 def exchange_bytes(routes: Routes, rank: int) -> tuple[int, int]:
-    """Bytes ``rank`` sends and receives per step under ``routes`` (its own parts excluded;
-    owner groups' all-reduces included)."""
+    """Bytes ``rank`` sends and receives per step, owner-group all-reduces included."""
     sent, received = moved_bytes(routes.sizes(rank), rank)
     reduced = routes.group_reduce_bytes(rank)
     return sent + reduced, received + reduced

@@ -1,29 +1,20 @@
 """Newton–Schulz of one matrix split by columns over an owner group of ranks.
 
 A matrix whose NS costs more than one rank's fair share is orthogonalised by ``g`` ranks
-together. Oriented wide (``X`` is ``m×n`` with ``m <= n``), member ``j`` holds a block of
-columns ``X_j`` (``m×n_j``, widths free). NS only ever needs the ``m×m`` Gram matrix
-``A = X·Xᵀ = Σ_j X_j·X_jᵀ`` and the norm ``‖X‖² = Σ_j ‖X_j‖²``, and every iteration maps each
-block by the same left factor: ``X_j ← a·X_j + (b·A + c·A²)·X_j``. So one all-reduce of the
-norms and one of the Gram matrices per iteration give every member its columns of the
-one-process result, and no member ever holds the whole matrix.
+together. Oriented wide (``X`` is ``m×n``, ``m <= n``), member ``j`` holds columns ``X_j``
+(``m×n_j``). NS needs only the Gram matrix ``A = X·Xᵀ = Σ_j X_j·X_jᵀ`` and ``‖X‖² = Σ_j ‖X_j‖²``,
+and each iteration maps every block by the same left factor, ``X_j ← a·X_j + (b·A + c·A²)·X_j``;
+so one all-reduce of the norms and one of ``A`` per iteration give each member its columns of the
+one-process result, and no member holds the whole matrix. Two forms, equal up to rounding:
+``"redundant"`` forms ``B = b·A + c·A²`` (``2m³``) and applies ``B·X_j``; ``"factored"`` computes
+``a·X_j + A·(b·X_j + c·A·X_j)`` (two ``2m²n_j`` products), cheaper where ``n_j < m``.
 
-Each member updates its block in one of two forms (equal up to rounding):
-
-- ``"redundant"``: every member forms ``B = b·A + c·A²`` (``2m³``) and applies ``B·X_j``;
-- ``"factored"``: ``X_j ← a·X_j + A·(b·X_j + c·A·X_j)`` (two ``2m²n_j`` products), cheaper
-  than ``A²`` where the block is narrower than the matrix is high (``n_j < m``).
-
-Precision: the Gram matrices are reduced in the NS dtype (a one-process bf16 NS rounds its
-Gram matrix to bf16 too), the norms' sums of squares in fp32 at least (a bf16 sum of squares
-loses the norm's leading digits). AOL's first Gram matrix (of the raw, unscaled ``X``) is
-formed and reduced in fp32 where the NS dtype is fp16, whose range it would overflow.
-
-Range: the one-process kernels first divide each matrix by the power of two below its largest
-entry, which needs a max over the group; a sum is all this module reduces, so it assumes norms
-(and, for AOL, Gram entries' square roots) whose squares stay normal fp32 numbers, about 1e-19
-to 1e19, where the two agree. Nothing is read on the host and no branch depends on a value, so a step that runs
-this can be captured into a CUDA graph.
+Precision: Gram matrices are reduced in the NS dtype (as one process rounds its own), sums of
+squares in fp32 at least (bf16 loses the norm's leading digits), AOL's first, unscaled Gram
+matrix in fp32 under fp16 (which it would overflow). Range: only sums are reduced, not the max
+the one-process power-of-two prescaling needs, so squared norms (and AOL Gram entries) must stay
+normal fp32, about 1e-19 to 1e19. Nothing is read on the host and no branch depends on a value,
+so this can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -40,7 +31,7 @@ from ..ns.planner import AOL_FLOPS_PER_R2
 #: Sums a tensor in place over the owner group, as ``torch.distributed.all_reduce`` does.
 GroupReduce = Callable[[Tensor], object]  # its result (a Work handle, or None) is not read
 
-#: How a member applies an iteration to its block (see the module docstring); "auto": group_form.
+#: How a member applies an iteration to its block; "auto": group_form.
 GROUP_FORMS = ("auto", "redundant", "factored")
 
 
@@ -52,8 +43,7 @@ def group_form(m: int, n_j: int) -> str:
 
 def group_ns_flops(m: int, n_j: int, steps: int, form: str, preconditioning: str = "frobenius") -> int:
     """Matmul FLOPs one member runs for one matrix, counted as planner.ns_flops counts them
-    (``2·m·n·k`` per product, elementwise work not at all; AOL's ``|A|`` row sums and two-sided
-    rescaling as ``AOL_FLOPS_PER_R2·m²``). With one member and ``"redundant"``, ns_flops."""
+    (equal to it for one ``"redundant"`` member); AOL's rescaling as ``AOL_FLOPS_PER_R2·m²``."""
     form = _checked_form(form, m, n_j)
     _check_preconditioning(preconditioning)
     gram = 2 * m * m * n_j
@@ -80,14 +70,10 @@ def group_reduce_elements(k: int, m: int, steps: int, preconditioning: str = "fr
 def group_newton_schulz(blocks: Tensor, config: NSConfig, reduce: GroupReduce, form: str = "auto") -> Tensor:
     """This member's columns of NS(X), for ``k`` matrices split by columns over a group.
 
-    ``blocks``: ``(k, m, n_j)``, this member's column blocks of ``k`` matrices of one shape,
-    oriented wide (``m`` <= the full width; a tall stored matrix is passed transposed), in any
-    float dtype; it is not modified. ``config``: the schedule, eps, NS dtype and preconditioning
-    (its ``method`` is not used: the group runs the standard iteration). ``reduce``: sums a
-    tensor in place over the group. ``form``: ``"redundant"``, ``"factored"`` or ``"auto"``
-    (:func:`group_form` of this member's block; members may differ, as both forms reduce the
-    same tensors). Returns ``(k, m, n_j)`` in ``config.dtype``.
-
+    ``blocks``: ``(k, m, n_j)``, this member's column blocks of ``k`` same-shape matrices oriented
+    wide (a tall matrix passed transposed), any float dtype, not modified. ``config.method`` is
+    unused (the standard iteration runs). ``form``: ``"auto"`` takes :func:`group_form`; members
+    may differ, as both forms reduce the same tensors. Returns ``(k, m, n_j)`` in ``config.dtype``.
     Every member must call this with the same ``k``, ``m`` and ``config``, in the same order:
     the reduces are collectives, :func:`group_reduce_calls` of them per call.
     """
@@ -114,9 +100,8 @@ def group_newton_schulz(blocks: Tensor, config: NSConfig, reduce: GroupReduce, f
 
 
 def _frobenius_start(blocks: Tensor, X: Tensor, eps: float, reduce: GroupReduce) -> Tensor:
-    """``X_j / (‖X‖ + eps)`` into ``X`` (``‖X‖`` clamped at the smallest normal number when
-    ``eps`` is 0, so a zero matrix stays zero): the one-process ``X / (‖X‖ + eps)``, with
-    ``‖X‖²`` summed over the group. The norm is that of the NS-dtype values, as in one process."""
+    """``X_j / (‖X‖ + eps)`` into ``X``, ``‖X‖²`` of the NS-dtype values summed over the group
+    (clamped at the smallest normal when ``eps`` is 0, so a zero matrix stays zero)."""
     X.copy_(blocks)
     wide = torch.promote_types(X.dtype, torch.float32)
     squares = torch.linalg.vector_norm(X, dim=(-2, -1), dtype=wide).square_()  # (k,)
@@ -127,9 +112,8 @@ def _frobenius_start(blocks: Tensor, X: Tensor, eps: float, reduce: GroupReduce)
 
 
 def _aol_start(blocks: Tensor, X: Tensor, eps: float, reduce: GroupReduce) -> tuple[Tensor, Tensor]:
-    """``(D·X_j, D·A·D)`` with ``A = Σ_j X_j·X_jᵀ`` and ``D = diag(Σ_i |A_ri|)^(-1/2)``, row sums
-    clamped below at ``eps``: AOL's rescaling as newton_schulz._iterate_aol applies it, whose
-    powers-of-two prescaling changes no in-range value. The first iteration reuses ``D·A·D``."""
+    """``(D·X_j, D·A·D)``, ``A = Σ_j X_j·X_jᵀ``, ``D = diag(Σ_i |A_ri|)^(-1/2)`` (row sums clamped
+    at ``eps``): AOL's rescaling as newton_schulz._iterate_aol applies it to in-range values."""
     X.copy_(blocks)
     gram = torch.float32 if X.dtype == torch.float16 else X.dtype  # an unscaled Gram overflows fp16
     Xg = X if gram == X.dtype else X.to(gram)
@@ -146,8 +130,7 @@ def _aol_start(blocks: Tensor, X: Tensor, eps: float, reduce: GroupReduce) -> tu
 def _iterate(
     X: Tensor, schedule: list[Coefficients], reduce: GroupReduce, form: str, A: Tensor | None
 ) -> Tensor:
-    """The NS loop on this member's normalised block; ``A``: the first step's reduced Gram
-    matrix where the start computed it. Iterates ping-pong between ``X`` and one spare."""
+    """The NS loop on the normalised block; ``A``: the first reduced Gram matrix, if known."""
     spare = torch.empty_like(X)
     step = _factored if form == "factored" else _redundant
     for i, (a, b, c) in enumerate(schedule):
@@ -166,12 +149,9 @@ def _redundant(X: Tensor, A: Tensor, a: float, b: float, c: float, out: Tensor) 
 
 def _factored(X: Tensor, A: Tensor, a: float, b: float, c: float, out: Tensor) -> Tensor:
     """``a·X + A·(b·X + c·A·X)`` into ``out``: no ``m×m×m`` product, two fused ``m×m×n_j`` ones.
-
-    The same as ``a·X + b·Y + c·A·Y`` with ``Y = A·X``, grouped so that no rounded intermediate
-    is scaled by the large ``b`` (-4.8 for "jordan"): that way round, bf16 results were 2.2-5x
-    further from fp32 NS than one process's bf16 NS; this way 0.9-2.8x (measured, 24×61, 61×24
-    and 64×256 in 3 blocks, "jordan" and "aol"; the redundant form 0.8-1.6x), as the one rounded
-    intermediate ``b·X + c·A·X`` errs about as much as the redundant form's ``b·A + c·A²``."""
+    Grouped so no rounded intermediate is scaled by the large ``b`` (-4.8 for "jordan"): in bf16
+    it then errs about as much as the redundant form, where ``a·X + b·Y + c·A·Y`` (``Y = A·X``)
+    errs several times more."""
     Z = torch.baddbmm(X, A, X, beta=b, alpha=c)
     return torch.baddbmm(X, A, Z, beta=a, out=out)
 

@@ -1,18 +1,12 @@
 """Collectives whose tensors outlive every C++ reference to them, so no helper thread frees them.
 
-A process group runs collectives on its own threads (gloo's workers, NCCL's watchdog), and
-such a thread drops its reference to a finished work object — which holds the collective's
-tensors — a moment *after* the waiting thread has been woken. If Python has already let go
-of a tensor by then, torch keeps the tensor's Python object alive from C++, and the helper
-thread must take the GIL to free it; should the interpreter be shutting down at that moment
-(a rank returning right after its last step), the thread cannot take the GIL and the process
-aborts with ``terminate called without an active exception``.
-
-So a collective is issued through :class:`InFlight`, which keeps the work object and every
-tensor it touches referenced from Python; :meth:`InFlight.settle` — at the start of the next
-exchange, or when its owner is freed — drops the work objects and waits until torch's count
-of references to each tensor has lost what the work objects held (the helper thread has let
-go) before dropping the tensors, on the calling thread.
+A process group's own threads (gloo's workers, NCCL's watchdog) drop a finished work object,
+which holds the collective's tensors, a moment *after* the waiting thread wakes. If Python has
+let go of a tensor by then, that thread must take the GIL to free it, which it cannot while the
+interpreter shuts down (a rank returning right after its last step): the process aborts with
+``terminate called without an active exception``. So :class:`InFlight` keeps the work objects and
+tensors referenced from Python until :meth:`InFlight.settle` sees, by torch's reference counts,
+that the helper threads have let go, and drops them on the calling thread.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ def collective_device(device: torch.device, group: Any) -> torch.device:
     return device
 
 
-#: How long :meth:`InFlight.settle` waits for a helper thread to let go of a finished
-#: collective's tensors (normally microseconds: the thread only has to reach its next line).
+#: How long :meth:`InFlight.settle` waits for helper threads to let go (normally microseconds).
 SETTLE_TIMEOUT_S = 5.0
 
 
@@ -65,9 +58,8 @@ class InFlight:
         self._held: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references the works hold)
 
     def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Start ``collective(*args, async_op=True, **kwargs)``, holding its work object and
-        every tensor among ``args`` (the buffers it reads and writes), those in a list or tuple
-        argument included (``all_gather``'s outputs), until :meth:`settle`."""
+        """Start ``collective(*args, async_op=True, **kwargs)``, holding its work object and its
+        tensors (in list or tuple arguments too) until :meth:`settle`."""
         for t in _tensors(args):
             if id(t) not in self._pending:
                 _, held = self._held.pop(id(t), (t, 0))
@@ -91,16 +83,12 @@ class InFlight:
         _now: Callable[[], float] = time.monotonic,
         _sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """Let go of the held collectives: drop the work objects, wait (sleeping, so the GIL is
-        free) until no other thread references the tensors, then drop them here.
-
-        A collective that never finished (a failed step, a lost peer) is not waited for: its
-        tensors are dropped at once, as there is no telling when its thread will let go.
-        """
+        """Drop the work objects, wait (sleeping, so the GIL is free) until no other thread
+        references the tensors, then drop them here. An unfinished collective (a failed step, a
+        lost peer) is not waited for: there is no telling when its thread will let go."""
         works, self._works = self._works, []
         finished = not self._pending and all(w.is_completed() for w in works)
-        # what each tensor will be referenced by once the work objects are gone (views that
-        # callers still hold included)
+        # each tensor's references once the work objects are gone (callers' views included)
         targets = [(t, _refs(t) - held) for t, held in self._held.values()]
         self._pending, self._held = {}, {}
         del works  # a work object dies here, unless a helper thread still holds it
@@ -114,6 +102,5 @@ class InFlight:
         self.settle()
 
     def __reduce__(self) -> tuple[type[InFlight], tuple[()]]:
-        """A copy (``copy``, ``deepcopy``, ``pickle``) holds nothing: collectives belong to the
-        process group that ran them."""
+        """A copy holds nothing: collectives belong to the process group that ran them."""
         return (InFlight, ())

@@ -1,11 +1,10 @@
-"""Who orthogonalises what: a plan's buckets cut into units, each with an owner rank (or an
-owner group), by NS FLOPs; and the plans of one rank's units.
+"""Who orthogonalises what: a plan's buckets cut into FLOP-balanced units, each with an owner rank
+(or owner group); and the plans of one rank's units.
 
 Pure and deterministic: every rank computes the same units from the same plan without talking
-to the others, whether the matrices are replicated (DDP, :mod:`.replicated`) or held in parts
-(:mod:`.placement`, :mod:`.exchange`). The idea of an owner per matrix followed by an exchange
-is Keller Jordan's Muon (round-robin owners, then all_gather) and Dion's (one collective per
-same-shape group); the FLOP-balanced assignment of whole buckets is ours.
+to the others. The idea of an owner per matrix followed by an exchange is Keller Jordan's Muon
+(round-robin owners, then all_gather) and Dion's (one collective per same-shape group); the
+FLOP-balanced assignment of whole buckets is ours.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from ..ns.planner import Bucket, Member, Plan
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """Slots ``start:stop`` of bucket ``bucket``, orthogonalised by rank ``owner``, or, where
-    ``group`` names ranks, by that owner group together (one matrix, split in column blocks of
-    its wide orientation, member ``k`` of ``group`` holding block ``k``; ``owner`` is the first
-    member and ``flops`` what each member computes)."""
+    """Slots ``start:stop`` of bucket ``bucket``, orthogonalised by rank ``owner`` or, where
+    ``group`` names ranks, by that owner group (member ``k`` holds column block ``k`` of the one
+    matrix's wide orientation; ``owner`` is the first member, ``flops`` each member's work)."""
 
     bucket: int
     start: int
@@ -43,14 +41,9 @@ def assign_work(
     plan: Plan, world: int, candidates: Sequence[Sequence[int] | None] | None = None
 ) -> list[WorkUnit]:
     """Split the plan into per-rank shares of about equal NS FLOPs, in bucket order.
-
-    A bucket larger than an even share is cut by batch slots into near-equal pieces (each at
-    most one share), so one huge bucket cannot leave the other ranks idle; then the pieces go,
-    largest first, to the least-loaded rank (LPT). ``candidates[i]``, where given, restricts who
-    may own matrix ``i`` (the ranks that hold it whole: then nothing needs gathering); a bucket
-    is first cut into runs of slots with the same candidates. Pure and deterministic: every rank
-    computes the same assignment from the same plan without talking to the others.
-    """
+    A bucket larger than a share is cut by batch slots, so one huge bucket cannot leave the other
+    ranks idle; pieces go largest first to the least-loaded rank (LPT). ``candidates[i]`` limits
+    who may own matrix ``i`` (the ranks holding it whole: nothing to gather)."""
     steps = plan.steps
     share = plan.flops() / max(world, 1)
     pieces: list[tuple[int, int, int, int, tuple[int, ...] | None]] = []  # (bucket, start, stop, flops, who)
@@ -98,10 +91,8 @@ def candidate_runs(bucket: Bucket, candidates: Sequence[Sequence[int] | None] | 
 
 
 def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
-    """A plan holding only ``units``, one bucket each, over their members renumbered from 0.
-
-    Returns the plan and, for each new index, the matrix's index in ``plan``.
-    """
+    """A plan holding only ``units``, one bucket each, members renumbered from 0; and for each
+    new index the matrix's index in ``plan``."""
     buckets: list[Bucket] = []
     indices: list[int] = []
     for u in units:
@@ -116,12 +107,9 @@ def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
 
 
 def owner_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
-    """A plan for one rank's ``units``: those cut from buckets alike (same padded shape, dtype,
-    device, settings) batched together again, up to the plan's bucket memory cap, so that a rank
-    owning many pieces of one shape makes as few NS calls as the planner would have.
-
-    Returns the plan and, for each new index, the matrix's index in ``plan``.
-    """
+    """A plan for one rank's ``units``, those cut from alike buckets batched again (up to the
+    bucket memory cap) so a rank owning many pieces of one shape makes as few NS calls as the
+    planner would; and for each new index the matrix's index in ``plan``."""
     alike: dict[tuple[Any, ...], list[WorkUnit]] = {}
     for u in units:
         b = plan.buckets[u.bucket]

@@ -1,16 +1,11 @@
 """Where each rank's part of every parameter lies, in the whole tensor's coordinates.
 
-A DTensor on any mesh with ``Shard``/``Replicate`` placements (FSDP2, HSDP, tensor parallel,
-FSDP + TP, expert parallel, several meshes at once) leaves each rank one box of the whole
-tensor; two ranks' boxes are equal (replicas) or disjoint. The step needs every rank's box, not
-only its own: which matrices a rank must send, receive or orthogonalise alone follows from them.
-Each rank knows its own box (``__create_chunk_list__``, the protocol
-``torch.distributed.checkpoint`` reads), so one ``all_gather`` of the boxes, repeated only when
-the parameters' layouts change, tells every rank all of them. A plain tensor beside DTensors
-(a layer tensor parallelism leaves unsharded) is whole on every rank.
-
-The exchange runs over the ranks the meshes span: all of them (the default group), or one 1-D
-mesh's group.
+A DTensor with ``Shard``/``Replicate`` placements on any mesh leaves each rank one box of the
+whole tensor; two ranks' boxes are equal (replicas) or disjoint. What each rank sends, receives
+or orthogonalises alone follows from every rank's box. A rank knows its own
+(``__create_chunk_list__``, the protocol ``torch.distributed.checkpoint`` reads), so one
+``all_gather``, repeated only when layouts change, tells every rank all of them. A plain tensor
+beside DTensors is whole on every rank.
 """
 
 from __future__ import annotations
@@ -77,8 +72,8 @@ def own_region(p: Any) -> Region | None:
 
 
 def check_placements(name: str, optimizer: str, p: Any) -> None:
-    """A DTensor parameter the step can take: no ``Partial`` placement (checked when a group is
-    added, and again at the first step: accelerate swaps parameters in after construction)."""
+    """Refuse a ``Partial`` placement (checked when a group is added and again at the first step:
+    accelerate swaps parameters in after construction)."""
     if is_dtensor(p) and any(pl.is_partial() for pl in p.placements):
         raise ValueError(
             f"{name} is a DTensor with a partial placement {tuple(p.placements)}; {optimizer} "
@@ -90,11 +85,9 @@ def check_placements(name: str, optimizer: str, p: Any) -> None:
 def exchange_group(
     params: Sequence[Any], name: Callable[[int], str], optimizer: str
 ) -> dist.ProcessGroup | None:
-    """The group of the ranks the DTensors' meshes span together: None (the default group)
-    where they span every rank (one mesh, its sub-meshes, or several meshes over the same
-    ranks: FSDP2 leaves a layer tensor parallelism skipped on the data-parallel sub-mesh), else
-    the one 1-D mesh's group (a pipeline stage's FSDP2). Refuses partial placements, naming
-    the parameter."""
+    """The group of the ranks the DTensors' meshes span: None (the default group) where they
+    span every rank, else the one 1-D mesh's group over them (a pipeline stage's FSDP2).
+    Refuses partial placements, naming the parameter."""
     ranks: set[int] = set()
     one_d: dict[Any, None] = {}
     for k, p in enumerate(params):
@@ -119,13 +112,9 @@ def exchange_group(
 
 
 class PartsTable:
-    """Every parameter's :class:`Parts` and the exchange's group, for a step over DTensors.
-
-    Built over the optimizer's flat parameter list (one collective, on every rank at once:
-    see :meth:`build`) and kept while the list holds the same objects: a parameter's layout is
-    fixed while it is the same object. So a step rebuilds the table only where every rank's
-    parameters changed (new groups, parameters swapped in), never for one rank's own reasons.
-    """
+    """Every parameter's :class:`Parts` and the exchange's group, for a step over DTensors. Kept
+    while the parameter list holds the same objects (whose layouts are fixed), so it is rebuilt,
+    one collective on every rank, only when every rank's parameters changed."""
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
@@ -159,8 +148,7 @@ class PartsTable:
         name: Callable[[int], str],
         optimizer: str,
     ) -> None:
-        """Refuse a plain tensor whose gradient differs across ranks (see
-        :func:`check_replicated`); ``checked`` says it passed, so a step runs it once."""
+        """:func:`check_replicated` over the plain tensors, once: ``checked`` says it passed."""
         plain = [k for k, p in enumerate(params) if not is_dtensor(p)]
         check_replicated([grads[k] for k in plain], [name(k) for k in plain], self.group, inflight, optimizer)
         self.checked = True
@@ -171,8 +159,8 @@ class PartsTable:
 
 
 def provisional_parts(p: Any) -> Parts:
-    """``p``'s parts as this rank alone knows them (its own box; the others' unknown), for
-    making state before the first step has gathered the boxes: never for a step."""
+    """``p``'s parts as this rank alone knows them (others' boxes unknown), for making state
+    before the first step has gathered the boxes: never for a step."""
     group = None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not is_dtensor(p):
@@ -185,8 +173,7 @@ def provisional_parts(p: Any) -> Parts:
 def gather_parts(
     params: Sequence[Any], group: Any, inflight: InFlight, name: Callable[[int], str], optimizer: str
 ) -> list[Parts]:
-    """Every parameter's parts: the DTensors' boxes from every rank (one ``all_gather``), the
-    plain tensors whole everywhere."""
+    """Every parameter's parts: DTensors' boxes by one ``all_gather``, plain tensors whole."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     sharded = [k for k, p in enumerate(params) if is_dtensor(p)]
     mine: list[int] = []
@@ -229,13 +216,10 @@ _SKETCH_CHUNK = 1 << 20  # elements projected at a time
 
 
 def replica_sketch(grad: Tensor) -> Tensor:
-    """What ranks compare of a gradient that should be the same everywhere, in float64: its
-    projections on :data:`SKETCH_DIRECTIONS` fixed random directions (the same on every rank,
-    from a fixed seed) and its norm. Two different gradients (another rank's batch, a
-    gradient nobody averaged) differ in a projection by about the norm of their difference;
-    rounding differences (kernels that sum in another order) by a few units in the last
-    place of the norm. Sums would not tell them apart: a sum can be near zero whatever the
-    gradient, and a relative test of it refuses rounding."""
+    """What ranks compare of a gradient that should be equal everywhere, in float64: its
+    projections on :data:`SKETCH_DIRECTIONS` random directions (seeded alike on every rank) and
+    its norm. Different gradients differ in a projection by about the norm of their difference,
+    rounding by a few ulps of the norm; a sum could not tell them apart (it can be near zero)."""
     flat = grad.detach().reshape(-1)
     generator = torch.Generator(flat.device).manual_seed(0)
     sketch = torch.zeros(SKETCH_DIRECTIONS + 1, dtype=torch.float64, device=flat.device)
@@ -251,24 +235,20 @@ def replica_sketch(grad: Tensor) -> Tensor:
 
 
 def replica_tolerance(dtype: torch.dtype) -> float:
-    """How far (relative to the gradient's norm) replicas' sketches may differ: far above the
-    rounding of ``dtype`` (32 units in its last place, at least 1e-4), far below the distance
-    between different gradients (about their norm)."""
+    """How far, relative to the gradient's norm, replicas' sketches may differ: 32 ulps of
+    ``dtype`` (at least 1e-4), far above rounding, far below different gradients' distance."""
     return max(1e-4, 32 * torch.finfo(dtype).eps)
 
 
 def replica_floor(grad: Tensor) -> float:
-    """The least norm a gradient's tolerance is taken relative to: entries at the subnormal
-    level are zeros that rounding left or took away (one rank's exact zero, another's
-    ``±5e-324``), not a different gradient; ``sqrt(numel)`` smallest normal numbers of its
-    dtype."""
+    """The least norm a tolerance is relative to, ``sqrt(numel)`` smallest normals of the dtype:
+    subnormal entries are zeros rounding left or took away, not a different gradient."""
     return float(torch.finfo(grad.dtype).smallest_normal) * math.sqrt(max(grad.numel(), 1))
 
 
 def replicas_differ(high: Tensor, low: Tensor, tolerance: float, floors: Sequence[float] = ()) -> Tensor:
-    """Per gradient, whether the ranks' sketches (``high``/``low``: their largest and smallest,
-    each ``(count, SKETCH_DIRECTIONS + 1)``, the norm last) differ by more than ``tolerance``
-    times the largest norm, or times its ``floors`` entry where that is larger."""
+    """Per gradient, whether the ranks' sketches (``high``/``low``: their elementwise max and min,
+    norm last) differ by more than ``tolerance`` times the largest norm, or its ``floors`` entry."""
     scale = high[:, -1:].abs()
     if floors:
         scale = scale.clamp_min(torch.tensor(floors, dtype=scale.dtype).view(-1, 1))
@@ -278,10 +258,9 @@ def replicas_differ(high: Tensor, low: Tensor, tolerance: float, floors: Sequenc
 def check_replicated(
     grads: Sequence[Tensor | None], names: Sequence[str], group: Any, inflight: InFlight, optimizer: str
 ) -> None:
-    """A plain tensor beside DTensors is taken as replicated, its update computed once for all
-    ranks: refuse one whose gradient differs across ranks (a module left out of ``fully_shard``,
-    whose gradients nobody averages), naming it. One ``all_reduce`` of every gradient's
-    :func:`replica_sketch` and its negative."""
+    """Refuse, by name, a plain tensor beside DTensors whose gradient differs across ranks (a
+    module left out of ``fully_shard``): its update is computed once for all ranks. One
+    ``all_reduce`` of every gradient's :func:`replica_sketch` and its negative."""
     live = [(g, n) for g, n in zip(grads, names) if g is not None]
     if not live:
         return

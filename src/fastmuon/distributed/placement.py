@@ -1,23 +1,17 @@
-"""Where each matrix's Newton–Schulz runs: one decision per matrix, by predicted time.
+"""Where each matrix's Newton–Schulz runs, decided per piece of the plan by predicted time.
 
-For every piece of the plan (a run of a bucket's slots with the same holders, cut to at most a
-quarter of one rank's fair share of predicted seconds, one piece per rank at least where the run
-has the slots, and to the round cap) the placement chooses among:
+A piece is a run of a bucket's slots with the same holders, cut to at most a quarter of a rank's
+fair share, to at least one piece per rank where slots allow, and to the round cap. It runs where
+it lies (a rank holding it whole: no bytes move), at one owner elsewhere (parts in, results out),
+or, for one matrix costing more than a fair share, at an owner group: ``g`` aligned consecutive
+ranks, inside a node where there are nodes, each orthogonalising a column block of its wide
+orientation and summing the Gram matrix each iteration (:mod:`fastmuon.distributed.group_ns`).
 
-- **where it lies**: a rank that holds the matrices whole (no bytes move to it);
-- **one owner** elsewhere: the parts travel to it and the results back (bytes at the link rate);
-- **an owner group** of ``g`` ranks (an aligned block of ``g`` consecutive ranks, inside a node
-  where the world has nodes): a single matrix costing more than a fair share is split into ``g``
-  column blocks of its wide orientation, and the members orthogonalise it together, summing the
-  Gram matrix over the group each iteration (:mod:`fastmuon.distributed.group_ns`).
-
-Each option is priced as what it adds to the ranks it touches: NS seconds at the cost model's
-rate plus the larger of bytes sent and received over the link (an ``all_to_all`` moves both at
-once), and the Gram all-reduces at the group's link rate. Pieces are placed largest first on the
-option that leaves the busiest touched rank least loaded (LPT over predicted time). Pure and
-deterministic: every rank computes the same placement from the same plan, and ``fastmuon plan``
-computes it for any world size without running one.
-
+Each option is priced by what it adds to the ranks it touches: NS seconds at the cost model's
+rate, the larger of bytes sent and received at the link rate (an ``all_to_all`` moves both at
+once), and Gram all-reduces at the group's rate. Pieces go largest first to the option leaving
+the busiest touched rank least loaded (LPT). Pure and deterministic: every rank computes the same
+placement, and ``fastmuon plan`` computes it for any world size without running one.
 Owner groups are our design; the Gram all-reduce per iteration is what NVIDIA's
 Emerging-Optimizers does for tensor-parallel shards (its ``tp_mode="distributed"``).
 """
@@ -43,18 +37,16 @@ from .sharded import ShardedMatrix
 
 @dataclass(frozen=True)
 class Links:
-    """The link rates the placement prices bytes at (bytes per second each way, per rank): the
-    exchange's (across the whole group of ranks) and an owner group's Gram all-reduce (inside
-    a node), and how many consecutive ranks share a node (owner groups never cross one)."""
+    """Link rates bytes are priced at (bytes/s each way, per rank): the exchange's, an owner
+    group's Gram all-reduce inside a node, and how many consecutive ranks share a node."""
 
     exchange_bytes_per_s: float
     group_bytes_per_s: float
     ranks_per_node: int
 
 
-#: The step's own assumption where no plan gave it one: NVLink-class inside a node of 8 and a
-#: 400 Gb/s NIC per GPU beyond it on CUDA (the H100 figures of ``fastmuon plan``); a CPU process
-#: group (gloo over loopback or Ethernet) at 1 GB/s, its node being every rank.
+#: Assumed where no plan gives links: on CUDA NVLink-class inside a node of 8 and a 400 Gb/s NIC
+#: per GPU beyond (the H100 figures of ``fastmuon plan``); gloo at 1 GB/s, one node.
 def default_links(device_type: str, world: int, ranks_per_node: int | None = None) -> Links:
     if device_type == "cuda":
         node = min(ranks_per_node or 8, world)
@@ -86,9 +78,8 @@ class Holding:
 def _valid_group_sizes(
     long_side: int, world: int, node: int, fixed: int | None, limit: int | None = None
 ) -> list[int]:
-    """Owner-group sizes a matrix may take: a fixed size where given, else every power of two
-    from 2 up to ``limit`` (the node unless given) that divides both the world and the matrix's
-    long side."""
+    """Owner-group sizes a matrix may take: ``fixed`` where given, else the powers of two up to
+    ``limit`` (default the node) dividing both the world and the matrix's long side."""
     if fixed is not None:
         return [fixed] if fixed > 1 else []
     sizes, g = [], 2
@@ -121,10 +112,8 @@ def ranks_per_node() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-#: pieces per fair share: a run of a bucket is cut into pieces of at most a quarter of one rank's
-#: share, and into at least one piece per rank where it has the slots (each rank then makes
-#: about one NS call of it, as it would of a bucket of its own), so that largest-first placement
-#: can even the ranks out: a larger piece leaves up to its size of imbalance
+#: Pieces per fair share: largest-first placement leaves up to a piece's size of imbalance, so a
+#: piece is at most a quarter of a rank's share.
 PIECES_PER_SHARE = 4
 
 
@@ -161,13 +150,10 @@ def place(
 ) -> list[WorkUnit]:
     """The plan's work units with their owners (see the module docstring).
 
-    ``holdings[i]`` says how matrix ``i`` of the plan lies; None: every rank holds every matrix
-    whole (DDP). ``owner_group_size``: None chooses per matrix (sizes 2, 4, ... up to the node
-    that divide it), 1 never splits a matrix, ``g`` splits every matrix costing more than a fair
-    share over ``g`` ranks (the caller has checked that ``g`` divides them).
-    ``max_piece_bytes``: a piece's matrices also stay within this many bytes of round buffer on
-    their owner (their parts in and their results out to every holder), so that the exchange's
-    rounds can keep to their caps.
+    ``holdings[i]``: how matrix ``i`` lies; None: every rank holds every matrix whole (DDP).
+    ``owner_group_size``: None chooses per matrix, 1 never splits, ``g`` splits every matrix
+    costing more than a fair share over ``g`` ranks. ``max_piece_bytes``: a piece's round buffer
+    on its owner (parts in, results out) stays within it, so the exchange's rounds keep their caps.
     """
     steps = plan.steps
     per_slot_s: list[float] = []
@@ -176,8 +162,7 @@ def place(
         cost = ns_cost(r, c, steps, bucket.method, bucket.dtype, model.eigh, threads, bucket.preconditioning)
         per_slot_s.append(cost * model.flop_seconds(bucket.dtype))
     candidates = None if holdings is None else [h.candidates for h in holdings]
-    # what moving a slot's matrix costs where no rank holds it whole: its results fanned out to
-    # every holder, at the link rate (pieces are cut by NS and these seconds together)
+    # seconds to fan a slot's results out to every holder (pieces are cut by NS and these together)
     link = links.exchange_bytes_per_s
     moved_s: list[list[float]] = []
     for bucket in plan.buckets:
@@ -294,8 +279,8 @@ def place(
 def _move_bytes(
     members: Sequence[Member], holdings: Sequence[Holding] | None, world: int
 ) -> tuple[NDArray[np.float64], NDArray[np.float64], tuple[int, ...] | None]:
-    """Bytes an owner at each rank would receive and send for these matrices (per-rank arrays,
-    its own parts excluded), and the ranks holding them all whole (None if any lacks one)."""
+    """Bytes an owner at each rank would receive and send for these matrices, its own parts
+    excluded, and the ranks holding them all whole (None if none)."""
     recv = np.zeros(world)
     send = np.zeros(world)
     if holdings is None:  # replicated: every rank holds it, the broadcast is the same from any
@@ -337,8 +322,8 @@ def _group_option(
     loads: _Loads,
     holdings: Sequence[Holding] | None,
 ) -> tuple[float, int]:
-    """The finish time of the busiest member of the best aligned block of ``g`` ranks, and the
-    block's number, for orthogonalising matrix ``m`` as an owner group."""
+    """The best aligned block of ``g`` ranks to own matrix ``m`` as a group: its busiest member's
+    finish time and the block's number."""
     ns_s = _member_seconds(m, g, bucket, steps, model, links)
     item = torch.empty((), dtype=bucket.dtype).element_size()
     moved = 0.0 if holdings is None else holdings[m.index].numel * item / g

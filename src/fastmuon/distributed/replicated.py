@@ -1,8 +1,6 @@
 """Newton–Schulz shared across ranks that hold the same gradients (DDP): each rank
-orthogonalises its share of the plan's buckets and one broadcast per share hands the results on.
-
-Shares are balanced by NS FLOPs (see :mod:`.owners`): whole buckets where that balances, a bucket
-split by batch slots where it does not.
+orthogonalises its FLOP-balanced share of the plan's buckets (see :mod:`.owners`) and one
+broadcast per share hands the results on.
 """
 
 from __future__ import annotations
@@ -23,17 +21,11 @@ from .stats import CommStats, Timer
 
 class ReplicatedOrthogonalizer:
     """Each rank orthogonalises its units; one broadcast per unit hands the result to the rest.
-
-    Units are visited in one global order on every rank, so the collectives match: a rank
-    runs NS on a unit it owns and starts its broadcast at once (async), and posts receives for
-    the others, so the exchange of earlier units overlaps NS on later ones. A unit's results
-    travel as one flat buffer in the NS compute dtype (each matrix in its own memory order),
-    which every rank — owner included — casts to the parameters' dtype and views per matrix,
-    so all ranks apply bit-identical updates.
-
-    The flat buffers persist (one per unit, written again each step), and the results may be
-    views of them: valid until the next call, as the optimizer's step consumes them at once.
-    """
+    Every rank visits the units in one order, so the collectives match; an owner starts its
+    broadcast right after its NS, so earlier units' exchange overlaps later units' NS. Results
+    travel as one flat buffer per unit in the NS dtype, which every rank, owner included, casts
+    and views per matrix, so all ranks apply bit-identical updates. Results are views of
+    persistent buffers, valid until the next call."""
 
     def __init__(
         self,

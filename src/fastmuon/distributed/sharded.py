@@ -1,11 +1,9 @@
 """The matrices of parameters whose parts lie on several ranks, and the step's executor for them.
 
-Every matrix a matrix map makes of a parameter (the whole tensor, an expert, a head, a fused
-projection's part) is a box of the whole tensor; its part on a rank is that box's overlap with
-the rank's own box (see :mod:`.parts`). A matrix held whole by one rank alone is orthogonalised
-there with no exchange (an expert of a stack sharded on its expert dim, a head inside one
-tensor-parallel shard, a ``[1, N]`` weight under ``Shard(0)``); every other matrix goes through
-:class:`~fastmuon.distributed.exchange.ShardedOrthogonalizer`.
+Every matrix a matrix map makes (the tensor, an expert, a head, a fused projection's part) is a
+box of the whole tensor; its part on a rank is the overlap with the rank's box (:mod:`.parts`).
+A matrix one rank alone holds whole is orthogonalised there without exchange; every other goes
+through :class:`~fastmuon.distributed.exchange.ShardedOrthogonalizer`.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ def shard_rows(rows: int, world: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ShardedMatrix:
-    """One matrix of a parameter held in parts: its whole shape as stored (rows first) and
-    the box of it each rank of the exchange holds (None: no part)."""
+    """One matrix of a parameter held in parts: its whole shape as stored and each rank's box."""
 
     shape: tuple[int, ...]
     held: tuple[Region | None, ...]
@@ -49,17 +46,11 @@ class ShardedMatrix:
 
 
 def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts) -> list[Piece]:
-    """The matrices under map ``m`` of the parameter whose local tensors (this rank's part) are
-    ``p``, ``grad`` and ``buf`` that this rank takes part in, as :class:`Piece` records with views
-    of those tensors (see :func:`fastmuon.step.matrix.matrix_items`); ``whole`` describes the
-    matrix for the planner.
-
-    A matrix is kept if this rank holds part of it, or if it is exchanged (every rank takes part
-    in that, maybe with an empty part); one held whole by another rank alone is that rank's.
-    Every rank computes every box from ``parts``, so all agree on which matrices are exchanged.
-    An interleaved part (a box with a step) meets a rank's box in a contiguous range of the
-    matrix's own rows, so its parts are boxes of the matrix like any other's.
-    """
+    """The matrices under map ``m`` this rank takes part in (holds part of, or exchanged: every
+    rank joins those, maybe with an empty part), as :class:`Piece` records with views of its
+    local ``p``, ``grad`` and ``buf`` (see :func:`fastmuon.step.matrix.matrix_items`). Every rank
+    computes every box from ``parts``, so all agree on which are exchanged. An interleaved part
+    (a box with a step) meets a rank's box in a contiguous range of the matrix's rows."""
     shape, local, mine = parts.shape, (p, grad, buf), parts.mine
     boxes: list[Box] = []
     pieces: list[tuple[Tensor, Tensor, Tensor, tuple[int, ...], ShardedMatrix]] = []
@@ -83,10 +74,9 @@ def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts
 
 @dataclass(frozen=True)
 class Piece:
-    """One matrix of a parameter as a step's items take it: views of its parameter, gradient and
-    buffer, its factor shape, how a step's gradient is cut into its pieces (None: the matrix is
-    the whole tensor), the piece's number, and the matrix across ranks (None where this rank
-    holds it whole: see :func:`fastmuon.step.matrix.matrix_items`)."""
+    """One matrix of a parameter as a step's items take it: views, factor shape, how a gradient
+    is cut into pieces (None: the matrix is the whole tensor), its number, and the matrix across
+    ranks (None where this rank holds it whole)."""
 
     param: Tensor
     grad: Tensor
@@ -102,8 +92,7 @@ Extent = tuple[int, int, int]
 
 
 def _box_ranges(box: Box, shape: tuple[int, ...]) -> tuple[list[Extent], list[bool]]:
-    """A box of a tensor as ``(start, stop, step)`` per dim, and which dims the matrix keeps (an
-    integer index drops its dim)."""
+    """A box as ``(start, stop, step)`` per dim, and the dims the matrix keeps (not int-indexed)."""
     ranges, kept = [], []
     for d, size in enumerate(shape):
         index = box[d] if d < len(box) else slice(None)
@@ -142,8 +131,7 @@ def _within(ranges: Sequence[Extent], kept: Sequence[bool], region: Region | Non
 
 
 def _local_box(ranges: Sequence[Extent], kept: Sequence[bool], mine: Region | None) -> Box:
-    """The index into this rank's local tensor of its part of the box (an empty part where it
-    holds none)."""
+    """The index into this rank's local tensor of its part of the box (empty where none)."""
     if mine is None:
         return tuple(slice(0, 0) for _ in ranges)
     index: list[int | slice] = []
@@ -163,8 +151,8 @@ def _cut(boxes: tuple[Box, ...], t: Tensor) -> list[Tensor]:
 
 
 class SplitShardedOrthogonalizer:
-    """Matrices held in parts by where they live: exchanged ones through the exchange, ones
-    held whole by this rank alone through a local engine, ones another rank holds not at all."""
+    """Exchanged matrices through the exchange, those this rank alone holds whole through a
+    local engine; those another rank alone holds are skipped."""
 
     def __init__(
         self,

@@ -1,5 +1,4 @@
-"""What a distributed step cost one rank, and the clock it is read with (both opt-in: an
-executor's ``profile``)."""
+"""What a distributed step cost one rank, and its clock (opt-in: an executor's ``profile``)."""
 
 from __future__ import annotations
 

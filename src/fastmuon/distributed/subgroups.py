@@ -1,10 +1,9 @@
-"""Process groups fastmuon makes itself (owner groups, the host-side twin of an NCCL world):
-each made once per set of ranks and default group, never again when an engine is rebuilt.
+"""Process groups fastmuon makes itself (owner groups, the host twin of an NCCL world), each made
+once per set of ranks and default group, never again when an engine is rebuilt.
 
-torch's ``new_group`` is a collective: over every rank of the job, every rank must enter it, in
-one order. Under a default group bound to a device (``init_process_group(device_id=...)``) NCCL
-makes a subgroup by splitting the default communicator, and every rank outside the new group
-must enter the split too; a group made by its members alone would hang the job there.
+``new_group`` over every rank is a collective all ranks enter in one order. Under a device-bound
+default group (``init_process_group(device_id=...)``) NCCL splits the default communicator, which
+every rank outside the new group must enter too: a group made by its members alone would hang.
 """
 
 from __future__ import annotations
@@ -26,14 +25,12 @@ def _made() -> dict[Any, Any]:
 
 
 def splits_default() -> bool:
-    """Whether a new group is split from a default group bound to a device (every rank of the
-    job must then enter its creation)."""
+    """Whether new groups are split from a device-bound default group (every rank must enter)."""
     return getattr(dist.group.WORLD, "bound_device_id", None) is not None
 
 
 def world_subgroup(ranks: tuple[int, ...], member: bool) -> Any | None:
-    """The group over global ``ranks``, made (once) by every rank of the job: call it on every
-    rank, in the same order; returns the group on its members, None elsewhere."""
+    """The group over global ``ranks``, made once by every rank in one order; None elsewhere."""
     made = _made()
     if ranks not in made:
         made[ranks] = dist.new_group(list(ranks))
@@ -41,7 +38,7 @@ def world_subgroup(ranks: tuple[int, ...], member: bool) -> Any | None:
 
 
 def local_subgroup(ranks: tuple[int, ...]) -> Any:
-    """The group over global ``ranks``, made (once) by its members alone: only where no split of
+    """The group over global ``ranks``, made once by its members alone: only where no split of
     the default group is involved (see :func:`splits_default`)."""
     assert not splits_default(), "a group made by its members alone would hang a split"
     made = _made()
