@@ -8,7 +8,7 @@ matrices (see :mod:`fastmuon.ns.matrices`), with AdamW for the parameters Muon d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -23,7 +23,7 @@ from ..step.adamw import (
     single_tensor_adamw,
 )
 from ..step.collecting import CollectEnv, live_params
-from ..step.contracts import COUNT, LIKE_PARAM, AfterNSStage, EngineFor
+from ..step.contracts import COUNT, LIKE_PARAM, AfterNSKind, AfterNSStage, EngineFor
 from ..step.driver import TwoHalves, classes_each
 from ..step.elementwise import Scalar
 from ..step.matrix import (
@@ -52,26 +52,6 @@ state_keys: Mapping[str, str] = {
 class Items(NamedTuple):
     matrices: list[MatrixItem]
     elementwise: list[AdamWItem]
-
-
-class Extension(Protocol):
-    """What a variant of Muon adds to its collection (see :mod:`fastmuon.rules.second_moment`)."""
-
-    def adjust(self, group: Mapping[str, Any]) -> str:
-        """The group's lr factor mode."""
-        ...
-
-    def attach(
-        self,
-        group: Mapping[str, Any],
-        p: Tensor,
-        m: MatrixMap,
-        state: dict[str, Any],
-        items: list[MatrixItem],
-        env: CollectEnv,
-    ) -> None:
-        """Give ``p``'s matrix items (one per matrix of its map ``m``) the variant's state."""
-        ...
 
 
 class Pattern(NamedTuple):
@@ -123,7 +103,7 @@ def collect(
     groups: Sequence[dict[str, Any]],
     grads: Sequence[Tensor | None],
     env: CollectEnv,
-    variant: Extension | None = None,
+    variant: AfterNSKind | None = None,
 ) -> Items:
     """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.second_moment`)
     gives each group's lr factor mode and attaches its state to each parameter's matrix items."""

@@ -41,11 +41,10 @@ from ..step.collecting import CollectEnv
 from ..step.contracts import AfterNSKind, EngineFor
 from ..step.driver import TwoHalves
 from ..step.elementwise import Scalar
-from ..step.matrix_item import MatrixItem
 from ..step.moments import SecondMoment
 from ..step.options import Options
 from . import muon as muon_rule
-from .muon import Extension, Items
+from .muon import Items
 from .roles import ELEMENT_MOMENT, MUON, ROW_MOMENT
 
 
@@ -54,31 +53,6 @@ class Pattern(NamedTuple):
 
     muon: muon_rule.Pattern
     stage: tuple[Any, ...]  # per group: the stage's settings (and, where the rule signs, sign_momentum)
-
-
-class SignedMoment:
-    """A stage's collection extended: each matrix's NS input is its momentum's sign where the
-    group's ``sign_momentum`` says (the stage before NS)."""
-
-    def __init__(self, stage: AfterNSKind):
-        self.stage = stage
-
-    def adjust(self, group: Mapping[str, Any]) -> str:
-        return self.stage.adjust(group)
-
-    def attach(
-        self,
-        group: Mapping[str, Any],
-        p: Tensor,
-        m: MatrixMap,
-        state: dict[str, Any],
-        items: list[MatrixItem],
-        env: CollectEnv,
-    ) -> None:
-        self.stage.attach(group, p, m, state, items, env)
-        sign = bool(group["sign_momentum"])
-        for it in items:
-            it.sign_input = sign
 
 
 class StagedRule:
@@ -102,7 +76,6 @@ class StagedRule:
         self.signed = signed
         own = {stage.key: stage.shaped} if stage.key is not None else {}
         self.state_keys: Mapping[str, str] = MappingProxyType({**muon_rule.state_keys, **own})
-        self._extension: Extension = SignedMoment(stage) if signed else stage
 
     def __repr__(self) -> str:
         return f"<update rule {self.__name__}>"
@@ -123,7 +96,11 @@ class StagedRule:
     def collect(
         self, groups: Sequence[dict[str, Any]], grads: Sequence[Tensor | None], env: CollectEnv
     ) -> Items:
-        return muon_rule.collect(groups, grads, env, self._extension)
+        items = muon_rule.collect(groups, grads, env, self.stage)
+        if self.signed:  # the stage before NS: NS of the momentum's sign where the group says
+            for it in items.matrices:
+                it.sign_input = bool(groups[it.group]["sign_momentum"])
+        return items
 
     def scalars(
         self, groups: Sequence[dict[str, Any]], lr_value: Callable[[Any], Scalar]
