@@ -1,11 +1,6 @@
-"""Param groups from a model: which tensors Muon orthogonalises and how each maps to matrices.
-
-- :mod:`.build`: :func:`param_groups`, the split into the Muon group and the rest;
-- :mod:`.layer_maps`: the matrix maps of known fused and expert layers;
-- the attention queries and keys QK-clip scales are read by :mod:`fastmuon.optim.qk_clip`.
-
-The groups are plain dicts that any optimizer taking param groups accepts; the maps they carry
-are the data :mod:`fastmuon.ns.matrices` defines.
+"""Param groups from a model: which tensors Muon orthogonalises and how each maps to matrices
+(:func:`param_groups` in :mod:`.build`; the maps of known fused and expert layers in
+:mod:`.layer_maps`). The groups are plain dicts that any optimizer taking param groups accepts.
 """
 
 from .build import OUTSIDE_SHARE_WARNING, param_groups

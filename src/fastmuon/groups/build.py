@@ -1,10 +1,6 @@
-"""Split a model's parameters into the Muon group and the rest.
-
-Each trainable parameter gets a *kind* (Muon matrix, other, or no-decay) and each kind becomes
-one param group. What is a matrix is decided by the module that owns a parameter (a linear or
-conv layer's weight, a recognised fused or expert layer), never by its number of dims. The
-Muon group also says how each of its tensors maps to matrices (see :mod:`fastmuon.ns.matrices`):
-detected for known layers (:mod:`fastmuon.groups.layer_maps`), set by the caller.
+"""Split a model's parameters into the Muon group and the rest: each trainable parameter gets a
+*kind* (Muon matrix, other, or no-decay), each kind one param group. What is a matrix is decided by
+the module that owns a parameter, never by its number of dims.
 """
 
 from __future__ import annotations
@@ -30,18 +26,15 @@ HEAD_NAMES = frozenset(
 #: use ``out_proj`` for a hidden projection).
 TOP_LEVEL_HEAD_NAMES = frozenset({"out_proj", "output_proj", "proj_out"})
 
-#: Child names under which wrappers hold the model: ``torch.compile``'s ``OptimizedModule``,
-#: FSDP1 and activation checkpointing. (DDP, ``DataParallel`` and DeepSpeed hold it as
-#: ``module``, dropped where it is the wrapper's only child; see :func:`logical_names`.)
+#: Child names under which wrappers hold the model (``torch.compile``, FSDP1, activation
+#: checkpointing; DDP, ``DataParallel`` and DeepSpeed use ``module``: see :func:`logical_names`).
 WRAPPER_CHILDREN = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
 
-#: ``param_groups`` warns when more than this share of the body's >=2-D parameters (by numel;
-#: the body is all but embedding tables and the output layer) stays outside Muon.
+#: ``param_groups`` warns when more than this share of the body's >=2-D numel stays outside Muon.
 OUTSIDE_SHARE_WARNING = 0.5
 
-#: What ``head=`` and ``exclude=`` accept: modules, parameters, names or glob patterns of
-#: modules or parameters (``"lm_head"``, ``"blocks.*.gate"``), a predicate ``(name, param) ->
-#: bool``, or a list of these.
+#: What ``head=`` and ``exclude=`` accept: modules, parameters, names or glob patterns of either
+#: (``"lm_head"``, ``"blocks.*.gate"``), a predicate ``(name, param) -> bool``, or a list of these.
 Selector = Union[nn.Module, Tensor, str, Callable[[str, Tensor], bool], Iterable[Any], None]
 
 # The group each kind of parameter lands in, in the order the groups are returned.
@@ -79,92 +72,60 @@ def param_groups(
 
     What is a matrix is decided by the module a parameter belongs to, not by its number of dims:
 
-    - ``use_muon=True``: the weights of linear and conv layers (``nn.Linear`` and its
-      subclasses, ``nn.Bilinear``, ``nn.Conv1d/2d/3d``, ``nn.ConvTranspose1d/2d/3d``,
-      Transformers' ``Conv1D``), ``nn.MultiheadAttention``'s input projections and the
-      recognised fused and expert layers (:mod:`fastmuon.groups.layer_maps`), orthogonalised;
-    - ``use_muon=False``: embedding tables (``nn.Embedding``, ``nn.EmbeddingBag``), the output
-      layer ("head"), Mixture-of-Experts routers (see ``routers``), whatever ``exclude`` names,
-      and every other parameter of 2 or more dims that no rule recognises as a layer's weight:
-      tokens and positional tables registered as bare ``nn.Parameter`` (a ViT's class token and
-      position embedding), relative-position bias tables, a custom layer's own tensors. Muon
-      updates them with AdamW (at its ``adamw_lr`` unless the group sets ``lr``), MuSGD with SGD;
-    - ``use_muon=False, weight_decay=0``: norms, biases and other vector-shaped parameters,
-      not decayed (as in Ultralytics' trainer and the usual Muon/AdamW recipes): those of fewer
-      than 2 dims, and unrecognised tensors with at most one dim above 1 (a layer scale
-      ``(C, 1, 1)``, a class token ``(1, 1, D)``) or named ``bias``/``*_bias``;
-      ``decay_vectors=True`` puts them in the group above instead.
+    - ``use_muon=True``: the weights of linear and conv layers (``nn.Linear`` and subclasses,
+      ``nn.Bilinear``, ``nn.Conv*d``, ``nn.ConvTranspose*d``, Transformers' ``Conv1D``),
+      ``nn.MultiheadAttention``'s input projections, recognised fused and expert layers;
+    - ``use_muon=False``: embedding tables, the output layer ("head"), Mixture-of-Experts routers,
+      whatever ``exclude`` names, and every other >=2-D parameter no rule recognises (a ViT's
+      position embedding, relative-position bias tables, a custom layer's own tensors). Muon updates
+      them with AdamW (at its ``adamw_lr`` unless the group sets ``lr``), MuSGD with SGD;
+    - ``use_muon=False, weight_decay=0``: norms, biases and other vector-shaped parameters (fewer
+      than 2 dims; unrecognised tensors with at most one dim above 1, or named ``bias``/``*_bias``),
+      not decayed, as in the usual Muon/AdamW recipes; ``decay_vectors=True`` decays them.
 
-    A custom layer that computes with its own >=2-D ``nn.Parameter`` (``F.linear(x, self.w)``)
-    is therefore *not* orthogonalised unless ``include=`` names it (``include="*.w"``):
-    ``include`` (a :data:`Selector`) puts >=2-D parameters into Muon whatever the rules say.
-    It may not name a parameter that ``exclude=`` or an explicit ``head=`` also names.
-
-    ``routers``: a router (the ``(experts, hidden)`` weight of a Mixture-of-Experts block that
-    scores experts per token, e.g. Mixtral's ``mlp.gate.weight``; see
-    :func:`fastmuon.groups.layer_maps.router_weights`) goes to the non-Muon part by default
-    (``"other"``): each of its rows scores one expert, like a classifier's rows score a class,
-    and orthogonalising it would couple them. ``routers="muon"`` orthogonalises routers too.
+    ``include`` (a :data:`Selector`) puts >=2-D parameters into Muon whatever the rules say, e.g. a
+    custom layer's ``F.linear(x, self.w)`` weight (``include="*.w"``); it may not name a parameter
+    that ``exclude=`` or an explicit ``head=`` also names. ``routers="other"`` (the default) keeps
+    routers (the ``(experts, hidden)`` weight that scores experts per token, e.g. Mixtral's
+    ``mlp.gate.weight``) out of Muon: each row scores one expert, like a classifier's rows a class,
+    and orthogonalising would couple them.
 
     ``head="auto"`` finds the output layer: the shallowest modules named like one
-    (:data:`HEAD_NAMES`: ``lm_head``, ``head``, ``classifier``, ``fc``, ...) outside repeated
-    blocks (no numeric part in their path), ``out_proj`` and the like
-    (:data:`TOP_LEVEL_HEAD_NAMES`) directly on the model, plus any ``nn.Linear`` outside
-    repeated blocks shaped like an embedding table (an untied LM head); a head tied to an
-    embedding shares its tensor and so follows it. If none is found and the model is an
-    ``nn.Sequential``, its last ``nn.Linear`` is the head. Wrappers are seen through: the
-    prefixes of ``torch.compile`` (``_orig_mod.``), DDP/DataParallel (``module.``), FSDP1 and
-    activation checkpointing are ignored, and a model that holds nothing but one submodule with
-    parameters (a LightningModule's ``self.net``) is searched as that submodule. When no head is
-    found, a warning says so: name it with ``head=`` (a :data:`Selector`), or ``head=None`` for
-    none (which also silences the warning).
+    (:data:`HEAD_NAMES`) outside repeated blocks (no numeric part in their path), ``out_proj`` and
+    the like (:data:`TOP_LEVEL_HEAD_NAMES`) directly on the model, and any ``nn.Linear`` outside
+    repeated blocks shaped like an embedding table (an untied LM head; a tied one is the embedding);
+    failing that, an ``nn.Sequential``'s last ``nn.Linear``. Wrappers (``torch.compile``, DDP,
+    FSDP1, a LightningModule's ``self.net``) are seen through. If none is found it warns; say
+    ``head=None`` for a model without one.
 
-    No silent fall-back: when nothing at all would go to Muon, ``param_groups`` raises an error
-    saying where every parameter went and why; when more than half
-    (:data:`OUTSIDE_SHARE_WARNING`) of the body's >=2-D parameters by numel (all but embedding
-    tables and the output layer) stays outside Muon for a reason other than the caller's own
-    ``exclude=``, it warns, naming them; ``include=`` puts them into Muon, ``exclude=`` confirms
-    they stay out (and silences the warning).
+    No silent fall-back: when nothing would go to Muon it raises, saying where every parameter went
+    and why; when more than :data:`OUTSIDE_SHARE_WARNING` of the body's >=2-D parameters by numel
+    (all but embeddings and the output layer) stays out for a reason other than ``exclude=``, it
+    warns, naming them (``include=`` puts them in, ``exclude=`` keeps them out silently).
 
-    The Muon group says how each tensor maps to the matrices it orthogonalises (its
-    ``"matrices"`` entry, one spec per parameter; see :mod:`fastmuon.ns.matrices`), recognised
-    for known layers (:mod:`fastmuon.groups.layer_maps`):
+    The Muon group's ``"matrices"`` entry (one spec per parameter; :mod:`fastmuon.ns.matrices`) is
+    detected for known layers (:mod:`fastmuon.groups.layer_maps`): Transformers' fused
+    Mixture-of-Experts stacks (Mixtral, Qwen-MoE, DeepSeek, OLMoE, GPT-OSS, Llama-4, DBRX, ...) one
+    matrix per expert with ``gate_up_proj``'s gate and up apart, other ``*Experts`` modules' 3-D
+    tensors one per leading index, GPT-2's ``Conv1D`` transposed, and fused q/k/v projections
+    (``c_attn``, ``in_proj_weight``) split in three; the rest is "flatten" (no entry if all are).
+    ``matrices=`` sets maps as ``{selector: spec}`` (a tuple of selectors for several); later
+    entries win over earlier ones and over detection, and ``"flatten"`` undoes one. Per-head NS,
+    for instance: ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj": {"heads": 4}}`` (k with the
+    key/value head count). A selector naming none of Muon's parameters, or a map that does not fit,
+    is an error.
 
-    - Transformers' fused Mixture-of-Experts stacks (Mixtral, Qwen-MoE, DeepSeek, OLMoE,
-      GPT-OSS, Llama-4, DBRX, ...): one matrix per expert, ``gate_up_proj``'s gate and up
-      apart: halves where the forward splits it in halves, interleaved parts where gate and up
-      alternate (GPT-OSS, or any layer flagged ``is_concatenated=False``), ``transposed`` where
-      experts are stored (in, out); the 3-D tensors of
-      other modules whose class name ends in "Experts": one matrix per leading index;
-    - GPT-2's ``Conv1D`` (also OpenAI GPT, ImageGPT): ``transposed``, with attention's fused
-      ``c_attn`` split into query, key and value;
-    - ``nn.MultiheadAttention``'s ``in_proj_weight``: split into query, key and value.
+    ``attention=True`` marks attention queries and keys for QK-clip (``Muon(..., qk_clip_tau=...)``):
+    each group holding some gets an ``"attention"`` entry, one part per parameter (None for others;
+    :mod:`fastmuon.optim.qk_clip`), detected for Llama-family and DeepSeek-V3 attention. A dict
+    ``{selector: part}`` adds parts (or, with ``None``, removes them), e.g. ``{"blocks.*.attn.wq":
+    {"part": "query", "heads": 8}}``; a part without ``"layer"`` belongs to the module two levels up.
 
-    Everything else is "flatten"; a group of only those has no ``"matrices"`` entry.
-    ``matrices=`` sets maps as a dict ``{selector: spec}``, selectors as for ``head=`` (a tuple
-    of them for several). Later entries win over earlier ones and over detection, only the
-    Muon group's parameters are affected, and ``"flatten"`` undoes a detection. Per-head
-    orthogonalisation, for instance, is ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj":
-    {"heads": 4}}`` (k with the key/value head count). A selector that names none of Muon's
-    parameters, or a map that does not fit its tensor, is an error naming both.
-
-    ``attention=True`` also says which parameters are attention queries and keys, for QK-clip
-    (``Muon(..., qk_clip_tau=...)``): every group holding some gets an ``"attention"`` entry, one
-    part per parameter (None for the others; see :mod:`fastmuon.optim.qk_clip`), recognised for
-    Llama-family and DeepSeek-V3 attention (:func:`fastmuon.optim.qk_clip.detected_parts`). A dict
-    ``{selector: part}`` names parts besides (or instead of, ``None``) the recognised ones, as
-    ``matrices=`` does maps, e.g. ``{"blocks.*.attn.wq": {"part": "query", "heads": 8}}``; a part
-    that gives no ``"layer"`` belongs to the module two levels above the parameter
-    (``blocks.3.attn`` for ``blocks.3.attn.wq.weight``). Without it (the default) no group has
-    the entry.
-
-    Selectors given as names match the model's parameter and module names with or without the
-    wrappers' prefixes (``head="fc"`` also on ``torch.compile(model)``). ``overrides`` (e.g.
-    ``ns_dtype=torch.float32``) are set on every group, except that the no-decay group keeps
-    ``weight_decay=0``; hyperparameters per kind belong on the optimizer (e.g. ``Muon(...,
-    adamw_lr=3e-4)``) or on the returned groups. Shared parameters appear once, frozen ones not
-    at all, empty groups are left out. Each group carries torch's ``param_names`` (used in error
-    messages; the optimizers accept unnamed groups next to them).
+    Name selectors match with or without the wrappers' prefixes. ``overrides`` (e.g.
+    ``ns_dtype=torch.float32``) are set on every group, but the no-decay group keeps
+    ``weight_decay=0``; per-kind hyperparameters belong on the optimizer (``Muon(...,
+    adamw_lr=3e-4)``) or the returned groups. Shared parameters appear once, frozen ones not at
+    all, empty groups are left out. Each group carries torch's ``param_names`` (for messages).
     """
     if "use_muon" in overrides:
         raise ValueError(
@@ -432,11 +393,9 @@ def output_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def search_root(model: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
-    """The module the head search looks in, and its submodules by name, wrappers removed.
-
-    A module that holds no parameter of its own and only one child with parameters, a child
-    with submodules of its own (a ``torch.compile`` or DDP wrapper, a LightningModule holding
-    ``self.net``), is searched as that child."""
+    """The module the head search looks in, and its submodules by name, wrappers removed: a module
+    with no parameter of its own and one child with parameters and submodules (a ``torch.compile``
+    or DDP wrapper, a LightningModule holding ``self.net``) is searched as that child."""
     root = model
     while not any(True for _ in root.parameters(recurse=False)):
         with_params = [c for c in root.children() if any(True for _ in c.parameters())]

@@ -1,11 +1,7 @@
 """Which parameters are matrices, and the matrix maps of known layer types, read off the module
-that owns each parameter.
-
-``param_groups`` uses these so that a Mixture-of-Experts stack is orthogonalised expert by
-expert and a fused projection part by part without the caller describing either. Each rule
-below states the layout it relies on; every one was read from the layer's forward (and is
-tested against it), not guessed from parameter names. Parameters no rule speaks for stay
-"flatten" (see :mod:`fastmuon.ns.matrices`).
+that owns each parameter, so that ``param_groups`` orthogonalises an MoE stack expert by expert and
+a fused projection part by part without being told. Each rule states the layout it relies on, read
+from the layer's forward (and tested against it), not guessed from names; others stay "flatten".
 """
 
 from __future__ import annotations
@@ -21,10 +17,9 @@ from ..ns.matrices import MatrixMap
 #: One rule: the (parameter, map) pairs it knows for one module (its own or its children's).
 Rule = Callable[[nn.Module], Iterator[tuple[Tensor, MatrixMap]]]
 
-#: Transformers' fused-expert classes that do not carry the ``use_experts_implementation``
-#: flags, with the flags their forward implies: ``(is_transposed, is_concatenated)``.
-#: Llama-4 multiplies ``x @ gate_up_proj[e]`` (stored (in, out)) and ``chunk``s the result;
-#: Step-3.7 and LongCat-Flash use ``F.linear`` with a ``chunk``ed gate/up, like Mixtral.
+#: Transformers' fused-expert classes without the ``use_experts_implementation`` flags, with the
+#: ``(is_transposed, is_concatenated)`` their forward implies (Llama-4 multiplies
+#: ``x @ gate_up_proj[e]`` and ``chunk``s it; Step-3.7 and LongCat-Flash are like Mixtral).
 UNFLAGGED_EXPERTS = {
     "Llama4TextExperts": (True, True),
     "Step3p7Experts": (False, True),
@@ -33,10 +28,9 @@ UNFLAGGED_EXPERTS = {
 
 
 def detected_maps(model: nn.Module) -> dict[int, MatrixMap]:
-    """``id(param) -> map`` for every parameter of ``model`` a rule recognises.
-
-    Rules run generic first and specific last, so a rule that knows a whole layer (GPT-2's
-    attention) overrides one that knows its parts (each ``Conv1D``)."""
+    """``id(param) -> map`` for every parameter of ``model`` a rule recognises. Rules run generic
+    first, specific last, so one that knows a whole layer (GPT-2's attention) overrides one that
+    knows its parts (each ``Conv1D``)."""
     maps: dict[int, MatrixMap] = {}
     modules = list(model.modules())
     for rule in RULES:
@@ -60,15 +54,11 @@ def experts_by_class_name(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap
 
 
 def fused_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
-    """Transformers' fused experts: ``gate_up_proj`` ``(E, 2I, H)`` (or ``(E, H, 2I)``
-    transposed), ``up_proj`` and ``down_proj``, one matrix per expert.
-
-    The classes decorated with ``use_experts_implementation`` carry its flags on every
-    instance: ``is_transposed`` (weights stored (in, out), multiplied as ``x @ W``) and
-    ``is_concatenated`` (``gate_up_proj``'s output is ``[gate; up]``, split by ``chunk(2)``;
-    otherwise gate and up outputs alternate, ``[gate0, up0, gate1, up1, ...]`` as the flag's
-    documentation says and GPT-OSS's ``_apply_gate`` reads them (``[..., ::2]``, ``[..., 1::2]``),
-    so the two parts are interleaved)."""
+    """Transformers' fused experts (``gate_up_proj`` ``(E, 2I, H)``, transposed ``(E, H, 2I)``;
+    ``up_proj``, ``down_proj``), one matrix per expert, as their flags say: ``is_transposed``
+    (stored (in, out), used as ``x @ W``) and ``is_concatenated`` (``gate_up_proj``'s output is
+    ``[gate; up]``, split by ``chunk(2)``; else gate and up alternate, as GPT-OSS's ``_apply_gate``
+    reads them with ``[..., ::2]`` and ``[..., 1::2]``: interleaved parts)."""
     flags = experts_flags(module)
     if flags is None:
         return
@@ -115,8 +105,7 @@ def dbrx_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
 
 
 def conv1d(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
-    """Transformers' ``Conv1D`` (GPT-2, OpenAI GPT, ImageGPT, ...) stores its weight (in, out)
-    and computes ``x @ W + b``."""
+    """Transformers' ``Conv1D`` (GPT-2, OpenAI GPT, ImageGPT) stores its weight (in, out)."""
     weight = _tensor(module, "weight")
     if is_conv1d(module) and weight is not None:
         yield weight, MatrixMap(transposed=True)
@@ -169,9 +158,8 @@ RULES: tuple[Rule, ...] = (
 
 # ----- which parameters are matrices ------------------------------------------------------------
 
-#: Module types whose ``weight`` is a matrix (conv weights flattened to ``(out, in·k…)``):
-#: linear (its subclasses too, e.g. attention's ``out_proj``), bilinear, and every
-#: convolution and transposed convolution.
+#: Module types whose ``weight`` is a matrix (conv weights flattened to ``(out, in·k…)``): linear
+#: (and subclasses, e.g. attention's ``out_proj``), bilinear, every convolution and transposed one.
 MATRIX_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Linear,
     nn.Bilinear,
@@ -189,16 +177,12 @@ ROUTER_CLASS_ENDINGS = ("Router",)
 
 
 def matrix_weights(model: nn.Module) -> set[int]:
-    """The ids of the parameters that are a layer's matrix, recognised by module type or map.
-
-    - the ``weight`` of :data:`MATRIX_LAYERS` and of Transformers' ``Conv1D``; where the weight
-      is parametrised (``torch.nn.utils.parametrize``, weight or spectral norm), the tensors it
-      is computed from that have the weight's shape;
-    - ``nn.MultiheadAttention``'s input projections (``in_proj_weight``, or ``q/k/v_proj_weight``);
-    - every parameter a rule of :func:`detected_maps` speaks for (expert stacks, DBRX's blocks).
-
-    Anything else, however many dims it has (a class token, a positional table, a layer scale, a
-    relative-position bias table, a custom layer's bare ``nn.Parameter``), is not recognised."""
+    """The ids of the parameters that are a layer's matrix, recognised by module type or map: the
+    ``weight`` of :data:`MATRIX_LAYERS` and Transformers' ``Conv1D`` (if parametrised, e.g. weight
+    or spectral norm, the tensors of its shape it is computed from); ``nn.MultiheadAttention``'s
+    input projections; every parameter a rule of :func:`detected_maps` speaks for. Anything else,
+    however many dims it has (a class token, a positional table, a layer scale, a custom layer's
+    bare ``nn.Parameter``), is not recognised."""
     ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, MATRIX_LAYERS) or is_conv1d(module):
@@ -230,12 +214,10 @@ def layer_weight(module: nn.Module) -> list[Tensor]:
 
 
 def router_weights(model: nn.Module) -> set[int]:
-    """The ids of the >=2-D parameters of Mixture-of-Experts routers.
-
-    A router is a module whose class name ends in "Router", or a child named ``gate``,
-    ``router`` (or ending in ``_gate``/``_router``, such as Qwen-MoE's ``shared_expert_gate``)
-    of a module that also holds experts (a child named ``experts`` or recognised as a stack of
-    experts). Dense MLPs' ``gate_proj`` is no router."""
+    """The ids of the >=2-D parameters of Mixture-of-Experts routers: modules whose class name ends
+    in "Router", and children named ``gate``, ``router``, ``*_gate`` or ``*_router`` (Qwen-MoE's
+    ``shared_expert_gate``) of a module that also holds experts (a child named ``experts`` or
+    recognised as a stack). Dense MLPs' ``gate_proj`` is no router."""
     routers: list[nn.Module] = []
     for module in model.modules():
         if type(module).__name__.endswith(ROUTER_CLASS_ENDINGS):

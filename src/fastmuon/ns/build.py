@@ -1,8 +1,6 @@
-"""From matrices and settings to a ready engine: the planner's specs, the plan, the executor;
-and :func:`orthogonalize`, which builds one and runs it once.
-
-A single process and every rank of a distributed step plan alike; in a distributed step only
-who decides the cost constants differs (rank 0's are sent to all, see fastmuon.distributed).
+"""From matrices and settings to a ready engine (specs, plan, executor), and :func:`orthogonalize`,
+which builds one and runs it once. A single process and every rank of a distributed step plan
+alike; there only the cost constants come from rank 0, sent to all (see fastmuon.distributed).
 """
 
 from __future__ import annotations
@@ -60,9 +58,8 @@ def build_orthogonalizer(
     host_reads: bool = True,
     result_views: bool = True,
 ) -> Orthogonalizer:
-    """The engine for matrices this process orthogonalises alone. ``result_views``: its results
-    may be views into buffers the next call reuses (a step that applies them at once); False
-    for results handed to a caller."""
+    """The engine for matrices this process orthogonalises alone. ``result_views``: its results may
+    be views into buffers the next call reuses (a step applying them at once); False for a caller."""
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = plan_for(specs, configs, policy, resolve_cost_model(cost_model, specs), max_bucket_bytes)
@@ -88,19 +85,11 @@ def orthogonalize(
 ) -> list[Tensor]:
     """Orthogonalise a list of >=2D tensors through the planner; results keep shapes, in ``dtype``.
 
-    Each tensor is treated as the matrix ``t.flatten(1)``, or as the matrices its ``matrices``
-    map says (one map for all tensors or a list with one each; see :mod:`fastmuon.ns.matrices`):
-    an expert stack ``(E, out, in)`` with ``"experts"`` is E matrices, each orthogonalised alone,
-    all of them batched by the planner like any others. ``method`` picks the NS formulation
-    ("auto": the cheapest accurate one per bucket, see ``planner.choose_method``: Gram-space where
-    cheaper and the compute dtype is fp32+, on CPUs the eigendecomposition route where it costs
-    less and a bf16/fp16 ``dtype`` runs in fp32; on CPUs with bf16 matmul units each bucket also
-    in whichever of bf16 and fp32 the cost model prices faster; "standard", "gram", "eigh").
-    ``preconditioning``: as in :func:`fastmuon.newton_schulz` (``coefficients="aol"`` selects
-    AOL's rescaling, which "auto" runs with the standard method); ``steps=None``: the count the
-    coefficients were published for, as there.
-    For repeated calls on the same shapes, an optimizer caches the plan and
-    buffers; this function plans afresh each call.
+    Each tensor is the matrix ``t.flatten(1)``, or the matrices its ``matrices`` map says (one for
+    all or one each; :mod:`fastmuon.ns.matrices`), all batched alike. ``method``: "standard",
+    "gram", "eigh", or "auto": per bucket the cheapest accurate one (``planner.choose_method``).
+    ``preconditioning`` and ``steps=None`` as in :func:`fastmuon.newton_schulz`. Plans afresh each
+    call; an optimizer caches its plan.
     """
     tensors = list(tensors)
     maps = maps_of(matrices, len(tensors))

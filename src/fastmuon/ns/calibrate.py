@@ -1,12 +1,8 @@
-"""Measure the planner's cost constants on this machine instead of assuming them.
-
-Two numbers decide whether padding two groups into one bucket pays: the time one more kernel
-costs and the time one more FLOP costs. Both are measured once per (device, dtypes, threads)
-and cached; a few hundred milliseconds on a CPU, less on a GPU. Where the device type's model
-prices eigendecompositions (CPUs: ``planner.CPU_EIGH``), their cost against matmuls is measured
-too, at two sizes; where it does not (GPUs), they stay out of the plan. On a CPU fp32 is always
-measured (a bf16 request may run in it, ``device.wider_dtype``), and a low-precision kernel's
-fixed cost beyond an fp32 one's (large on CPUs, from small bf16 matmuls) is added to its launches.
+"""Measure the planner's cost constants on this machine instead of assuming them: the time one
+more kernel and one more FLOP cost, once per (device, dtypes, threads), cached. Where the device
+type's model prices eigendecompositions (CPUs) their cost against matmuls is measured at two sizes.
+On a CPU fp32 is always measured (bf16 may run in it, ``device.wider_dtype``), and a low-precision
+kernel's fixed cost beyond an fp32 one's is added to its launches.
 """
 
 from __future__ import annotations

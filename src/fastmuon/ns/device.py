@@ -1,12 +1,8 @@
 """Device facts: whether a tensor lives on the host, and which dtype NS matmuls really run in.
 
-The engine asks these once, when it is built, and passes the answers to the kernels.
-``ns_dtype`` asks for a precision, chosen for speed: bf16 matmuls are the fast path on GPUs
-and on CPUs with AVX512-BF16/AMX. On CPUs without them, PyTorch falls back to emulated bf16
-kernels one to two orders of magnitude slower than fp32, so the request would buy neither speed
-nor anything else. There, NS runs in fp32 instead — faster and more
-accurate — unless the caller insists on native low precision. The check is a one-off probe
-per (device type, dtype), cached.
+The engine asks these once, when built. bf16 is asked for speed, but CPUs without AVX512-BF16/AMX
+emulate it far slower than fp32, so there NS runs in fp32 (faster and more accurate) unless the
+caller insists on native low precision; a one-off probe per (device type, dtype), cached.
 """
 
 from __future__ import annotations
@@ -45,10 +41,9 @@ def cpu_low_precision(mode: str) -> Iterator[None]:
 
 
 def is_host(device: torch.device) -> bool:
-    """Whether ``device`` is the host's CPU, which takes the code paths only a CPU can: there a
-    read of a tensor's value makes nothing wait, an op per tensor costs no launch, memory kept
-    between steps costs no device memory, and torch's fused CPU optimizer kernels run. Every
-    such choice asks this, so that tests can run the accelerators' paths on CPU tensors."""
+    """Whether ``device`` is the host's CPU: there a value read makes nothing wait, an op per tensor
+    costs no launch, kept memory costs no device memory, and torch's fused CPU kernels run. Every
+    such choice asks this, so tests can run the accelerators' paths on CPU tensors."""
     return device.type == "cpu"
 
 
@@ -64,12 +59,9 @@ def compute_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype
 
 
 def wider_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype | None:
-    """A wider dtype the planner may run a ``dtype`` request in instead, where that is faster.
-
-    On a CPU whose matmul units take bf16/fp16 (and in the "auto" mode) the request runs natively,
-    but not every bucket gains by it: small or very wide ones spend their time on per-op overheads
-    and on FLOPs that the Gram-space and eigendecomposition routes, accurate enough only in fp32,
-    would not compute. fp32 is never less accurate than what was asked for."""
+    """A wider dtype the planner may run a ``dtype`` request in, where faster: on a CPU with bf16
+    matmul units small or very wide buckets lose to per-op overheads and to FLOPs that the Gram and
+    eigh routes, accurate enough only in fp32, would save. fp32 is never less accurate."""
     if (
         torch.device(device).type == "cpu"
         and dtype in (torch.bfloat16, torch.float16)

@@ -1,28 +1,22 @@
 """How a parameter tensor maps to the matrices Newton–Schulz orthogonalises.
 
-A conv kernel ``(out, in, kh, kw)`` is one matrix, ``(out, in·kh·kw)``: the default, "flatten".
-The layers LLMs are built from are not: a Mixture-of-Experts stack ``(E, out, in)`` is E
-matrices, a fused projection (GPT-2's ``c_attn``, ``nn.MultiheadAttention.in_proj_weight``, a
-gate/up pair) is several matrices side by side, and per-head orthogonalisation treats each head's
-slice as its own matrix. A *matrix map*, given per param group or per parameter under the key
-``matrices``, says which:
+A conv kernel ``(out, in, kh, kw)`` is one matrix ``(out, in·kh·kw)`` ("flatten", the default); an
+MoE stack ``(E, out, in)`` is E matrices, a fused projection (GPT-2's ``c_attn``, a gate/up pair)
+several, per-head NS one per head. A *matrix map* (``matrices``, per group or parameter) says which:
 
 - ``"flatten"``: the whole tensor as ``(shape[0], everything else)``;
-- ``{"batch_dims": b}`` (or ``"experts"``, b = 1): the first ``b`` dims index separate matrices;
+- ``{"batch_dims": b}`` (``"experts"``: b = 1): the first ``b`` dims index separate matrices;
 - ``{"split": [s1, s2, ...], "dim": d}``: each matrix is cut along its output (``d=0``, the
   default) or input (``d=1``) dim into parts of these sizes, each orthogonalised alone;
 - ``{"heads": n, "dim": d}``: the same cut into ``n`` equal parts;
-- ``"interleaved": True`` beside ``split`` or ``heads``: the ``n`` equal parts alternate along
-  that dim instead of lying side by side, part ``k`` taking rows ``k, k+n, k+2n, ...`` (GPT-OSS's
-  ``gate_up_proj``, whose gate and up columns alternate: ``{"batch_dims": 1, "split": [I, I],
-  "interleaved": True, "transposed": True}``); each part is a strided view, never a copy;
-- ``{"transposed": True}``: the tensor is stored ``(in, out)`` (GPT-2's ``Conv1D``), so ``d``
-  and the learning-rate factor refer to its transpose.
+- ``"interleaved": True`` beside ``split`` or ``heads``: the parts alternate along that dim, part
+  ``k`` taking rows ``k, k+n, k+2n, ...`` as a strided view (GPT-OSS's ``gate_up_proj``:
+  ``{"batch_dims": 1, "split": [I, I], "interleaved": True, "transposed": True}``);
+- ``{"transposed": True}``: stored ``(in, out)`` (GPT-2's ``Conv1D``), so ``d`` and the
+  learning-rate factor refer to its transpose; as ``NS(Xᵀ) = NS(X)ᵀ`` it is orthogonalised as stored.
 
-The keys combine (batch, then split), and a list gives one map per parameter of its group. Maps
-are plain strings and dicts so they travel in ``state_dict()`` and load with ``weights_only``.
-Orthogonalisation commutes with transposition (``NS(Xᵀ) = NS(X)ᵀ``), so a transposed tensor is
-orthogonalised as stored; only which dim is "output" and the factor ``s`` depend on it.
+The keys combine (batch, then split); a list gives one map per parameter of its group. Maps are
+plain strings and dicts, so they travel in ``state_dict()`` and load with ``weights_only``.
 Per-expert batching follows the proposals for torch.optim.Muon and Primus; splitting fused
 projections and per-head NS follow Dion's ``split_sizes``/``num_heads`` options.
 """
@@ -104,8 +98,8 @@ class MatrixMap:
                 )
 
     def _check_interleaved(self, size: int, n: int) -> None:
-        """Interleaved parts take every ``n``-th entry of the split dim: ``n`` must divide it, and
-        a ``split`` must give each part its share."""
+        """Interleaved parts take every ``n``-th entry: ``n`` must divide the dim, and a ``split``
+        must give each part its share."""
         where = (
             f"its matrix map {self.plain()!r} interleaves {n} parts along dim {self.stored_dim()} "
             f"(size {size}; part k takes entries k, k+{n}, k+{2 * n}, ...)"
@@ -144,10 +138,8 @@ class MatrixMap:
         return [(*index, *fill, slice(a, a + s)) for index in batch for a, s in zip(starts, cut)]
 
     def shapes(self, shape: Sequence[int]) -> list[tuple[int, ...]]:
-        """Each matrix's shape as the learning-rate factor reads it: ``(out, in, ...)``.
-
-        For "flatten" the tensor's own shape (so factors that read the raw shape keep doing so);
-        a transposed matrix reversed."""
+        """Each matrix's shape as the learning-rate factor reads it, ``(out, in, ...)``: for
+        "flatten" the tensor's own (factors reading the raw shape still do), transposed reversed."""
         shape = tuple(shape)
         if self.is_flatten:
             return [shape]
@@ -158,9 +150,8 @@ class MatrixMap:
         return out
 
     def views(self, t: Tensor) -> list[Tensor]:
-        """Each matrix as a view of ``t`` (as stored), in :meth:`boxes` order: ``t[box]`` for each
-        box, made with a few view ops whatever the number of matrices (one ``split``, then one
-        ``unbind`` per part), not an index op per matrix: this runs on every step's gradient."""
+        """Each matrix as a view of ``t`` (as stored), in :meth:`boxes` order, made with a few view
+        ops (one ``split``, one ``unbind`` per part), not an index op per matrix: runs every step."""
         if self.is_flatten:
             return [t]
         b = self.batch_dims
@@ -307,8 +298,7 @@ def maps_of(spec: MatrixMapSpec | list[MatrixMapSpec], count: int) -> list[Matri
 
 
 def maps_key(spec: Any) -> Any:
-    """A hashable stand-in for a group's ``matrices`` entry (read every step: a string, the
-    usual case, is its own key)."""
+    """A hashable stand-in for a group's ``matrices`` entry (read every step; a string is its own)."""
     if isinstance(spec, (str, type(None), MatrixMap)):
         return spec
     if isinstance(spec, dict):

@@ -1,9 +1,7 @@
 """The Newton–Schulz kernels: orthogonalise one matrix or a batch of them.
 
-Each iteration maps X -> a·X + (b·A + c·A²)·X with A = X·Xᵀ, which pushes every
-singular value of X towards 1 while keeping its singular vectors. Two fused
-``baddbmm`` calls per iteration plus one ``bmm`` is all the kernel work; the
-whole algorithm is the dozen lines of :func:`newton_schulz`.
+Each iteration maps X -> a·X + (b·A + c·A²)·X with A = X·Xᵀ, which pushes every singular value of
+X towards 1 while keeping its singular vectors: two fused ``baddbmm`` and one ``bmm`` per step.
 The quintic form and the "jordan" coefficients come from Keller Jordan's Muon write-up.
 """
 
@@ -26,7 +24,6 @@ Coefficients = tuple[float, float, float]
 CoefficientSpec = Union[str, Coefficients, Sequence[Coefficients]]
 
 
-#: Named coefficient schedules. Each is a tuple of per-step (a, b, c); the last repeats.
 def _with_safety(schedule: list[Coefficients], factor: float) -> tuple[Coefficients, ...]:
     """Shrink each polynomial's input range by ``factor`` (all but the last), as Polar Express
     does against rounding pushing singular values past the interval it was optimised on."""
@@ -34,11 +31,12 @@ def _with_safety(schedule: list[Coefficients], factor: float) -> tuple[Coefficie
     return (*scaled, schedule[-1])
 
 
+#: Named coefficient schedules: per-step (a, b, c) tuples; the last repeats.
 PRESETS: dict[str, tuple[Coefficients, ...]] = {
     # Keller Jordan's quintic: maximal slope at zero, converges to singular values in ~[0.7, 1.2].
     "jordan": ((3.4445, -4.7750, 2.0315),),
-    # Polar Express (Amsel, Persson, Musco & Gower 2025, arXiv:2505.16932, degree 5): a different
-    # optimal polynomial per step, with the paper's 1.01 safety factor.
+    # Polar Express (Amsel, Persson, Musco & Gower 2025, arXiv:2505.16932, degree 5): an optimal
+    # polynomial per step, with the paper's 1.01 safety factor.
     "polar_express": _with_safety(
         [
             (8.28721201814563, -23.595886519098837, 17.300387312530933),
@@ -65,12 +63,10 @@ PRESETS: dict[str, tuple[Coefficients, ...]] = {
         ]
     ),
     # Turbo-Muon (Boissin, Massena, Mamalet & Serrurier 2025, arXiv:2512.04632): four steps fitted
-    # (by a genetic search) to start from the AOL-rescaled matrix, one fewer than Frobenius-normalised
-    # NS needs. The numbers are those of the authors' thib-s/flash-newton-schulz after its fix of
-    # the rescaling (newton_schulz_triton_aol) and of microsoft/dion (newton_schulz_triton_fast).
-    # NVIDIA's emerging-optimizers ships an earlier fit (4.0098, -7.0585, 2.4635), ... under the
-    # same name and runs it after Frobenius normalisation; pass those tuples to reproduce that.
-    # This name also selects AOL preconditioning (PRESET_PRECONDITIONING below).
+    # to start from the AOL-rescaled matrix, one fewer than Frobenius-normalised NS needs; the
+    # numbers of the authors' thib-s/flash-newton-schulz (after its rescaling fix) and of
+    # microsoft/dion. NVIDIA's emerging-optimizers ships an earlier fit (4.0098, -7.0585, 2.4635),
+    # ... under this name, run after Frobenius normalisation. This name also selects AOL.
     "aol": (
         (4.6051, -9.6552, 5.6769),
         (4.7505, -6.0861, 2.1790),
@@ -78,8 +74,7 @@ PRESETS: dict[str, tuple[Coefficients, ...]] = {
         (2.4231, -2.2861, 0.8193),
     ),
     # CANS (Grishina, Smirnov & Rakhuba 2025, arXiv:2506.10935): Chebyshev-type (Remez) polynomials
-    # with an adaptive interval; the five steps NVIDIA's emerging-optimizers ships as "cans"
-    # (orthogonalized_optimizers/muon_utils.py), whose last step repeats there too.
+    # with an adaptive interval; the five steps NVIDIA's emerging-optimizers ships as "cans".
     "cans": (
         (8.4703, -25.1081, 18.6293),
         (4.1828, -3.1087, 0.5806),
@@ -87,18 +82,14 @@ PRESETS: dict[str, tuple[Coefficients, ...]] = {
         (3.2866, -2.4647, 0.5074),
         (2.2737, -1.6447, 0.4162),
     ),
-    # DeepSeek-V4's hybrid schedule (DeepSeek-V4 technical report; as emerging-optimizers'
-    # "deepseekv4"): eight of Jordan's steps bring every singular value into ~[0.7, 1.2] fast,
-    # then two steps of (2, -1.5, 0.5), whose map has slope 0 at 1, pull them to 1. Ten steps.
+    # DeepSeek-V4's hybrid schedule (DeepSeek-V4 technical report; emerging-optimizers' "deepseekv4"):
+    # eight Jordan steps bring singular values into ~[0.7, 1.2], two of (2, -1.5, 0.5) pull them to 1.
     "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
 }
 
 
-#: Polar Express as the paper's Implementation 1 runs it: besides the coefficients' 1.01 safety
-#: factor ("polar_express" above, as emerging-optimizers ships it) the input is divided by
-#: 1.01·‖X‖ instead of ‖X‖, against rounding pushing the top singular value past 1. That
-#: division is folded into the first polynomial: p(x/1.01) = (a/1.01)·x + (b/1.01³)·x³ +
-#: (c/1.01⁵)·x⁵ (the same map; eps then counts 1.01× more, which is immaterial).
+#: Polar Express as the paper's Implementation 1 runs it: the input divided by 1.01·‖X‖, folded
+#: into the first polynomial: p(x/1.01) = (a/1.01)·x + (b/1.01³)·x³ + (c/1.01⁵)·x⁵.
 def _input_divided(step: Coefficients, factor: float) -> Coefficients:
     """The step's polynomial applied to ``x / factor``, as coefficients in ``x``."""
     a, b, c = step
@@ -110,9 +101,8 @@ PRESETS["polar_express_paper"] = (
     *PRESETS["polar_express"][1:],
 )
 
-#: How NS brings a matrix's spectral norm to at most 1 before iterating (see :func:`newton_schulz`):
-#: ``"frobenius"`` divides by the Frobenius norm; ``"aol"`` rescales each row (of the wide
-#: orientation) by the inverse square root of its absolute row sum of ``X·Xᵀ``, as AOL does.
+#: How NS brings a matrix's spectral norm to at most 1: ``"frobenius"`` divides by the Frobenius
+#: norm; ``"aol"`` rescales each row (wide orientation) by 1/√(its absolute row sum of ``X·Xᵀ``).
 PRECONDITIONINGS = ("frobenius", "aol")
 
 #: Presets that select a preconditioning by their name (the schedule was fitted to start from it).
@@ -122,29 +112,21 @@ PRESET_PRECONDITIONING: dict[str, str] = {"aol": "aol"}
 #: which torch.optim.Muon, optax and microsoft/dion keep as their default).
 DEFAULT_NS_STEPS = 5
 
-#: The number of steps each preset was published for, which is the count used when ``ns_steps``
-#: (or ``steps``) is not given. Where a preset is missing here, :data:`DEFAULT_NS_STEPS` applies.
+#: The steps each preset was published for: the count when ``ns_steps`` is not given.
 PRESET_STEPS: dict[str, int] = {
-    "jordan": 5,  # Jordan's Muon write-up; torch.optim.Muon's and optax's default
-    # You Jiacheng's schedule has six polynomials, each tuned for the six-step run
-    "you": 6,
-    # Turbo-Muon (arXiv:2512.04632): AOL's start saves one of Jordan's five iterations; dion's
-    # AOL kernels and flash-newton-schulz run these four polynomials once each
-    "aol": 4,
-    # CANS (arXiv:2506.10935) as emerging-optimizers ships it: five polynomials for five steps
+    "jordan": 5,
+    "you": 6,  # six polynomials, tuned for a six-step run
+    "aol": 4,  # Turbo-Muon: AOL's start saves one of Jordan's five iterations
     "cans": 5,
-    # DeepSeek-V4's report (as emerging-optimizers' "deepseekv4"): 8 + 2 steps
-    "deepseekv4": 10,
-    # Polar Express (arXiv:2505.16932): the paper's code runs its eight polynomials once each
-    "polar_express": 8,
+    "deepseekv4": 10,  # 8 + 2
+    "polar_express": 8,  # the paper's code runs its eight polynomials once each
     "polar_express_paper": 8,
 }
 
 
 def default_steps(coefficients: CoefficientSpec, preconditioning: str | None = None) -> int:
-    """The number of NS steps when none is given: the preset's published count
-    (:data:`PRESET_STEPS`), else :data:`DEFAULT_NS_STEPS`; one fewer where AOL preconditioning is
-    applied to coefficients fitted without it, and one more where a preset fitted to AOL's start
+    """NS steps when none is given: the preset's published count, else :data:`DEFAULT_NS_STEPS`;
+    one fewer where AOL runs on coefficients fitted without it, one more where an AOL-fitted preset
     runs after Frobenius normalisation (AOL's start is worth one iteration, as Turbo-Muon reports)."""
     name = coefficients if isinstance(coefficients, str) else None
     steps = PRESET_STEPS.get(name, DEFAULT_NS_STEPS) if name else DEFAULT_NS_STEPS
@@ -159,8 +141,7 @@ def default_steps(coefficients: CoefficientSpec, preconditioning: str | None = N
 
 
 def resolve_preconditioning(coefficients: CoefficientSpec, preconditioning: str | None) -> str:
-    """The preconditioning a call runs: ``preconditioning`` if given, else the one the
-    coefficient preset names (``"aol"`` for ``"aol"``), else ``"frobenius"``."""
+    """``preconditioning`` if given, else the one the coefficient preset names, else frobenius."""
     if preconditioning is None:
         name = coefficients if isinstance(coefficients, str) else None
         return PRESET_PRECONDITIONING.get(name, "frobenius") if name else "frobenius"
@@ -236,24 +217,15 @@ def newton_schulz(
 ) -> Tensor:
     """Orthogonalise a matrix ``(m, n)`` or a batch ``(b, m, n)``; returns the input's shape in ``dtype``.
 
-    With a ``matrices`` map (see :mod:`fastmuon.ns.matrices`) ``X`` may be any tensor of two or more
-    dims, orthogonalised as the matrices the map makes of it, one call each (for many of them
-    :func:`fastmuon.orthogonalize` batches).
-
-    Every matrix is first divided by its own Frobenius norm (+ ``eps``; computed so that huge
-    or tiny matrices neither overflow nor underflow) so that its spectral norm is at most 1,
-    then iterated. Tall matrices are iterated on their transpose so the
-    Gram matrix ``X·Xᵀ`` is the small side. Zero-padded rows/columns stay exactly zero and do
-    not change the norm, which is what lets the batched engine pad matrices into shared buckets.
-    ``method="gram"`` runs the same iteration in Gram space (see :func:`_iterate_gram`), and
-    ``"eigh"`` evaluates it through an eigendecomposition of the Gram matrix (:func:`_iterate_eigh`).
-    ``preconditioning="aol"`` (what ``coefficients="aol"`` selects; ``None``: what the preset
-    implies, else ``"frobenius"``) replaces the Frobenius normalisation by AOL's row rescaling
-    (see :func:`_iterate_aol`), with the standard method only.
-    ``host_reads=False`` reads no value on the host, as a step that may be captured into a CUDA
-    graph must: a CPU then normalises as an accelerator does (the same values, see :func:`_normalize`).
-    ``steps=None`` runs the count the coefficients were published for (:func:`default_steps`:
-    5 for ``"jordan"``, 4 for ``"aol"``, ...).
+    Each matrix is divided by its Frobenius norm (+ ``eps``, without overflow or underflow), so its
+    spectral norm is at most 1, then iterated; tall ones as their transpose, so ``X·Xᵀ`` is the small
+    side. Zero padding stays zero and leaves the norm alone, which lets the engine pad matrices into
+    shared buckets. ``matrices`` (:mod:`fastmuon.ns.matrices`): ``X`` is the matrices the map makes
+    of it, one call each. ``method``: ``"standard"``, ``"gram"`` (:func:`_iterate_gram`) or
+    ``"eigh"`` (:func:`_iterate_eigh`). ``preconditioning="aol"`` (``None``: what the preset implies)
+    replaces the normalisation by AOL's row rescaling (:func:`_iterate_aol`), standard method only.
+    ``host_reads=False`` reads no value on the host, as a step captured into a CUDA graph must.
+    ``steps=None``: the count the coefficients were published for (:func:`default_steps`).
     """
     if matrices is not None:
         m = parse(matrices)
@@ -306,18 +278,14 @@ def newton_schulz(
 
 
 #: Where a kernel takes its temporaries: ``scratch(tag, shape)`` returns a tensor of the input's
-#: dtype and device to write into, or ``None`` to allocate. Tags name roles, so two temporaries
-#: alive at once never share memory (the engine keeps them between steps: engine.ScratchArena).
-#: A kernel called with ``reuse_input=True`` may also write into its input once it has read it
-#: for the last time, and returns its result there or in scratch (tag ``"out"`` where neither
-#: is free; its ``out`` is not used): with kept buffers, one or two fewer of the batch's size,
-#: and the same values, as every buffer is dense.
+#: dtype and device, or ``None`` to allocate; tags name roles, so live temporaries never share
+#: memory. ``reuse_input=True``: a kernel may also write into its input after its last read, and
+#: return its result there or in scratch (tag ``"out"``; ``out`` unused): one or two fewer buffers.
 Scratch = Callable[[str, tuple[int, ...]], Union[Tensor, None]]
 
-# Every kernel below takes, besides the batch, the facts its caller decided once: ``host``,
-# whether the batch lives on the host's CPU (device.is_host), and ``host_reads``, whether the
-# kernel may read values on the host there (not while a compiler traces it, nor in a step that
-# must read nothing on the host). ``host_reads`` implies ``host``.
+# Every kernel below also takes ``host``, whether the batch is on the host's CPU (device.is_host),
+# and ``host_reads``, whether it may read values on the host (not while a compiler traces it, nor
+# in a step that must not); ``host_reads`` implies ``host``.
 
 
 def _fresh(tag: str, shape: tuple[int, ...]) -> None:
@@ -335,15 +303,11 @@ def _normalize(
 ) -> Tensor:
     """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
 
-    Where a host check is free (``host_reads``: a CPU, eager, reads allowed) each matrix whose norm is in
-    the range where its squares can neither overflow nor underflow gets the plain two-pass
-    ``X / (‖X‖ + eps)``; the others (and every matrix on accelerators, where the step must not
-    synchronise) :func:`_normalize_safe`, which gives the same value bit for bit in that range.
-    The choice is made per matrix, so a matrix's result never depends on its bucket mates.
-    The result is a new tensor (``out`` if given), never ``X``; contiguous when ``out`` is not
-    given, whatever ``X``'s strides (a tall matrix arrives transposed): the loops write later
-    iterates into this buffer, and CPU bf16 ``baddbmm`` into a transposed ``out=`` runs a
-    fallback kernel hundreds of times slower than its usual one.
+    With ``host_reads``, a matrix whose norm is in the range where squares neither overflow nor
+    underflow gets the plain ``X / (‖X‖ + eps)``; the others, and all off the host (which must not
+    synchronise), :func:`_normalize_safe`: the same value bit for bit in that range, chosen per
+    matrix so a result never depends on its bucket mates. The result is a new contiguous tensor
+    (``out`` if given): CPU bf16 ``baddbmm`` into a transposed ``out=`` takes a far slower kernel.
     """
     if out is None and not X.is_contiguous():
         out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
@@ -364,23 +328,14 @@ def _normalize_safe(
 ) -> Tensor:
     """``X / (‖X‖ + eps)`` computed so that huge or tiny matrices neither overflow nor underflow.
 
-    Computed as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest
-    |entry|: the same value, bit for bit (scaling by a power of two is exact), but the norm can
-    neither overflow (|x| ~ 1e30 squares past the fp32/bf16 range) nor underflow (|x| ~ 1e-30).
-    A matrix far below ``eps`` is damped towards zero, as the formula says; with ``eps=0`` NS
-    is scale invariant and a zero matrix still gives zero (not 0/0).
-
-    Off the host (``host`` False), below fp64 and on a device with it, a batch of fewer than
-    :data:`FP64_ROUTE_MAX_ELEMENTS` gets the same guarantee in three kernels instead of eleven
-    (see :func:`_normalize_in_fp64`); a larger one takes this route, whose passes stream the
-    batch in its own dtype (about 12 bytes per bf16 element, against 22 through the fp64 copy
-    that torch's fp64-accumulating norm writes first). So off the host a matrix's last bit may
-    depend on the size of the bucket the plan gives it (fixed for a given set of parameters).
-
-    ``keep`` (``(B, 1, 1)``, 1 or 0 per matrix): a matrix whose flag is 0 comes out zeros, its
-    denominator divided by 0 (inf), so a step that must not apply a matrix's result (its
-    gradient rejected, its input finite) needs no pass of its own to zero it; the others'
-    denominators are divided by 1, exactly.
+    As ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest |entry|: the same
+    value bit for bit (power-of-two scaling is exact), but the norm can neither overflow (|x| ~ 1e30)
+    nor underflow (|x| ~ 1e-30). With ``eps=0`` a zero matrix still gives zero (not 0/0). Off the
+    host, below fp64 and on a device with it, a batch under :data:`FP64_ROUTE_MAX_ELEMENTS` takes
+    :func:`_normalize_in_fp64` (three kernels, not eleven), so there a matrix's last bit may depend
+    on its bucket's size (fixed for a given set of parameters). ``keep`` (``(B, 1, 1)``, 1 or 0 per
+    matrix): a 0 divides the denominator by 0, so the matrix comes out zeros with no pass of its
+    own (a result the step must not apply); 1 leaves it exact.
     """
     if takes_fp64_route(X.numel(), X.dtype, X.device, host):
         return _normalize_in_fp64(X, eps, out, keep)
@@ -394,9 +349,8 @@ def _normalize_safe(
 #: Device types without float64 arithmetic (they take the power-of-two route).
 _NO_FP64 = frozenset({"mps"})
 
-#: Off the host, batches of at least this many elements take the power-of-two route: its eight
-#: more launches (a few µs each) cost less than the ~10 bytes per element it saves from here on
-#: (tens of MB at a GPU's few TB/s); smaller batches take the fp64 route's three launches.
+#: Off the host, batches of at least this many elements take the power-of-two route: from here
+#: its eight more launches cost less than the ~10 bytes per element it saves.
 FP64_ROUTE_MAX_ELEMENTS = 2**24
 
 
@@ -409,9 +363,8 @@ def takes_fp64_route(numel: int, dtype: torch.dtype, where: torch.device, host: 
 
 
 def normalize_in_fp64_(batches: Sequence[Tensor], eps: float) -> None:
-    """:func:`_normalize_in_fp64` of several batches of one dtype in place, their norms side by
-    side in one vector: one norm and one division per batch, one add for them all (a launch per
-    batch fewer), each value the one the batch alone would get."""
+    """In-place :func:`_normalize_in_fp64` of several batches of one dtype, their norms side by
+    side in one vector (one add for all, a launch per batch fewer), each value as if alone."""
     ends = list(itertools.accumulate(X.size(0) for X in batches))
     norms = torch.empty(ends[-1], dtype=torch.float64, device=batches[0].device)
     parts = [norms[end - X.size(0) : end].view(-1, 1, 1) for X, end in zip(batches, ends)]
@@ -426,14 +379,10 @@ def normalize_in_fp64_(batches: Sequence[Tensor], eps: float) -> None:
 
 
 def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None, keep: Tensor | None = None) -> Tensor:
-    """``X / (‖X‖ + eps)`` with the norm and the division in fp64, rounded once to ``X``'s dtype.
-
-    Squares of fp32/bf16 entries cannot overflow or underflow in fp64 (their exponents span
-    ±2·128 of fp64's ±1022), so no rescaling pass is needed: one norm, one add, one division,
-    each a single kernel, where the power-of-two route takes eleven. The value is the exact
-    quotient rounded once, so it can differ from the fp32 formula's in the last bit. fp64 work
-    is elementwise only (no matmul), cheap even where fp64 throughput is low.
-    """
+    """``X / (‖X‖ + eps)`` with the norm and the division in fp64, rounded once to ``X``'s dtype:
+    fp32/bf16 squares cannot overflow or underflow in fp64, so three kernels do where the
+    power-of-two route takes eleven. It may differ from the fp32 formula's in the last bit. fp64
+    work is elementwise only, cheap even where fp64 is slow."""
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     denom = norm.add_(eps) if eps else norm.clamp_min_(torch.finfo(X.dtype).tiny)
     if keep is not None:  # see _normalize_safe
@@ -449,16 +398,13 @@ _PLAIN_NORM_RANGE = (2.0**-40, 2.0**60)
 
 
 def _host_check_is_free(X: Tensor, host_reads: bool) -> bool:
-    """Whether the plain normalisation's range check applies: where the kernel may read on the
-    host, and in a dtype it covers. bf16 shares fp32's exponent range (its norms accumulate in
-    fp32), so the same check holds; fp16's narrow range would overflow ``X·Xᵀ`` long before the
-    norm left the range."""
+    """Whether the plain normalisation's range check applies: host reads allowed, and a dtype it
+    covers (bf16 shares fp32's exponent range; fp16 would overflow ``X·Xᵀ`` before the norm did)."""
     return host_reads and X.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _plain_norm_is_exact(norm: Tensor) -> list[bool]:
-    """Per matrix, whether its norm is in range (NaN is not). One host read of a few numbers:
-    cheaper than tensor ops."""
+    """Per matrix, whether its norm is in range (NaN is not): one host read of a few numbers."""
     low, high = _PLAIN_NORM_RANGE
     values = norm.view(-1).tolist()
     # ``low <= v <= high`` per value, through C-level comparisons: no Python frame per matrix
@@ -475,9 +421,8 @@ def _plus_eps(norm: Tensor, eps: float) -> Tensor:
 
 
 def _largest_entry(X: Tensor, host: bool) -> Tensor:
-    """Largest |entry| of each matrix of a batch, ``(B, 1, 1)`` (NaN if any is NaN). On a CPU
-    (``host``) torch's inf-norm kernel is far slower than a max and a min (``aminmax`` too), so
-    it is computed from those there."""
+    """Largest |entry| of each matrix, ``(B, 1, 1)`` (NaN if any is NaN); on a CPU from a max and
+    a min, as torch's inf-norm kernel is far slower there."""
     if host:
         return torch.maximum(X.amax(dim=(-2, -1), keepdim=True), X.amin(dim=(-2, -1), keepdim=True).neg_())
     norm: Tensor = torch.linalg.vector_norm(X, ord=float("inf"), dim=(-2, -1), keepdim=True)
@@ -509,13 +454,11 @@ def _iterate(
     normalized: bool = False,
     keep: Tensor | None = None,
 ) -> Tensor:
-    """The NS loop on a wide batch (rows <= cols). ``X`` is never modified; the last iterate is
-    written to ``out`` (which must not be ``X``) when given, the others ping-pong in scratch.
-    With ``reuse_input`` (see :data:`Scratch`) ``X``'s buffer is the second ping-pong buffer
-    once normalised, and the result lands in whichever of the two is free (``out`` unused).
-    ``normalized``: ``X`` is divided by its norms already (:func:`normalize_in_fp64_`), and its
-    buffer is the caller's to overwrite, as a second ping-pong buffer. ``keep``: see
-    :func:`_normalize_safe`."""
+    """The NS loop on a wide batch (rows <= cols); ``X`` is never modified. The last iterate goes
+    to ``out`` (not ``X``) when given, the others ping-pong in scratch; with ``reuse_input`` (see
+    :data:`Scratch`) ``X``'s buffer is the second ping-pong buffer once normalised. ``normalized``:
+    ``X`` is already divided by its norms (:func:`normalize_in_fp64_`) and the caller's to
+    overwrite. ``keep``: see :func:`_normalize_safe`."""
     if normalized:
         return _polynomial_steps(X, schedule, scratch, out)
     source = X
@@ -531,11 +474,10 @@ def _polynomial_steps(
     A: Tensor | None = None,
     spare: Tensor | None = None,
 ) -> Tensor:
-    """``X ← aX + (bA + cA²)X`` with ``A = X·Xᵀ``, once per step of ``schedule``, from a
-    normalised wide batch; ``A``: the first step's, where the caller has computed it already.
-    The last iterate goes to ``out`` when given, the others ping-pong in scratch; ``spare``: a
-    free buffer of ``X``'s shape to ping-pong with instead, which then takes the last iterate
-    too where it is the free one (``out`` unused)."""
+    """``X ← aX + (bA + cA²)X`` with ``A = X·Xᵀ`` per step of ``schedule``, from a normalised wide
+    batch; ``A``: the first step's, if already computed. The last iterate goes to ``out`` when
+    given, the others ping-pong in scratch; ``spare``: a free buffer of ``X``'s shape to ping-pong
+    with instead, which then also takes the last iterate where it is free (``out`` unused)."""
     R = X.size(-2)
     into_spare = spare is not None
     spare = spare if into_spare else scratch("Y", X.shape)
@@ -561,23 +503,15 @@ def _iterate_aol(
 ) -> Tensor:
     """The NS loop of :func:`_iterate` started from AOL's rescaling instead of ``X/‖X‖``.
 
-    With ``A = X·Xᵀ`` (the wide side) each row ``i`` of ``X`` is divided by ``√(Σ_j |A_ij|)``:
-    ``X₀ = D·X`` with ``D = diag(Σ_j |A_ij|)^(-1/2)``, whose spectral norm is at most 1 (Prach &
-    Lampert 2022, "Almost-Orthogonal Layers", Theorem 1, applied to ``Xᵀ``) and usually much
-    closer to it than after Frobenius normalisation, so the small singular values start larger
-    and one iteration fewer reaches the same band. The first iteration reuses
-    ``A₀ = D·A·D = X₀·X₀ᵀ``, so the rescaling costs only ``R×R`` and ``R×C`` elementwise work.
-    This is the published rule: rows of the wide orientation, row sums clamped below at ``eps``
-    (flash-newton-schulz's and dion's AOL kernels, optax's ``preconditioning="aol"``); it
-    changes the singular vectors slightly (``D·X`` is not a multiple of ``X``), which Turbo-Muon
-    (arXiv:2512.04632) measured not to hurt training. Use it with its coefficients ("aol").
-
-    Per matrix of the batch: a zero (padded) row has row sum 0, is clamped and stays zero, and
-    padded columns add nothing to any row sum, so padding changes no real entry. Each matrix is
-    first divided by the power of two just below its largest |entry| (exact, as in
-    :func:`_normalize_safe`, and the clamp scaled to match), so ``X·Xᵀ`` neither overflows nor
-    underflows: in range the result equals the plain rule's bit for bit. Nothing is read on the
-    host. The statistics run in fp32 at least. ``X`` is never modified.
+    With ``A = X·Xᵀ`` (the wide side), ``X₀ = D·X`` with ``D = diag(Σ_j |A_ij|)^(-1/2)`` has spectral
+    norm at most 1 (Prach & Lampert 2022, "Almost-Orthogonal Layers", Theorem 1, applied to ``Xᵀ``),
+    usually much closer to it than after Frobenius normalisation, so one iteration fewer reaches the
+    same band; the first iteration reuses ``A₀ = D·A·D``. The published rule (flash-newton-schulz's
+    and dion's AOL kernels, optax's ``preconditioning="aol"``): rows of the wide orientation, row
+    sums clamped below at ``eps``. It changes the singular vectors slightly, which Turbo-Muon
+    (arXiv:2512.04632) measured not to hurt training. Padding changes no real entry. Each matrix is
+    first divided by the power of two below its largest |entry| (exact), so ``X·Xᵀ`` neither
+    overflows nor underflows. Reads nothing on the host; statistics in fp32 at least.
     """
     source = X
     X, A = _aol_rescaled(X, eps, scratch, host)
@@ -627,23 +561,15 @@ def _iterate_gram(
     ``X_0`` is touched twice (``A_0`` and the final ``Q·X_0``): ~``4R²C + (8k−6)R³`` FLOPs instead
     of ``k·(4R²C + 2R³)``, a win once ``C >= 2R`` (e.g. 3×3 convs, where ``C = 9·C_in``).
     (Gram-space NS is discussed in Dion and in the Polar Express paper, Amsel et al. 2025.)
-    ``X`` is never modified; the result goes to ``out`` (which must not be ``X``) when given.
 
-    Squaring into ``A`` doubles the dynamic range: in bf16/fp16 the rounding of ``A_0`` leaves
-    tiny negative eigenvalues, which ``λ ← λ·p(λ)²`` grows ~12× per step until the output blows
-    up (measured: singular values up to 579 on a low-rank input). There the iteration restarts
-    (:func:`gram_restarts`) from ``X_k = Q_k·X_0`` and a fresh ``A_k = X_k·X_kᵀ``
-    (the remedy the Gram-space NS literature uses), which keeps it in standard bf16 NS's band.
-
-    With ``reuse_input`` (see :data:`Scratch`) the restarts alternate between scratch and
-    ``X``'s own buffer (free after the first restart), and the result lands in whichever of
-    them is free (``out`` is used only where the last iterate is still the input itself).
-    ``keep``: see :func:`_normalize_safe`.
+    Squaring into ``A`` doubles the dynamic range: in bf16/fp16 the rounding of ``A_0`` leaves tiny
+    negative eigenvalues, which ``λ ← λ·p(λ)²`` grows ~12× per step until the output blows up, so
+    there the iteration restarts (:func:`gram_restarts`) from ``X_k = Q_k·X_0`` and a fresh
+    ``A_k = X_k·X_kᵀ`` (the Gram-space NS literature's remedy), keeping standard bf16 NS's band.
     """
     source = X
-    # nothing kept (every temporary fresh) and the input ours: it is normalised in place, and
-    # each restart writes into the batch-sized buffer the one before it left free, so that
-    # two such buffers live at once, not four
+    # nothing kept and the input ours: normalise it in place, and let each restart write into the
+    # batch-sized buffer the one before left free, so that two such buffers live at once, not four
     rotate = reuse_input and scratch is _fresh and X.is_contiguous()
     X, A, inv_norm = _normalized_gram(
         X, eps, scratch, host=host, host_reads=host_reads, into=X if rotate else None, keep=keep
@@ -683,20 +609,16 @@ def _iterate_gram(
         Q.mul_(inv_norm)  # Q·X₀ = (Q/(‖X‖+eps))·X: the normalisation rides on the R×R side
     if rotate:
         out = free
-    elif reuse_input:  # into the input's buffer where it is read no more, else a free one (X1's
-        # after an even number of restarts, which leave X in the input's buffer)
+    elif reuse_input:  # the input's buffer if X left it, else X1's (free when X is back in it)
         out = source if X is not source else scratch("X1" if restarted else "out", X.shape)
     return torch.bmm(Q, X, out=out)
 
 
-#: How far the first run of low-precision Gram-space NS may grow ``A₀``'s rounding errors (a
-#: tiny negative eigenvalue ``λ`` becomes ``λ·p(λ)²``, ``~a²·λ`` per step) before it restarts:
-#: Jordan's three steps (``3.4445⁶ ≈ 1.7·10³``) held standard bf16 NS's singular-value band on
-#: every input ``fastmuon accuracy`` and its stress inputs tried (rank-deficient, heavy-tailed,
-#: one dominant direction; 64..512 rows); four steps (``2·10⁴``), or three of Polar Express's
-#: steeper first steps (``8.2² · 4.1² · 3.9² ≈ 1.7·10⁴``), did not. Later runs start from an
-#: ``X_k`` whose singular values are already near 1, so ``A_k``'s rounding errors are larger in
-#: absolute terms: they restart every 2 steps.
+#: How far the first run of low-precision Gram-space NS may grow ``A₀``'s rounding errors (a tiny
+#: negative eigenvalue ``λ`` becomes ``λ·p(λ)²``, ``~a²·λ`` per step) before it restarts: Jordan's
+#: three steps (``3.4445⁶ ≈ 1.7·10³``) held standard bf16 NS's band on ``fastmuon accuracy``'s
+#: stress inputs; four (``2·10⁴``), or Polar Express's steeper three (``≈ 1.7·10⁴``), did not. Later
+#: runs start with singular values near 1, so larger absolute errors: they restart every 2 steps.
 FIRST_RUN_GROWTH = 2e3
 
 
@@ -719,9 +641,8 @@ DEFAULT_GRAM_FIRST_RUN = 3
 def gram_restarts(
     steps: int, dtype: torch.dtype | None, first_run: int = DEFAULT_GRAM_FIRST_RUN
 ) -> tuple[int, ...]:
-    """The steps of a ``steps``-long Gram-space NS in ``dtype`` that start afresh from
-    ``X_k = Q_k·X_0``: after ``first_run`` steps (:func:`gram_first_run`), then every 2; none
-    in fp32/fp64 (or for ``dtype`` None)."""
+    """The steps of a ``steps``-long Gram-space NS in ``dtype`` that restart from ``X_k = Q_k·X_0``:
+    after ``first_run`` steps (:func:`gram_first_run`), then every 2; none in fp32/fp64 or None."""
     if dtype is None or dtype in (torch.float32, torch.float64):
         return ()
     return tuple(range(first_run, steps, 2))
@@ -744,17 +665,12 @@ def _normalized_gram(
     into: Tensor | None = None,
     keep: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten.
-    ``into``: where the second form's ``X₀`` goes (``X`` itself may be given: normalised in place).
-
-    ``‖X‖²`` is the trace of ``X·Xᵀ``, so the normalisation costs two ``R×R`` passes instead of
-    three passes over ``X``. Where that would not be exact (norms out of the safe range), or a
-    host check is not free, returns ``(X₀, X₀·X₀ᵀ, None)`` from :func:`_normalize_safe`.
-
-    The route is chosen per matrix: in a batch where only some norms are in range, those
-    matrices keep the first form (their slots of the returned ``X`` hold ``X`` itself, their
-    factor is ``1/(‖X‖+eps)``) and the others get the second (factor 1), so a matrix's result
-    never depends on its bucket mates (a skipped matrix's zeros do not change the others).
+    """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten:
+    ``‖X‖²`` is the trace of ``X·Xᵀ``, so normalising costs two ``R×R`` passes, not three over ``X``.
+    Where that is not exact (norms out of the safe range) or a host check is not free:
+    ``(X₀, X₀·X₀ᵀ, None)`` from :func:`_normalize_safe` (``into``: where ``X₀`` goes; ``X``: in
+    place). Chosen per matrix (in a mixed batch the second form's slots get factor 1), so a result
+    never depends on its bucket mates.
     """
     gram_shape = (X.size(0), X.size(1), X.size(1))
     if keep is None and _host_check_is_free(X, host_reads):
@@ -793,24 +709,14 @@ def _iterate_eigh(
     As in :func:`_iterate_gram` the result is ``h(A₀)·X₀`` with ``A₀ = X₀·X₀ᵀ`` and ``h`` the
     product of the steps' polynomials; with ``A₀ = V·diag(λ)·Vᵀ`` that is ``V·diag(h(λ))·Vᵀ·X₀``,
     and ``h(λ)`` is the scalar recursion ``h ← h·p_k(λ_k)``, ``λ_{k+1} = λ_k·p_k(λ_k)²`` with
-    ``p_k(λ) = a + b·λ + c·λ²``, i.e. NS run on each singular value ``σ = √λ`` exactly as the
-    matrix iteration runs it. One ``R×R`` eigendecomposition and one product replace the 4k−3
-    ``R×R`` products of the Gram loop, whatever the number of steps (and ``k`` passes over ``X``
-    for standard NS), so on a CPU it wins on large buckets (docs/performance.md has the figures),
-    while LAPACK's fixed overheads make it lose on small ones; the planner prices both
-    (``planner.EighCost``). (Computing a polar factor
-    from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of Matrices*,
-    ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
-
-    Accuracy (``fastmuon accuracy``): the same singular-value band as fp32 NS on every input;
-    on an ill-conditioned one (1 .. 1e-6) the entries are off by up to ~1.6e-3 of the largest
-    (fp32 Gram loop 2.8e-4, bf16 NS 0.33), since fp32 eigenvalues are only resolved to ~1e-7
-    of the largest; on square inputs (128×128, 256×256) up to 1.1e-3 (bf16 NS 0.17-1.1). That
-    is why ``auto`` uses it only where bf16/fp16 NS was asked for.
-    Everything up to ``Q`` runs in fp32 at least (``eigh`` has no bf16, and a bf16 ``A₀`` would
-    not match ``X₀``'s directions); only the final ``Q·X₀`` runs in a lower input dtype.
-    A matrix LAPACK cannot decompose (NaN or inf entries) falls back to the Gram loop, which
-    propagates them as the other methods do.
+    ``p_k(λ) = a + b·λ + c·λ²``: NS run on each singular value ``σ = √λ``. One ``R×R``
+    eigendecomposition and one product replace the Gram loop's 4k−3 ``R×R`` products, which wins on
+    a CPU's large buckets and loses to LAPACK's fixed overheads on small ones (``planner.EighCost``
+    prices both). (A polar factor from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham,
+    *Functions of Matrices*, ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
+    fp32 eigenvalues resolve only ~1e-7 of the largest, so it is less exact than the fp32 Gram loop
+    (though far inside bf16 NS's band): ``auto`` uses it only where bf16/fp16 NS was asked for. A
+    matrix LAPACK cannot decompose (NaN or inf) falls back to the Gram loop, which propagates them.
     """
     low = X.dtype not in (torch.float32, torch.float64)
     kept = scratch  # in X's dtype
@@ -847,11 +753,10 @@ METHODS = {"standard": _iterate, "gram": _iterate_gram, "eigh": _iterate_eigh}
 
 @contextlib.contextmanager
 def fp32_matmuls(dtype: torch.dtype) -> Iterator[None]:
-    """NS asked for in fp32 multiplies in fp32: under ``torch.set_float32_matmul_precision("high")``
-    (TF32 on GPUs, bf16 passes on some CPUs) its matmuls would silently run in less, and an
-    orthogonalisation's accuracy is set by its dtype (``ns_dtype``), not by a global meant for a
-    model's layers. Set around a call and put back after it; nothing while a compiler traces
-    the call (a trace cannot change a global: there the user's setting holds)."""
+    """Run fp32 NS's matmuls in fp32: under ``set_float32_matmul_precision("high")`` they would
+    silently run in TF32 or bf16 passes, and NS's accuracy is set by ``ns_dtype``, not by a global
+    meant for a model's layers. Put back after the call; nothing while a compiler traces it (a
+    trace cannot change a global: the user's setting holds)."""
     if dtype != torch.float32 or torch.compiler.is_compiling():
         yield
         return
@@ -873,8 +778,7 @@ def pinned_kernel(kernel: Callable[..., Tensor], dtype: torch.dtype) -> Callable
 
     @functools.wraps(kernel)
     def run(*args: Any, **kwargs: Any) -> Tensor:
-        # nothing to pin (the usual case) costs no context manager: this runs once per bucket
-        # and step, and one made from a generator costs several Python calls each time
+        # nothing to pin costs no context manager (several Python calls, per bucket and step)
         if not torch.compiler.is_compiling() and torch.get_float32_matmul_precision() == "highest":
             return kernel(*args, **kwargs)
         with fp32_matmuls(dtype):

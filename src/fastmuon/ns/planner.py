@@ -1,11 +1,9 @@
-"""The batching planner: a pure function from matrix shapes to buckets.
+"""The batching planner: a pure function from matrix shapes to buckets, touching no tensor data.
 
-Each bucket is one batched Newton–Schulz call on a ``(B, R, C)`` tensor. Matrices of one
-oriented shape stack without padding; smaller groups may share a bucket by zero-padding to
-the largest rows/cols among them, which is exact (see :mod:`fastmuon.ns.newton_schulz`) but costs
-FLOPs. Whether a merge pays is a trade of kernel launches against padded FLOPs: launches
-dominate on a GPU, FLOPs on a CPU, so the cost model carries constants per device type.
-Nothing here touches tensor data; the plan is easy to test alone.
+Each bucket is one batched NS call on a ``(B, R, C)`` tensor. Matrices of one oriented shape stack
+unpadded; other shapes may share a bucket zero-padded to the largest, which is exact but costs
+FLOPs. A merge trades launches (dominant on GPUs) against padded FLOPs (on CPUs), so the cost
+model carries constants per device type.
 """
 
 from __future__ import annotations
@@ -29,18 +27,11 @@ class MatrixSpec:
     """One matrix to orthogonalise: its 2D (rows, cols) after flattening, and where it lives.
 
     ``key`` separates matrices that must never share a bucket (e.g. different NS settings);
-    ``layout`` only orders members inside a bucket, so that tensors the engine packs with one
-    copy (same original shape and strides) sit next to each other. ``method`` is the NS
-    formulation allowed: "standard", "gram", "eigh", or "auto" (the cheaper one where it is
-    safe). ``requested`` is the precision the user asked NS for, when ``dtype`` (what it runs
-    in) is higher: a bf16 request computed in fp32 tolerates the eigendecomposition route.
-    ``fallback`` is a wider dtype the matrix may run in instead of ``dtype`` (fp32 for a bf16
-    request on a CPU with bf16 matmul units): the planner takes it per shape where the cost model
-    finds it faster, and the matrix then counts as ``dtype`` requested. ``preconditioning`` is
-    how NS normalises it (``newton_schulz.PRECONDITIONINGS``): AOL runs with the standard method
-    only, and its extra elementwise work is counted (:func:`ns_flops`). ``gram_first_run``: the
-    steps low-precision Gram-space NS takes before its first restart with the matrix's schedule
-    (``newton_schulz.gram_first_run``), which sets what that method costs.
+    ``layout`` only orders members, so tensors the engine packs with one copy sit side by side.
+    ``method``: an NS method or "auto". ``requested``: the precision asked for where ``dtype`` (what
+    runs) is higher: a bf16 request run in fp32 tolerates the eigh route. ``fallback``: a wider
+    dtype to run in per shape where the cost model finds it faster (fp32 for bf16 on a CPU with
+    bf16 units; ``dtype`` then counts as requested). ``gram_first_run``: see newton_schulz.
     """
 
     rows: int
@@ -112,10 +103,9 @@ class Bucket:
 
 @dataclass(frozen=True)
 class EighCost:
-    """What one ``R×R`` eigendecomposition costs on a device, in FLOPs of batched matmul per
-    ``R³``: ``(base + per_inverse_row / R) · threads ** thread_exponent``. Small ones are
-    dominated by LAPACK's fixed overheads; with more threads matmuls speed up more than the
-    eigendecomposition's tridiagonalisation does."""
+    """What one ``R×R`` eigendecomposition costs on a device, in FLOPs of batched matmul per ``R³``:
+    ``(base + per_inverse_row / R) · threads ** thread_exponent``. LAPACK's fixed overheads dominate
+    small ones; more threads speed matmuls up more than the tridiagonalisation."""
 
     base: float
     per_inverse_row: float
@@ -130,14 +120,11 @@ class EighCost:
 class CostModel:
     """Seconds per kernel launch and per FLOP (by dtype) on one kind of device, and what an
     eigendecomposition costs there (``eigh=None``: too slow to consider, as on GPUs).
-    ``launch_seconds_by_dtype`` overrides the launch cost for kernels in one dtype (on CPUs a
-    small bf16 matmul costs several times a small fp32 one). ``low_precision_gram``: whether
-    Gram-space NS in bf16/fp16 (with restarts) competes, on buckets at least twice as wide as
-    tall: on GPUs, whose bf16 matmuls run at one rate whatever their shape, and on CPUs with bf16
-    matmul units, where it was measured to pay. ``gram_weighs_launches``: whether that choice
-    also weighs the Gram loop's extra kernel launches against the FLOPs it saves (GPUs, where a
-    launch is worth ~10⁹ FLOPs and a small bucket's saving is worth less); on CPUs, where FLOPs
-    were measured to decide, it does not."""
+    ``launch_seconds_by_dtype``: per-dtype launch costs (on CPUs a small bf16 matmul costs several
+    fp32 ones). ``low_precision_gram``: bf16/fp16 Gram-space NS (with restarts) competes on buckets
+    at least twice as wide as tall (GPUs; CPUs with bf16 matmul units). ``gram_weighs_launches``:
+    that choice also weighs the Gram loop's extra launches against the FLOPs it saves (GPUs, where
+    a launch is worth ~10⁹ FLOPs; on CPUs FLOPs decide)."""
 
     launch_seconds: float
     seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
@@ -154,20 +141,15 @@ class CostModel:
         return self.launch_seconds_by_dtype.get(dtype, self.launch_seconds)
 
 
-#: What an eigendecomposition costs on a CPU, in matmul FLOPs per ``R³``: falling with the size
-#: (LAPACK's fixed overheads) and rising with the thread count. The constants sit at the upper
-#: side of the timings in docs/performance.md ("Where the planner's constants come from");
-#: ``cost_model="calibrate"`` measures them on the machine at hand.
+#: What an eigendecomposition costs on a CPU, in matmul FLOPs per ``R³``: the upper side of the
+#: timings in docs/performance.md ("Where the planner's constants come from").
 CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
 
-# Rough constants: a CPU op costs ~15 µs of dispatch and threading and does ~100-400 GFLOP/s on
-# small matrices; a GPU launch costs ~6 µs while the GPU does tens to hundreds of TFLOP/s, so
-# on CUDA one saved launch is worth ~10^8-10^9 padded FLOPs and on a CPU only ~10^6. GPUs run
-# eigendecompositions slowly (and with host synchronisation), so their model leaves eigh out.
-# On a GPU bf16 Gram-space NS (restarting as newton_schulz.gram_restarts says) holds
-# standard bf16 NS's accuracy from twice as wide as tall on (``fastmuon accuracy``, computed on
-# a CPU in bf16) and saves FLOPs there (a 4096×14336 matrix, Jordan's 5 steps: 56·R³ against
-# 80·R³), so it competes.
+# Rough constants: a CPU op costs ~15 µs of dispatch and does ~100-400 GFLOP/s on small matrices; a
+# GPU launch costs ~6 µs at tens to hundreds of TFLOP/s, so one saved launch is worth ~10^8-10^9
+# padded FLOPs on CUDA and ~10^6 on a CPU. GPUs run eigendecompositions slowly (and synchronise
+# with the host), so their model leaves eigh out. bf16 Gram-space NS (with restarts) holds standard
+# bf16 NS's accuracy from twice as wide as tall on and saves FLOPs there, so on GPUs it competes.
 COST_MODELS: dict[str, CostModel] = {
     "cpu": CostModel(
         launch_seconds=15e-6,
@@ -192,13 +174,10 @@ COST_MODELS: dict[str, CostModel] = {
 }
 
 
-#: CPU cost models by CPU class (``device.cpu_class``). Without bf16 matmul units a bf16
-#: request runs in fp32 and the model above applies. With AVX512-BF16, bf16 batched matmuls cost
-#: fewer seconds per FLOP than fp32 but a small bf16 matmul has a larger fixed cost, so a bf16
-#: kernel is priced with a dearer launch; docs/performance.md ("Where the planner's constants
-#: come from") has the timings these constants follow. AMX's tiles are faster still; until
-#: timed there, that class shares these constants (``cost_model="calibrate"`` measures them on
-#: the machine).
+#: CPU cost models by CPU class (``device.cpu_class``). Without bf16 matmul units bf16 runs in
+#: fp32 and the model above applies. With AVX512-BF16, bf16 costs less per FLOP than fp32 but a
+#: small bf16 matmul more, so bf16 kernels get a dearer launch (docs/performance.md, "Where the
+#: planner's constants come from"). AMX shares these until timed (``cost_model="calibrate"``).
 CPU_COST_MODELS: dict[str, CostModel] = {
     "no_bf16": COST_MODELS["cpu"],
     "avx512_bf16": CostModel(
@@ -214,8 +193,7 @@ CPU_COST_MODELS["amx_bf16"] = CPU_COST_MODELS["avx512_bf16"]
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:
-    """``1 bucket``, ``2 buckets``: a count and its noun in the number it takes, for the texts
-    that report counts (``plural`` for a noun that does not just add an s)."""
+    """``1 bucket``, ``2 buckets``: a count and its noun in the right number (``plural``: irregular)."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
 
 
@@ -234,10 +212,8 @@ NS_METHODS = ("standard", "gram", "eigh")
 #: the two rescalings of ``A`` (``newton_schulz._aol_rescaled``).
 AOL_FLOPS_PER_R2 = 4
 
-#: Nominal FLOPs of a symmetric eigendecomposition with eigenvectors, in units of ``R³``
-#: (Golub & Van Loan's ~9n³ for symmetric QR; divide and conquer does less): what the plan's
-#: FLOP counts report. LAPACK runs it well below matmul speed, so the planner chooses by what
-#: it costs (:class:`EighCost`) instead.
+#: Nominal FLOPs of a symmetric eigendecomposition per ``R³`` (Golub & Van Loan's ~9n³ for
+#: symmetric QR), as FLOP counts report it; the planner chooses by its cost (:class:`EighCost`).
 EIGH_FLOPS_PER_R3 = 9
 
 
@@ -252,13 +228,10 @@ def ns_flops(
 ) -> int:
     """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c).
 
-    Gram space (see newton_schulz._iterate_gram): ``X`` is touched twice per run from a fresh
-    ``A`` (``A = X·Xᵀ`` and ``Q·X``), the rest is ``R×R``; low precision restarts, so runs ``s > 1``.
-    AOL preconditioning (newton_schulz._iterate_aol) computes the first iteration's Gram matrix
-    from the raw ``X`` and reuses it after rescaling, so its matmuls are those of a standard
-    iteration; on top come ``|A|``'s row sums and the rescaling of ``A`` on both sides
-    (``4R²``: counted) and of ``X`` (``RC``, counted like Frobenius normalisation's passes over
-    ``X``: not at all). What it saves is an iteration: its schedule has one step fewer.
+    Gram space touches ``X`` twice per run from a fresh ``A`` (``X·Xᵀ`` and ``Q·X``), the rest is
+    ``R×R``; low precision restarts, so ``s > 1`` runs. AOL reuses the first Gram matrix after
+    rescaling: a standard iteration's matmuls plus ``4R²`` for ``|A|``'s row sums and rescaling
+    ``A`` (rescaling ``X`` is not counted, like Frobenius normalisation); its schedule is shorter.
     """
     r, c = min(rows, cols), max(rows, cols)
     if preconditioning == "aol":  # the standard loop only
@@ -308,22 +281,15 @@ def choose_method(
 ) -> str:
     """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
 
-    Standard NS always qualifies. Gram-space NS needs fp32+ (``X·Xᵀ`` squares the dynamic
-    range) and every member at least twice as wide as tall (``narrowest`` = min cols/rows),
-    since a square matrix's small singular values are what Gram space resolves least accurately
-    (2e-5 against 2e-6 on a square random matrix). Where bf16/fp16 NS was asked for
-    (``requested``) and runs in fp32 here, what was asked for is far less precise than the
-    eigendecomposition route on any shape (errors of 1e-6..1.6e-3 against bf16 NS's 0.02..1.6,
-    ``fastmuon accuracy`` at 64×576, 128×128, 256×256, 256×384), so that route
-    (``newton_schulz._iterate_eigh``) qualifies too, wherever the device's cost model prices it
-    (``eigh``: CPUs).
-    In bf16/fp16 the Gram loop restarts (``newton_schulz.gram_restarts``), which keeps
-    it in standard bf16 NS's band from twice as wide as tall on (random, graded and
-    ill-conditioned inputs at 128..768 rows, 2..3x as wide: errors against fp64 NS no larger);
-    it competes there where the cost model says it pays (``low_precision_gram``), by the FLOPs
-    of the bucket's ``count`` matrices, plus, where the model weighs them (GPUs), each method's launches at
-    ``launch_flops`` FLOPs apiece: a small bucket keeps standard NS's fewer launches.
-    AOL preconditioning runs in the standard loop only, so "auto" is "standard" there."""
+    Standard NS always qualifies. Gram-space NS needs fp32+ (``X·Xᵀ`` squares the dynamic range)
+    and every member at least twice as wide as tall (``narrowest`` = min cols/rows): a square
+    matrix's small singular values are what it resolves worst. Where bf16/fp16 was ``requested``
+    but fp32 runs, the eigh route (far more precise than the request) qualifies where the cost
+    model prices it (``eigh``: CPUs). In bf16/fp16 the restarting Gram loop keeps standard bf16
+    NS's band from twice as wide as tall on, and competes where ``low_precision_gram`` says, by the
+    FLOPs of the bucket's ``count`` matrices plus, where the model weighs them (GPUs), launches at
+    ``launch_flops`` FLOPs each: a small bucket keeps standard NS's fewer launches. AOL: standard only.
+    """
     if allowed != "auto":
         return allowed
     if preconditioning == "aol":
@@ -351,12 +317,10 @@ def choose_method(
 
 
 def kernels_per_bucket(steps: int, method: str = "standard", preconditioning: str = "frobenius") -> int:
-    """Launches a bucket costs however many matrices it holds (counted with bench.counter on
-    the kernels): standard NS normalises (3) and runs 3 per step; the Gram loop builds and
-    scales ``A₀`` (9) and runs ~4 per step; the eigh route runs the scalar recursion on the
-    eigenvalues (7 per step) around its 13 fixed ones. AOL's rescaling replaces the
-    normalisation by ~14 small ops (largest entry, its power of two, the row sums, the clamp,
-    the rescalings) and saves the first step's Gram matrix (one launch)."""
+    """Launches a bucket costs however many matrices it holds: standard NS normalises (3) and runs
+    3 per step; the Gram loop builds and scales ``A₀`` (9) and runs ~4 per step; the eigh route runs
+    13 fixed ones and the eigenvalue recursion (7 per step). AOL's rescaling replaces the
+    normalisation by ~14 small ops and saves the first step's Gram matrix (one launch)."""
     if preconditioning == "aol":
         return 14 + 3 * steps - 1
     if method == "gram":
@@ -441,13 +405,11 @@ def plan_buckets(
 ) -> Plan:
     """Assign every matrix to exactly one bucket.
 
-    ``policy="exact"`` stacks identical oriented shapes only; ``"min_launches"`` merges groups
-    whenever that lowers the number of batched calls, choosing the merges that add the fewest
-    padded FLOPs first; ``"auto"`` merges while the cost model (launch time + FLOP time) falls.
-    ``cost_model`` overrides the per-device-type default. Buckets larger than
-    ``max_bucket_bytes`` are split (a single matrix larger than the cap gets a bucket alone).
-    ``threads``: the CPU threads the step will run with (``None``: ``torch.get_num_threads()``),
-    which sets what an eigendecomposition costs against matmuls (:class:`EighCost`).
+    ``policy="exact"`` stacks identical oriented shapes only; ``"min_launches"`` merges whenever
+    that lowers the number of batched calls, fewest added padded FLOPs first; ``"auto"`` merges
+    while the cost model (launch + FLOP time; ``cost_model`` overrides the device type's) falls.
+    Buckets over ``max_bucket_bytes`` are split. ``threads`` (``None``: ``torch.get_num_threads()``)
+    sets what an eigendecomposition costs against matmuls (:class:`EighCost`).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")

@@ -1,9 +1,6 @@
 """Timing on a device, in one place so that every measurement times alike: the planner's
-calibration (:mod:`fastmuon.ns.calibrate`), the CPU's native-bf16 check where its flags cannot
-be read (:mod:`fastmuon.ns.device`) and the benchmark's probes (:mod:`fastmuon.bench.probe`).
-
-:func:`matmul_seconds` is the one matmul probe: the product Newton–Schulz spends its FLOPs on,
-``A·X`` for an ``R×R`` ``A`` and an ``R×C`` ``X``, batched.
+calibration, the CPU's native-bf16 check where its flags cannot be read, and the benchmark's
+probes. :func:`matmul_seconds` times the product NS spends its FLOPs on: batched ``R×R`` by ``R×C``.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, rounds: int, per_round: int) -> float:
-    """Median over ``rounds`` of the mean time of ``per_round`` back-to-back calls (after one
-    warm-up call)."""
+    """Median over ``rounds`` of the mean time of ``per_round`` calls (after one warm-up call)."""
     fn()
     synchronize(device)
     times = []
@@ -40,8 +36,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, rounds: int, 
 def best_seconds(
     fn: Callable[[], object], device: torch.device, min_seconds: float, min_repeats: int = 3
 ) -> float:
-    """Best time of ``fn()`` over at least ``min_repeats`` repeats and ``min_seconds`` of them
-    (after one warm-up call)."""
+    """Best time of ``fn()`` over >= ``min_repeats`` calls and >= ``min_seconds`` (after a warm-up)."""
     fn()
     synchronize(device)
     best, spent, repeats = float("inf"), 0.0, 0
