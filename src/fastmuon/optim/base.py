@@ -1,9 +1,5 @@
-"""What MuSGD and Muon share: group checks, the step's driver, state dicts and copies.
-
-A subclass names its update rule (``_rule``, a rule of :mod:`fastmuon.rules`: what a group
-contributes, the step's scalars, its program and reference) and checks its own group values;
-the optimizer-wide settings are one frozen :class:`~fastmuon.step.options.Options`.
-"""
+"""What every optimizer shares: group checks, the step's driver, state dicts and copies. A
+subclass names its update rule (``_rule``) and checks its own group values."""
 
 from __future__ import annotations
 
@@ -65,29 +61,24 @@ def _option(name: str) -> property:
 
 
 def _lr_value(lr: Any) -> Any:
-    """A group's ``lr`` as the step uses it: a tensor on the CPU is read there (free: no device
-    waits); a tensor on an accelerator stays a tensor (reading it would make the host wait)."""
+    """A CPU tensor ``lr`` is read (free); an accelerator's stays a tensor: reading it would make
+    the host wait."""
     if isinstance(lr, Tensor) and device.is_host(lr.device):
         return lr.item()
     return lr
 
 
 def _as_given(lr: Any) -> Any:
-    """A group's ``lr`` as a ``capturable`` step uses it: a tensor stays a tensor."""
+    """``capturable``: a tensor ``lr`` stays a tensor."""
     return lr
 
 
 class MatrixOptimizer(Optimizer):
-    """Base for optimizers that orthogonalise matrix updates through the batched engine.
+    """Base for optimizers that orthogonalise matrix updates through the batched engine; groups
+    are checked whole before they are stored, and errors name the parameter."""
 
-    It checks groups whole before storing them, names parameters in errors, and runs a step:
-    a prepared program (built by the rule on the first step, kept while the parameters with
-    gradients, their layouts and the equality classes of the hyperparameters stay the same)
-    or, with ``foreach=False``, the rule's per-parameter reference.
-    """
-
-    _rule: ClassVar[Rule]  # the update rule (one of fastmuon.rules): what mypy checks a class names
-    _lr_factor_alias: ClassVar[str | None] = None  # a second name of adjust_lr_fn (a keyword, a group key)
+    _rule: ClassVar[Rule]  # one of fastmuon.rules; mypy checks what a class names
+    _lr_factor_alias: ClassVar[str | None] = None  # a second name of adjust_lr_fn (keyword and group key)
 
     foreach = _option("foreach")
     policy = _option("policy")
@@ -104,7 +95,7 @@ class MatrixOptimizer(Optimizer):
         options: Options,
         process_group: ProcessGroup | None = None,
     ):
-        # the constructor's own arguments first, before ``params`` is read (as torch's optimizers do)
+        # the constructor's own arguments first, before ``params`` is read, as torch's optimizers do
         check_tensor_lr(defaults["lr"], "the constructor's lr")
         self.options = options
         self.process_group = process_group  # DDP: ranks share the NS work (see fastmuon.distributed)
@@ -123,8 +114,7 @@ class MatrixOptimizer(Optimizer):
 
     @property
     def rule(self) -> Rule:
-        """The update rule, one of :mod:`fastmuon.rules`: what a group contributes, the
-        step's scalars, its program and its per-parameter reference."""
+        """The update rule, one of :mod:`fastmuon.rules`."""
         return self._rule
 
     @property
@@ -134,10 +124,9 @@ class MatrixOptimizer(Optimizer):
 
     # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after checking it whole (filled with the defaults, as it would be stored):
-        a refused group leaves the optimizer exactly as it was. The constructor adds its groups
-        through here too. MuSGD's ``adjust_lr`` is stored as ``adjust_lr_fn``; a group that sets
-        ``ns_coefficients`` without ``ns_steps`` runs their published count."""
+        """Add a group after checking it whole, as it would be stored: a refused group leaves the
+        optimizer exactly as it was. A group that sets ``ns_coefficients`` without ``ns_steps``
+        runs their published count."""
         where = f"param group {len(self.param_groups)}"
         param_group = group_lr_factor(param_group, self._lr_factor_alias, type(self).__name__, where)
         param_group = with_implied_ns_steps(param_group, self.defaults)
@@ -150,8 +139,7 @@ class MatrixOptimizer(Optimizer):
         restore_names(self.param_groups, held_names)
 
     def _check_candidate(self, param_group: dict[str, Any]) -> Any:
-        """Validate the group ``param_group`` would become (a copy, filled with the defaults);
-        returns its ``params`` as a list (an iterator given there is read once, here)."""
+        """Check a filled copy of the group; its ``params`` as a list (an iterator is read once)."""
         params = param_group["params"]
         if isinstance(params, set):
             return params  # torch refuses sets (no stable order) with its own message
@@ -193,9 +181,8 @@ class MatrixOptimizer(Optimizer):
             raise ValueError(f"{e} (in {where})") from None
 
     def _check_matrix_maps(self, group: dict[str, Any], where: str) -> list[MatrixMap]:
-        """The group's matrix maps, once they parse and fit the shapes of the parameters they
-        apply to. Checked when a group is added, and again where a step's work is collected
-        (a program is built): a map may have been set on the group since."""
+        """The group's matrix maps, checked against its parameters' shapes; again when a program
+        is built, as a map may have been set on the group since."""
         try:
             maps = maps_of(group.get("matrices"), len(group["params"]))
         except ValueError as e:
@@ -224,12 +211,9 @@ class MatrixOptimizer(Optimizer):
     def step(
         self, closure: Callable[[], float] | None = None, *, logit_maxima: _Maxima = None
     ) -> float | None:
-        """One update of every parameter with a gradient: the batched program the driver
-        prepares and keeps (see :mod:`fastmuon.step.driver`), or with ``foreach=False`` the
-        rule's per-parameter reference loop. Then, in groups with ``qk_clip_tau``, QK-clip of
-        the attention parts by ``logit_maxima`` (``{layer: per-head maxima}``, checked first; see
-        :mod:`fastmuon.optim.qk_clip`). First, a deferred non-finite verdict of the step before
-        raises (``nonfinite="raise"`` on an accelerator: :mod:`fastmuon.step.deferred`)."""
+        """One update of every parameter with a gradient, then QK-clip by ``logit_maxima``
+        (``{layer: per-head maxima}``, checked before the update). A deferred non-finite verdict
+        of the step before raises first (:mod:`fastmuon.step.deferred`)."""
         driver, groups = self._driver, self.param_groups
         if driver.pending is not None:
             driver.raise_pending()
@@ -274,11 +258,9 @@ class MatrixOptimizer(Optimizer):
         self._driver.cache.forget_programs()
 
     def init_state(self) -> None:
-        """Create every parameter's state (zeros) now, as its first step would.
-
-        Distributed steps call it on the first step, so state dicts are rank-symmetric; call it
-        on a fresh optimizer before loading a ``torch.distributed.checkpoint`` into its state dict.
-        """
+        """Create every parameter's state (zeros) now, as its first step would. Distributed steps
+        do it on the first step, so state dicts are rank-symmetric; call it on a fresh optimizer
+        before loading a ``torch.distributed.checkpoint`` into it."""
         self._driver.init_state(self._step_env())
 
     @property
@@ -287,17 +269,13 @@ class MatrixOptimizer(Optimizer):
         return self._driver.initialised
 
     def muon_takes(self) -> MuonShare:
-        """What Muon orthogonalises among this optimizer's parameters and what takes the
-        elementwise update (SGD or AdamW): counts over every group, gradients or not."""
+        """What Muon takes and what takes the elementwise update: counts over every group."""
         return muon_share(self.param_groups, self.rule, self._maps_of)
 
     def plan(self) -> Plan:
-        """The last step's batching plan, its note saying what Muon takes and what the
-        elementwise update takes. Before a step: the plan the next step would use for the
-        parameters with gradients now (no state is created). Empty, its note saying why, where
-        nothing is batched: no matrix is orthogonalised (``use_muon=False`` everywhere, or no
-        matrix), none has a gradient yet, ``foreach=False``, or a distributed run has not
-        stepped yet (its plan takes every rank)."""
+        """The last step's batching plan, its note saying what Muon takes; before a step, the plan
+        the next step would use (no state is created). Empty, its note saying why, where nothing
+        is batched."""
         take = self.muon_takes()
         driver = self._driver
         plan = driver.plan(self._step_env())
@@ -310,32 +288,28 @@ class MatrixOptimizer(Optimizer):
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
         return Plan((), 0, self.options.policy, ns_steps, self.options.max_bucket_bytes, note)
 
-    # ----- what tools may read: the executors, their kept buffers, a hook around NS ----------
+    # ----- for tools: the executors, their kept buffers, a hook around NS ---------------------
     def orthogonalizers(self) -> list[Any]:
-        """The cached Newton–Schulz executors, least recently used first. Each has ``plan`` and
-        ``workspaces()``; in a distributed run also ``stats`` (the last call's
-        :class:`~fastmuon.distributed.stats.CommStats`) and ``profile`` (set True to time NS
-        and communication apart, at the cost of a synchronisation)."""
+        """The cached Newton–Schulz executors, least recently used first: each has ``plan`` and
+        ``workspaces()``, and in a distributed run ``stats`` and ``profile`` (True times NS and
+        communication apart, at the cost of a synchronisation)."""
         return list(self._driver.cache.engines.values())
 
     def workspaces(self) -> list[Tensor]:
-        """Every tensor the cached executors keep between steps (bucket buffers, NS scratch,
-        exchange buffers): memory the optimizer holds beyond its state."""
+        """Every tensor the cached executors keep between steps: memory held beyond the state."""
         return [t for engine in self._driver.cache.engines.values() for t in engine.workspaces()]
 
     def register_orthogonalize_hook(self, hook: _NSHook) -> RemovableHandle:
-        """Call ``hook(run)`` in place of each batched step's Newton–Schulz, where ``run()`` does
-        it and returns the orthogonalised matrices (in the plan's order); the hook returns them.
-        For timing and inspection (a hook must not change the results). Returns a handle whose
-        ``remove()`` takes the hook out again, as torch's optimizer hooks do."""
+        """Call ``hook(run)`` in place of each batched step's Newton–Schulz; ``run()`` returns the
+        orthogonalised matrices in the plan's order, and the hook returns them unchanged (it is
+        for timing and inspection). The handle's ``remove()`` takes the hook out."""
         handle = RemovableHandle(self._driver.hooks)
         self._driver.hooks[handle.id] = hook
         return handle
 
     # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """torch's, once a deferred non-finite verdict is read (raising as the next step would),
-        naming the rule that wrote it (:func:`~fastmuon.optim.checkpoint.with_family_tag`)."""
+        """torch's, naming the rule that wrote it; a deferred non-finite verdict raises first."""
         self._driver.raise_pending()
         return with_family_tag(super().state_dict(), self.rule)
 
@@ -345,21 +319,14 @@ class MatrixOptimizer(Optimizer):
         super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does, from this optimizer's state dicts and from those of Ultralytics'
-        MuSGD, ``torch.optim`` SGD/Muon/AdamW and older fastmuon versions (translated by
-        :func:`fastmuon.optim.checkpoint.adapt_state_dict`: missing group keys from this
-        optimizer's groups, buffers carried where the maths agrees, cast to each parameter's dtype).
-
-        A state dict that cannot be used (another model's layout, a non-numeric hyperparameter,
-        a malformed buffer) raises ``ValueError`` naming the group or parameter, and the optimizer
-        is left as it was. Hooks run where torch runs them: pre-hooks first (on the state dict as
-        given), post-hooks last, after this optimizer's own clean-up.
-        """
+        """Load as torch does, also other optimizers' state dicts (:mod:`fastmuon.optim.checkpoint`);
+        one that cannot be used raises ``ValueError`` naming the group or parameter, and the
+        optimizer is left as it was. Pre-hooks see the state dict as given."""
         if not isinstance(state_dict, dict):
             raise TypeError(
                 f"load_state_dict takes an optimizer's state_dict() (a dict), got {type(state_dict).__name__}"
             )
-        state_dict = state_dict.copy()  # shallow, as torch's loader (a pre-hook may replace entries)
+        state_dict = state_dict.copy()  # shallow, as torch's: a pre-hook may replace entries
         for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
             result = pre_hook(self, state_dict)
             if result is not None:
@@ -395,10 +362,8 @@ class MatrixOptimizer(Optimizer):
         return [self.rule.state_shapes(group, p, m) for p, m in zip(group["params"], maps)]
 
     def _after_load(self) -> None:
-        """AdamW's ``step`` as float32 on the host (read there every step) or, ``capturable``, on
-        its parameter's device (never read); every other buffer in its group's ``state_dtype``
-        where the group sets one (torch's loader has cast it to the parameter's dtype); the plans
-        and step programs rebuilt."""
+        """AdamW's ``step`` as float32 where the step reads it (the host; ``capturable``: the
+        parameter's device), other buffers in the group's ``state_dtype``; programs rebuilt."""
         for p, state in self.state.items():
             step = state.get("step") if isinstance(state, dict) else None
             where = _local(p).device if self.options.capturable else torch.device("cpu")
@@ -408,12 +373,10 @@ class MatrixOptimizer(Optimizer):
         self._driver.cache.clear()
         self._driver.discard_pending()  # its verdict spoke of the state just replaced
 
-    # ----- copies: copy.deepcopy and pickle ---------------------------------------------------
+    # ----- copy.deepcopy and pickle ----------------------------------------------------------
     def _copied_state(self) -> dict[str, Any]:
-        """What a copy keeps besides torch's ``defaults``, ``state`` and ``param_groups``: the
-        options and what the state depends on. Caches (programs, bucket buffers) are rebuilt by
-        the copy's first step; hooks are not copied (as in ``torch.optim``), nor is an unread
-        non-finite verdict (the original raises it; the copy gets the state it left)."""
+        """torch's state plus the options, process group and plan. Caches are rebuilt by the copy's
+        first step; hooks (as in ``torch.optim``) and an unread non-finite verdict are not copied."""
         self._driver.complete_pending()
         state = super().__getstate__()
         state.update(
@@ -425,8 +388,7 @@ class MatrixOptimizer(Optimizer):
         return state
 
     def __getstate__(self) -> dict[str, Any]:
-        """What ``pickle`` saves. A process group lives in the process that made it and cannot
-        be pickled, so an optimizer with one is refused (``copy.deepcopy`` shares the group)."""
+        """What ``pickle`` saves; refused with a process group, which belongs to its process."""
         if self.process_group is not None:
             raise TypeError(
                 f"cannot pickle a {type(self).__name__} with a process_group (a process group "
@@ -437,9 +399,8 @@ class MatrixOptimizer(Optimizer):
         return self._copied_state()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MatrixOptimizer:
-        """A copy with its own parameters' state and the same settings, which steps as the
-        original would; the process group is shared (it is a handle on this process's
-        communicator, not data)."""
+        """A copy with its own state that steps as the original would; the process group, a
+        handle on this process's communicator, is shared."""
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         if self.process_group is not None:
@@ -479,8 +440,7 @@ class MatrixOptimizer(Optimizer):
 
 
 def groups_repr(name: str, param_groups: list[dict[str, Any]]) -> str:
-    """torch's layout (class, then each group's hyperparameters), with the per-parameter lists
-    summarised as counts: a model's hundreds of parameter names would bury the settings."""
+    """torch's layout with per-parameter lists as counts: hundreds of names would bury the settings."""
     lines = [f"{name} ("]
     for i, group in enumerate(param_groups):
         lines.append(f"Parameter Group {i}")

@@ -1,66 +1,34 @@
 """Loading state dicts saved by other optimizers, and by older fastmuon versions.
 
-``torch.optim.Optimizer.load_state_dict`` replaces each param group with the saved one and
-hands each saved buffer to the parameter at the same position. A state dict from Ultralytics'
-MuSGD, ``torch.optim`` Muon, SGD or AdamW, or from a fastmuon version with fewer group keys,
-would load and then break (or silently mislead) the next step. :func:`adapt_state_dict` turns
-it into one this optimizer steps from, or refuses it before anything changes.
+torch's ``load_state_dict`` takes the saved groups and hands each buffer to the parameter at the
+same position, so a state dict from Ultralytics' MuSGD, ``torch.optim`` Muon, SGD or AdamW, or an
+older fastmuon, would load and then break or mislead the next step. :func:`adapt_state_dict`
+makes it one this optimizer steps from, or refuses it before anything changes.
 
-**Groups.** The saved values win (they carry the run's schedule), as torch's loader does.
-A key the saved group lacks is taken from the optimizer's own group at the same index, then
-from its defaults: the way torch fills keys an optimizer gained in a later version (a filled
-``momentum`` is also the ``β`` the saved buffers are judged by, below). A saved
-key that belongs to the source optimizer's algorithm but not to this one (SGD's
-``dampening``, AdamW's ``amsgrad``, a variant's ``beta2`` in Muon or MuSGD, ...) is dropped, and so are the lr factor (``adjust_lr_fn``,
-``rms_scale``) between Muon and MuSGD, whose factors scale different learning rates; an older
-fastmuon MuSGD's ``adjust_lr`` is read as ``adjust_lr_fn``. So
-is one whose meaning differs here: ``weight_decay`` between coupled (SGD, MuSGD, Adam) and
-decoupled (AdamW, Muon) decay (an Adam group without torch's ``decoupled_weight_decay`` flag
-could be either, so its ``weight_decay`` is never taken); ``eps`` between Newton–Schulz's and
-AdamW's (in a Muon group that also holds matrices AdamW's ``eps`` becomes ``adamw_eps``). Other
-keys (a scheduler's ``initial_lr``, ``param_names``, a trainer's own tags) stay.
+**Groups.** The saved values win (they carry the run's schedule); a missing key comes from the
+optimizer's own group at the same index, then its defaults (a filled ``momentum`` is also the
+``β`` the buffers are judged by). Dropped: keys of the source's algorithm alone (SGD's
+``dampening``, AdamW's ``amsgrad``, a variant's ``beta2``), the lr factor between Muon and MuSGD
+(their factors scale different learning rates), and keys whose meaning differs: ``weight_decay``
+between coupled (SGD, MuSGD, Adam) and decoupled (AdamW, Muon) decay, ``eps`` between
+Newton–Schulz's and AdamW's (AdamW's becomes ``adamw_eps`` in a Muon group holding matrices).
 
-**Buffers.** Each buffer follows one recurrence (``g`` the gradient, ``p`` the parameter,
-``β`` the group's momentum, ``wd`` its weight decay), its *role*:
+**Buffers.** Each buffer follows one recurrence, its role (:mod:`fastmuon.rules.roles`): ``EMA``,
+``M ← β·M + (1−β)·g`` (Muon's ``momentum_buffer``); ``HEAVY_BALL``, ``B ← β·B + g + wd·p``
+(torch's SGD at dampening 0, MuSGD's SGD half); AdamW's ``exp_avg``, ``exp_avg_sq`` and
+``step``. A buffer is carried only where the target's recurrence, run over the same gradients
+from zeros, would have produced it, so the next step is the one the target would have taken:
+the same role and ``β``; AdamW's ``exp_avg`` as an ``EMA`` when ``betas[0]`` is the momentum;
+``HEAVY_BALL`` ↔ ``EMA`` with the same ``β`` where the heavy ball saw no weight decay,
+``B = M / (1−β)`` (both are sums of ``βᵏ·g`` from zero); AdamW's three entries together or not
+at all (its bias correction counts from ``step``); a second moment from the same variant with
+the same ``β₂`` (and AdaMuon's ``sign_momentum``) only. Anything else restarts from zero.
 
-- ``EMA``: ``M ← β·M + (1−β)·g``. torch's and fastmuon's Muon, and the Muon half of MuSGD
-  (fastmuon's and Ultralytics'): ``momentum_buffer``.
-- ``HEAVY_BALL``: ``B ← β·B + g + wd·p``. torch's SGD (dampening 0: its first step stores
-  ``g + wd·p`` as ``β·0 + g + wd·p`` does), the SGD half of MuSGD: ``momentum_buffer`` in an
-  SGD group, ``momentum_buffer_SGD`` in a Muon group.
-- ``ADAM_*``: AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``: torch's AdamW (and Adam
-  without coupled decay), fastmuon Muon's AdamW part.
-
-A buffer is carried over only where the target's recurrence, run over the same gradients from
-zeros, would have produced it, so the next step is the one the target would have taken:
-
-- the same role with the same ``β``: as is (names mapped: an SGD ``momentum_buffer`` of a
-  matrix in a MuSGD Muon group becomes ``momentum_buffer_SGD``);
-- AdamW's ``exp_avg`` as an ``EMA`` when ``betas[0]`` is the group's momentum (the same
-  average of raw gradients);
-- ``HEAVY_BALL`` ↔ ``EMA`` with the same ``β`` where the heavy ball saw no weight decay:
-  ``B = M / (1−β)`` (both are sums of ``βᵏ·g`` from zero; any ``wd·p`` term would not be);
-- AdamW's three entries together or not at all (its bias correction counts from ``step``);
-- a second moment (``second_moment``: NorMuon's per-row ``ROW_MOMENT``, AdaMuon's elementwise
-  ``ELEMENT_MOMENT``) from the same variant with the same ``β₂`` (and AdaMuon's
-  ``sign_momentum``) only: the two average different things, and Muon and MuSGD keep none.
-
-Anything else restarts from zero on the next step: buffers of SGD with ``dampening`` or
-``maximize``, of Adam with coupled weight decay, or with another ``β``. Tensors are cast to
-the parameter's dtype (Ultralytics saves buffers in fp16) by torch's loader, and then to the
-loading optimizer's ``state_dtype`` where its group sets one (that key is how this optimizer
-holds its state, so the loading group's own value is kept, not the saved one); AdamW's
-``step`` becomes the float32 CPU scalar fastmuon keeps.
-
-**Which optimizer wrote it.** A fastmuon state dict names its rule under :data:`FAMILY_TAG`
-(``"muon"``, ``"musgd"``, ``"normuon"``, ``"adamuon"``), and that decides how its groups and
-buffers are read. A state dict without the tag (another optimizer's, an older fastmuon's, or one
-that passed through a loader that keeps only ``state`` and ``param_groups``, as torch's and
-``torch.distributed.checkpoint``'s do) is told by the keys only each family's groups have
-(:func:`source_family`).
-
-What fastmuon's MuSGD saves has ``use_muon`` in every group and Ultralytics' buffer names, so
-Ultralytics' MuSGD loads it and steps (torch's loader ignores the tag).
+**Which optimizer wrote it.** A fastmuon state dict names its rule under :data:`FAMILY_TAG`; one
+without it (another optimizer's, or one passed through a loader that keeps only ``state`` and
+``param_groups``, as ``torch.distributed.checkpoint`` does) is told by the keys only each
+family's groups have (:func:`source_family`). What fastmuon's MuSGD saves has ``use_muon`` in
+every group and Ultralytics' buffer names, so Ultralytics' MuSGD loads it.
 """
 
 from __future__ import annotations
@@ -143,7 +111,7 @@ FAMILY_KEYS = {
             "cautious_weight_decay",
             "qk_clip_tau",
             "qk_clip_alpha",
-            # NorMuon's and AdaMuon's, whose state dicts are Muon's with a second moment
+            # NorMuon's and AdaMuon's: their state dicts are Muon's with a second moment
             "beta2",
             "moment_eps",
             "rescale",
@@ -186,18 +154,15 @@ _TAGGED: dict[str, Rule] = {"muon": muon_rule, "musgd": musgd_rule, "normuon": N
 
 @dataclass(frozen=True)
 class Writer:
-    """What a state dict's groups were written by: the optimizer family, and the role of the
-    second moment its Muon groups keep (None: none)."""
+    """Who wrote a state dict's groups: the family, and its Muon groups' second moment's role."""
 
     family: str
     moment: str | None = None
 
 
 def with_family_tag(saved: dict[str, Any], rule: Rule) -> dict[str, Any]:
-    """``saved``, a state dict ``rule`` wrote, naming it under :data:`FAMILY_TAG` (``"muon"``,
-    ``"musgd"``, ``"normuon"``, ``"adamuon"``): loading reads that, not the groups' keys, to tell
-    which buffers it holds; torch's loader, and so every other optimizer's, ignores the entry. A
-    rule this module does not know adds none (its state dicts are told by their keys)."""
+    """``saved`` naming ``rule`` under :data:`FAMILY_TAG`, which loading reads rather than guess
+    from the groups' keys; torch's loader, and so every other optimizer's, ignores it."""
     tag = next((tag for tag, known in _TAGGED.items() if known is rule), None)
     if tag is not None:
         saved[FAMILY_TAG] = tag
@@ -205,8 +170,7 @@ def with_family_tag(saved: dict[str, Any], rule: Rule) -> dict[str, Any]:
 
 
 def tagged_writer(state_dict: dict[str, Any]) -> Writer | None:
-    """The writer a state dict's :data:`FAMILY_TAG` names (None: it has none); ``ValueError``
-    for a tag this version does not know."""
+    """The writer :data:`FAMILY_TAG` names (None: no tag); ``ValueError`` for an unknown tag."""
     if FAMILY_TAG not in state_dict:
         return None
     tag = state_dict[FAMILY_TAG]
@@ -233,8 +197,7 @@ class LoadTarget(NamedTuple):
     param_name: Callable[[dict[str, Any], int], str]  # names a parameter in errors
     validate: Callable[[dict[str, Any], str], None]  # raises for a group it would refuse
     state_roles: Callable[[dict[str, Any], Tensor], dict[str, str]]  # the buffers a step keeps
-    # per parameter of a (candidate) group named by the second argument, the shape of each buffer
-    # not simply shaped like the parameter (a second moment)
+    # per parameter of a group (named by the second argument), the shapes not simply the parameter's
     state_shapes: Callable[[dict[str, Any], str], list[dict[str, tuple[int, ...]]]]
 
 
@@ -304,8 +267,7 @@ def adapt_group(into: LoadTarget, saved: dict[str, Any], family: str, own: dict[
 
 
 def sniffed_writer(saved_group: dict[str, Any], saved_states: list[dict[str, Any]], default: str) -> Writer:
-    """The writer of a group of an untagged state dict, from its keys: a Muon group with ``beta2``
-    is a variant's, AdaMuon's where it has ``sign_momentum``."""
+    """:func:`source_family`, with a Muon group's variant: ``beta2`` (AdaMuon: ``sign_momentum``)."""
     family = source_family(saved_group, saved_states, default)
     if family != MUON or "beta2" not in saved_group:
         return Writer(family)
@@ -351,8 +313,7 @@ def _moment_roles(role: str | None, group: dict[str, Any]) -> dict[str, tuple[st
 
 
 def _moment_key(role: str, group: dict[str, Any]) -> Any:
-    """What, besides the role, a second moment's recurrence depends on in a group: ``β₂``, and
-    for AdaMuon's whether ``O`` orthogonalises the momentum's sign."""
+    """What a second moment's recurrence depends on: ``β₂``, and AdaMuon's ``sign_momentum``."""
     if role == ELEMENT_MOMENT:
         return (group.get("beta2"), group.get("sign_momentum"))
     return group.get("beta2")
@@ -478,8 +439,7 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
 
 
 def _check_buffers(owner: str, buffers: dict[str, Any], roles: dict[str, tuple[str, Any]]) -> None:
-    """Every buffer this module would read must be a real floating tensor (``step``: a number);
-    ``owner`` names the parameter."""
+    """Every buffer read here must be a real floating tensor (``step``: a number)."""
     for name in roles.keys() | (_BUFFER_NAMES & buffers.keys()):
         value = buffers.get(name)
         if value is None:
@@ -499,8 +459,8 @@ def _check_buffers(owner: str, buffers: dict[str, Any], roles: dict[str, tuple[s
 
 
 def _check_shapes(owner: str, carried: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
-    """A carried buffer whose shape the target's step would refuse is refused here, before
-    anything changes (``check_state_layout`` has checked the buffers shaped like the parameter)."""
+    """Refuse a carried buffer whose shape the target's step would refuse, before anything
+    changes (``check_state_layout`` has checked those shaped like the parameter)."""
     for name, shape in shapes.items():
         value = carried.get(name)
         if isinstance(value, Tensor) and tuple(value.shape) != shape:

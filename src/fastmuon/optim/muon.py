@@ -1,5 +1,4 @@
-"""Muon, the optimizer: its constructor (``torch.optim.Muon``'s arguments and AdamW's for the
-rest), its group checks and AdamW's defaults; the update itself is :mod:`fastmuon.rules.muon`."""
+"""Muon, the optimizer: its constructor and group checks; the update is :mod:`fastmuon.rules.muon`."""
 
 from __future__ import annotations
 
@@ -39,10 +38,9 @@ if TYPE_CHECKING:
 class Muon(MatrixOptimizer):
     """Muon with batched Newton–Schulz; signature-compatible with ``torch.optim.Muon``.
 
-    Matrices are updated as ``torch.optim.Muon`` does (see "Update rules" in docs/optimizers.md). Groups
-    with ``use_muon=False`` (and, when a group does not say, parameters with fewer than 2 dims)
-    are updated by AdamW; a parameter with fewer than 2 dims in a ``use_muon=True`` group is an
-    error.
+    Matrices are updated as ``torch.optim.Muon`` does (see "Update rules" in docs/optimizers.md).
+    Groups with ``use_muon=False`` (and, where a group does not say, parameters with fewer than 2
+    dims) are updated by AdamW; such a parameter in a ``use_muon=True`` group is an error.
 
     Args:
         params: parameters, ``(name, parameter)`` pairs, or param groups (dicts); a group may set
@@ -55,10 +53,9 @@ class Muon(MatrixOptimizer):
             ``torch.optim.Muon`` takes it and keeps it).
         ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
             per step, or a preset name), the norm's eps and the iteration count; ``ns_steps=None``
-            (the default) is the count the preset was published for (4 for ``"aol"``, whose AOL
-            start saves one of the standard 5; see :data:`fastmuon.ns.newton_schulz.PRESET_STEPS`),
-            else 5. A group that sets ``ns_coefficients`` but not ``ns_steps`` takes its
-            coefficients' count likewise.
+            (the default, also in a group that sets only ``ns_coefficients``) is the count the
+            preset was published for (4 for ``"aol"``, whose AOL start saves one of the standard
+            5; see :data:`fastmuon.ns.newton_schulz.PRESET_STEPS`), else 5.
         adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
             "spectral_unclamped" (torch's modes), or "ultralytics", "none".
         rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
@@ -82,30 +79,26 @@ class Muon(MatrixOptimizer):
             :class:`~fastmuon.MuSGD`.
         cautious_weight_decay: decay a matrix only where its update and the parameter agree in
             sign, ``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` (Chen et al., arXiv 2510.12402); per group.
-        capturable: keep AdamW's step counts on the parameters' devices (bias corrections
-            computed there), use a tensor ``lr`` as a tensor and read nothing on the host, so
-            that a step can be captured in a CUDA graph. It needs ``nonfinite`` "skip" or
-            "ignore": with "raise" it is refused.
+        capturable: keep AdamW's step counts on the parameters' devices, use a tensor ``lr`` as
+            a tensor and read nothing on the host, so that a step can be captured in a CUDA
+            graph. It needs ``nonfinite`` "skip" or "ignore": with "raise" it is refused.
         owner_group_size, max_exchange_bytes: the distributed step's owner groups and exchange
             buffer cap, as in :class:`~fastmuon.MuSGD`.
         qk_clip_tau: QK-clip (MuonClip's, Kimi K2): after each step, every attention head whose
             largest pre-softmax logit in the step exceeded ``qk_clip_tau`` has its query and key
-            rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group;
-            it acts on the parameters the group's ``attention`` entries name (see
-            :func:`fastmuon.param_groups`'s ``attention=``), by the maxima ``step(logit_maxima=...)``
-            is given (:class:`fastmuon.qk_clip.LogitMaxRecorder` records and hands them in); see
-            "QK-clip (MuonClip)" in docs/optimizers.md.
+            rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group,
+            on the parameters its ``attention`` entries name (:func:`fastmuon.param_groups`'s
+            ``attention=``), by the maxima given to ``step(logit_maxima=...)`` (e.g. by
+            :class:`fastmuon.qk_clip.LogitMaxRecorder`); see "QK-clip (MuonClip)" in
+            docs/optimizers.md.
         qk_clip_alpha: ``α`` in [0, 1], the queries' share of the clip (default 0.5).
-        state_dtype: the dtype of every state buffer of a group's parameters (Muon's momentum,
-            AdamW's ``exp_avg`` and ``exp_avg_sq``; not AdamW's step count): ``None`` (the
-            default) each parameter's own, or e.g. ``torch.bfloat16`` to halve fp32 parameters'
-            state; the step computes in float32 and rounds each buffer once when storing it (see
+        state_dtype: the dtype of a group's state buffers (not AdamW's step count): ``None``
+            (the default) each parameter's own, or e.g. ``torch.bfloat16`` to halve fp32
+            parameters' state; the step computes in float32 and rounds once when storing (see
             "Low-memory state" in docs/optimizers.md). Per group; a loaded state dict is cast to it.
 
-    The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`.
-
-    ``load_state_dict`` also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of
-    Ultralytics' MuSGD (see :mod:`fastmuon.optim.checkpoint`).
+    The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`; ``load_state_dict``
+    also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of Ultralytics' MuSGD.
 
     Examples:
         Matrices to Muon, the rest (biases, norms, embeddings, the head) to AdamW, split by
@@ -204,19 +197,14 @@ class Muon(MatrixOptimizer):
 
 
 def muon_options() -> tuple[str, ...]:
-    """The names of Muon's options: its constructor's arguments after ``params``, but
-    ``process_group`` (held apart: see :class:`~fastmuon.optim.base.MatrixOptimizer`)."""
+    """Muon's constructor arguments but ``params`` and ``process_group`` (held apart)."""
     names = tuple(inspect.signature(Muon.__init__).parameters)
     return tuple(n for n in names[2:] if n != "process_group")
 
 
 def muon_settings(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], Options]:
-    """The group defaults and the optimizer-wide options of :class:`Muon`'s ``arguments`` (name
-    -> value, every one of :func:`muon_options`).
-
-    A variant of Muon adds its own group options to these defaults and passes both to
-    :class:`~fastmuon.optim.base.MatrixOptimizer` (as ``torch.optim`` optimizers pass their
-    defaults to ``Optimizer``)."""
+    """The group defaults and optimizer-wide options of :class:`Muon`'s ``arguments`` (every one
+    of :func:`muon_options`); a variant adds its own group options to the defaults."""
     defaults = dict(arguments)
     defaults["ns_steps"] = implied_ns_steps(defaults["ns_steps"], defaults["ns_coefficients"])
     check_foreach(defaults["foreach"])

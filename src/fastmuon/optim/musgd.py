@@ -1,5 +1,4 @@
-"""MuSGD, the optimizer: its constructor (Ultralytics' arguments), its group checks and the
-``muon``/``sgd`` attributes; the update itself is :mod:`fastmuon.rules.musgd`."""
+"""MuSGD, the optimizer: its constructor and group checks; the update is :mod:`fastmuon.rules.musgd`."""
 
 from __future__ import annotations
 
@@ -34,8 +33,8 @@ class MuSGD(MatrixOptimizer):
     A matrix (>=2D parameter) in a ``use_muon=True`` group takes, each step, ``lr·muon`` times its
     orthogonalised EMA momentum and then ``lr·sgd`` times an SGD step with coupled weight decay;
     a vector in such a group takes the SGD step alone at ``lr·sgd``; every parameter of a
-    ``use_muon=False`` group takes plain SGD at ``lr`` (see "Update rules" in docs/optimizers.md). As in
-    Ultralytics, a group that does not set ``use_muon`` takes the constructor's ``use_muon``
+    ``use_muon=False`` group takes plain SGD at ``lr`` (see "Update rules" in docs/optimizers.md).
+    As in Ultralytics, a group that does not set ``use_muon`` takes the constructor's ``use_muon``
     (default False), so ``MuSGD(model.parameters())`` is plain SGD; :func:`fastmuon.param_groups`
     builds the usual split.
 
@@ -57,13 +56,12 @@ class MuSGD(MatrixOptimizer):
         sgd: the factor on ``lr`` for the SGD half of parameters in ``use_muon`` groups.
         ns_steps, ns_coefficients, eps: the Newton–Schulz iteration count, coefficients (a
             preset name such as "jordan", one ``(a, b, c)`` or one per step) and the norm's eps;
-            ``ns_steps=None`` (the default): the count the preset was published for, else 5
-            (as in :class:`~fastmuon.Muon`).
+            ``ns_steps=None`` (the default): the preset's published count, as in
+            :class:`~fastmuon.Muon`.
         ns_dtype: the dtype the iteration runs in (bf16 by default, as Ultralytics).
         ns_method: "auto" (the cheapest accurate formulation per bucket: Gram-space NS for wide
             fp32 buckets; on CPUs, where bf16 NS runs in fp32, the eigendecomposition route where
-            it costs less, e.g. from 256 rows on 1 thread; see planner.choose_method),
-            "standard", "gram", "eigh".
+            it costs less; see planner.choose_method), "standard", "gram", "eigh".
         matrices: how each tensor maps to the matrices NS orthogonalises: "flatten" (conv
             kernels, linear weights), "experts", "transposed" or a dict (see
             :mod:`fastmuon.ns.matrices`); per group, or a list with one per parameter.
@@ -73,18 +71,17 @@ class MuSGD(MatrixOptimizer):
             ``adjust_lr``, as a keyword or a group key, is its alias).
         rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
             rms_scale·sqrt(max(rows, cols))`` (0.2 as Moonlight and torch; DeepSeek-V4 uses 0.18).
-        foreach: ``None`` or ``True``: the batched path; ``False``: the plain per-parameter loop
-            (the reference path).
+        foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter reference loop.
         compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
             once per bucket shape).
         max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
             built-in constants per device type; ``"calibrate"``: measured once on this machine).
         process_group: with DDP (replicated parameters), each rank orthogonalises only its share
             of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
-        nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter: on a CPU the
-            step is refused; on an accelerator that parameter is skipped for the step and the
-            next ``step()`` or ``state_dict()`` raises, so no step waits for the device), "skip"s that parameter for the step (weights and state untouched, no
-            host sync) or is "ignore"d.
+        nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter; on a CPU the step
+            is refused, on an accelerator that parameter is skipped and the next ``step()`` or
+            ``state_dict()`` raises, so no step waits for the device), "skip"s that parameter
+            for the step (weights and state untouched, no host sync) or is "ignore"d.
         capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
             fused CPU kernel, no host-side NS range check), so that a step can be captured in a
             CUDA graph (see "Host time" in docs/performance.md). It needs ``nonfinite`` "skip" or
@@ -99,20 +96,17 @@ class MuSGD(MatrixOptimizer):
             2 GiB, whichever is larger). See docs/distributed.md.
         cautious_weight_decay: not taken (False only, as a keyword or a group key): MuSGD's weight
             decay is coupled, and cautious decay is defined for decoupled decay (use
-            :class:`~fastmuon.Muon` for it). It is named here so that options shared with Muon
-            are refused with that reason.
-        state_dtype: the dtype of the momentum buffers (``momentum_buffer``,
-            ``momentum_buffer_SGD``) of a group's parameters: ``None`` (the default) each
+            :class:`~fastmuon.Muon`); named here so that it is refused with that reason.
+        state_dtype: the dtype of a group's momentum buffers: ``None`` (the default) each
             parameter's own, or e.g. ``torch.bfloat16`` to halve fp32 parameters' state; the step
-            computes in float32 and rounds each buffer once when storing it (see "Low-memory
-            state" in docs/optimizers.md). Per group; a loaded state dict is cast to it.
+            computes in float32 and rounds once when storing (see "Low-memory state" in
+            docs/optimizers.md). Per group; a loaded state dict is cast to it.
 
     The batched step runs a program built on the first step and reused while the parameters
     with gradients, their layouts and the equality classes of the groups' hyperparameters stay
-    the same; the hyperparameters' values are read from the groups at every step.
-
-    ``load_state_dict`` also takes state dicts of Ultralytics' MuSGD, ``torch.optim`` SGD, Muon
-    and AdamW (see :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
+    the same (their values are read at every step). ``load_state_dict`` also takes state dicts
+    of Ultralytics' MuSGD, ``torch.optim`` SGD, Muon and AdamW (see
+    :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
 
     Examples:
         Matrices take Muon and SGD, the rest plain SGD, split by :func:`fastmuon.param_groups`:
@@ -195,8 +189,7 @@ class MuSGD(MatrixOptimizer):
         )
         super().__init__(params, defaults, options, process_group)
 
-    # Ultralytics keeps ``muon`` and ``sgd`` as optimizer attributes; here they are group values
-    # (so one group may differ), and these properties read the default and set every group.
+    # Ultralytics' attributes; here group values (one may differ): read the default, set every group
     @property
     def muon(self) -> float:
         value: float = self.defaults["muon"]

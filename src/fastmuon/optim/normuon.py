@@ -1,5 +1,4 @@
-"""NorMuon and AdaMuon, the optimizers: Muon's arguments plus each variant's second-moment
-options; the update itself is :mod:`fastmuon.rules.second_moment`'s, one rule for both."""
+"""NorMuon and AdaMuon, the optimizers; the update is :mod:`fastmuon.rules.second_moment`'s."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ class NorMuon(_SecondMomentMuon):
     """NorMuon (Li et al., arXiv 2510.05491): Muon whose orthogonalised update is divided, row by
     row, by the root of an EMA of its mean square per row (per neuron), then rescaled.
 
-    Every argument of :class:`~fastmuon.Muon` is taken, with its meaning and default (AdamW for
-    the parameters Muon does not take, matrix maps, DDP, ``foreach=False``, ...), plus, per group:
+    Every argument of :class:`~fastmuon.Muon` is taken with its meaning and default, plus, per group:
 
     Args:
         beta2: ``β₂`` in [0, 1) of the per-row second moment (default 0.95, the paper's).
@@ -68,9 +66,8 @@ class NorMuon(_SecondMomentMuon):
             with no lr factor (``adjust_lr_fn`` must be None or ``"none"``).
 
     The state of a matrix parameter adds ``second_moment``: a 1-D tensor with one entry per row
-    of each of its matrices (of each expert, fused part or head of a matrix map, in the map's
-    order), in the group's ``state_dtype`` as Muon's buffers are. FSDP2-sharded matrices are
-    refused (use :class:`~fastmuon.Muon` there).
+    of each of its matrices (in the matrix map's order), in the group's ``state_dtype`` as Muon's
+    buffers are. FSDP2-sharded matrices are refused (use :class:`~fastmuon.Muon` there).
 
     Examples:
         Muon's param groups and learning rates carry over (``rescale="norm"``, the default):
@@ -205,7 +202,7 @@ class AdaMuon(_SecondMomentMuon):
         qk_clip_alpha: float = DEFAULT_ALPHA,
         state_dtype: torch.dtype | None = None,
     ):
-        # Muon's options, then the variant's group options: Muon's constructor does no more
+        # as in NorMuon.__init__
         arguments = locals()
         defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)

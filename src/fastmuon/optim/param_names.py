@@ -1,10 +1,6 @@
-"""Let named and unnamed param groups share an optimizer.
-
-torch requires every param group to carry ``param_names`` or none to. Groups from
-:func:`fastmuon.param_groups` are named, so adding a plain ``{"params": [...]}`` group (or
-mixing both kinds in the constructor) would be refused; instead, the side without names gets
-positional placeholders (``"param_groups[2][0]"``).
-"""
+"""Let named and unnamed param groups share an optimizer: torch requires all groups or none to
+carry ``param_names``, and :func:`fastmuon.param_groups` names its groups, so the side without
+names gets positional placeholders (``"param_groups[2][0]"``)."""
 
 from __future__ import annotations
 
@@ -20,12 +16,9 @@ def placeholder_names(group_index: int, count: int) -> list[str]:
 def agree_on_names(
     param_group: dict[str, Any], groups: list[dict[str, Any]]
 ) -> tuple[dict[str, Any], list[str] | None]:
-    """``param_group`` made to agree with the optimizer's ``groups`` about names, and held names.
-
-    An unnamed group joining named ones gets placeholders. A named group joining unnamed ones is
-    added without its names, which come back here for :func:`restore_names` to put in once the
-    add succeeded (naming the other groups too), so that a refused add changes nothing.
-    """
+    """``param_group`` agreeing with ``groups`` about names, and the names held back: a named
+    group joining unnamed ones is added without them, and :func:`restore_names` puts them in once
+    the add succeeded, so that a refused add changes nothing."""
     if not groups or not isinstance(param_group, dict) or "params" not in param_group:
         return param_group, None  # torch's own checks explain what is wrong
     params = param_group["params"]

@@ -2,49 +2,33 @@
 an update, each attention head ``h`` whose largest pre-softmax logit ``S_h`` in the step exceeded
 ``τ`` has its query and key rows scaled so that its logits shrink by ``γ_h = τ / S_h``.
 
-**Attention parts.** A parameter takes part through its part (the group key ``attention``, one
-entry per parameter): the attention layer whose logits it feeds, which side it is, and how its
-rows (dim 0: a projection's output rows, and a bias's entries alike) split into heads:
+**Attention parts.** A parameter's entry in the group key ``attention`` names the layer whose
+logits it feeds, its side, and how its rows (dim 0; a bias's entries alike) split into heads:
 
-- ``{"layer": L, "part": "query", "heads": H}``: ``H`` query heads of equal rows, each scaled by
-  ``γ_h^α``;
-- ``{"layer": L, "part": "key", "heads": K}``: ``K`` key heads; with grouped-query attention a
-  key head serves ``H/K`` query heads and is scaled by ``(min γ over them)^(1−α)``, the factor of
-  the largest of their logits (so that every head's logits end at or below ``τ``);
+- ``{"layer": L, "part": "query", "heads": H}``: each query head's rows scaled by ``γ_h^α``;
+- ``{"layer": L, "part": "key", "heads": K}``: a key head serves ``H/K`` query heads
+  (grouped-query attention) and takes ``(min γ over them)^(1−α)``, so that every head's logits
+  end at or below ``τ``;
 - ``{"layer": L, "part": "mla_query", "heads": H, "nope_dim": n, "rope_dim": r}``: multi-head
-  latent attention's query (DeepSeek-V3's ``q_b_proj``), each head ``n`` content rows then ``r``
-  rotary rows; content rows take ``γ_h^α``, rotary rows ``γ_h`` (the shared rotary key is not
-  scaled, so the rotary query carries the whole factor);
+  latent attention's query (DeepSeek-V3's ``q_b_proj``), each head ``n`` content rows taking
+  ``γ_h^α``, then ``r`` rotary rows taking ``γ_h`` (the shared rotary key is not scaled, so the
+  rotary query carries the whole factor);
 - ``{"layer": L, "part": "mla_key_value", "heads": H, "nope_dim": n, "v_dim": v}``: MLA's
-  key/value up-projection (``kv_b_proj``), each head ``n`` content-key rows, scaled by
-  ``γ_h^(1−α)``, then ``v`` value rows, left alone.
+  ``kv_b_proj``, each head ``n`` content-key rows taking ``γ_h^(1−α)``, then ``v`` value rows.
 
 With ``α = 1/2`` the MLA rule is the report's: ``√γ`` on ``q_C`` and ``k_C``, ``γ`` on ``q_R``,
 nothing on the shared ``k_R``. Parts are plain dicts, so they travel in ``state_dict()``.
 
-**Parts read off known models** (:func:`detected_parts`, for ``param_groups(model,
-attention=True)``). Each rule states the layout it relies on, read from the layer's forward in
-🤗 Transformers:
+**Parts read off known models** (:func:`detected_parts`), by the layers' forward in 🤗
+Transformers: Llama-family ``q_proj``/``k_proj`` viewed as ``(heads, head_dim)`` per token, with
+``config.num_attention_heads`` query and ``config.num_key_value_heads`` key heads, but not where
+queries and keys are normalised per head (``q_norm``/``k_norm``: Qwen3, Gemma 3, OLMo 2), as
+scaling the projection would not change the normalised logits; DeepSeek-V3 (and V2) MLA's
+``q_b_proj`` (or ``q_proj``) and ``kv_b_proj``. A part's ``layer`` is the attention module's
+name, under which :class:`fastmuon.qk_clip.LogitMaxRecorder` reports its maxima.
 
-- Llama-family attention (Llama, Mistral, Qwen2, Gemma, ...): ``q_proj`` and ``k_proj`` are
-  ``nn.Linear``s whose outputs the forward views as ``(heads, head_dim)`` per token, with
-  ``config.num_attention_heads`` query and ``config.num_key_value_heads`` key heads; their
-  biases, where present, follow their rows. Layers that normalise queries and keys per head
-  after the projection (``q_norm``/``k_norm``: Qwen3, Gemma 3, OLMo 2) are left out: scaling
-  the projection would not change the normalised logits.
-- DeepSeek-V3 (and V2) multi-head latent attention: ``q_b_proj`` (``q_proj`` without a query
-  LoRA) holds per head ``qk_nope_head_dim`` content rows then ``qk_rope_head_dim`` rotary rows,
-  ``kv_b_proj`` per head ``qk_nope_head_dim`` key rows then ``v_head_dim`` value rows; the
-  shared rotary key (part of ``kv_a_proj_with_mqa``) takes no part.
-
-A part's ``layer`` is the attention module's name in the model, the name under which
-:class:`fastmuon.qk_clip.LogitMaxRecorder` reports the layer's maxima.
-
-**In the optimizers.** Per group: ``qk_clip_tau`` (None: off; else the largest pre-softmax
-logit a head keeps), ``qk_clip_alpha`` (the share of the clip the queries take, in [0, 1]) and
-``attention``. A step takes the maxima as an argument, ``opt.step(logit_maxima={layer:
-per-head maxima})``, checked before the update so that a refused step changes nothing; a step
-with clipping groups and no maxima updates as usual, clips nothing, and says so once.
+``opt.step(logit_maxima=...)`` checks the maxima before the update, so that a refused step changes
+nothing; a clipping step given no maxima updates as usual, clips nothing, and says so once.
 """
 
 from __future__ import annotations
@@ -63,7 +47,7 @@ from ..ns import device
 from .validation import is_number
 
 # ----- attention parts ------------------------------------------------------------------------
-#: The sides a parameter can take in QK-clip (see the module docstring).
+#: The sides a parameter can take in QK-clip.
 PARTS = ("query", "key", "mla_query", "mla_key_value")
 
 #: The keys of a part beyond ``layer``, ``part`` and ``heads``, by side.
@@ -77,8 +61,7 @@ _DIMS = {
 
 @dataclass(frozen=True)
 class AttentionPart:
-    """A parsed attention part: see the module docstring. ``dims`` are MLA's per-head row counts
-    (content then rotary for a query, content then value for a key/value projection)."""
+    """A parsed attention part; ``dims``: MLA's per-head row counts (content, then rotary or value)."""
 
     layer: str
     part: str
@@ -87,7 +70,7 @@ class AttentionPart:
 
     @property
     def is_query(self) -> bool:
-        """Whether the part is a query side (its heads are the logits' heads, one maximum each)."""
+        """A query side: its heads are the logits' heads, one maximum each."""
         return self.part in ("query", "mla_query")
 
     def check(self, shape: tuple[int, ...]) -> None:
@@ -315,9 +298,8 @@ def has_parts(group: Mapping[str, Any]) -> bool:
 def refuse_settings_without_parts(
     param_group: Mapping[str, Any], defaults: Mapping[str, Any], where: str
 ) -> None:
-    """A group that sets QK-clip itself must hold attention parts (the constructor's setting
-    applies to the groups that do). A value equal to the optimizer's default is no setting of the
-    group's own: torch fills every stored group dict with the defaults, and the same dicts may be
+    """A group that sets QK-clip itself must hold attention parts. A value equal to the default is
+    not the group's own: torch fills stored groups with the defaults, and the same dicts may be
     handed to another optimizer."""
     given = [
         k
@@ -353,8 +335,7 @@ def refuse_unreached_default(defaults: Mapping[str, Any], groups: list[dict[str,
 
 
 class QKClip:
-    """One optimizer's QK-clip: checks a step's maxima against its groups, and scales the query
-    and key rows after the update; warns once where a clipping step is given no maxima."""
+    """One optimizer's QK-clip; it warns once where a clipping step is given no maxima."""
 
     def __init__(self) -> None:
         self.warned = False
@@ -368,8 +349,8 @@ class QKClip:
         host_reads: bool = True,
     ) -> Callable[[], None]:
         """The clip of one step, to run after its update; raises (changing nothing) where the
-        maxima do not fit the groups' parts. ``host_reads=False`` (a capturable step) reads no
-        value: every part is scaled, by 1 where no head is over τ."""
+        maxima do not fit. ``host_reads=False`` (capturable) scales every part, by 1 where no
+        head is over τ."""
         work = [(g, _parts(g)) for g in groups if g.get(TAU) is not None]
         work = [(g, items) for g, items in work if items]
         if not work:
@@ -396,8 +377,7 @@ class QKClip:
                     key = (part.layer, tau)
                     if key not in factors:
                         gamma = clip_factors(layers[part.layer], tau)
-                        # where the maxima are on the host, reading them is free: a layer with no
-                        # head over τ is skipped (its factors are all 1, the product unchanged)
+                        # maxima on the host are free to read: skip a layer with no head over τ
                         idle = host_reads and device.is_host(gamma.device) and not bool((gamma < 1).any())
                         factors[key] = None if idle else gamma
                     factor = factors[key]
@@ -460,9 +440,7 @@ def _as_maxima(value: Any, layer: str) -> Tensor:
 
 def _agreed(layers: dict[str, Tensor], process_group: Any) -> dict[str, Tensor]:
     """Every rank's maxima combined (their largest): data-parallel ranks see different batches,
-    and replicated weights must be clipped alike. The all-reduce runs where the group's backend
-    takes tensors (NCCL: on the GPU, whatever device the maxima were recorded on); the
-    combined maxima come back to where the first layer's were."""
+    and replicated weights must be clipped alike."""
     names = sorted(layers)
     home = layers[names[0]].device
     flat = torch.cat([layers[n].to(home) for n in names])

@@ -1,5 +1,4 @@
-"""What Muon takes of an optimizer's parameters, and the notes that say it: the warning for an
-optimizer that orthogonalises nothing and the reason an empty plan gives."""
+"""What Muon takes of an optimizer's parameters, and the warnings and plan notes that say it."""
 
 from __future__ import annotations
 
@@ -51,9 +50,8 @@ class MuonShare(NamedTuple):
 def muon_share(
     groups: Sequence[dict[str, Any]], rule: Rule, maps_of: Callable[[dict[str, Any], int], list[MatrixMap]]
 ) -> MuonShare:
-    """What ``rule`` orthogonalises among the groups' parameters and what takes the update it
-    names for the rest (``rule.other_update``): counts over every group, gradients or not
-    (``maps_of(group, index)``: its maps)."""
+    """What ``rule`` orthogonalises and what takes ``rule.other_update``: counts over every
+    group, gradients or not."""
     other_update = rule.other_update
     parameters = matrices = elements = others = other_elements = 0
     for index, group in enumerate(groups):
@@ -85,8 +83,7 @@ def steps_note(steps: int, has_state: bool) -> str:
 def empty_plan_note(
     take: MuonShare, steps: int, has_state: bool, foreach_off: bool, distributed: bool
 ) -> str:
-    """Why a plan holds no bucket: nothing is orthogonalised, the per-parameter loop runs, a
-    distributed run has not stepped yet, or no matrix has a gradient."""
+    """Why a plan holds no bucket."""
     taken = steps_note(steps, has_state)
     if not take.parameters:
         return f"no parameter is orthogonalised: {take.why_none()}; {take.describe()}; {taken}. {NO_MUON_FIX}"

@@ -1,10 +1,6 @@
-"""Checks a saved optimizer state against the parameters it is about to be loaded into.
-
-``torch.optim.Optimizer.load_state_dict`` pairs saved buffers with parameters by position
-alone, so a checkpoint from another model, or from the same model with its groups built in
-another order, loads "successfully" and then mixes up momenta (or fails much later with a
-shape error deep in a foreach call). Every saved tensor must have its parameter's shape.
-"""
+"""Checks a saved optimizer state against the parameters it is loaded into: torch pairs saved
+buffers with parameters by position alone, so another model's checkpoint, or groups built in
+another order, would load and then mix up momenta (or fail much later, deep in a foreach call)."""
 
 from __future__ import annotations
 
@@ -17,8 +13,8 @@ from ..step.contracts import COUNT, LIKE_PARAM, VECTOR, Rule
 
 
 def state_kinds(rules: Iterable[Rule]) -> dict[str, frozenset[str]]:
-    """Each state entry the ``rules`` declare (their ``state_keys``), with every shape kind any
-    of them gives it: a state dict may come from any of them."""
+    """Each entry of the ``rules``' ``state_keys``, with every shape kind any gives it: a state
+    dict may come from any of them."""
     kinds: dict[str, set[str]] = {}
     for rule in rules:
         for key, kind in rule.state_keys.items():
@@ -38,10 +34,8 @@ def check_state_layout(
     state_dict: dict[str, Any],
     kinds: Mapping[str, frozenset[str]],
 ) -> None:
-    """Raise ``ValueError`` naming (by ``param_name(group, j)``) the first parameter of ``groups``
-    whose saved state does not fit it. ``kinds`` (see :func:`state_kinds`): how each known entry
-    may be shaped; any other tensor must have its parameter's shape. An entry of its own shape
-    (:data:`~fastmuon.step.contracts.VECTOR`) is checked here for its dimension only: its length
+    """Raise ``ValueError`` naming the first parameter whose saved state does not fit it. A
+    :data:`~fastmuon.step.contracts.VECTOR` entry is checked for its dimension only: its length
     depends on the group's matrix maps, which the loader checks once the groups are adapted."""
     saved_groups = state_dict.get("param_groups")
     saved_state = state_dict.get("state")

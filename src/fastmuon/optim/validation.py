@@ -1,5 +1,4 @@
-"""Checks of constructor arguments, group values, parameters and gradients, each naming what
-is wrong and the fix."""
+"""Checks of arguments, group values, parameters and gradients, each naming what is wrong and the fix."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ from ..step.state_dtype import lost_decays
 
 
 class UnsupportedOptionError(TypeError, ValueError):
-    """An option this optimizer does not take: a ``TypeError`` as a constructor keyword (Python's
-    error for an unexpected keyword is one) and a ``ValueError`` as a group key (as other refused
-    group values are)."""
+    """An option this optimizer does not take: a ``TypeError`` as a keyword (as Python's for an
+    unexpected keyword), a ``ValueError`` as a group key (as other refused group values)."""
 
 
 def check_flag(name: str, value: Any, where: str) -> None:
@@ -58,10 +56,8 @@ def check_fraction(name: str, value: Any, where: str) -> None:
 def check_capturable_setup(
     capturable: bool, process_group: Any, lr: Any, params: list[Tensor], where: str
 ) -> None:
-    """What a captured step could not replay, refused naming both settings: a distributed step
-    (a process group, or DTensor parameters) agrees with the other ranks on the host at every
-    step, and a host ``lr`` tensor beside accelerator parameters would be read once, at
-    capture, and baked into the graph (its later values never seen)."""
+    """Refuse what a captured step could not replay: a distributed step's host agreement with the
+    other ranks, and a host ``lr`` tensor beside accelerator parameters (read once, at capture)."""
     if not capturable:
         return
     distributed = "a process_group (DDP)" if process_group is not None else None
@@ -153,9 +149,8 @@ def group_without_alias(param_group: dict[str, Any], name: str, alias: str, wher
 
 
 def group_lr_factor(param_group: Any, alias: str | None, optimizer: str, where: str) -> Any:
-    """``param_group`` with the lr factor under its name: given under ``alias`` (the optimizer's
-    second name for ``adjust_lr_fn``), stored as ``adjust_lr_fn``; without an alias, a group's
-    ``adjust_lr`` is refused (stored, it would never be read), naming ``adjust_lr_fn``."""
+    """``param_group`` with the lr factor stored as ``adjust_lr_fn``; without an ``alias``, a
+    group's ``adjust_lr`` is refused (stored, it would never be read)."""
     if alias is not None:
         return group_without_alias(param_group, "adjust_lr_fn", alias, where)
     if isinstance(param_group, dict) and ADJUST_LR_ALIAS in param_group:
@@ -184,15 +179,13 @@ def check_rms_scale(group: dict[str, Any], where: str) -> None:
 
 
 def implied_ns_steps(ns_steps: Any, coefficients: Any) -> Any:
-    """``ns_steps`` as given, or for None the count ``coefficients`` were published for
-    (:func:`fastmuon.ns.newton_schulz.default_steps`; a bad value is refused where it is checked)."""
+    """``ns_steps``, or for None the count ``coefficients`` were published for."""
     return default_steps(coefficients) if ns_steps is None else ns_steps
 
 
 def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
-    """A group that names its own ``ns_coefficients`` but no ``ns_steps`` (or None) runs the
-    count those coefficients were published for, not the constructor's (a new dict, as
-    :func:`group_without_alias` makes)."""
+    """A group naming its own ``ns_coefficients`` but no ``ns_steps`` runs the count they were
+    published for, not the constructor's (a new dict)."""
     if not isinstance(param_group, dict):
         return param_group
     steps = param_group.get("ns_steps")
@@ -203,8 +196,7 @@ def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
 
 
 def state_betas(group: dict[str, Any], roles: Collection[str]) -> dict[str, Any]:
-    """The β of each recurrence among ``roles`` (the group's buffers: see
-    :mod:`fastmuon.rules.roles`), by the option that sets it."""
+    """The β of each recurrence among ``roles``, by the option that sets it."""
     betas = group.get("betas")
     pair = tuple(betas) if isinstance(betas, (tuple, list)) and len(betas) == 2 else (None, None)
     named = {

@@ -1,8 +1,6 @@
-"""The Muon rule: orthogonalised EMA momentum for matrices, AdamW for everything else.
-
-The maths of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay
-``p ← (1 − lr·wd)·p``, its learning-rate adjustments), extended to >2D weights and mapped
-matrices (see :mod:`fastmuon.ns.matrices`), with AdamW for the parameters Muon does not take.
+"""The Muon rule: orthogonalised EMA momentum for matrices, AdamW for everything else. The maths
+of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay
+``p ← (1 − lr·wd)·p``, its learning-rate adjustments), extended to >2D weights and mapped matrices.
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from ..step.state_dtype import group_state_dtype
 from .roles import ADAM_AVG, ADAM_AVG_SQ, ADAM_STEP, EMA, MUON
 
 family = MUON
-other_update = "AdamW"  # the update of the parameters it does not orthogonalise
+other_update = "AdamW"  # what the parameters it does not orthogonalise take
 state_keys: Mapping[str, str] = {
     "momentum_buffer": LIKE_PARAM,
     "exp_avg": LIKE_PARAM,
@@ -55,8 +53,8 @@ class Items(NamedTuple):
 
 
 class Pattern(NamedTuple):
-    """The equality classes of a step's hyperparameters across groups, and the groups'
-    structure: a prepared program fits every step with an equal pattern."""
+    """The equality classes of a step's hyperparameters across groups, and the groups' structure:
+    a prepared program fits every step with an equal pattern."""
 
     beta: tuple[int, ...]
     nesterov: tuple[int, ...]
@@ -94,8 +92,7 @@ def state_shapes(group: dict[str, Any], p: Tensor, m: MatrixMap) -> dict[str, tu
 
 
 def adamw_eps(groups: Sequence[Mapping[str, Any]]) -> list[float]:
-    """AdamW's eps in each group: its ``eps`` where the group is AdamW's alone, else
-    ``adamw_eps`` (``eps`` is then Newton–Schulz's)."""
+    """AdamW's eps: a ``use_muon=False`` group's ``eps``, else ``adamw_eps`` (``eps`` is NS's)."""
     return [g["eps"] if g.get("use_muon") is False else g["adamw_eps"] for g in groups]
 
 
@@ -105,8 +102,8 @@ def collect(
     env: CollectEnv,
     variant: AfterNSKind | None = None,
 ) -> Items:
-    """The step's items. ``variant`` (a variant rule's, see :mod:`fastmuon.rules.second_moment`)
-    gives each group's lr factor mode and attaches its state to each parameter's matrix items."""
+    """The step's items; a ``variant`` gives each group's lr factor mode and attaches its state
+    to each parameter's matrix items."""
     matrices: list[MatrixItem] = []
     others: list[AdamWItem] = []
     for gi, group, members in live_params(groups, grads, env):
@@ -197,7 +194,6 @@ def build(
 
 
 def reference(items: Items, after_ns: Callable[[MatrixItem, Tensor], Tensor] | None = None) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path
-    (``after_ns``: a variant's stage, one matrix at a time)."""
+    """The same update, one parameter at a time (``after_ns``: a variant's stage)."""
     single_tensor_matrix_update(items.matrices, after_ns)
     single_tensor_adamw(items.elementwise)

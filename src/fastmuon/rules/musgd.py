@@ -1,10 +1,5 @@
-"""The MuSGD rule: a Muon step and then an SGD step on every matrix, SGD alone on the rest.
-
-Ultralytics' update (see docs/optimizers.md): a matrix in a ``use_muon`` group takes
-``lr·muon`` times its orthogonalised EMA momentum, then ``lr·sgd`` times an SGD step with
-coupled weight decay; a vector there takes the SGD step alone at ``lr·sgd``; every parameter of
-a ``use_muon=False`` group takes plain SGD at ``lr``.
-"""
+"""The MuSGD rule, Ultralytics' update: a Muon step and then an SGD step on every matrix, SGD
+alone on the rest (the factors are in :class:`fastmuon.MuSGD`'s docstring)."""
 
 from __future__ import annotations
 
@@ -35,7 +30,7 @@ from ..step.state_dtype import group_state_dtype
 from .roles import EMA, HEAVY_BALL, MUSGD
 
 family = MUSGD
-other_update = "SGD"  # the update of the parameters it does not orthogonalise
+other_update = "SGD"  # what the parameters it does not orthogonalise take
 state_keys: Mapping[str, str] = {"momentum_buffer": LIKE_PARAM, "momentum_buffer_SGD": LIKE_PARAM}
 
 
@@ -45,8 +40,7 @@ class Items(NamedTuple):
 
 
 class Pattern(NamedTuple):
-    """The equality classes of a step's hyperparameters across groups, and the groups'
-    structure: a prepared program fits every step with an equal pattern."""
+    """As :class:`fastmuon.rules.muon.Pattern`: equal patterns share a prepared program."""
 
     beta: tuple[int, ...]
     nesterov: tuple[int, ...]
@@ -157,6 +151,6 @@ def build(items: Items, pattern: Pattern, engine_for: EngineFor, options: Option
 
 
 def reference(items: Items) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path."""
+    """The same update, one parameter at a time."""
     single_tensor_matrix_update(items.matrices)
     single_tensor_sgd(items.elementwise)

@@ -20,12 +20,6 @@ The rescale is ``rescale`` per group: ``"norm"`` keeps the Frobenius norm NS gav
 code, dion's NorMuon (``normuon_normalization``) and modded-nanogpt's NorMuon records do, so
 Muon's learning rates carry over; ``"rms"`` is ``η̂ = 0.2·η·√(mn)/‖Ô‖_F``: an update of RMS 0.2,
 AdamW's, with no lr factor (NorMuon's paper, AdaMuon's RMS-aligned rescale).
-
-The state ``second_moment`` of a matrix parameter is NorMuon's one 1-D tensor holding each of its
-matrices' ``v`` in turn (``m`` entries per matrix, in the map's order) or AdaMuon's tensor of the
-parameter's shape, in the group's ``state_dtype`` (None: the parameter's dtype). The stage is
-:mod:`fastmuon.step.moments`'; the momentum's sign is :mod:`fastmuon.step.before_ns`'. Everything
-else is Muon's collection, pattern and program.
 """
 
 from __future__ import annotations
@@ -56,18 +50,12 @@ class Pattern(NamedTuple):
 
 
 class StagedRule:
-    """Muon with a stage after NS (satisfies :class:`fastmuon.step.contracts.Rule`): the rule of
-    NorMuon and AdaMuon, and of any variant made of an :class:`~fastmuon.step.contracts.AfterNSKind`.
-
-    ``stage`` says what each matrix carries, the state it keeps and how its update changes
-    after NS; ``signed``, whether groups carry ``sign_momentum`` (AdaMuon's: NS of the
-    momentum's sign). Its state dicts are Muon's (the same group keys and buffers) plus the
-    stage's entry, which loading carries from a state dict of the same variant only (see
-    :mod:`fastmuon.optim.checkpoint`) and a fresh step makes as zeros.
-    """
+    """Muon with a stage after NS: the rule of NorMuon, AdaMuon and any variant made of an
+    :class:`~fastmuon.step.contracts.AfterNSKind`; ``signed``: groups carry ``sign_momentum``.
+    Its state dicts are Muon's plus the stage's entry, carried from the same variant only."""
 
     family = MUON
-    other_update = muon_rule.other_update  # the parameters it does not orthogonalise take Muon's AdamW
+    other_update = muon_rule.other_update  # Muon's AdamW
     is_matrix = staticmethod(muon_rule.is_matrix)
 
     def __init__(self, name: str, stage: AfterNSKind, *, signed: bool = False):
@@ -116,7 +104,7 @@ class StagedRule:
         return muon_rule.build(items, pattern.muon, engine_for, options, self.stage.batched)
 
     def reference(self, items: Items) -> None:
-        """The same update, one parameter at a time: the per-parameter reference path."""
+        """The same update, one parameter at a time."""
         muon_rule.reference(items, self.stage.reference)
 
 
