@@ -1,15 +1,11 @@
 """Run a plan: pack tensors into bucket buffers, Newton–Schulz once per bucket, unpack.
 
-Tensors that share their shape, strides and orientation form a *run* of consecutive slots in
-a bucket, and each run is packed with one strided copy (with the dtype cast folded in) and
-unpacked with another, whatever the memory format: a channels_last conv weight is read and
-written in its own memory order, never made contiguous first. Bucket buffers persist between
-steps, so the zero padding is written once.
-
-On a CPU an optimizer step runs the plan one bucket at a time instead
-(:meth:`Orthogonalizer.open_bucket`, :meth:`Orthogonalizer.run_bucket`): it writes each bucket's
-inputs in place and applies its results before the next bucket starts, so every bucket works
-in one shared workspace (:mod:`fastmuon.ns.workspace`) and nothing is packed.
+Tensors that share their shape, strides and orientation form a *run* of consecutive slots, packed
+with one strided copy (the dtype cast folded in) and unpacked with another, in their own memory
+order: a channels_last conv weight is never made contiguous first. Bucket buffers persist between
+steps, so the zero padding is written once. An optimizer step may instead run the plan one bucket
+at a time (:meth:`Orthogonalizer.open_bucket`), writing each bucket's inputs in place and applying
+its results before the next bucket starts.
 """
 
 from __future__ import annotations
@@ -49,11 +45,9 @@ from .planner import Bucket, MatrixSpec, Plan
 class NSConfig:
     """The Newton–Schulz settings a bucket runs with; matrices with different ones never share.
 
-    ``preconditioning`` is how each matrix is brought to spectral norm <= 1 before iterating
-    (``newton_schulz.PRECONDITIONINGS``). It lives here, beside the schedule, because a schedule
-    is fitted to the preconditioning it starts from: :meth:`make` takes it from the coefficient
-    preset's name (``"aol"``) unless given, so the optimizers' ``ns_coefficients`` selects it for
-    every bucket of the plan without an option of its own.
+    ``preconditioning`` (``newton_schulz.PRECONDITIONINGS``) brings each matrix to spectral norm
+    <= 1 before iterating. It lives beside the schedule because a schedule is fitted to it:
+    :meth:`make` takes it from the coefficient preset's name (``"aol"``) unless given.
     """
 
     steps: int
@@ -145,9 +139,8 @@ def _slot_view(batch: Tensor, slot: int, layout: TensorLayout, transposed: bool)
 
 @dataclass(frozen=True, eq=False)
 class BucketFrame:
-    """Where the members of a bucket that they fill sit in a ``(B, R, C)`` tensor laid out as
-    its NS input: for a caller that keeps such tensors itself (e.g. the members' momentum, see
-    :mod:`fastmuon.step.bucket_momentum`) and writes the input from them in one go."""
+    """Where a bucket's members sit in a ``(B, R, C)`` tensor laid out as its NS input, for a
+    caller that keeps such tensors itself (see :mod:`fastmuon.step.bucket_momentum`)."""
 
     record: BucketRecord
 
@@ -161,8 +154,7 @@ class BucketFrame:
 
 
 def _cast_places(rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: torch.dtype) -> list[Tensor]:
-    """The members' places for their results cast to ``dtype``, back to back with their own
-    strides, in the workspace clear of ``out`` (views made once per place)."""
+    """The members' places for results cast to ``dtype``, in the workspace clear of ``out``."""
     total = rec.offsets[-1] + _numel(rec.layouts[-1].shape)
     offset, fits = layout.free_after(out, total * dtype.itemsize)
     if not fits:  # fits from the next call on
@@ -183,14 +175,9 @@ def _slot_views(batch: Tensor, rec: BucketRecord) -> list[Tensor]:
 
 
 class ScratchArena:
-    """Temporaries of the NS kernels, kept between steps and shared by the buckets in turn.
-
-    A CPU allocator returns large blocks to the OS when they are freed, so every fresh
-    temporary is page-faulted in again, zero-filled, on every step; kept buffers skip that.
-    One flat arena per (role, dtype), sized to the largest request,
-    serves every bucket, since buckets run one after another. (On CUDA the caching allocator
-    already reuses memory, so the engine does not use this there.)
-    """
+    """Temporaries of the NS kernels, kept between steps and shared by the buckets in turn: a CPU
+    allocator returns large freed blocks to the OS, so fresh ones page-fault in again every step.
+    On CUDA the caching allocator already reuses memory."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -199,8 +186,7 @@ class ScratchArena:
         self._takers: dict[torch.dtype, Callable[[str, tuple[int, ...]], Tensor]] = {}
 
     def for_dtype(self, dtype: torch.dtype) -> Callable[[str, tuple[int, ...]], Tensor]:
-        """The ``scratch(tag, shape)`` callable the kernels take (newton_schulz.Scratch), made
-        once per dtype."""
+        """The ``scratch(tag, shape)`` callable the kernels take, made once per dtype."""
         taker = self._takers.get(dtype)
         if taker is None:
             taker = self._takers[dtype] = self._taker(dtype)
@@ -230,33 +216,25 @@ class ScratchArena:
 
 
 #: On a CPU, buckets of matrices with at most this many rows (after orienting them wide) keep
-#: their NS output and temporaries between steps; None: every bucket. Kept buffers save the
-#: page faults of fresh ones at every bucket size, for workspace memory (about 3x for GPT-2's
-#: 768-wide matrices); a number here trades that speed back for memory on the larger matrices.
-#: Read when an engine is built.
+#: their NS output and temporaries between steps; None: every bucket. Kept buffers save the page
+#: faults of fresh ones at the cost of workspace memory. Read when an engine is built.
 REUSE_MAX_ROWS: int | None = None
 
-#: Buckets holding more than this many runs are packed with one index copy instead of a copy
-#: per run (fewer launches), as long as the int64 index stays small.
+#: Buckets of more runs than this are packed with one index copy, while the int64 index stays small.
 GATHER_MIN_RUNS = 3
 GATHER_MAX_ELEMENTS = 8 * 2**20
 
 
 @dataclass(slots=True, eq=False)
 class BucketRecord:
-    """One bucket of a plan and everything the engine knows and keeps for it.
-
-    The fields up to ``gather`` are fixed when the engine is built, the kernel facts among them
-    (where the bucket lives, whether its kernel is compiled, whether it may read on the host).
-    The tensors after them are made on first use and then kept, each for the reason given.
-    """
+    """One bucket of a plan and everything the engine knows and keeps for it: the fields up to
+    ``gather`` are fixed when the engine is built; the tensors after them are made on first use."""
 
     bucket: Bucket
     config: NSConfig
     schedule: list[Coefficients]  # the config's coefficients, as the kernels take them
     kernel: Callable[..., Tensor]  # newton_schulz.ns_kernel(method, preconditioning), or its compiled form
-    # the eager kernel itself, fp32 products not pinned: what a bucket-at-a-time call runs while
-    # torch's fp32 matmul precision is "highest" (the default: nothing to pin, no wrapper to enter)
+    # the eager kernel, fp32 products not pinned: run bucket by bucket at "highest" precision
     eager: Callable[..., Tensor]
     compiled: bool  # the kernel runs through torch.compile
     host: bool  # the bucket lives on the host's CPU (device.is_host)
@@ -269,15 +247,12 @@ class BucketRecord:
     layouts: tuple[TensorLayout, ...]  # the members' layouts, in slot order
     offsets: tuple[int, ...]  # where each member starts when all are stored back to back
     runs: tuple[_Run, ...]
-    # for one-copy packing: each member element's place in the buffer (on the host made by the
-    # first call that packs or unpacks that way: the bucket-by-bucket path never needs it)
+    # one-copy packing: each member element's place in the buffer (on the host made on first use)
     gather: Tensor | None
     gathers: bool  # packed and unpacked by ``gather`` (many runs, a small index)
-    # Made on first sight of the sources' device, zeros once so the padding stays zero: an
-    # engine built but never run (another rank's units) allocates nothing.
+    # zeros on first sight of the sources' device (an engine never run allocates nothing)
     buffer: Tensor | None = None
-    # Views of the buffer, made on the first eager call and kept (a view costs Python time per
-    # call); never while a compiler traces the call, whose views must not outlive the trace.
+    # views made on the first eager call and kept; never in a compiler's trace
     slot_regions: list[Tensor] | None = None  # each run's region, as (k, *shape)
     places: tuple[Tensor, list[Tensor], Tensor] | None = None  # staging, members there, flat buffer
     inputs: list[Tensor] | None = None  # the members' input views, once handed out
@@ -292,27 +267,20 @@ class BucketRecord:
     cast_buffers: list[Tensor] = field(default_factory=list)
     # The members' flags in a keep vector, per (device, positions) of the vectors seen.
     keep_index: dict[tuple[torch.device, tuple[int, ...] | None], Tensor] = field(default_factory=dict)
-    # The bucket-by-bucket path (see Orthogonalizer.open_bucket): the bucket's layout in the
-    # shared workspace, which also caches the views made of it once per buffer ("inputs": its
-    # members' slots; "results": their views of where NS left them; "cast": the flat view the
-    # cast goes to and the members' places there).
+    # bucket by bucket (Orthogonalizer.open_bucket): its layout in the shared workspace, which
+    # caches the views made of it once per buffer ("inputs", "results", "cast")
     shared: BucketLayout | None = None
 
 
 class Orthogonalizer:
     """Executes a :class:`Plan` for tensors of fixed layouts; reusable step after step.
 
-    Per bucket (one :class:`BucketRecord` each): pack the sources into the persistent
-    ``(B, R, C)`` buffer, one batched NS, unpack into results with each source's shape and
-    strides. With ``result_views`` (for a caller that consumes the results at once, as the
-    optimizers do) a CPU run's results are instead views into its output buffers, valid until
-    the next call: no unpacking copy. ``host_reads=False`` (a capturable step) keeps the NS
-    kernels from reading any value on the host, so a CPU runs the code an accelerator runs.
-
-    Where every bucket is on the host and eager (:meth:`bucketwise`) a caller may instead run
-    the buckets one at a time, consuming each one's results before the next
-    (:meth:`open_bucket`, :meth:`run_bucket`): then the buffers above are never made, and all
-    buckets share one workspace the size of the largest one's needs.
+    Per bucket: pack the sources into its persistent ``(B, R, C)`` buffer, one batched NS, unpack
+    into results with each source's shape and strides. With ``result_views`` (a caller that
+    consumes the results at once) a CPU run's results are views of its output buffers, valid until
+    the next call. ``host_reads=False`` (a capturable step) keeps the kernels from reading any
+    value on the host. Where :meth:`bucketwise`, a caller may instead run the buckets one at a
+    time (:meth:`open_bucket`, :meth:`run_bucket`), all sharing one workspace.
     """
 
     def __init__(
@@ -335,9 +303,7 @@ class Orthogonalizer:
         self._scratch: ScratchArena | None = None
         self._shared: SharedWorkspace | None = None  # the bucket-by-bucket path's buffers
         self._staged: _StagedGathers | Literal[False] | None = None  # False: nothing to stage
-        # a step may run the buckets one at a time (see open_bucket): every bucket eager, and
-        # either all on the host (one shared workspace) or all off it and packed by runs (a
-        # fresh buffer per bucket, freed before the next; gather buckets share one packing)
+        # a step may run the buckets one at a time (see open_bucket and _runs_bucket_by_bucket)
         self.by_bucket = _runs_bucket_by_bucket(self.records)
         self._opened: tuple[int, Tensor] | None = None  # off the host: the bucket handed out
 
@@ -380,10 +346,8 @@ class Orthogonalizer:
     ) -> list[Tensor]:
         """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``.
 
-        ``keep`` (one bool per source: a vector, or 0-d tensors) zeroes the rejected sources
-        inside their bucket; with ``keep_positions`` source ``i``'s flag is ``keep[keep_positions[i]]``
-        (a step's flags for all its parameters, picked per bucket with one index each).
-        """
+        ``keep`` (one bool per source: a vector, or 0-d tensors) zeroes rejected sources inside
+        their bucket; with ``keep_positions`` source ``i``'s flag is ``keep[keep_positions[i]]``."""
         compiling = _compiling()
         results: list[Tensor | None] = [None] * len(sources)
         for rec in self.records:
@@ -410,8 +374,7 @@ class Orthogonalizer:
         return results  # type: ignore[return-value]
 
     def _staged_gathers(self, sources: Sequence[Tensor]) -> _StagedGathers | None:
-        """The gather buckets' shared packing off the host (None on a CPU, or without gather
-        buckets), made on the first call."""
+        """The gather buckets' shared packing off the host (None if none), made on the first call."""
         staged = self._staged
         if staged is None:  # decided once: False where there is nothing to stage
             staged = False
@@ -437,12 +400,8 @@ class Orthogonalizer:
         return index
 
     def _run(self, rec: BucketRecord, batch: Tensor, compiling: bool, out: Tensor | None = None) -> Tensor:
-        """One batched Newton–Schulz call on the bucket's packed batch.
-
-        Where the bucket reuses memory the result lands in its kept output buffer (valid until
-        the next call) and the kernel's temporaries in the shared scratch arena; ``out``: where
-        the result goes instead (a bucket that keeps nothing).
-        """
+        """One batched NS call on the bucket's packed batch, into its kept output where it reuses
+        memory (valid until the next call); ``out``: where the result goes instead."""
         eps = rec.config.eps
         if rec.compiled:
             return rec.kernel(batch, rec.schedule, eps, host=rec.host, host_reads=False)
@@ -467,9 +426,7 @@ class Orthogonalizer:
         return rec.kernel(batch, rec.schedule, eps, scratch, out, host=rec.host, host_reads=host_reads)
 
     def bucketwise(self) -> bool:
-        """Whether a step may run the plan one bucket at a time, through :meth:`open_bucket` and
-        :meth:`run_bucket`: every bucket eager (on the host's CPU, or off it and packed by runs),
-        and no compiler tracing."""
+        """Whether a step may run the plan one bucket at a time (:meth:`open_bucket`), not in a trace."""
         return self.by_bucket and not _compiling()
 
     def members(self, b: int) -> tuple[int, ...]:
@@ -481,9 +438,8 @@ class Orthogonalizer:
         return self.records[b].bucket.dtype
 
     def frame(self, b: int) -> BucketFrame | None:
-        """Bucket ``b`` for a caller that keeps tensors laid out as its NS input (see
-        :class:`BucketFrame`): off the host, eager, its members filling every slot, and its
-        kernel one that takes :meth:`run_bucket`'s ``drop`` (else None)."""
+        """Bucket ``b`` for a caller that keeps tensors laid out as its NS input (:class:`BucketFrame`):
+        off the host, eager, filled, and a kernel that takes ``drop``; else None."""
         rec = self.records[b]
         if rec.host or rec.compiled or not _filled(rec):
             return None
@@ -491,22 +447,17 @@ class Orthogonalizer:
         return BucketFrame(rec) if takes_drop else None
 
     def open_batch(self, b: int) -> Tensor:
-        """:meth:`open_bucket` for a bucket with a :meth:`frame`: the ``(B, R, C)`` input buffer
-        itself, for a caller that writes all of it at once."""
+        """:meth:`open_bucket` for a :meth:`frame`'s bucket: the ``(B, R, C)`` input buffer itself."""
         batch = _fresh_input(self.records[b])
         self._opened = (b, batch)
         return batch
 
     def open_bucket(self, b: int) -> list[Tensor]:
-        """Where bucket ``b``'s NS reads its members from, in slot order, each a view in the
-        member's own shape and in the bucket's NS dtype: write them all (the momentum step does,
-        with ``out=``), then call :meth:`run_bucket`.
-
-        On the host every bucket lays its input, the kernel's temporaries and its cast results
-        out in one workspace buffer (:mod:`fastmuon.ns.workspace`), so what a step keeps is the
-        largest bucket's layout; the padding is zeroed here, on every call, since the other
-        buckets and the kernels write there too; off the host, a fresh buffer (:func:`_fresh_input`).
-        """
+        """Where bucket ``b``'s NS reads its members from, in slot order, each a view in its own
+        shape and the NS dtype: write them all (the momentum step does, with ``out=``), then call
+        :meth:`run_bucket`. On the host every bucket lays its input, temporaries and cast results
+        out in one shared workspace (its padding zeroed on every call, since others write there);
+        off the host, a fresh buffer (:func:`_fresh_input`)."""
         rec = self.records[b]
         if not rec.host:  # a fresh buffer, held until run_bucket takes it
             batch = _fresh_input(rec)
@@ -534,14 +485,11 @@ class Orthogonalizer:
         keep_positions: tuple[int, ...] | None = None,
         drop: Tensor | None = None,
     ) -> list[Tensor]:
-        """Bucket ``b``'s NS of what :meth:`open_bucket` handed out, as results in slot order with
-        each member's shape: in the NS dtype (``out_dtype`` None), else cast to ``out_dtype``.
-
-        They are views of the buffer the next bucket reuses: consume them first. ``keep`` and
-        ``keep_positions``: as in :meth:`__call__`. ``drop`` (off the host, a :meth:`frame`'s
-        bucket): ``(B, 1, 1)`` floats, 0 where a member's result must be zeros though its input
-        is finite (zeroed in the normalisation, no pass of its own), 1 elsewhere.
-        """
+        """Bucket ``b``'s NS of what :meth:`open_bucket` handed out, in slot order, in the NS dtype
+        or cast to ``out_dtype``: views of a buffer the next bucket reuses, to be consumed first.
+        ``keep``, ``keep_positions``: as in :meth:`__call__`. ``drop`` (off the host, a
+        :meth:`frame`'s bucket): ``(B, 1, 1)`` floats, 0 where a member's result must be zeros
+        though its input is finite (zeroed in the normalisation), 1 elsewhere."""
         rec = self.records[b]
         layout: BucketLayout = rec.shared  # type: ignore[assignment]  # None off the host
         if rec.host:
@@ -595,17 +543,9 @@ class Orthogonalizer:
 
     def input_views(self) -> list[Tensor] | None:
         """Where NS reads each tensor from: a view of its slot in its bucket's buffer, in the
-        tensor's own shape and in the bucket's NS dtype. A caller that writes its sources there itself (e.g. the momentum step,
-        with ``out=``, rounding each value once to the slot's dtype where it differs) and passes
-        these views back as the sources skips packing: on yolo26n that saves a fresh tensor per
-        matrix and two copies of the whole set.
-
-        CPU only (else ``None``, and the sources are packed, cast included): on a GPU the strided
-        per-tensor writes would cost a launch per matrix, where a pack costs two. Never while
-        ``torch.compile`` traces the step (see :func:`_compiling`). The views are of buffers
-        kept per bucket: a step that consumes each bucket's results at once takes
-        :meth:`open_bucket`'s instead, which all buckets share.
-        """
+        tensor's own shape and the NS dtype. A caller that writes its sources there (the momentum
+        step, with ``out=``) and passes these views back skips packing. CPU only (else None: on a
+        GPU the per-tensor writes cost a launch per matrix), and never in a compiler's trace."""
         if _compiling():
             return None
         if self._input_views is None:
@@ -631,16 +571,11 @@ class Orthogonalizer:
         results: list[Tensor | None],
         compiling: bool,
     ) -> None:
-        """Write the bucket's results into ``results`` (tensors with each source's strides).
-
-        Where the caller consumes them at once (``result_views``) they are views: of the NS
-        output itself on a CPU where no cast is needed, of kept cast buffers where one is.
-        Otherwise they are copies made afresh, by one index copy or one strided copy per run.
-        """
+        """Write the bucket's results into ``results`` with each source's strides: views (of the
+        NS output, or of kept cast buffers) where the caller consumes them at once, else copies."""
         dtype = _one_dtype(rec.members(out_dtypes))
         if self.result_views and out.dtype == dtype and rec.host:
-            # no unpacking copy; views of the kept output are made once (a view costs Python
-            # time per matrix), a fresh output's per call
+            # no unpacking copy: views of the kept output made once, a fresh output's per call
             views = rec.output_views if out is rec.output else None
             if views is None:
                 views = [
@@ -669,22 +604,17 @@ class Orthogonalizer:
 
 
 def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tensor:
-    """Copy the bucket's sources (cast to the NS dtype) into its persistent buffer.
-
-    Nothing to copy where the sources are the bucket's :meth:`Orthogonalizer.input_views`
-    (written in place by the caller). A bucket of few runs takes one ``stack`` per run straight into the run's
-    slots, whatever the sources' strides; one of many runs takes one foreach copy into its
-    members' places in a staging buffer and one index copy.
-    """
+    """Copy the bucket's sources (cast to the NS dtype) into its persistent buffer: nothing where
+    they are its :meth:`Orthogonalizer.input_views`, one ``stack`` per run for few runs, else one
+    foreach copy into a staging buffer and one index copy."""
     inputs = rec.inputs
     if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
         return rec.buffer  # type: ignore[return-value]
     device = sources[rec.indices[0]].device
     wide = sources[rec.indices[0]].dtype
     if rec.gather is None and not (rec.host or rec.compiled or compiling) and wide != rec.bucket.dtype:
-        # off the host a casting stack copies one input at a time (a launch each): the runs
-        # are stacked in the sources' dtype (batched copies) and the NS normalisation, which
-        # writes a new tensor anyway, rounds to the bucket's dtype (see _run)
+        # off the host a casting stack copies one input at a time: stack in the sources' dtype, and
+        # let the NS normalisation, which writes a new tensor anyway, round (see _run)
         packed = (torch.empty if rec.fresh_input else torch.zeros)(
             rec.bucket.shape, dtype=wide, device=device
         )
@@ -708,9 +638,8 @@ def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tens
             _stack_into(slots, [sources[i] for i in run.tensors], compiling)
         return buf
     if not compiling:
-        # one copy (with the cast) of every source into its place in the staging buffer:
-        # the same values as concatenating their flat views, without a view per source per
-        # call (the sources are new tensors each step) and, on a CPU, faster than that cat
+        # one copy (with the cast) of every source into its place in the staging buffer: the
+        # values of a cat of their flat views, without a view per source per call
         staging, places, target = rec.places or _make_places(rec, buf)
         torch._foreach_copy_(places, rec.members(sources))
         target.index_copy_(0, index, staging)
@@ -725,22 +654,16 @@ def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tens
 class _StagedGathers:
     """The gather buckets of an engine off the host, packed and unpacked in five launches.
 
-    Per NS dtype, the buckets' input buffers are views of one flat buffer made per call and
-    their gather indices one index into it: one foreach copy casts every member into a kept
-    staging buffer, one fill and one index copy make the inputs; each bucket's NS writes
-    its output into a view of one fresh flat output, from which one index select gathers every
-    result and one cast takes them to the output dtype. On a GPU each op is a launch, so packing
-    and unpacking cost five launches whatever the number of buckets (``4·buckets`` one bucket at
-    a time); the inputs and results are fresh (the caller owns the results), so what is kept
-    is the index and the staging: 8 + 2 bytes per member element in bf16. Buckets whose kernels
-    would each normalise through fp64 are normalised together as they are packed, one add of
-    eps for all of them where each kernel would take one.
+    Per NS dtype, the buckets' inputs are views of one flat buffer made per call, and their gather
+    indices one index: one foreach copy casts every member into a kept staging buffer, one fill
+    and one index copy make the inputs; each bucket's NS writes into a view of one flat output,
+    from which one index select and one cast give every result. Only the index and the staging
+    are kept. Buckets whose kernels would each normalise through fp64 are normalised together.
     """
 
     def __init__(self, records: Sequence[BucketRecord], device: torch.device):
         self.packed = set(records)
-        # buckets normalised by pack, per (NS dtype, eps) where two or more share them (a bucket
-        # alone gains nothing: its kernel normalises it)
+        # normalised by pack, per (NS dtype, eps) where two or more share them
         alike: dict[tuple[torch.dtype, float], list[BucketRecord]] = {}
         for rec in records:
             if (
@@ -783,26 +706,21 @@ class _StagedGathers:
         return [t for st in self.stages for t in (st.index, st.staging)]
 
     def pack(self, sources: Sequence[Tensor]) -> None:
-        """This call's input buffers: zeros (the padding) with every member scattered in. Made
-        per call, so nothing padded is kept between steps: on a GPU the allocator's cache
-        serves them, at one fill launch per NS dtype. Buckets that share their normalisation
-        (``normalizable``) leave divided by their norms."""
+        """This call's input buffers: zeros with every member scattered in, made per call (the
+        allocator's cache serves them); ``normalizable`` buckets leave divided by their norms."""
         self._inputs = []
         for st in self.stages:
             torch._foreach_copy_(st.places, st.pick(sources))
             inputs = torch.zeros(st.total, dtype=st.staging.dtype, device=st.staging.device)
             self._inputs.append(inputs.index_copy_(0, st.index, st.staging))
         self._flat = [torch.empty_like(inputs) for inputs in self._inputs]
-        # where a bucket's kernel would take the fp64 route (the standard loop from Frobenius
-        # scaling), divided by the norms now, in place: per NS dtype and eps, the norms of all
-        # such buckets in one vector, so that one add serves them all; their kernels then start
-        # from the division's result
+        # buckets bound for the fp64 route divided by their norms now, per NS dtype and eps in one
+        # vector, so one add of eps serves them all
         for eps, recs in self.normalizable:
             normalize_in_fp64_([self.batch(rec) for rec in recs], eps)
 
     def run(self, rec: BucketRecord) -> None:
-        """Bucket ``rec``'s NS, from this call's input (normalised by :meth:`pack` or not) into
-        its output."""
+        """Bucket ``rec``'s NS, from this call's input into its output."""
         done = {"normalized": True} if rec in self.normalized else {}
         rec.kernel(
             self.batch(rec),
@@ -853,8 +771,7 @@ class _Stage:
 
 
 def _stack_into(out: Tensor, tensors: list[Tensor], compiling: bool) -> None:
-    """``torch.stack(tensors, out=out)``; in a compiler's trace, which has no ``stack(out=)``,
-    a stack and a copy into ``out`` (the copy casts as the stack's store does)."""
+    """``torch.stack(tensors, out=out)``, or in a compiler's trace (no ``stack(out=)``) stack and copy."""
     if compiling:
         out.copy_(torch.stack(tensors))
     else:
@@ -864,9 +781,8 @@ def _stack_into(out: Tensor, tensors: list[Tensor], compiling: bool) -> None:
 def _normalized_into(
     dtype: torch.dtype, device: torch.device, tag: str, shape: tuple[int, ...]
 ) -> Tensor | None:
-    """The kernels' scratch for a batch packed in a wider dtype than its bucket's: the
-    normalised batch (``"X"``) goes to a new tensor of the bucket's dtype, so every later
-    iterate runs in it; every other temporary is fresh."""
+    """Scratch for a batch packed wider than its bucket's dtype: the normalised batch (``"X"``)
+    goes to a new tensor of the bucket's dtype, so every later iterate runs in it."""
     return torch.empty(shape, dtype=dtype, device=device) if tag == "X" else None
 
 
@@ -876,8 +792,7 @@ def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
 
 
 #: Off the host a plan runs bucket by bucket only from this many bytes of NS inputs on: below,
-#: all of them at once are small beside any model, and packing them together costs fewer
-#: launches than writing each matrix's momentum into its slot.
+#: packing them all together costs fewer launches than writing each momentum into its slot.
 BY_BUCKET_MIN_BYTES = 64 * 2**20
 
 
@@ -889,10 +804,8 @@ def _bucket_kernel(bucket: Bucket, preconditioning: str, compiled: bool) -> Call
 
 
 def _fresh_input(rec: BucketRecord) -> Tensor:
-    """:meth:`Orthogonalizer.open_bucket` off the host: a fresh input buffer in the NS dtype
-    (zeros only where some member leaves padding). The caching allocator hands the next bucket
-    the memory this one frees, so a step holds one bucket's inputs and temporaries at a time and
-    keeps nothing between steps."""
+    """A fresh NS input buffer off the host (zeros only where padded): the caching allocator hands
+    the next bucket the memory this one frees, so nothing is kept between steps."""
     bucket = rec.bucket
     make = torch.zeros if rec.padded else torch.empty
     return make(bucket.shape, dtype=bucket.dtype, device=bucket.device)
@@ -901,10 +814,8 @@ def _fresh_input(rec: BucketRecord) -> Tensor:
 def _run_fresh(
     rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None, drop: Tensor | None = None
 ) -> list[Tensor]:
-    """:meth:`Orthogonalizer.run_bucket` off the host: NS of ``batch`` (the buffer
-    :func:`_fresh_input` made), the kernel free to write into it once read (it is this call's
-    alone); the results in slot order, cast to ``out_dtype`` where given: a bucket its members
-    fill in one cast (a launch, where one per member would be as many), views of it."""
+    """:meth:`Orthogonalizer.run_bucket` off the host: the kernel may overwrite ``batch`` (this
+    call's alone); results in slot order, cast where asked (one cast for a filled bucket)."""
     masked = {} if drop is None else {"keep": drop}
     out = rec.kernel(
         batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True, **masked
@@ -922,10 +833,9 @@ def _filled(rec: BucketRecord) -> bool:
 
 
 def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:
-    """Whether a step may run these buckets one at a time (see ``Orthogonalizer.open_bucket``):
-    every bucket eager, and all on the host, or all off it, on one device, each packed by runs
-    (a gather bucket off the host is packed with the others, five launches for all of them),
-    and together at least :data:`BY_BUCKET_MIN_BYTES`."""
+    """Whether a step may run these buckets one at a time: every bucket eager, and all on the
+    host, or all off it on one device, packed by runs and at least :data:`BY_BUCKET_MIN_BYTES`
+    in all (gather buckets off the host are packed together instead)."""
     if not records or any(r.compiled for r in records):
         return False
     if all(r.host for r in records):
@@ -973,8 +883,7 @@ def _gathers(layouts: Sequence[TensorLayout], runs: Sequence[_Run]) -> bool:
 
 
 def _gather_index(bucket: Bucket, layouts: Sequence[TensorLayout]) -> Tensor:
-    """Where each element of the bucket's members, concatenated in their memory order, lives
-    in the flat ``(B, R, C)`` buffer (built on the CPU)."""
+    """Each member element's place (members concatenated in memory order) in the flat bucket buffer."""
     _, R, C = bucket.shape
     parts = []
     for m, layout in zip(bucket.members, layouts):
@@ -988,8 +897,7 @@ def _gather_index(bucket: Bucket, layouts: Sequence[TensorLayout]) -> Tensor:
 
 
 def _make_buffer(rec: BucketRecord, device: torch.device) -> Tensor:
-    """The bucket's input buffer on ``device`` (zeros: the padding is never written again),
-    with its gather index moved there too."""
+    """The bucket's input buffer on ``device``, zeros (the padding is never written again)."""
     bucket = rec.bucket
     rec.buffer = torch.zeros(bucket.shape, dtype=bucket.dtype, device=device)
     if rec.gather is not None and rec.gather.device != device:
@@ -1004,18 +912,15 @@ def _make_staging(rec: BucketRecord, buf: Tensor) -> Tensor:
 
 
 def _make_places(rec: BucketRecord, buf: Tensor) -> tuple[Tensor, list[Tensor], Tensor]:
-    """A gather bucket's staging buffer, each member's place there as a view in its planned
-    layout (dense, so its elements lie in memory order, as a flat view's would), and the bucket
-    buffer viewed flat."""
+    """A gather bucket's staging buffer, each member's place there as a view, and the flat buffer."""
     staging = rec.staging if rec.staging is not None else _make_staging(rec, buf)
     rec.places = (staging, _strided_views(staging, rec), buf.view(-1))
     return rec.places
 
 
 def _strided_views(flat: Tensor, rec: BucketRecord, base: int | torch.SymInt = 0) -> list[Tensor]:
-    """The bucket's members stored back to back in ``flat`` (slot order, each in its memory
-    order), each as a view with its layout's strides; ``base``: where ``flat`` starts in its
-    storage (``as_strided`` counts from the storage's start)."""
+    """The bucket's members stored back to back in ``flat``, each as a view with its layout's
+    strides; ``base``: where ``flat`` starts in its storage."""
     return [
         torch.as_strided(flat, layout.shape, layout.stride, base + offset)
         for layout, offset in zip(rec.layouts, rec.offsets)
@@ -1025,9 +930,8 @@ def _strided_views(flat: Tensor, rec: BucketRecord, base: int | torch.SymInt = 0
 def _prepare_cast(
     rec: BucketRecord, from_dtype: torch.dtype, dtype: torch.dtype, device: torch.device
 ) -> tuple[Callable[[Tensor], None], list[Tensor]]:
-    """The copy that casts the bucket's NS output into kept buffers of ``dtype``, and the
-    results' views there (slot order): the operations of the fresh path, so the same values,
-    with every view made once."""
+    """The copy that casts the bucket's NS output into kept buffers of ``dtype``, and the results'
+    views there: the fresh path's operations and values, with every view made once."""
     index = rec.gather
     if index is not None:
         picked = torch.empty(index.numel(), dtype=from_dtype, device=device)
@@ -1061,8 +965,7 @@ def _prepare_cast(
 
 
 def _unpack_run(run: _Run, out: Tensor, dtype: torch.dtype, results: list[Tensor | None]) -> None:
-    """A run's results made afresh (views of the NS output where it is unpadded, upright and
-    contiguous in the run's dtype)."""
+    """A run's results made afresh (views of the NS output where unpadded, upright and contiguous)."""
     layout, count = run.layout, run.stop - run.start
     numel = _numel(layout.shape)
     region = out[run.start : run.stop]
@@ -1085,8 +988,7 @@ _V = TypeVar("_V")
 
 
 class _ViewsOf(Generic[_V]):
-    """Views of the latest tensor passed in, made once per tensor (held weakly: a fresh output
-    per step is not kept alive, a kept one gets its views made once)."""
+    """Views of the latest tensor passed in, made once per tensor (held weakly: none kept alive)."""
 
     def __init__(self, make: Callable[[Tensor], _V]):
         self.make = make
@@ -1100,15 +1002,11 @@ class _ViewsOf(Generic[_V]):
 
 
 def _compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the caller (e.g. a user's ``torch.compile(opt.step)``),
-    asked once per call at the engine's entries.
+    """Whether ``torch.compile`` is tracing the caller, asked once per call at the engine's entries.
 
-    Then the compiler plans memory itself, and the engine hands it no kept buffers to write into:
-    views of one kept buffer written in place are aliased, mutated graph inputs, which the
-    compiler handles poorly (copies, recompiles) and, once it has made their sizes dynamic (a
-    changed plan), not at all. Nor do its kernels read values on the host: a trace cannot branch
-    on them.
-    """
+    The engine then hands no kept buffers to write into (views of a kept buffer written in place
+    are aliased, mutated graph inputs, which the compiler handles poorly or not at all), and its
+    kernels read no values on the host (a trace cannot branch on them)."""
     return torch.compiler.is_compiling()
 
 
@@ -1120,8 +1018,7 @@ def compiled_kernel(method: str, preconditioning: str = "frobenius") -> Callable
 
 
 def _memory_flat(t: Tensor, layout: TensorLayout) -> Tensor:
-    """``t``'s elements in the planned layout's memory order, as a 1-D tensor (a view when ``t``
-    has the planned strides; a contiguous one takes one view op, not two)."""
+    """``t``'s elements in the planned layout's memory order, as a 1-D tensor (a view where it can)."""
     t = _in_layout(t, layout)
     if layout.perm == tuple(range(t.ndim)):
         return t.view(-1)
@@ -1151,10 +1048,9 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
-    """The planner's spec of a >=2D tensor: flattened to (out, everything else), in the dtype
-    NS will really run in there; tensors of different dtypes or NS settings never share.
-    With ``method="auto"`` a native low-precision request may run in fp32 where the planner finds
-    that faster (``device.wider_dtype``)."""
+    """The planner's spec of a >=2D tensor: flattened to (out, everything else), in the dtype NS
+    really runs in there. With ``method="auto"`` a low-precision request may run in fp32 where the
+    planner finds that faster (``device.wider_dtype``)."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
     requested = config.dtype if config.dtype != dtype else None
@@ -1175,11 +1071,8 @@ def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
 
 
 def zero_rejected_(batch: Tensor, keep: Tensor | Sequence[Tensor]) -> None:
-    """Zero the slots of a ``(B, R, C)`` bucket whose matrix is not kept (in place, one call).
-
-    ``keep``: one bool per slot (a vector, or 0-d tensors). A zero matrix orthogonalises to
-    zero, so a NaN never enters the batched Newton–Schulz.
-    """
+    """Zero the slots of a ``(B, R, C)`` bucket whose ``keep`` flag (a vector, or 0-d tensors) is
+    False: a zero matrix orthogonalises to zero, so a NaN never enters the batched NS."""
     keep = keep if isinstance(keep, Tensor) else torch.stack(list(keep))
     rejected = ~keep.view(-1, 1, 1)
     batch.masked_fill_(rejected, 0)
@@ -1201,19 +1094,14 @@ class Gather:
         return len(self.indices)
 
     def __bool__(self) -> bool:
-        """Always true, empty or not (a picker is a callable, not a container): torch.compile
-        tests a callable's truth before calling it, and torch 2.11's Dynamo does so on a Gather
-        built inside the traced step before its ``__init__`` has run (no ``indices`` yet)."""
+        """Always true, empty or not: torch.compile tests a callable's truth before calling it,
+        and Dynamo may do so on a Gather built in the trace before its ``__init__`` has run."""
         return True
 
 
 class SharedWorkspace:
-    """The flat buffer, and each bucket's layout in it (see :class:`BucketLayout`).
-
-    It grows only between buckets (:meth:`BucketLayout.open`), so no buffer a kernel holds is
-    ever moved under it: a request that does not fit during a bucket's call is served with a
-    fresh tensor and fits from the next call on.
-    """
+    """The flat buffer and each bucket's layout in it. It grows only between buckets, so no buffer
+    a kernel holds moves under it (a request that does not fit gets a fresh tensor until then)."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -1221,8 +1109,7 @@ class SharedWorkspace:
         self.layouts: list[BucketLayout] = []
 
     def grow(self) -> None:
-        """Reach the largest layout known, dropping every view of the buffer it replaces (so
-        that one is freed now, not kept alive by a bucket's views until its next call)."""
+        """Reach the largest layout known, dropping every view of the old buffer so it is freed now."""
         need = max(layout.end for layout in self.layouts)
         if need > self.flat.numel():
             for layout in self.layouts:
@@ -1252,8 +1139,7 @@ class BucketLayout:
         self.offsets: dict[tuple[str, tuple[int, ...]], int] = {}
         self.end = _align(_numel(shape) * dtype.itemsize)
         self.views: dict[tuple[str, tuple[int, ...]], Tensor] = {}
-        # what a caller derives from the views (e.g. its members' views of them), dropped
-        # with them when the buffer grows
+        # what a caller derives from the views, dropped with them when the buffer grows
         self.cache: dict[str, object] = {}
 
     def open(self) -> Tensor:
@@ -1293,9 +1179,8 @@ class BucketLayout:
         return self._view(tag, key[1], offset)
 
     def free_after(self, result: Tensor, nbytes: int) -> tuple[int, bool]:
-        """Where ``nbytes`` fit without touching ``result`` (what the kernel returned): the start
-        of the buffer where they fit before ``result``, else just after it; and whether the
-        buffer reaches that far now (else it does from the next call on)."""
+        """Where ``nbytes`` fit without touching ``result``: the buffer's start if they fit before
+        it, else just after it; and whether the buffer reaches that far now."""
         flat = self.space.flat
         offset = 0  # a fresh result (one that did not fit yet) leaves all of the buffer free
         if result.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
@@ -1319,10 +1204,8 @@ def _extent(t: Tensor) -> int:
 
 
 def ns_config(group: Mapping[str, Any]) -> NSConfig:
-    """:meth:`NSConfig.make` of a group's Newton–Schulz settings, made once per distinct values:
-    a step reads every group's config, and making one resolves and checks its coefficients. A
-    compiler's trace makes it afresh: it runs once, and dynamo warns of any ``lru_cache`` it
-    traces through."""
+    """:meth:`NSConfig.make` of a group's NS settings, cached per distinct values (a step reads
+    every group's); made afresh in a compiler's trace, which warns of any ``lru_cache``."""
     steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
     dtype, method = group["ns_dtype"], group["ns_method"]
     if not _plain((steps, eps, coefficients)) or torch.compiler.is_compiling():
@@ -1347,8 +1230,7 @@ def ns_config(group: Mapping[str, Any]) -> NSConfig:
 
 
 def _plain(value: Any) -> bool:
-    """A string, a Python number, or tuples of them: values that cannot change after hashing
-    (walked in one loop: a step reads every group's settings)."""
+    """A string, a Python number, or tuples of them: values that cannot change after hashing."""
     todo = [value]
     while todo:
         v = todo.pop()

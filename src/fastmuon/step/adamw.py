@@ -1,11 +1,9 @@
 """AdamW for the parameters Muon does not orthogonalise (embeddings, norms, biases, heads).
 
-Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``):
-torch's fused AdamW kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), one
-pass per tensor, else a few foreach calls per set of shared hyperparameters. Moments stored in another dtype than
-their parameter's are stepped in the arithmetic dtype and written back rounded once (see
-:mod:`fastmuon.step.state_dtype`). Off the host, large fp32 tensors mask their own update where
-their gradient is rejected (:class:`Masks`), so that a skipped step copies none of them.
+Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``): torch's
+fused kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else a few foreach
+calls per set of shared hyperparameters. Off the host, large fp32 tensors mask their own update
+where their gradient is rejected (:class:`Masks`), so a skipped step copies none of them.
 """
 
 from __future__ import annotations
@@ -42,9 +40,8 @@ class AdamWItem:
 def adamw_state(
     state: dict[str, Any], p: Tensor, capturable: bool = False, dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The state of ``p``, created on its first step, the moments in ``dtype`` (None: ``p``'s).
-    The step count is a float32 scalar on the CPU (reading it never syncs a GPU) or,
-    ``capturable``, on ``p``'s device (never read)."""
+    """``p``'s state, made on its first step, the moments in ``dtype`` (None: ``p``'s); the step
+    count a float32 CPU scalar (reading it never syncs a GPU) or, ``capturable``, on ``p``'s device."""
     if "exp_avg" not in state:
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if capturable else None)
         state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -81,8 +78,7 @@ class AdamWScalars:
 
 
 class AdamWClasses(NamedTuple):
-    """Each param group's equality class of every AdamW hyperparameter (see
-    :func:`~fastmuon.step.program.classes`): the program is partitioned by these."""
+    """Each param group's equality class of every AdamW hyperparameter: the program's partition."""
 
     lr: tuple[int, ...]
     betas: tuple[int, ...]
@@ -92,9 +88,8 @@ class AdamWClasses(NamedTuple):
 
 @dataclass
 class AdamWPart:
-    """One class of AdamW's parameters stepped by one kernel call: the group whose scalars it
-    takes, its parameters and moments, where its gradients sit among the step's, and the
-    arithmetic dtype of moments stored in another one (None: their own)."""
+    """One class of AdamW's parameters stepped by one kernel call; ``dtype``: the arithmetic dtype
+    of moments stored in another one (None: their own)."""
 
     group: int
     params: list[Tensor]
@@ -107,8 +102,7 @@ class AdamWPart:
 
 @dataclass
 class FusedAdamWPart(AdamWPart):
-    """A part for torch's fused kernel, with the strides it was found exact for (see
-    :meth:`AdamWProgram.fits`)."""
+    """A part for torch's fused kernel, with the strides it was found exact for."""
 
     grad_strides: list[tuple[int, ...]]
     param_strides: list[tuple[int, ...]]
@@ -116,9 +110,8 @@ class FusedAdamWPart(AdamWPart):
 
 @dataclass
 class ForeachAdamWPart(AdamWPart):
-    """A part for the foreach kernels; ``host``: its parameters live on the host's CPU;
-    ``flag_places``: where its members' flags sit in the step's keep vector, for a part that
-    masks its own update (None: one whose tensors a rejected step copies and puts back)."""
+    """A part for the foreach kernels; ``flag_places``: its members' places in the keep vector
+    where it masks its own update (None: a rejected step copies and puts it back)."""
 
     host: bool
     flag_places: tuple[int, ...] | None = None
@@ -135,20 +128,16 @@ class ForeachAdamWPart(AdamWPart):
 
 
 #: Off the host, an fp32 AdamW tensor of at least this many elements masks its own update where
-#: its gradient is rejected instead of being copied and put back: the copy and its restore move
-#: about a hundred bytes per element of parameter and moments, the masks a few launches a tensor.
+#: its gradient is rejected: a few launches, rather than a copy of parameter and moments and a restore.
 MASK_MIN_ELEMENTS = 2**20
 
 
 class Masks:
-    """A masking part's keep flags (one per member, on the device) and what they make: per
-    member 0-d tensors that are a step's own factor where its gradient is kept and the neutral
-    one where it is rejected. A rejected member's gradient is read as zeros (no NaN is ever
-    multiplied), its moments and parameter are multiplied by 1, its first moment lerped with
-    weight 0 and its second given 0, and its update divided by an infinite denominator, so they
-    end the step with the values they began it with (a −0.0 entry may come back as +0.0). A
-    kept one is computed from the same values, rounded alike (each factor is the fp32 value the
-    foreach kernels take the Python number as), as the unmasked step."""
+    """A masking part's keep flags (one per member, on the device) and the per-member 0-d factors
+    they make: a step's own factor where kept, the neutral one where rejected. A rejected member's
+    gradient is read as zeros (no NaN is ever multiplied) and its update divided by an infinite
+    denominator, so it ends the step as it began (a −0.0 may come back as +0.0); a kept one gets
+    the unmasked step's values, each factor the fp32 value the foreach kernels make of a number."""
 
     def __init__(self, flags: Tensor):
         self.flags = flags
@@ -167,8 +156,7 @@ class Masks:
         return [g.masked_fill(r, 0) for g, r in zip(grads, self.rejected)]
 
     def add_eps_(self, denom: Sequence[Tensor], eps: float) -> None:
-        """``d ← d + ε``, a rejected member's ``d + ∞``: its update is then exactly zero, in the
-        pass that adds ε anyway."""
+        """``d ← d + ε``, a rejected member's ``d + ∞``: its update is then exactly zero."""
         for d, e in zip(denom, self.factors(eps, math.inf)):
             d.add_(e)
 
@@ -182,8 +170,7 @@ def _moments_(
     masks: Masks | None,
 ) -> None:
     """``m ← lerp(m, g, 1−β1)``, ``v ← β2·v + (1−β2)·g²`` (``beta2_factor``: β2 as the foreach
-    multiply takes it); masked, a rejected member's moments stay as they were (``grads`` are
-    then read as zeros already)."""
+    multiply takes it); masked, a rejected member's moments stay as they were."""
     beta1, beta2 = betas
     if masks is None:
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -196,9 +183,8 @@ def _moments_(
 
 
 def _masks_itself(item: AdamWItem) -> bool:
-    """Whether an AdamW tensor masks its own update (see :class:`Masks`): off the host, fp32
-    parameter and moments (a masked factor rounds as the foreach kernels' Python number only in
-    fp32), at least :data:`MASK_MIN_ELEMENTS` elements."""
+    """Whether an AdamW tensor masks its own update (:class:`Masks`): off the host, fp32 (only there
+    does a masked factor round as the kernels' number does), at least :data:`MASK_MIN_ELEMENTS`."""
     p = item.param
     return (
         not device.is_host(p.device)
@@ -210,16 +196,11 @@ def _masks_itself(item: AdamWItem) -> bool:
 
 
 class AdamWProgram:
-    """AdamW over fixed lists, prepared once: torch's fused AdamW kernel where it is exact
-    (:func:`~fastmuon.step.elementwise.fusable`: one pass per tensor instead of a foreach call per
-    operation), fused parts per class of (lr, betas, eps, wd, dtypes of parameter and moments), foreach parts
-    per class of (betas, eps, wd, device, dtypes of parameter and moments). Moments stored in
-    another dtype are stepped as working copies in the arithmetic dtype, by either kernel.
-
-    With ``capturable`` no kernel reads a value on the host: the step counts live on the
-    parameters' devices and the bias corrections are computed there (no fused CPU kernel, which
-    reads its step count on the host). With ``masking`` (a step may be given keep flags) the
-    tensors that qualify (:func:`_masks_itself`) make parts that mask their own update."""
+    """AdamW over fixed lists, prepared once: torch's fused kernel where it is exact, parts per
+    class of hyperparameters, device and dtypes of parameter and moments. With ``capturable`` no
+    kernel reads a value on the host (step counts and bias corrections on the device); with
+    ``masking`` (a step may be given keep flags) the tensors that qualify (:func:`_masks_itself`)
+    make parts that mask their own update."""
 
     def __init__(
         self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool, masking: bool = False
@@ -300,16 +281,14 @@ class AdamWProgram:
         return True
 
     def self_masked(self) -> frozenset[int]:
-        """The step's parameters (places among its gradients) whose update masks itself where
-        ``keep`` rejects their gradient (see :class:`Masks`): their tensors need no copy
-        to put back (their step counts, on the host, still do)."""
+        """The parameters whose update masks itself where ``keep`` rejects their gradient: their
+        tensors need no copy (their step counts, on the host, still do)."""
         return self.masked_positions
 
     @torch._disable_dynamo
     def _run_fused(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
-        """The fused parts' calls, never traced: the kernel has no fake one, and a program
-        prepared eagerly (with fused parts) can still be run from a frame dynamo compiles,
-        e.g. once it falls back to eager for the step's driver after too many recompiles."""
+        """The fused parts' calls, never traced (the kernel has no fake one), even when a frame
+        dynamo compiles runs a program prepared eagerly."""
         for f in self.fused:
             g = f.group
             beta1, beta2 = s.betas[g]
@@ -336,8 +315,7 @@ class AdamWProgram:
                 store_(f.exp_avgs + f.exp_avg_sqs, avgs + avg_sqs)
 
     def run(self, grads: Sequence[Tensor], s: AdamWScalars, keep: Tensor | None = None) -> None:
-        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
-        masking parts read (the others' rejected tensors are put back by the step's guard)."""
+        """One step; ``keep``: the step's keep flags (None: all kept), read by the masking parts."""
         if self.fused:
             self._run_fused(grads, s)
         for r in self.rest:
@@ -371,8 +349,7 @@ def _adamw(
     host: bool,
     masks: Masks | None = None,
 ) -> None:
-    """The foreach AdamW step with the step counts read on the host (they live on the CPU);
-    ``masks``: see :class:`Masks` (the rejected gradients read as zeros already)."""
+    """The foreach AdamW step, its step counts read on the host; ``masks``: see :class:`Masks`."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
     counts = [float(s) for s in steps]
@@ -403,9 +380,8 @@ def _capturable_adamw(
     wd: float,
     masks: Masks | None = None,
 ) -> None:
-    """The foreach AdamW step with nothing read on the host: bias corrections from the step
-    counts on the device, the learning rate used as given (a number or a 0-d tensor);
-    ``masks``: see :class:`Masks` (the step counts then live on the host)."""
+    """The foreach AdamW step with nothing read on the host: bias corrections from the step counts
+    on the device, the learning rate a number or a 0-d tensor; ``masks``: see :class:`Masks`."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
     if wd and masks is not None:

@@ -17,8 +17,7 @@ class SignInputs:
         self.pick = Gather(positions)
 
     def run(self, sources: list[Tensor], owned: bool) -> None:
-        """Take the sign of those ``sources``: in place where they are the program's own NS input
-        buffers (``owned``: the momentum step wrote into them), else as new tensors."""
+        """Take the sign of those ``sources``: in place where ``owned`` (the program's own NS inputs)."""
         if owned:
             torch._foreach_sign_(self.pick(sources))
         else:

@@ -1,20 +1,15 @@
 """A bucket's momentum kept in the bucket's own layout: one ``(B, R, C)`` buffer per bucket,
 each member parameter's ``momentum_buffer`` a view of its slot.
 
-Off the host, a bucket stepped on its own (see ``MatrixProgram``) that masks a rejected
-gradient itself would otherwise step its momentum one matrix at a time: a rejected matrix needs
-weights of its own, and torch's foreach ops take per-tensor weights only as host scalars, so each
-matrix cost three launches (a masked gradient, the EMA, the NS input). With the momentum laid
-out as the bucket's NS input, the weights are one ``(B, 1, 1)`` tensor: each gradient goes into
-its slot (zeros if rejected), then the EMA and the NS input take one launch each for the whole
-bucket, each element through the operations the per-matrix step applies (``M.lerp_(g, w)``,
-then ``g.lerp(M, β)`` or ``M·1``), so the values are the same. (The layout
-is the idea of flat parameters, as in FSDP's ``FlatParameter``, applied to optimizer state.)
+Off the host, a bucket that masks rejected gradients itself would otherwise step its momentum one
+matrix at a time, since torch's foreach ops take per-tensor weights only as host scalars. Laid out
+as the bucket's NS input, the weights are one ``(B, 1, 1)`` tensor, and the EMA and the NS input
+take one launch each for the whole bucket through the per-matrix step's operations, so the values
+are the same. (The layout is the idea of flat parameters, as in FSDP's ``FlatParameter``, applied
+to optimizer state.)
 
-The parameters' state stays a tensor per parameter, as ``torch.optim`` keeps it: a view, in the
-parameter's shape (a transposed member's is a transposed view). A state dict saves each view
-with the storage they share; one loaded in its place is moved back into a bucket's buffer when
-the step is prepared again (``load_state_dict`` forgets the prepared step).
+The state stays a tensor per parameter, as ``torch.optim`` keeps it: a view in the parameter's
+shape. One loaded in its place is moved back into a bucket's buffer when the step is prepared again.
 """
 
 from __future__ import annotations
@@ -51,9 +46,8 @@ class BucketMomentum:
     def over(
         cls, frame: BucketFrame, items: Sequence[MatrixItem], grads: Gather, flag_places: tuple[int, ...]
     ) -> BucketMomentum:
-        """The step of a bucket whose members are ``items`` (in slot order, each with its
-        ``state``), their buffers moved into a new buffer (``buf`` and the state entry then the
-        member's view of it)."""
+        """The step of a bucket whose members are ``items`` (slot order, each with its ``state``),
+        their buffers moved into a new one: ``buf`` and the state entry become views of it."""
         buffer = torch.empty(frame.shape, dtype=items[0].buf.dtype, device=items[0].buf.device)
         views = frame.members(buffer)
         states: list[dict[str, Any]] = [it.state for it in items]  # type: ignore[misc]  # eligible ones have it
@@ -65,20 +59,15 @@ class BucketMomentum:
     def step(
         self, grads: Sequence[Tensor], batch: Tensor, keep: Tensor, beta: float, nesterov: bool
     ) -> Tensor | None:
-        """``M ← lerp(M, g, 1−β)`` and the NS input (``lerp(g, M, β)``, Nesterov, else ``M``)
-        written into ``batch``, the bucket's input buffer (the state must hold the members'
-        views: see :meth:`held`). A member ``keep`` rejects has its
-        gradient read as zeros and its EMA weight 0: its buffer stays as it was
-        (``M + 0·(0 − M)``). Its NS input is then ``M`` times 0 (exact zeros), or, Nesterov,
-        ``lerp(0, M, β)``, finite: the returned ``(B, 1, 1)`` flags are then the engine's
-        ``drop`` (``run_bucket``), whose normalisation zeroes it. (A per-slot weight would need
-        a tensor weight, and torch's ``lerp`` writes one only into its inputs' dtype, not the
-        NS dtype: the NS input would take a cast copy, a pass over the bucket.)"""
+        """``M ← lerp(M, g, 1−β)`` and the NS input (``lerp(g, M, β)``, Nesterov, else ``M``) written
+        into ``batch``, the bucket's input buffer. A rejected member's gradient is read as zeros and
+        its EMA weight is 0, so its buffer stays as it was (``M + 0·(0 − M)``); its NS input is then
+        ``M·0`` (exact zeros) or, Nesterov, ``lerp(0, M, β)``, finite: the returned ``(B, 1, 1)``
+        flags are then the engine's ``drop``, whose normalisation zeroes it."""
         M = self.buffer
         G = torch.empty(M.shape, dtype=M.dtype, device=M.device)
         flags = self._flags(keep)
         # each gradient, zeros if rejected, straight into its slot: one pass over the gradients
-        # (a stack and then a masked fill would take two)
         for g, rejected, slot in zip(self.grads(grads), (~flags).view(-1).unbind(0), self.frame.members(G)):
             torch.where(rejected, self.zero, g, out=slot)
         M.lerp_(G, torch.mul(flags, 1 - beta))
@@ -90,10 +79,8 @@ class BucketMomentum:
         return None
 
     def held(self) -> None:
-        """Each member's state still holds its view: where another tensor was put in its place
-        (a step prepared for other gradients keeps these members elsewhere, or a hand-made
-        change), its values are moved back into this buffer and the entry re-pointed. No
-        Python frame per member."""
+        """Make each member's state hold its view again where another tensor was put in its place
+        (its values are moved back into this buffer)."""
         current = [state[KEY] for state in self.states]
         if all(map(operator.is_, current, self.views)):
             return
@@ -117,10 +104,8 @@ def in_layout(
     grad_positions: Sequence[int],
     keep_positions: Sequence[int],
 ) -> BucketMomentum | None:
-    """Bucket ``b``'s momentum step in its layout, its members (``items``, in slot order, at
-    ``grad_positions`` among the step's gradients and ``keep_positions`` in its keep vector,
-    both by place in the program) moved there; None where the members do not fill the bucket
-    or are pieces of a parameter, or a compiler traces the step (no state is moved in a trace)."""
+    """Bucket ``b``'s momentum step in its layout, its members moved there; None where they do not
+    fill the bucket, are pieces of a parameter, or a compiler traces the step."""
     frame = engine.frame(b) if not torch.compiler.is_compiling() else None
     if frame is None or any(it.state is None for it in items):
         return None

@@ -1,9 +1,5 @@
-"""What every rule's ``collect`` reads: the parameters with a gradient this step, group by group,
-and each group's Newton–Schulz settings.
-
-The optimizer hands a rule a :class:`CollectEnv` — its state, how a group's ``lr`` is read, how a
-gradient is checked — so a rule never reaches into the optimizer.
-"""
+"""What every rule's ``collect`` reads: the parameters with a gradient this step, group by group.
+The optimizer hands a rule a :class:`CollectEnv`, so a rule never reaches into the optimizer."""
 
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ class CollectEnv(NamedTuple):
     state: Any  # the optimizer's ``state``: per-parameter dicts, created on first use
     lr_value: Callable[[Any], Any]  # a group's ``lr`` as the step uses it (host number or tensor)
     check_grad: Callable[[dict[str, Any], int, Tensor], None]  # raises naming the parameter
-    # a group's matrix maps (the group, its index), checked against its parameters' shapes: a
-    # map may have been set on the group since it was added
+    # a group's matrix maps (group, index), checked against its parameters' shapes
     maps: Callable[[dict[str, Any], int], list[MatrixMap]]
     capturable: bool  # state lives where a captured step can update it
     optimizer: str  # the optimizer's class name, for errors
@@ -35,8 +30,7 @@ class CollectEnv(NamedTuple):
 
 
 class Member(NamedTuple):
-    """A parameter with a gradient this step: its place in its group, its gradient (checked) and
-    its place among the step's parameters with gradients (a step program's positions)."""
+    """A parameter with a gradient this step; ``position``: its place among the step's live ones."""
 
     j: int
     param: Tensor

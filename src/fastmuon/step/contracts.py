@@ -1,12 +1,8 @@
 """The contracts between the layers, checked by mypy: what a rule offers (:class:`Rule`), the
-parts a variant supplies (a kind of stage after NS: :class:`AfterNSKind`, and the batched stage
-it makes: :class:`AfterNSStage`), an update's elementwise half (:class:`HalfProgram`), what an
-engine offers the matrix program (:class:`Engine`, :data:`EngineFor`). Each has several
-implementations.
-
-They live in ``step/``, the lowest layer that holds every type they name; a rule satisfies
-:class:`Rule` as a module (its functions and constants are the members) or as an object
-(:class:`~fastmuon.rules.second_moment.StagedRule`, one class for several optimizers).
+stage after NS a variant supplies (:class:`AfterNSKind`, :class:`AfterNSStage`), an update's
+elementwise half (:class:`HalfProgram`) and what an engine offers the matrix program
+(:class:`Engine`, :data:`EngineFor`). They live in ``step/``, the lowest layer that holds every
+type they name; a rule satisfies :class:`Rule` as a module or as an object.
 """
 
 from __future__ import annotations
@@ -45,13 +41,11 @@ EngineFor = Callable[[list[Tensor], list[NSConfig], list[Any]], Engine]
 
 
 class AfterNSStage(Protocol):
-    """A stage after NS over a program's matrices (what :meth:`AfterNSKind.batched` makes):
-    it maps their NS results, in the program's order, to the updates applied. ``classes``
-    (position lists first) and ``run_class`` let a step that runs bucket by bucket run it per
-    class of matrices stacked together. A stage whose class attribute ``masks_rejected`` is
-    True leaves a rejected matrix's state as it was when ``run_class`` is given the class's
-    keep ``flags`` (its ``flags(c, keep)``), so that its buckets need no copy; one without it
-    is never given flags, and its matrices are copied and put back."""
+    """A stage after NS over a program's matrices: maps their NS results, in the program's order,
+    to the updates applied; ``classes`` and ``run_class`` let a bucket-by-bucket step run it per
+    class. One whose ``masks_rejected`` is True leaves a rejected matrix's state as it was given
+    the class's keep ``flags``; one without it is never given flags (its matrices are copied and
+    put back)."""
 
     classes: list[Any]
 
@@ -63,14 +57,10 @@ class AfterNSStage(Protocol):
 
 
 class AfterNSKind(Protocol):
-    """A kind of stage after NS, as a variant of Muon is made of one (``StagedRule``): what it
-    adds to each matrix item, the state it keeps, its settings per step, its batched stage and
-    its per-matrix reference. Implemented by the second moment of NorMuon and AdaMuon
-    (``fastmuon.step.moments.SecondMoment``); a new stage implements it outside the core.
-
-    ``key``: the state entry it keeps per matrix parameter (None: none), shaped as ``shaped``
-    says (:data:`LIKE_PARAM`, or :data:`VECTOR` with :meth:`shape`) and following ``role`` in
-    checkpoints (None: not carried across optimizers)."""
+    """A kind of stage after NS, of which a variant of Muon is made (``StagedRule``): what it adds
+    to each matrix item, its state, its settings per step, its batched stage and its per-matrix
+    reference (e.g. ``fastmuon.step.moments.SecondMoment``). ``key``: the state entry it keeps per
+    matrix parameter (None: none), shaped as ``shaped`` says and following ``role`` in checkpoints."""
 
     @property
     def key(self) -> str | None: ...
@@ -134,14 +124,12 @@ class RuleItems(Protocol):
 
 @runtime_checkable
 class Rule(Protocol):
-    """An update rule of :mod:`fastmuon.rules` (a module, or an object with these members), named by its optimizer class.
+    """An update rule of :mod:`fastmuon.rules` (a module, or an object with these members).
 
-    ``family``: its name in checkpoints; ``other_update``: the update the parameters it does not
-    orthogonalise take ("SGD", "AdamW"), as warnings and plan notes name it; ``state_keys``: each
-    state entry it may keep and how it is shaped (:data:`LIKE_PARAM`, :data:`COUNT`,
-    :data:`VECTOR`). ``scalars`` returns the step's pattern (the hyperparameters' equality
-    classes, which decide whether a prepared program still fits) and its scalars; ``build``
-    and ``reference`` take the items ``collect`` returned and that pattern.
+    ``family``: its name in checkpoints; ``other_update``: the update of the parameters it does not
+    orthogonalise ("SGD", "AdamW"); ``state_keys``: each state entry's shape kind. ``scalars``
+    returns the step's pattern (the hyperparameters' equality classes, which decide whether a
+    prepared program still fits) and its scalars.
     """
 
     family: str

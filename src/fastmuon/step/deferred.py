@@ -1,24 +1,16 @@
 """``nonfinite="raise"`` on an accelerator: the verdict on a step's gradients read one call later.
 
 Asking before the update whether every gradient is finite would make the host wait for the
-device's whole queue every step. So on an accelerator the step runs masked, as ``"skip"`` runs
-(a parameter with a bad gradient keeps its weights and every state tensor), and only its flags
-travel: a non-blocking copy into a small pinned host buffer with an event recorded behind it.
-The next ``step()`` (before it changes anything) or ``state_dict()`` reads them, waiting for
-the event if it has not passed, and raises naming the parameters that step left untouched.
+device every step. So the step runs masked, as ``"skip"`` runs, and only its flags travel: a
+non-blocking copy into a pinned host buffer behind an event. The next ``step()`` (before it
+changes anything) or ``state_dict()`` reads them, waiting for the event if need be, and raises
+naming the parameters that step left untouched.
 
-Why the next step waits rather than reading the flags only once they have arrived:
-
-- the ranks of a distributed run must raise alike (the other ranks would wait in the step's
-  collectives). The flags are agreed across ranks before their copy, so every rank reads the
-  same verdict; whether the copy has arrived differs by rank, so "read if arrived" would not;
-- what the step keeps on the host (AdamW's step counts beside accelerator parameters) is put
-  back when the flags are read, and must be before the next step changes it;
-- the wait costs nothing in a training loop: the event is recorded at the end of the step's
-  work, and the next ``step()`` comes after the forward and backward of the next batch have
-  been queued behind it. It blocks only a host more than a whole iteration ahead of the device.
-
-``zero_grad()`` reads nothing, for the first reason.
+The next step waits rather than reading the flags only once they have arrived: the ranks of a
+distributed run must raise alike (the flags are agreed before their copy; whether it has arrived
+differs by rank), and what the step keeps on the host (AdamW's step counts) must be put back
+before the next step changes it. In a training loop the wait costs nothing: the next batch's
+forward and backward are queued behind the event. ``zero_grad()`` reads nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +23,7 @@ from torch import Tensor
 
 
 def host_buffer(size: int) -> Tensor:
-    """A bool vector of ``size`` in pinned host memory (a copy into it need not block), or in
-    plain host memory where nothing can pin it (no accelerator, a trace on fake tensors)."""
+    """A bool vector of ``size`` in pinned host memory, or in plain memory where nothing can pin it."""
     try:
         return torch.empty(size, dtype=torch.bool, pin_memory=True)
     except RuntimeError:
@@ -40,9 +31,8 @@ def host_buffer(size: int) -> Tensor:
 
 
 def recorded_event(device: torch.device) -> Any | None:
-    """A new event recorded on ``device``'s current stream (behind the work queued there), or
-    None where none can be made: a CPU runs nothing behind the host's back, and a trace on
-    fake tensors has no driver to make one."""
+    """A new event recorded behind the work queued on ``device``'s current stream, or None where
+    none can be made (a CPU, a trace on fake tensors)."""
     if device.type == "cpu":
         return None
     event: torch.cuda.Event | torch.Event
@@ -59,13 +49,9 @@ def recorded_event(device: torch.device) -> Any | None:
 
 
 class PendingFlags:
-    """One step's finite flags (``flags[k]``: whether gradient ``k`` was finite, on the host
-    once ``event`` has passed), and what to finish if any was not.
-
-    ``name(k)`` names the step's ``k``-th parameter; ``finish(flags)`` puts back what the step
-    could not put back on the device (tensors kept on the host, such as AdamW's step counts) for
-    the parameters whose flag is False.
-    """
+    """One step's finite flags (``flags[k]``: whether gradient ``k`` was finite, on the host once
+    ``event`` has passed); ``name(k)`` names the step's ``k``-th parameter; ``finish(flags)`` puts
+    back what only the host can (its tensors, such as AdamW's step counts) where a flag is False."""
 
     def __init__(
         self,
@@ -131,5 +117,4 @@ class PendingFlags:
 
 
 def nothing_to_finish(flags: Tensor) -> None:
-    """What is left to put back once the device has put back everything (or it is done), and
-    where nothing was copied (the update left every rejected parameter as it was)."""
+    """Nothing left to put back (the device did it all, or nothing was copied)."""

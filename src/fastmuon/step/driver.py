@@ -1,16 +1,11 @@
 """Running a step: find or prepare its program, check its gradients, run it; or run the rule's
 per-parameter reference. Everything the driver needs of the optimizer comes in a :class:`StepEnv`.
 
-A step is one sequence of phases: where it runs (a :class:`Site`, worked out once per parameter
-list), its gradients (in a distributed run, agreed on by every rank), its program (the one kept
-for this step's key while it fits, else one prepared now, under a guard that takes back the
-state a refused step made), and the run under the program's non-finite guard.
-
 A program is prepared on the first step and again when the set of parameters with gradients,
-their layouts, the groups or the equality classes of their hyperparameters change; a later step
-reads the gradients and the groups' hyperparameters and runs a fixed sequence of foreach and NS
-calls. In a distributed run the set is the one the ranks agree on at every step (a gradient on
-any rank; zeros stand in where a rank has none).
+their layouts, the groups or the equality classes of their hyperparameters change, under a guard
+that takes back the state a refused step made; a later step only reads the gradients and the
+hyperparameters and runs a fixed sequence of foreach and NS calls. In a distributed run the set
+is the one the ranks agree on (zeros stand in where a rank has no gradient).
 """
 
 from __future__ import annotations
@@ -55,8 +50,7 @@ _is_none = functools.partial(operator.is_, None)
 
 
 def _grads_of(params: Sequence[Tensor]) -> list[Tensor | None]:
-    """Every parameter's ``.grad``: a comprehension, which dynamo traces (an ``attrgetter``
-    breaks a compiled step's graph, and every frame after the break then compiles alone)."""
+    """Every ``.grad``: a comprehension, which dynamo traces (an ``attrgetter`` breaks the graph)."""
     return [p.grad for p in params]
 
 
@@ -66,9 +60,7 @@ Agree = Callable[[Tensor], Tensor]
 
 @dataclass
 class Ready:
-    """A kept or prepared program with this step's gradients, ready to run. A dataclass, not a
-    NamedTuple: made every step, and its ``__init__`` is one Python call where a NamedTuple's
-    constructor is two."""
+    """A kept or prepared program with this step's gradients (a dataclass: cheaper than a NamedTuple)."""
 
     program: StepProgram
     live: list[Tensor]  # the gradients of the parameters it updates
@@ -100,11 +92,9 @@ Kind = Literal["single", "replicated", "sharded"]
 
 @dataclass(frozen=True)
 class Site:
-    """Where a step runs and over what, worked out once per parameter list (and process group):
-    ``params``, every group's parameters in order as the step reads their gradients; ``owners``,
-    each one's ``(group, index in it)``, to name it; ``kind``, one of :data:`SINGLE`,
-    :data:`REPLICATED` (collectives over ``process_group``) and :data:`SHARDED` (over the parts
-    table's group: see :meth:`StepDriver.ranks`)."""
+    """Where a step runs and over what, worked out once per parameter list and process group:
+    ``params`` in the order a step reads their gradients, each one's ``owners`` ``(group, index)``
+    to name it, and ``kind`` (:data:`SINGLE`, :data:`REPLICATED` or :data:`SHARDED`)."""
 
     params: list[Tensor]
     owners: list[tuple[Group, int]]
@@ -126,8 +116,7 @@ class Site:
 
 
 def _engine_key(whole: Any, config: NSConfig) -> Hashable:
-    """What an engine depends on for one matrix: its layout, dtype, device and NS settings
-    (a sharded matrix: its description, see fastmuon.distributed)."""
+    """What an engine depends on for one matrix: its layout, dtype, device and NS settings."""
     if isinstance(whole, Tensor):
         return (whole.shape, whole.stride(), whole.dtype, whole.device, config)
     return (whole, config)
@@ -147,9 +136,7 @@ class StepDriver:
         self._site: Site | None = None  # the last step's, while its parameter list holds
 
     def raise_pending(self) -> None:
-        """Read the last step's deferred non-finite verdict, if any (see
-        :mod:`fastmuon.step.deferred`), and raise if a gradient was not finite. The verdict is
-        read once: after the error the next call goes on."""
+        """Raise if the last step's deferred verdict found a non-finite gradient (read once)."""
         pending = self.pending
         if pending is None:
             return
@@ -157,8 +144,7 @@ class StepDriver:
         pending.check()
 
     def complete_pending(self) -> None:
-        """Finish the last step's restore of parameters with a non-finite gradient without
-        raising (the verdict stays for the next call): what a copy of the optimizer holds."""
+        """Finish the last step's restore without raising (the verdict stays for the next call)."""
         if self.pending is not None:
             self.pending.complete()
 
@@ -205,8 +191,7 @@ class StepDriver:
             self.pending = guard.settle(saved, keep, program.name_of(env.param_name), self.steps, whole)
 
     def site(self, env: StepEnv) -> Site:
-        """Where this call runs (the last call's :class:`Site` while the parameters and the
-        process group are the same)."""
+        """Where this call runs (the last call's :class:`Site` while parameters and group hold)."""
         flat, sharded = self.cache.params(env.groups)
         site = self._site
         if site is None or site.params is not flat or site.process_group is not env.process_group:
@@ -216,8 +201,7 @@ class StepDriver:
     def _kept(
         self, env: StepEnv, grads: list[Tensor | None], pattern: Hashable, agree: Agree | None
     ) -> tuple[Ready | None, StepProgram | None]:
-        """The kept program for this step's key, ready, if it fits this step's gradients; else
-        None and the kept program that does not fit (None: none kept)."""
+        """The kept program for this key, ready, if it fits; else None and the misfit (None: none kept)."""
         program: StepProgram | None = self.cache.programs.get((tuple(map(_is_none, grads)), pattern))
         if program is None:
             return None, None
@@ -236,9 +220,8 @@ class StepDriver:
         misfit: StepProgram | None,
         remember: bool,
     ) -> Ready:
-        """A program prepared for this step (``grads``: read already, or None to read them
-        here), kept for the steps after if ``remember``. ``misfit``: the kept program for the
-        same key, whose layouts no longer fit: its matrices are the same, so its engine serves."""
+        """A program prepared for this step, kept for later steps if ``remember``. ``misfit``: the
+        kept program for this key whose layouts no longer fit: its engine serves."""
         with self._refusal_leaves_no_state(env):
             if grads is None:
                 grads = self._gradients(env, site)
@@ -291,10 +274,9 @@ class StepDriver:
 
     @contextlib.contextmanager
     def _refusal_leaves_no_state(self, env: StepEnv) -> Iterator[None]:
-        """A step refused while preparing (a bad or non-finite gradient) leaves the optimizer as
-        it was: no zero buffers for parameters it never stepped. No program over them remains
-        either: a program is remembered only once its step is accepted (so, in a distributed
-        run, every rank remembers the same programs: a refusal on one rank changes none)."""
+        """A step refused while preparing leaves the optimizer as it was: no new state, and no
+        program, since one is remembered only once its step is accepted (so in a distributed run
+        every rank remembers the same programs)."""
         mark = mark_state(env.state)
         initialised = self.initialised
         try:
@@ -305,9 +287,8 @@ class StepDriver:
             raise
 
     def _gradients(self, env: StepEnv, site: Site) -> list[Tensor | None]:
-        """Every parameter's gradient this step; in a distributed run, those of the parameters
-        the ranks agree on (zeros where only another rank has one), after making every
-        parameter's state on the first step (every rank holds all of it: rank-symmetric)."""
+        """Every parameter's gradient this step; in a distributed run, of the parameters the ranks
+        agree on (zeros where only another rank has one), every state made on the first step."""
         flat = site.params
         if site.kind == SINGLE:
             return _grads_of(flat)
@@ -327,8 +308,7 @@ class StepDriver:
         return grads
 
     def ranks(self, site: Site) -> ProcessGroup | None:
-        """The group a distributed step's collectives go over: DDP's, or the ranks the DTensors'
-        meshes span (known once the parts table is built; None: the default group)."""
+        """The group a distributed step's collectives go over: DDP's, or the ranks the DTensors' meshes span."""
         return self.cache.parts.group if site.kind == SHARDED else site.process_group
 
     def _collect(self, env: StepEnv, site: Site, grads: Sequence[Tensor | None]) -> Any:
@@ -355,11 +335,9 @@ class StepDriver:
         pattern: Hashable,
         engine: Any = None,
     ) -> StepProgram:
-        """The program for this step's ``grads`` (zeros where only another rank has one).
-        ``engine``: the orthogonalizer of a program for the same key that no longer fits this
-        step's layouts (its matrices are the same); reusing it leaves the engine cache
-        untouched, which in a distributed run must change alike on every rank (building an
-        engine takes a collective), while a misfit is one rank's own."""
+        """The program for this step's ``grads``. ``engine``: a misfit program's orthogonalizer for
+        the same key; reusing it leaves the engine cache untouched, which in a distributed run
+        must change alike on every rank, while a misfit is one rank's own."""
         items = self._collect(env, site, grads)
         if site.kind == SHARDED:
             for part in items:
@@ -408,9 +386,8 @@ class StepDriver:
         key = (policy, tuple(map(_engine_key, wholes, configs)))
         return self.cache.engine(key, lambda: self._build(env, site, params, configs, wholes, policy))
 
-    # planning is host-side bookkeeping: nothing for a compiler to trace. torch.compiler.disable
-    # would import torch._dynamo with fastmuon; torch's own lazy form (what torch.optim's
-    # add_param_group uses) imports it on the first call
+    # planning is host-side bookkeeping: nothing to trace (torch's lazy form of
+    # torch.compiler.disable does not import torch._dynamo with fastmuon)
     @torch._disable_dynamo
     def _build(
         self,
@@ -421,8 +398,7 @@ class StepDriver:
         wholes: Sequence[Any],
         policy: str,
     ) -> Any:
-        """The engine for these matrices: across ranks under DDP or where any is held in parts,
-        else this process's own."""
+        """The engine for these matrices: distributed under DDP or where any is held in parts."""
         if site.process_group is not None or any(map(operator.is_not, wholes, params)):
             build_local = functools.partial(self._build_local, env.options)
             ctx = DistContext(
@@ -449,9 +425,7 @@ class StepDriver:
         )
 
     def plan(self, env: StepEnv) -> Plan | None:
-        """The plan of the last step or, before one, the plan the next step would use for the
-        parameters that have gradients now, built without stepping (no state is created).
-        None where nothing is batched yet (see ``MatrixOptimizer.plan``)."""
+        """The last step's plan or, before one, the next step's, built without creating state (or None)."""
         if self.cache.last_plan is not None or env.options.foreach is False:
             return self.cache.last_plan
         site = self.site(env)
@@ -473,9 +447,8 @@ class StepDriver:
 
 
 def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
-    """Each value's class in each sequence: the index of its first equal value (equality of
-    floats, identity of tensors). Two steps with equal classes partition the parameters alike.
-    One call for all of a step's sequences."""
+    """Each value's class in each sequence: the index of its first equal value. Two steps with
+    equal classes partition the parameters alike."""
     out: list[tuple[int, ...]] = []
     for vs in values:
         first: dict[Hashable, int] = {}
@@ -485,18 +458,15 @@ def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
 
 @dataclass
 class TwoHalves:
-    """A rule's update prepared once as its two halves, which the driver runs in turn: the
-    matrices' (:class:`~fastmuon.step.matrix.MatrixProgram`), then the elementwise one (SGD,
-    AdamW) on the parameters after it, each reading its field of the step's scalars."""
+    """A rule's update prepared as its two halves, run in turn: the matrices'
+    (:class:`~fastmuon.step.matrix.MatrixProgram`), then the elementwise one (SGD, AdamW)."""
 
     matrices: MatrixProgram
     elementwise: HalfProgram
 
     def self_masked(self) -> frozenset[int]:
-        """The parameters (places among the step's gradients) whose update leaves them and all
-        their device state as they were where ``keep`` rejects their gradient, with nothing put
-        back: those that every half stepping them masks (MuSGD's large matrices are stepped and
-        masked by both)."""
+        """The parameters whose update leaves them and their device state as they were where
+        ``keep`` rejects their gradient: those every half stepping them masks."""
         matrices, elementwise = self.matrices.self_masked(), self.elementwise.self_masked()
         on_matrices, on_elementwise = self.matrices.positions, self.elementwise.positions
         return frozenset(
@@ -507,13 +477,9 @@ class TwoHalves:
 
 
 class StepProgram:
-    """One step, prepared: the update's program and what every step around it needs.
-
-    ``live`` picks the parameters with gradients out of the optimizer's flat parameter list;
-    ``guard`` (:class:`~fastmuon.step.nonfinite.NonFiniteGuard`) handles NaN/Inf gradients;
-    ``owners`` (``(group, j)`` each) name the parameters in errors; ``shards`` (sharded
-    parameters: :class:`~fastmuon.distributed.dtensor.LocalShards`) the local tensors the
-    program updates, whose gradients a step takes as local shards too.
+    """One step, prepared: the update's program and what every step around it needs. ``live``
+    picks the parameters with gradients out of the flat list; ``owners`` (``(group, j)``) name them
+    in errors; ``shards`` (sharded parameters) are the local tensors the program updates.
     """
 
     def __init__(
@@ -544,8 +510,7 @@ class StepProgram:
         return picked
 
     def fits(self, grads: list[Tensor]) -> bool:
-        """Whether this step's gradients have the layouts the program was built for (and the
-        sharded parameters still the local tensors it updates)."""
+        """Whether this step's gradients (and sharded parameters) still have the layouts built for."""
         return self.update.elementwise.fits(grads) and (self.shards is None or self.shards.current())
 
     def name_of(self, param_name: Callable[[dict[str, Any], int], str]) -> Callable[[int], str]:
@@ -559,8 +524,7 @@ CACHE_SIZE = 4
 
 
 class StepCache:
-    """Programs by step key, executors by matrix key, the flat parameters (and, over DTensors,
-    every rank's part of each), the last plan."""
+    """Programs by step key, executors by matrix key, the flat parameters, the last plan."""
 
     def __init__(self, last_plan: Plan | None = None):
         self.programs: dict[Hashable, Any] = {}
@@ -571,8 +535,7 @@ class StepCache:
         self.parts = PartsTable()  # where each rank's part of every parameter lies (DTensors)
 
     def params(self, groups: list[dict[str, Any]]) -> tuple[list[Tensor], bool]:
-        """Every group's parameters in order, as a step reads their gradients, and whether any
-        is a DTensor (FSDP2: the step is then a distributed one)."""
+        """Every group's parameters in order, and whether any is a DTensor (a distributed step)."""
         if self._params is None:
             flat = [p for g in groups for p in g["params"]]
             self._params = (flat, any(map(is_dtensor, flat)))
@@ -582,9 +545,8 @@ class StepCache:
         return self.programs.get(key)
 
     def remember(self, key: Hashable, program: Any) -> None:
-        """Keep ``program`` for later steps with ``key`` (the oldest goes past a few). A program
-        replacing a misfit one takes its place in the order, so the programs a distributed run
-        keeps, and which it forgets, are the same on every rank."""
+        """Keep ``program`` for ``key`` (the oldest goes past :data:`CACHE_SIZE`); a replaced misfit
+        keeps its place, so every rank of a distributed run keeps and forgets the same programs."""
         self.programs[key] = program
         if len(self.programs) > CACHE_SIZE:
             del self.programs[next(iter(self.programs))]
@@ -603,8 +565,7 @@ class StepCache:
         return engine
 
     def noted(self, plan: Plan, note: str) -> Plan:
-        """``plan`` with ``note`` added: the same object while neither changes (a reused plan is
-        the same plan to whoever asks for it twice)."""
+        """``plan`` with ``note`` added: the same object while neither changes."""
         kept = self._noted
         if kept is not None and kept[0] is plan and kept[1] == note:
             return kept[2]
@@ -624,12 +585,8 @@ class StepCache:
 
 
 def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
-    """``(indices, ok)`` per (device, dtype) of the non-empty gradients: ``ok[k]`` is True when
-    every entry of ``grads[indices[k]]`` is finite.
-
-    The max-abs norm is inf or NaN exactly when some entry is, and unlike a sum of squares it
-    cannot overflow on huge but finite gradients. One fused norm call per (device, dtype).
-    """
+    """``(indices, ok)`` per (device, dtype) of the non-empty gradients: ``ok[k]`` is whether
+    ``grads[indices[k]]`` is all finite (a max-abs norm, which cannot overflow as a sum of squares)."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
@@ -641,15 +598,13 @@ def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
 
 
 def _finite(tensors: list[Tensor], host: bool) -> Tensor:
-    """Whether each tensor's entries are all finite, as a bool vector: a max-abs norm is below
-    inf exactly when no entry is NaN or ±inf (NaN compares False), one comparison kernel."""
+    """Whether each tensor is all finite, as a bool vector: max-abs below inf (NaN compares False)."""
     return _max_abs(tensors, host) < math.inf
 
 
 def _max_abs(tensors: list[Tensor], host: bool) -> Tensor:
-    """Each tensor's largest |entry|, stacked. On the host's CPU (``host``) the fused inf-norm
-    runs one slow kernel per tensor, slower than abs + max there; a compiler's trace takes the
-    inf-norm everywhere (it cannot trace ``_foreach_max`` and would break the graph there)."""
+    """Each tensor's largest |entry|, stacked: abs + max on the host's CPU, where the fused inf-norm
+    is slow; the inf-norm in a compiler's trace, which cannot trace ``_foreach_max``."""
     if host and not torch.compiler.is_compiling():
         return torch.stack(torch._foreach_max(torch._foreach_abs(tensors)))
     return torch.stack(torch._foreach_norm(tensors, ord=float("inf")))
@@ -658,15 +613,12 @@ def _max_abs(tensors: list[Tensor], host: bool) -> Tensor:
 def raise_if_nonfinite(
     grads: Sequence[Tensor], name: Callable[[int], str], *, flags_given: bool = False
 ) -> None:
-    """Raise naming the first parameter whose gradient holds NaN/Inf (one host sync per device).
-
-    With ``flags_given`` the first argument holds finished 0-d flags instead of gradients."""
+    """Raise naming the first parameter with a NaN/Inf gradient (``flags_given``: 0-d flags given)."""
     if flags_given:
         groups = [(list(range(len(grads))), torch.stack(list(grads)))] if grads else []
     else:
-        # Fast screen first: an L2 norm is finite whenever every entry is (it only errs the
-        # other way, when squares of huge finite entries overflow), and it is the cheapest fused
-        # reduction on both CPU and GPU. Only a failed screen pays for the exact max-abs check.
+        # screen first with the cheapest fused reduction: an L2 norm is finite whenever every entry
+        # is (it errs only the other way, on overflow); only a failed screen pays for max-abs
         by_device: dict[torch.device, list[Tensor]] = {}
         for g in grads:
             if g.numel() > 0:
@@ -692,8 +644,7 @@ def raise_if_nonfinite(
 
 
 class FiniteCheck:
-    """Which of a fixed list of gradients are finite, as one bool vector on the first one's
-    device: one fused max-abs per (device, dtype), no host read (the lists are made once)."""
+    """Which of a fixed list of gradients are finite, as one bool vector on the device: no host read."""
 
     def __init__(self, grads: Sequence[Tensor]):
         self.size = len(grads)
@@ -702,9 +653,7 @@ class FiniteCheck:
         for i, g in enumerate(grads):
             if g.numel() > 0:
                 groups.setdefault((g.device, g.dtype), []).append(i)
-        # (pick, positions, whether on the host's CPU): decided here, once per program. A plain
-        # tuple: the per-parameter path builds a check every step, and a record's constructor
-        # would be one more Python call there
+        # (pick, positions, on the host's CPU), a plain tuple: a record costs a call per step
         self._groups = [
             (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
             for (where, _), idx in groups.items()
@@ -732,17 +681,11 @@ class FiniteCheck:
 
 
 class NonFiniteGuard:
-    """A step's handling of NaN/Inf gradients over a fixed list of gradients.
-
-    ``mode`` "raise" refuses the step naming the first bad parameter; "skip" puts each
-    parameter with a bad gradient and all of ``states[i]`` back after the update (``params[i]``
-    owns ``grads[i]``); "ignore" does nothing. In a distributed run the ranks must decide alike
-    (a NaN may sit in one rank's shard only): :meth:`keep` then takes ``agree``, which combines
-    every rank's flags.
-
-    With ``defer`` (the prepared step), "raise" over gradients not all on the host's CPU is
-    ``deferred``: the step runs masked as "skip" runs, and :meth:`settle` sends its flags to
-    the host for the next call to read, so no step waits for the device.
+    """A step's handling of NaN/Inf gradients over a fixed list of gradients (see
+    :mod:`fastmuon.step.nonfinite`): ``params[i]`` owns ``grads[i]`` and ``states[i]``. In a
+    distributed run :meth:`keep` takes ``agree``, which combines every rank's flags, so that the
+    ranks decide alike. With ``defer`` (the prepared step) "raise" off the host's CPU runs masked
+    as "skip" and leaves its verdict for the next call (:mod:`fastmuon.step.deferred`).
     """
 
     def __init__(
@@ -761,8 +704,7 @@ class NonFiniteGuard:
             mode == "raise" and defer and bool(params) and not all(device.is_host(g.device) for g in grads)
         )
         masking = mode == "skip" or self.deferred
-        # what the update leaves as it was by itself (see TwoHalves.self_masked) is never
-        # copied: of such a parameter only a step count may be
+        # what the update leaves as it was by itself is never copied, but for a step count
         rest = [
             i
             for i in range(len(params))
@@ -778,9 +720,8 @@ class NonFiniteGuard:
             SkipPlan(params, states, range(len(params))) if masking and params and self_masked else self.skip
         )
         self.masking = masking and bool(params)
-        # a "skip" over accelerator gradients whose state lies partly on the host (AdamW's step
-        # counts) puts that part back when the flags reach the host, as a deferred "raise" does:
-        # reading them at once would make the host wait for the device every step
+        # a "skip" whose state lies partly on the host (AdamW's step counts) puts that part back
+        # when the flags reach the host: reading them now would wait for the device every step
         self.host_later = (
             mode == "skip"
             and self.skip_all is not None
@@ -795,9 +736,8 @@ class NonFiniteGuard:
         name: Callable[[int], str],
         agree: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor | None:
-        """Call after the state buffers exist and before anything is written: raises (a
-        "raise" that is not deferred), or returns the keep vector (one bool per gradient, on the
-        device) whose ``False`` entries :meth:`settle` puts back; ``None``: nothing to put back."""
+        """Call once the state exists and before anything is written: raises, or returns the keep
+        vector (one bool per gradient, on the device); None: nothing to put back."""
         if self.mode == "ignore" or not grads:
             return None
         # a traced step decides on the host as the CPU does: nothing of it outlives the trace
@@ -813,11 +753,9 @@ class NonFiniteGuard:
         return agree(keep) if agree is not None else keep
 
     def snapshot(self, keep: Tensor | None, whole: bool = False) -> list[Tensor] | None:
-        """What the update may overwrite, saved (only where something may have to go back and
-        the update does not keep it as it was by itself). ``whole``: this step's update does
-        not take its self-masking path (an orthogonalize hook or a compiler's trace makes the
-        matrix half run all buckets at once, unmasked): everything is saved. :meth:`restore`
-        and :meth:`settle` are given the same ``whole``."""
+        """What the update may overwrite and does not keep by itself, saved. ``whole``: this step
+        runs the matrix half unmasked (a hook or a compiler's trace): everything is saved, and
+        :meth:`restore` and :meth:`settle` get the same ``whole``."""
         plan = self.skip_all if whole else self.skip
         return plan.snapshot() if keep is not None and plan is not None else None
 
@@ -835,9 +773,8 @@ class NonFiniteGuard:
         step: int,
         whole: bool = False,
     ) -> PendingFlags | None:
-        """After a completed update: "skip" puts everything copied back now (None). A deferred
-        "raise" puts back what lives on the device, starts the flags' copy to the host and
-        returns them, pending: read, they raise and put back the host's tensors too."""
+        """After a completed update: "skip" puts back everything now (None); a deferred "raise" puts
+        back what lives on the device and returns the flags, pending, to finish and raise later."""
         if not self.masking:
             return None
         plan = self.skip_all if whole else self.skip

@@ -1,9 +1,6 @@
-"""The elementwise steps of the update pipeline, each one fused ``torch._foreach_*`` call or two.
-
-momentum → orthogonalise → scale → apply: the optimizers compose these over lists of tensors
-(one list per set of shared hyperparameters), so the elementwise work costs a handful of
-kernels per step however many parameters there are. Nothing here writes to a gradient, and a
-function that returns a buffer it also modifies says so.
+"""The elementwise steps of the update pipeline, each one fused ``torch._foreach_*`` call or two,
+over lists of tensors that share hyperparameters: a handful of kernels per step however many
+parameters there are. Nothing here writes to a gradient.
 """
 
 from __future__ import annotations
@@ -30,15 +27,11 @@ T = TypeVar("T")
 
 
 def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
-    """Whether torch's fused optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p``
-    and its gradient and state (``others``) right: on the host's CPU, and with ``cuda`` on CUDA
-    too, where ``torch.optim``'s ``fused=True`` runs them (one launch per call there, where the
-    foreach path takes several; the SGD kernel only: the AdamW one wants its step counts on the
-    device, and ours stay on the host as torch's unfused AdamW keeps them). They walk the
-    tensors' memory in step without looking at strides, so all must share one dense layout (a
-    channels_last weight with a contiguous gradient gets a wrong update); the SGD kernel's
-    bf16/fp16 path misreads the momentum buffer in torch 2.13, so fp32/fp64 only. Not under
-    ``torch.compile`` (the ops have no fake kernel)."""
+    """Whether torch's fused optimizer kernels (``_fused_sgd_``, ``_fused_adamw_``) get ``p`` and
+    its gradient and state (``others``) right: on the host's CPU, and with ``cuda`` on CUDA (the
+    SGD kernel only: the AdamW one wants its step counts on the device). They walk memory without
+    looking at strides, so all must share one dense layout; the SGD kernel's bf16/fp16 path
+    misreads the momentum buffer in torch 2.13, so fp32/fp64 only. Not under ``torch.compile``."""
     return fused_kernel_on(p.device, cuda) and (
         p.dtype in (torch.float32, torch.float64)
         and all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride() for t in others)
@@ -48,16 +41,13 @@ def fusable(p: Tensor, *others: Tensor, cuda: bool = False) -> bool:
 
 
 def fused_kernel_on(where: torch.device, cuda: bool = False) -> bool:
-    """Whether :func:`fusable` takes torch's fused kernels on ``where``: the host's CPU, and with
-    ``cuda`` a CUDA device."""
+    """Whether :func:`fusable` takes torch's fused kernels on ``where``."""
     return device.is_host(where) or (cuda and where.type == "cuda")
 
 
 def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor], cuda: bool = False) -> bool:
-    """:func:`fusable` for ``p``'s state ``buffers`` wherever they are stored (see
-    :mod:`fastmuon.step.state_dtype`): in ``p``'s dtype the kernel steps them as they are; in
-    another it steps their working copies, which take the arithmetic dtype and the buffers'
-    strides, so that dtype must be ``p``'s (fp32 parameters, narrower state)."""
+    """:func:`fusable` for ``p``'s state ``buffers`` in any dtype: working copies of ones in another
+    dtype take the arithmetic dtype and the buffers' strides, so that must be ``p``'s dtype."""
     if all(b.dtype == p.dtype for b in buffers):
         return fusable(p, grad, *buffers, cuda=cuda)
     return (
@@ -68,10 +58,9 @@ def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor], cuda: boo
 
 
 def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
-    """``value`` for a foreach multiply of tensors like ``like``: on the host's CPU (``host``) a
-    0-d tensor, since there each tensor's ``mul_`` by a Python number first wraps the number in a
-    new tensor (five extra ops per tensor). It takes ``like``'s dtype, as that wrapping does, so
-    the products are bit for bit the same (any other dtype rounds differently)."""
+    """``value`` for a foreach multiply of tensors like ``like``: on the host's CPU a 0-d tensor of
+    ``like``'s dtype, since each ``mul_`` by a Python number there first wraps it in one (five
+    extra ops per tensor); the products are bit for bit the same."""
     return torch.tensor(value, dtype=like.dtype) if host else value
 
 

@@ -32,8 +32,7 @@ from .state_dtype import arithmetic_dtype, store_, widened
 
 
 def state_buffer(state: dict[str, Any], key: str, p: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """The named momentum buffer of ``p``, created as zeros in ``p``'s memory format and in
-    ``dtype`` (None: ``p``'s)."""
+    """``p``'s momentum buffer ``key``, made as zeros in ``p``'s memory format and ``dtype`` (None: ``p``'s)."""
     buf = state.get(key)
     if buf is None:
         buf = state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
@@ -59,12 +58,9 @@ def matrix_items(
     parts: Any = None,
     state_dtype: torch.dtype | None = None,
 ) -> list[MatrixItem]:
-    """The Muon updates of ``p``, one per matrix its map ``m`` makes of it, over its EMA buffer
-    ``state["momentum_buffer"]`` (made here if missing): each scaled by ``base`` times the
-    learning-rate factor of its own shape (``adjust``, with ``rms_scale`` for
-    "match_rms_adamw"). Views of the tensors throughout. ``parts``: in a step over DTensors,
-    where each rank's part of ``p`` lies (the matrices are then this rank's parts of them).
-    ``state_dtype``: the dtype a missing buffer is made in (None: ``p``'s)."""
+    """The Muon updates of ``p``, one per matrix its map ``m`` makes of it (views throughout), each
+    scaled by ``base`` times its shape's lr factor. ``parts``: over DTensors, where each rank's part
+    of ``p`` lies; ``state_dtype``: the dtype of a missing momentum buffer (None: ``p``'s)."""
     buf = state_buffer(state, "momentum_buffer", p, state_dtype)
     pieces: list[Piece]
     if parts is not None:
@@ -106,19 +102,15 @@ def matrix_items(
 
 
 def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
-    """The matrices split by what their momentum step shares (β, Nesterov, device, the dtypes
-    of parameter and buffer), in the order the batched path hands them to the engine (and so to
-    the planner)."""
+    """The matrices split by what their momentum step shares, in the order the engine gets them."""
     return list(
         partition(items, lambda i: (i.beta, i.nesterov, i.param.device, i.param.dtype, i.buf.dtype)).values()
     )
 
 
 def momentum_update(it: MatrixItem) -> Tensor:
-    """One matrix's EMA step ``M ← β·M + (1−β)·g`` in place, and the update NS takes (Nesterov:
-    ``β·M + (1−β)·g``, else ``M``). A buffer stored in another dtype than its parameter's is
-    read into the arithmetic dtype once and written back rounded once; the update is computed
-    from the unrounded ``M`` (see :mod:`fastmuon.step.state_dtype`)."""
+    """``M ← β·M + (1−β)·g`` in place; returns NS's input (Nesterov ``β·M + (1−β)·g``, else ``M``).
+    A buffer in another dtype is stepped in the arithmetic dtype (see :mod:`.state_dtype`)."""
     dtype = arithmetic_dtype(it.param.dtype, it.buf.dtype)
     if dtype is None:
         it.buf.lerp_(it.grad, 1 - it.beta)
@@ -134,11 +126,7 @@ def single_tensor_matrix_update(
     items: list[MatrixItem],
     after_ns: Callable[[MatrixItem, Tensor], Tensor] | None = None,
 ) -> None:
-    """The same update, one parameter at a time: the per-parameter reference path.
-
-    ``after_ns(item, o)`` (a rule's stage) maps a matrix's orthogonalised update, in the
-    parameter's shape and dtype, to the update applied. A matrix with ``sign_input``
-    orthogonalises the sign of its momentum instead of the momentum."""
+    """The per-parameter reference path; ``after_ns(item, o)``: a rule's stage on a matrix's NS result."""
     for it in items:
         u = momentum_update(it)
         if it.sign_input:
@@ -188,9 +176,8 @@ def orthogonalize_step(
     keep: Tensor | None,
     keep_positions: tuple[int, ...],
 ) -> list[Tensor]:
-    """The plan's NS over a step's sources, into ``dtypes``. ``keep`` (one bool per gradient of
-    the step, on the device; source ``i``'s at ``keep_positions[i]``) zeroes the rejected
-    sources first: inside their bucket where the engine packs them, else before it."""
+    """The plan's NS over a step's sources, into ``dtypes``. ``keep`` (one bool per gradient of the
+    step; source ``i``'s at ``keep_positions[i]``) zeroes the rejected sources first."""
     if keep is None:
         return engine(sources, dtypes)
     if isinstance(engine, Orthogonalizer):
@@ -201,8 +188,7 @@ def orthogonalize_step(
 
 
 #: Off the host, matrices of at least this many elements are applied straight from their NS
-#: results' dtype: a launch per matrix (the foreach add takes one dtype) costs less than the
-#: bytes of a cast copy of them (6 per element from bf16 to fp32) from about this size on.
+#: results' dtype: from about this size a launch per matrix costs less than a cast copy.
 NARROW_APPLY_MIN_ELEMENTS = 2**20
 
 #: a momentum step over one part: ``(bufs, grads, beta, nesterov, out=views) -> NS inputs``
@@ -210,19 +196,13 @@ Momentum = Callable[..., list[Tensor]]
 
 
 class MatrixProgram:
-    """The batched matrix update prepared once for a fixed set of matrices.
+    """The batched matrix update prepared once for a fixed set of matrices; a later step with the
+    same hyperparameter classes runs the same calls with its own values.
 
-    Built from one step's items; each later step with the same equality classes of
-    hyperparameters (see :mod:`fastmuon.step.program`) runs the same calls with that step's values:
-    one ``lerp`` per momentum part, the plan's NS, one decay call, one ``add_`` per scale class.
-
-    Where the engine runs bucket by bucket (a CPU: see ``Orthogonalizer.open_bucket``) each
-    bucket goes through the whole update before the next: the momentum step writes its
-    matrices' NS inputs straight into the bucket's slots, rounded to the NS dtype on the store
-    (no packing copy), and its results are applied at once, so every bucket works in the same
-    shared buffers and what the step keeps is no more than the largest bucket's. Elsewhere
-    (accelerators, distributed engines, hooks around the NS call, a compiler tracing the step)
-    all buckets run in one engine call between the momentum step and the rest.
+    Where the engine runs bucket by bucket (``Orthogonalizer.open_bucket``) each bucket goes
+    through the whole update before the next, its momentum written straight into the bucket's NS
+    input, so a step holds no more than the largest bucket's buffers. Elsewhere (hooks around NS,
+    a compiler's trace, distributed engines) all buckets run in one engine call.
     """
 
     def __init__(
@@ -244,9 +224,7 @@ class MatrixProgram:
         self.dtypes = [p.dtype for p in self.params]
         self.keep_positions = tuple(i.index for i in ordered)  # among the step's gradients
         self.positions = frozenset(self.keep_positions)
-        # tensors holding several matrices: their gradients split into the matrices' ones each
-        # step, placed before the step's gradients in the list the parts pick from
-        # (every piece a split returns has an item: the items were made from the same split)
+        # tensors of several matrices: their gradients split each step, put before the step's gradients
         splits: dict[int, Callable[[Tensor], list[Tensor]]] = {}
         pieces: dict[int, int] = {}
         for i in ordered:
@@ -261,8 +239,7 @@ class MatrixProgram:
         # the plan's executor, and where it reads each source from (momentum is written there)
         wholes = [i.param if i.whole is None else i.whole for i in ordered]
         self.engine: Engine | None = engine_for(self.params, self.configs, wholes) if ordered else None
-        # per part: its matrices' positions in the program, and the dtype its momentum step
-        # computes in where that is not the buffers' (see state_dtype.arithmetic_dtype)
+        # per part: its matrices' places, and its arithmetic dtype where not the buffers'
         self.part_specs: list[PartSpec] = []
         start = 0
         for part in parts:
@@ -299,7 +276,7 @@ class MatrixProgram:
                 scale_class[k] = c
         limit = scale_limit(self.params[0].device) if ordered else 0
         self.one_pass = len(self.scale_keys) <= limit
-        # the rule's stage after NS over all the matrices (e.g. fastmuon.step.moments'), or None
+        # the rule's stage after NS over all the matrices, or None
         whole = stage(ordered) if stage is not None and ordered else None
         self.stage = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
@@ -316,14 +293,12 @@ class MatrixProgram:
     def _bucket_steps(
         self, ordered: list[MatrixItem], scale_class: list[int], whole: Any
     ) -> list[BucketStep] | None:
-        """The step bucket by bucket, where the engine runs that way (None: it does not). A
-        rule's stage after NS then runs per class of its matrices (``AfterNSStage.run_class``)."""
+        """The step bucket by bucket, where the engine runs that way (else None)."""
         engine = self.engine
         if not isinstance(engine, Orthogonalizer) or not engine.by_bucket or engine.plan is None:
             return None
         self.bucketwise_engine = engine
-        # a stage after NS that masks a rejected matrix itself (``masks_rejected``) keeps the
-        # bucket masked; one that does not say has its matrices copied and put back
+        # a stage that does not mask rejected matrices itself has them copied and put back
         self.stage_masks = whole is None or getattr(whole, "masks_rejected", False)
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
         classes = [c[0] for c in whole.classes] if whole is not None else []
@@ -386,9 +361,7 @@ class MatrixProgram:
                     feeds[c][0].append(n)
                     feeds[c][1].append(j)
             out_dtype = self.dtypes[ks[0]]
-            # off the host the results are applied in the NS dtype they come in (the add widens
-            # each value exactly, as a cast would, without writing and reading a cast copy): a
-            # launch per matrix where the dtypes differ, which pays on matrices this large
+            # off the host, large matrices are applied from the NS dtype (the add widens exactly)
             exact_cast = torch.promote_types(ns_dtype, out_dtype) == out_dtype
             narrow = (
                 exact_cast
@@ -430,17 +403,11 @@ class MatrixProgram:
         return True
 
     def self_masked(self) -> frozenset[int]:
-        """The matrices' parameters (places among the step's gradients) that this half leaves
-        as they were, with their momentum, where ``keep`` rejects their gradient, without a
-        copy to put back: off the host, stepped bucket by bucket, such a bucket's momentum reads
-        a rejected gradient as zeros with zero weights (the buffer exact, the NS input exact
-        zeros, so the update is exactly zero: see ``_masked_momentum``) and its decay factor is
-        masked to 1. A signed NS input stays zeros (the sign of 0 is 0), and a rule's stage
-        after NS that masks a rejected matrix itself (``AfterNSStage``'s ``masks_rejected``,
-        NorMuon's and AdaMuon's second moment) leaves its state as it was and its update zeros.
-        Only fp32 matrices qualify: no cautious decay, momentum kept in the parameter's dtype
-        (a mask on the decay factor rounds as a Python one does only in fp32), the whole
-        parameter here (not a shard)."""
+        """The parameters (places among the step's gradients) this half leaves, with their
+        momentum, as they were where ``keep`` rejects their gradient, without a copy: matrices
+        stepped bucket by bucket off the host (:func:`_masks_itself`), whose masked momentum gives
+        an exact-zero NS input (:func:`_masked_momentum`) and whose decay factor is masked to 1.
+        A rule's stage after NS must mask rejected matrices itself (``masks_rejected``)."""
         return self.masked_positions
 
     @property
@@ -451,16 +418,10 @@ class MatrixProgram:
     def run(
         self, grads: Sequence[Tensor], scalars: MatrixScalars, keep: Tensor | None, hooks: Mapping[int, Any]
     ) -> None:
-        """One step over this step's ``grads``; ``hooks`` (see
-        ``MatrixOptimizer.register_orthogonalize_hook``) wrap its Newton–Schulz call, which then
-        runs all buckets at once (:meth:`_run_whole`), as a compiler's trace does.
-
-        Else it runs one bucket at a time: momentum into the bucket's NS inputs, NS, every stage
-        after it, before the next bucket reuses the buffers (the host's shared workspace, or
-        what the caching allocator hands back). A rule's stage after NS takes the results in
-        the NS dtype where widening them is exact; the others take them cast into the
-        parameters' dtype and layout (an apply from the slots' strides runs a slower loop).
-        """
+        """One step over ``grads``. ``hooks`` (``register_orthogonalize_hook``) wrap the NS call,
+        which then runs all buckets at once (:meth:`_run_whole`), as a compiler's trace does; else
+        one bucket at a time, each finished before the next reuses its buffers. A rule's stage
+        after NS takes the results in the NS dtype where widening is exact, the rest cast."""
         engine = self.engine
         if engine is None:  # no matrix
             return
@@ -508,8 +469,7 @@ class MatrixProgram:
             # a masked bucket's rejected inputs are exact zeros already (see _masked_momentum)
             zeroed = keep if flags is None else None
             updates = step.order(engine.run_bucket(step.index, dtype, zeroed, self.keep_positions, drop))
-            # off the host the bucket's input and, once applied, its results are freed here, so
-            # that the next bucket's memory is theirs (names held over would keep them alive)
+            # off the host, free this bucket's buffers before the next one allocates
             del views
             if stage is None:
                 # narrow: one add per scale class, each a launch per matrix anyway
@@ -583,9 +543,7 @@ class MatrixProgram:
         return keep.index_select(0, index)
 
     def _momentum_parts(self) -> list[MomentumPart]:
-        """Per part: buffers, gradient picks, group, NS input views (or None), and the momentum
-        step that writes them (casting where a view's dtype is not the buffers'); made on the
-        first step that takes them, since the engine's input views are kept buffers."""
+        """Per part: what its momentum step reads and writes, made on the first step that takes them."""
         if self._parts is not None and not torch.compiler.is_compiling():
             return self._parts
         views = getattr(self.engine, "input_views", None)
@@ -616,15 +574,13 @@ class PartSpec(NamedTuple):
     positions: list[int]  # its matrices' places in the program
     group: int  # the param group whose β and nesterov it reads
     work: torch.dtype | None  # the dtype its arithmetic runs in where not the buffers' (else None)
-    # a part of large matrices that mask their own momentum on the packed path: their places
-    # in the step's keep vector (None: a part the guard copies and puts back)
+    # large self-masking matrices on the packed path: their places in the keep vector (else None)
     flag_places: tuple[int, ...] | None = None
 
 
-#: Where a rule's matrix half has no decay after NS (MuSGD's), a matrix of at least this many
-#: elements stepped off the host with every bucket at once masks its own momentum where its
-#: gradient is rejected, as a masked bucket does (see ``_masked_momentum``: its NS input exact
-#: zeros): three launches of its own against about a hundred bytes an element of copy and restore.
+#: Where a rule's matrix half has no decay after NS (MuSGD's), matrices of at least this many
+#: elements stepped off the host all buckets at once mask their own momentum where the gradient
+#: is rejected (see ``_masked_momentum``): a few launches each rather than a copy and a restore.
 PACKED_MASK_MIN_ELEMENTS = 2**20
 
 
@@ -652,7 +608,7 @@ class Feed(NamedTuple):
 
 
 def _masks_itself(item: MatrixItem) -> bool:
-    """Whether a matrix may take the masked bucket step (see ``MatrixProgram.self_masked``)."""
+    """Whether a matrix may take the masked bucket step (fp32: only there does a masked factor round alike)."""
     p = item.param
     return (
         not ns_device.is_host(p.device)
@@ -673,12 +629,10 @@ def _masked_momentum(
     nesterov: bool,
     out: list[Tensor],
 ) -> None:
-    """The EMA momentum step of a masked bucket (``flags``: the bucket's keep flags, ``mine``
-    picks this part's), one matrix at a time, its weights 0-d tensors on the device: where the
-    gradient is kept, ``1−β`` and ``β``, the values (rounded alike) and operations the plain
-    step uses (``M.lerp_(g, 1−β)``, NS input ``g.lerp(M, β)`` or ``M``); where it is rejected,
-    its entries are read as zeros (no NaN is ever multiplied) and both weights are 0:
-    ``M + 0·(0 − M)`` is ``M`` exactly and the NS input ``0 + 0·M`` exactly zero."""
+    """A masked bucket's EMA step, one matrix at a time, its weights 0-d device tensors (``mine``
+    picks this part's ``flags``): where kept, ``1−β`` and ``β``, as the plain step computes; where
+    rejected, the gradient read as zeros and both weights 0, so ``M + 0·(0 − M)`` is ``M`` exactly
+    and the NS input ``0 + 0·M`` exactly zero."""
     weights = mine(list(torch.mul(flags, 1 - beta).unbind(0)))
     if nesterov:
         lerps = mine(list(torch.mul(flags, beta).unbind(0)))
@@ -695,11 +649,10 @@ def _masked_momentum(
 
 @dataclass
 class BucketStep:
-    """One bucket's share of a step (see ``MatrixProgram._run_bucketwise``)."""
+    """One bucket's share of a step."""
 
     index: int  # the bucket's place in the plan
-    # per momentum part with matrices here (its ``out``: the picks of their NS input views among
-    # the bucket's, slot order)
+    # per momentum part here (``out``: picks of its NS input views among the bucket's)
     momentum: list[MomentumPart]
     signed: Gather  # the sign-input matrices' places among the bucket's, slot order
     order: Gather  # the bucket's results (slot order) in the program's order
@@ -707,13 +660,10 @@ class BucketStep:
     exact_cast: bool  # widening the NS dtype to the parameters' is exact
     narrow_apply: bool  # off the host, large matrices: applied from the NS dtype, not a cast copy
     after: AfterNS  # the stages after NS over the bucket's matrices (the rule's stage after NS apart)
-    # with one: per class with matrices here, where they sit among the bucket's results
-    # (program order) and in the class; and the classes whose last matrices are here
+    # with a rule's stage: where its classes' matrices sit, and which classes end here
     feeds: list[Feed]
     completes: list[int]
-    # the bucket masks a rejected gradient itself (see MatrixProgram.self_masked), with its
-    # members' places in the step's keep vector (program order) and, per momentum part, where
-    # its members sit among them
+    # the bucket masks rejected gradients itself: its keep-vector places, and each part's among them
     masked: bool
     flag_places: tuple[int, ...]
     momentum_flags: list[Gather]
@@ -721,8 +671,7 @@ class BucketStep:
     flat: BucketMomentum | None = None  # the momentum kept in the bucket's layout, if it is
 
     def flags(self, keep: Tensor) -> Tensor:
-        """The members' keep flags (program order), a vector on the keep vector's device: one
-        index select, no host read."""
+        """The members' keep flags (program order): one index select, no host read."""
         index = self.flag_index.get(keep.device)
         if index is None:
             index = self.flag_index[keep.device] = torch.tensor(self.flag_places, device=keep.device)
@@ -753,11 +702,7 @@ class ScaleClass(NamedTuple):
 
 @dataclass
 class AfterNS:
-    """The stages after NS over some matrices of a program, listed in the program's order.
-
-    ``scale_classes``: per class of the program's scales (see ``MatrixProgram.scale_keys``) that
-    has matrices here, its index and where its matrices sit in this set.
-    """
+    """The stages after NS over some matrices of a program, in the program's order."""
 
     params: list[Tensor]
     item_groups: list[int]
@@ -776,8 +721,7 @@ class AfterNS:
         scale_class: Sequence[int],
         variant: Callable[[list[Tensor], Any], list[Tensor]] | None,
     ) -> AfterNS:
-        """The stages over ``items`` (MatrixItems, with their ``params``, groups and scale
-        classes, in the program's order); ``variant``: the variant's stage over them, or None."""
+        """The stages over ``items``; ``variant``: the variant's stage over them, or None."""
         n = len(items)
         cautious = [k for k in range(n) if items[k].cautious]
         plain = [k for k in range(n) if not items[k].cautious]
@@ -809,12 +753,9 @@ class AfterNS:
         owned: bool = True,
         keep: Tensor | None = None,
     ) -> None:
-        """Apply ``updates`` (NS results of these matrices, in their order); ``scales``: the
-        program's, one per scale class; ``groups``: the program's param groups; ``one_pass``:
-        whether the program applies with one ``add_`` per scale class (see ``apply_scaled_``).
-        ``keep``: one bool per matrix on the device, False where its gradient was rejected (its
-        update is then zero): its decay factor is masked to 1 (``where(keep, decay, 1)``, the
-        same fp32 value a Python factor gives where kept), one multiply per matrix."""
+        """Apply ``updates`` (these matrices' NS results); ``scales``: one per scale class of the
+        program. ``keep`` (one bool per matrix, on the device) masks a rejected matrix's decay
+        factor to 1 (``where(keep, decay, 1)``, the same fp32 value a Python factor gives)."""
         if self.variant is not None:
             updates = self.variant(updates, scalars)
         decay = scalars.decay
@@ -853,9 +794,7 @@ def cautious_decay_(
     params: list[Tensor],
     item_groups: list[int],
 ) -> None:
-    """``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` over the cautious matrices (``pick`` finds their updates),
-    in a fixed number of foreach calls (see ``matrix.cautious_decay``): the mask from the
-    product's sign (+1 clamped at 1)."""
+    """``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` over the cautious matrices in a fixed number of foreach calls."""
     masked = torch._foreach_mul(pick(updates), params)
     torch._foreach_sign_(masked)
     torch._foreach_add_(masked, 1)
@@ -879,14 +818,9 @@ def apply_scaled_(
     limit: int | None = None,
     one_pass: bool | None = None,
 ) -> None:
-    """``p ← p − scale·u`` for each class of (params, updates, scale).
-
-    Few classes (at most ``limit``) take one fused ``add_`` each (one pass); many take one
-    scaling pass and one subtracting pass over all of them. ``one_pass`` makes that choice
-    instead of ``limit`` (a caller applying a set of classes in parts keeps its whole set's). A
-    tensor scale is used as a tensor (no host read): a scaling pass and a subtracting pass for
-    its class. With ``owned`` the updates may be scaled in place.
-    """
+    """``p ← p − scale·u`` for each class of (params, updates, scale): at most ``limit`` classes
+    (or ``one_pass``) take one fused ``add_`` each, more a scaling and a subtracting pass over all.
+    A tensor scale is used as a tensor (no host read); ``owned``: updates may be scaled in place."""
     if any(isinstance(s, Tensor) for s in scales):
         for ps, us, s in zip(params, updates, scales):
             if not ps:
@@ -919,12 +853,8 @@ def apply_scaled_(
 def ema_momentum_(
     bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor] | None = None
 ) -> list[Tensor]:
-    """``M ← β·M + (1−β)·g`` in place; returns the update ``β·M + (1−β)·g`` (Nesterov) or ``M``.
-
-    Without ``out`` the Nesterov update is new tensors and the plain one is ``M`` itself; with
-    ``out`` (tensors of the same shapes, e.g. views into the NS engine's input buffers) the
-    update is written there and ``out`` returned, computed by the same operations.
-    """
+    """``M ← β·M + (1−β)·g`` in place; returns the update ``β·M + (1−β)·g`` (Nesterov) or ``M``,
+    written into ``out`` (e.g. the NS engine's input views) where given."""
     torch._foreach_lerp_(bufs, grads, 1 - beta)
     if out is None:
         # the foreach ops return a list (torch's stub says a tuple)
@@ -938,10 +868,8 @@ def ema_momentum_(
 def ema_momentum_cast_(
     bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor]
 ) -> list[Tensor]:
-    """:func:`ema_momentum_` writing the update into ``out`` of other dtypes (e.g. bf16 views of
-    NS input buffers for fp32 momentum): each value is computed in the buffers' dtype and
-    rounded once on the store, as computing it and then casting does, in one pass instead of
-    a fresh tensor and a casting copy."""
+    """:func:`ema_momentum_` into ``out`` of another dtype (e.g. bf16 NS inputs for fp32 momentum):
+    each value rounded once on the store, as computing and then casting does, in one pass."""
     torch._foreach_lerp_(bufs, grads, 1 - beta)
     if nesterov:
         for g, m, o in zip(grads, bufs, out):
@@ -960,10 +888,7 @@ def ema_momentum_widened_(
     *,
     dtype: torch.dtype,
 ) -> list[Tensor]:
-    """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic's ``dtype``
-    (see :mod:`fastmuon.step.state_dtype`): ``M`` is read into ``dtype`` once, stepped there and
-    written back rounded once; the update (``out`` if given, else fresh tensors in ``dtype``) is
-    computed from the unrounded ``M``, rounded once on the store into an ``out`` of another dtype."""
+    """:func:`ema_momentum_` for buffers stored in another dtype than the arithmetic ``dtype``."""
     m, g = widened(bufs, dtype), widened(grads, dtype)
     if out is not None and any(o.dtype != dtype for o in out):
         update = ema_momentum_cast_(m, g, beta, nesterov, out)
@@ -974,10 +899,8 @@ def ema_momentum_widened_(
 
 
 def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
-    """A group's per-matrix learning-rate factor: its ``adjust_lr_fn`` (``default`` where it is
-    None) and its ``rms_scale``. An ``adjust_lr`` key (MuSGD's alias, read where a group is
-    added) set on a group afterwards would be ignored, so it is refused here, before anything
-    changes."""
+    """A group's ``adjust_lr_fn`` (``default`` where None) and ``rms_scale``. An ``adjust_lr`` key set
+    after the group was added would be ignored, so it is refused here, before anything changes."""
     if ADJUST_LR_ALIAS in group:
         raise ValueError(
             f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "
@@ -989,9 +912,8 @@ def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, 
 
 
 def matrix_structure(group: Mapping[str, Any], index: int, default: str) -> tuple[Any, ...]:
-    """What of a group shapes its matrices' program, read every step: ``use_muon``, its lr
-    factor (``default``: the rule's ``adjust_lr_fn``), its NS settings and a hashable stand-in
-    for its matrix maps (a string, the usual case, is its own)."""
+    """What of a group shapes its matrices' program, read every step (``default``: the rule's
+    ``adjust_lr_fn``); a string of matrix maps, the usual case, is its own hashable stand-in."""
     spec = group.get("matrices")
     return (
         group.get("use_muon"),

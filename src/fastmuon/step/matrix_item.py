@@ -26,12 +26,10 @@ class MatrixItem:
     group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
     index: int = 0  # its position among the step's parameters with gradients
     factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
-    # for one of several matrices in a tensor (see fastmuon.ns.matrices): how a step's gradient of
-    # the tensor splits into its matrices' gradients, and which of them this one is
+    # one of several matrices in a tensor: how the tensor's gradient splits, and which is this one
     split: Callable[[Tensor], list[Tensor]] | None = None
     piece: int = 0
-    # what the planner sees of a matrix this rank holds a shard of (a DTensor, or the
-    # description of a matrix cut out of one: see fastmuon.distributed); None: ``param`` itself
+    # what the planner sees of a matrix held in shards (see fastmuon.distributed); None: ``param``
     whole: Any = None
     # decay only where the update and the parameter agree in sign (cautious weight decay)
     cautious: bool = False
@@ -39,7 +37,6 @@ class MatrixItem:
     sign_input: bool = False
     # the per-matrix state the rule's stage after NS reads (e.g. fastmuon.step.moments.Moment)
     stage: Any = None
-    # the parameter's state, where ``buf`` is its whole ``"momentum_buffer"`` (None: a piece of
-    # it): a bucket that keeps its members' momentum in one buffer re-points the entry there
-    # (see fastmuon.step.bucket_momentum)
+    # the parameter's state where ``buf`` is its whole ``"momentum_buffer"`` (None: a piece of it),
+    # for a bucket that re-points the entry (see fastmuon.step.bucket_momentum)
     state: dict[str, Any] | None = None

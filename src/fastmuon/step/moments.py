@@ -1,6 +1,6 @@
 """A second moment of the orthogonalised update, a stage after Newton–Schulz that a rule supplies.
 
-For each matrix ``O`` (the NS output, ``m×n`` as NS saw it: rows first, the other dims flattened):
+For each matrix ``O`` (the NS output, ``m×n``: rows first, the other dims flattened):
 
 - ``v ← β₂·v + (1−β₂)·s`` with ``s`` the mean of ``O⊙O`` over each row (``per_row``: NorMuon,
   one value per neuron) or ``O⊙O`` itself (AdaMuon, elementwise);
@@ -8,11 +8,9 @@ For each matrix ``O`` (the NS output, ``m×n`` as NS saw it: rows first, the oth
 - ``Ô ← Ô · target / ‖Ô‖_F``, with ``target`` either ``‖O‖_F`` (the norm NS gave, so Muon's
   learning rates and lr factors carry over) or ``rms·√(m·n)`` (an update of RMS ``rms``).
 
-Statistics are taken on each matrix's own update in its parameter's shape, as the engine
-returns it, so a padded bucket's padding never enters a mean. Matrices of one shape, dtype,
-device and group are stacked: a fixed number of calls per such class, not per matrix. The
-arithmetic runs in float32 (float64 where the update or ``v`` is float64); ``v`` is stored in
-its own dtype (a group's ``state_dtype``), rounded once per step.
+Statistics are taken on each matrix's own update, so a bucket's padding never enters a mean.
+Matrices of one shape, dtype, device and group are stacked. The arithmetic runs in float32
+(float64 where the update or ``v`` is); ``v`` is stored in its own dtype, rounded once per step.
 """
 
 from __future__ import annotations
@@ -64,10 +62,9 @@ class Moment:
 
 @dataclass(frozen=True)
 class SecondMoment:
-    """A second moment kept in the state entry ``key`` of each matrix parameter: per row (one
-    1-D buffer holding each of its matrices' ``v`` in the map's order) or elementwise (the
-    parameter's shape). It reads the group keys ``beta2``, ``moment_eps`` and ``rescale``;
-    ``role`` names what it averages in checkpoints."""
+    """A second moment kept in the state entry ``key`` of each matrix parameter: per row (one 1-D
+    buffer of each of its matrices' ``v``, in the map's order) or elementwise (the parameter's
+    shape). ``role`` names what it averages in checkpoints."""
 
     key: str
     role: str
@@ -97,8 +94,7 @@ class SecondMoment:
         items: list[MatrixItem],
         env: CollectEnv,
     ) -> None:
-        """Give each of ``p``'s matrix items its :class:`Moment` (a view of the entry, made as
-        zeros in the group's ``state_dtype`` where missing)."""
+        """Give each of ``p``'s matrix items its :class:`Moment`, a view of the entry (made if missing)."""
         key = self.key
         # the neurons: a matrix's rows, or its stored columns where the map says (in, out)
         rows = [it.param.shape[1] if m.transposed else it.param.shape[0] for it in items]
@@ -133,8 +129,7 @@ class SecondMoment:
         return reference_normalize(item, update)
 
     def scalars(self, groups: Sequence[Mapping[str, Any]], s: MatrixScalars) -> MomentScalars:
-        """The matrix update's scalars ``s`` with the moment's ``β₂`` and ``ε`` (read each step,
-        as every hyperparameter)."""
+        """The matrix update's scalars ``s`` with the moment's ``β₂`` and ``ε``, read each step."""
         return MomentScalars(
             s.beta,
             s.nesterov,
@@ -151,8 +146,7 @@ def _neurons(m: MatrixMap, shape: tuple[int, ...] | torch.Size) -> list[int]:
 
 
 def stat_dtype(dtype: torch.dtype, moment: torch.dtype | None = None) -> torch.dtype:
-    """The dtype the stage computes in: float64 where the update or the moment ``v`` is
-    float64, else float32."""
+    """The stage's compute dtype: float64 where the update or ``v`` is float64, else float32."""
     return torch.float64 if torch.float64 in (dtype, moment) else torch.float32
 
 
@@ -164,11 +158,9 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
 def normalize(
     o: Tensor, v: Tensor, beta2: float, eps: float, rms: float | None, weight: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """One stacked class (or one matrix, stacked alone): ``o`` is ``(N, m, n)`` in the compute
-    dtype, ``v`` ``(N, m)`` (per row) or ``(N, m, n)`` (elementwise), in the compute dtype;
-    returns ``(Ô, v_new)``. The reference path runs the same function one matrix at a time.
-    ``weight``: the EMA's weight per matrix, shaped to broadcast over ``v`` (default ``1−β₂``
-    for all; :meth:`MomentStage.run_class` gives 0 to a rejected matrix's)."""
+    """One stacked class: ``o`` ``(N, m, n)``, ``v`` ``(N, m)`` (per row) or ``(N, m, n)``, both in
+    the compute dtype; returns ``(Ô, v_new)``. ``weight``: the EMA's weight per matrix, broadcast
+    over ``v`` (default ``1−β₂``; a rejected matrix gets 0)."""
     sq = o.square()
     per_row = v.ndim == 2
     stat = sq.mean(-1) if per_row else sq
@@ -199,11 +191,9 @@ class MomentClass(NamedTuple):
 
 
 class MomentStage:
-    """The batched stage over a program's matrices in its order (``items``: MatrixProgram's).
-
-    It masks a rejected matrix itself (``masks_rejected``): given a class's keep flags,
-    :meth:`run_class` lerps a rejected matrix's ``v`` with weight 0, so it stays as it was,
-    and the matrix's update, zeros from NS, stays zeros (``0 / (√v + ε)``, rescaled)."""
+    """The batched stage over a program's matrices in its order. It masks a rejected matrix itself
+    (``masks_rejected``): given keep flags, :meth:`run_class` lerps its ``v`` with weight 0, and
+    its update, zeros from NS, stays zeros (``0 / (√v + ε)``, rescaled)."""
 
     masks_rejected = True
 
@@ -247,9 +237,8 @@ class MomentStage:
         return keep.index_select(0, index)
 
     def __call__(self, updates: Sequence[Tensor], scalars: MomentScalars) -> list[Tensor]:
-        """The stage over ``updates`` (NS results in the program's order, in the parameters'
-        dtype or a narrower one widened exactly: the statistics run in :func:`stat_dtype` of the
-        parameters' dtype either way); returns the updates to apply, in the parameters' dtype."""
+        """The stage over ``updates`` (NS results in the program's order, in the parameters' dtype
+        or a narrower one that widens exactly); returns the updates in the parameters' dtype."""
         out = list(updates)
         for c, (idx, *_) in enumerate(self.classes):
             for k, r in zip(idx, self.run_class(c, [updates[k] for k in idx], scalars)):
@@ -259,10 +248,8 @@ class MomentStage:
     def run_class(
         self, c: int, updates: Sequence[Tensor], scalars: MomentScalars, flags: Tensor | None = None
     ) -> list[Tensor]:
-        """The stage over class ``c``'s updates (its matrices' NS results, in its order), as in
-        :meth:`__call__`: a step that has them at different times stacks them when it has all.
-        ``flags`` (:meth:`flags`): where False, the matrix's NS result is zeros (its gradient was
-        rejected) and its ``v`` is left as it was."""
+        """The stage over class ``c``'s NS results, stacked once a step has them all. ``flags``
+        (:meth:`flags`): where False, the result is zeros and ``v`` is left as it was."""
         idx, shape, param_dtype, g, rms, transposed, moments, _ = self.classes[c]
         rows, cols = matrix_shape(shape)
         n = len(idx)

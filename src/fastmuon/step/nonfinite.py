@@ -1,18 +1,13 @@
 """What a step does with NaN/Inf gradients: raise, skip the affected parameters, or ignore.
 
-One mechanism serves the batched and the per-parameter path: a :class:`NonFiniteGuard` over a
-step's gradients (prepared once per step program, or per step for the reference loop).
+One :class:`NonFiniteGuard` over a step's gradients serves the batched and the per-parameter path.
+``"skip"`` never synchronises with the host: every decision is a device-side mask. The step runs
+as usual (a bad matrix's NS input is zeroed in its bucket, so its NaN cannot reach the others),
+then each parameter and every one of its state tensors is put back to its pre-step value wherever
+its gradient was not finite, in a handful of fused calls per (device, dtype).
 
-``"skip"`` must not synchronise with the host, so nothing here asks *whether* a gradient is
-bad: every decision is a device-side mask. The step runs as usual (a matrix with a bad
-gradient has its Newton–Schulz input zeroed in its bucket, so the NaN cannot reach the other
-matrices there), and afterwards each parameter and every one of its state tensors is put back
-to its pre-step value wherever its gradient was not finite. The snapshot and the restore are a
-handful of fused calls per (device, dtype), whatever the number of parameters.
-
-``"raise"`` on the host's CPU asks before the update (a read there makes nothing wait) and
-refuses the step. On an accelerator it runs the step as ``"skip"`` does and leaves the verdict
-for the next call to read (see :mod:`fastmuon.step.deferred`).
+``"raise"`` on the host's CPU refuses the step before the update; on an accelerator it runs as
+``"skip"`` does and leaves the verdict for the next call (see :mod:`fastmuon.step.deferred`).
 """
 
 from __future__ import annotations
@@ -28,12 +23,9 @@ from ..ns.layout import memory_order
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
-#: Refuse loudly by default: a NaN gradient usually means a diverging run or a bug, and naming
-#: the parameter is the fastest way to find it. On the host's CPU it costs one read of the
-#: gradients per step; on an accelerator the masked step of ``"skip"`` and an error one call
-#: later, with no host sync. A step under ``torch.amp.GradScaler`` never gets there (the scaler
-#: skips steps with infs itself). ``"skip"`` rides over sporadic bad batches; ``"ignore"`` costs
-#: nothing.
+#: Refuse loudly by default: a NaN gradient usually means a diverging run or a bug, and naming the
+#: parameter is the fastest way to find it. Under ``torch.amp.GradScaler`` a step never gets there
+#: (the scaler skips steps with infs itself).
 DEFAULT_NONFINITE = "raise"
 
 
@@ -44,9 +36,8 @@ def check_mode(mode: Any) -> str:
 
 
 def _memory_view(t: Tensor) -> Tensor | None:
-    """``t``'s elements as a 1-D view in memory order, or None if its memory has gaps/overlaps:
-    the flat view of ``t`` with its dims in memory order (no storage offset is read, which a
-    compiler's trace cannot)."""
+    """``t``'s elements as a 1-D view in memory order (no storage offset read, which a trace
+    cannot), or None if its memory has gaps or overlaps."""
     order = memory_order(t)
     if order is None:
         return None
@@ -62,13 +53,9 @@ class _Loose(NamedTuple):
     host: bool  # on the host's CPU
 
 
-#: A group's elements are laid out owner by owner, each owner's run padded to whole blocks, so
-#: that the restore's mask is one flag per block (one small gather of the owners' flags) rather
-#: than one per element (a repeat through an int64 index: 17 bytes an element moved, 8 held).
-#: Blocks are a power of two between these sizes, as large as keeps the padding (below one
-#: block per owner) within 1/:data:`PAD_SHARE` of the group; where the owners' runs are shorter
-#: than that allows (hundreds of tiny tensors), the smallest, whose index is still an int32 per
-#: 8 elements.
+#: A group's elements are laid out owner by owner, each owner's run padded to whole blocks, so the
+#: restore's mask is one flag per block rather than per element. Blocks are a power of two in this
+#: range, as large as keeps the padding within 1/:data:`PAD_SHARE` of the group.
 BLOCK_RANGE = (8, 4096)
 PAD_SHARE = 32
 
@@ -81,13 +68,10 @@ def block_size(total: int, owners: int) -> int:
 
 
 class _Group:
-    """The tensors of one (device, dtype) that a restore may put back, as 1-D views in one
-    order: by owner, each owner's run padded to whole blocks of ``block`` elements.
-
-    ``pieces``: the split of a flat copy into the views, each followed by its padding (0 but
-    after an owner's last view), so ``flat.split(pieces)[::2]`` are the views' places;
-    ``block_owner``: each block's owner, the gather that turns the keep vector into the mask;
-    ``pads``: views of one spare tensor that the host's ``torch.cat`` puts between owners.
+    """The tensors of one (device, dtype) that a restore may put back, as 1-D views laid out by
+    owner, each owner's run padded to whole blocks. ``pieces``: the split of a flat copy into the
+    views, each followed by its padding, so ``flat.split(pieces)[::2]`` are the views' places;
+    ``block_owner``: each block's owner; ``pads``: views of a spare tensor for the host's cat.
     """
 
     __slots__ = ("views", "tensors", "pieces", "block", "block_owner", "total", "host", "pads")
@@ -119,9 +103,8 @@ class _Group:
         return keep.index_select(0, self.block_owner).view(-1, 1)
 
     def current_views(self) -> list[Tensor]:
-        """:attr:`views`; in a compiler's trace made afresh from :attr:`tensors`, so that the
-        graph's inputs are the tensors themselves (views kept from outside it would be inputs
-        aliasing them, which AOT autograd refuses)."""
+        """:attr:`views`; in a compiler's trace made afresh, since views kept from outside would be
+        graph inputs aliasing the tensors, which AOT autograd refuses."""
         if torch.compiler.is_compiling():
             return [_memory_view(t) for t in self.tensors]  # type: ignore[misc]
         return self.views
@@ -132,10 +115,8 @@ class _Group:
 
 
 def _joined(group: _Group) -> Tensor:
-    """The group's tensors in one new tensor laid out as the group (padding unset). Off the
-    host by one foreach copy: torch's CUDA cat takes a launch per 128 inputs, the foreach copy
-    a launch per batch of tensors or blocks, far fewer for the hundreds of small tensors of a
-    conv net."""
+    """The group's tensors in one new tensor laid out as the group (padding unset); off the host by
+    one foreach copy, which takes far fewer launches than a CUDA cat of many small tensors."""
     views = group.current_views()
     if group.host:
         return torch.cat([t for pair in zip(views, group.pads) for t in pair])
@@ -145,14 +126,10 @@ def _joined(group: _Group) -> Tensor:
 
 
 class SkipPlan:
-    """What a step may have to put back, prepared once: every parameter and state tensor,
-    grouped by (device, dtype).
-
-    ``owners[i]`` is the position (in the step's keep vector) of the parameter that owns
-    ``params[i]`` and its ``states[i]``. Per step: :meth:`snapshot` before the update, and
-    :meth:`restore` after it with the keep vector. ``counts_only``: the owners whose update masks its own tensors (see
-    ``TwoHalves.self_masked``): of theirs only the 0-d state (AdamW's step count, which the
-    update counts on the host) is taken.
+    """What a step may have to put back, prepared once: every parameter and state tensor, grouped
+    by (device, dtype). ``owners[i]``: the place in the keep vector of the parameter owning
+    ``params[i]`` and ``states[i]``; ``counts_only``: owners whose update masks itself, of whose
+    tensors only the 0-d state (AdamW's step count, counted on the host) is taken.
     """
 
     def __init__(

@@ -1,8 +1,5 @@
-"""The optimizer-wide settings, fixed at construction in one frozen object.
-
-Copies, pickles and the step all read this one object, so a setting cannot drift between
-them; a group's hyperparameters live in its dict, as in ``torch.optim``.
-"""
+"""The optimizer-wide settings, fixed at construction in one frozen object that copies, pickles
+and the step all read, so a setting cannot drift between them."""
 
 from __future__ import annotations
 
@@ -17,14 +14,11 @@ from .nonfinite import DEFAULT_NONFINITE, check_mode
 class Options:
     """What applies to every param group of one optimizer.
 
-    ``foreach``: None/True the batched step, False the per-parameter loop; ``policy``,
-    ``max_bucket_bytes`` and ``cost_model`` steer the planner; ``compile`` runs each bucket's
-    NS through ``torch.compile``; ``nonfinite`` says what a NaN/Inf gradient does;
-    ``capturable`` keeps every step free of host reads (with ``nonfinite`` "skip" or "ignore":
-    "raise" must read its verdict on the host, so the pair is refused); ``adamw_lr`` (Muon) is AdamW's learning
-    rate in ``use_muon=False`` groups that set none; ``owner_group_size`` and
-    ``max_exchange_bytes`` steer the distributed step over DTensors (see
-    :mod:`fastmuon.distributed.placement` and :class:`fastmuon.distributed.exchange.Routes`).
+    ``foreach``: None/True the batched step, False the per-parameter loop; ``compile`` runs each
+    bucket's NS through ``torch.compile``; ``capturable`` keeps every step free of host reads
+    (refused with ``nonfinite="raise"``); ``adamw_lr`` (Muon) is AdamW's learning rate in
+    ``use_muon=False`` groups that set none; ``owner_group_size`` and ``max_exchange_bytes`` steer
+    the distributed step over DTensors (see :mod:`fastmuon.distributed.placement`).
     """
 
     foreach: bool | None = None
@@ -73,9 +67,8 @@ def check_foreach(foreach: Any) -> bool | None:
 
 
 def check_capturable(capturable: bool, nonfinite: str) -> None:
-    """A captured step (a CUDA graph) replays kernels only: it cannot read on the host whether
-    a step's gradients were finite, which ``nonfinite="raise"`` must do (at the latest one call
-    later), so the pair is refused; "skip" masks on the device and "ignore" checks nothing."""
+    """A captured step (a CUDA graph) cannot read on the host whether its gradients were finite,
+    which ``nonfinite="raise"`` must do, so the pair is refused."""
     if capturable and nonfinite == "raise":
         raise ValueError(
             "capturable=True cannot be combined with nonfinite='raise' (the default): raising must "

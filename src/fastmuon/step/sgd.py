@@ -2,9 +2,7 @@
 
 ``g' = g + wd·p``, ``B ← β·B + g'``, ``p ← p − lr·u`` with ``u = g' + β·B`` (Nesterov) or ``B``:
 torch's fused SGD kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else
-foreach calls with one scale class per learning rate. A buffer stored in another dtype than its
-parameter's is stepped in the arithmetic dtype and written back rounded once (see
-:mod:`fastmuon.step.state_dtype`).
+foreach calls with one scale class per learning rate.
 """
 
 from __future__ import annotations
@@ -45,8 +43,7 @@ class SGDItem:
 
 @dataclass
 class SGDScalars:
-    """This step's SGD hyperparameters, one entry per param group; ``lr`` lists the learning
-    rates an :class:`SGDItem` picks from by its ``lr_slot``."""
+    """This step's SGD hyperparameters, one entry per param group; ``lr``: indexed by ``lr_slot``."""
 
     beta: list[float]
     nesterov: list[bool]
@@ -56,9 +53,8 @@ class SGDScalars:
 
 @dataclass
 class SGDPart:
-    """One class of SGD's parameters stepped together: the group whose scalars it takes, its
-    parameters and buffers, where its gradients sit among the step's, and the arithmetic dtype
-    of buffers stored in another one (None: their own)."""
+    """One class of SGD's parameters stepped together; ``dtype``: the arithmetic dtype of buffers
+    stored in another one (None: their own)."""
 
     group: int
     params: list[Tensor]
@@ -69,9 +65,8 @@ class SGDPart:
 
 @dataclass
 class FusedSGDPart(SGDPart):
-    """A part for torch's fused kernel: one learning-rate class, and the strides it was found
-    exact for (see :meth:`SGDProgram.fits`). ``flag_place``: for a part of one tensor that
-    masks its own step, its place in the step's keep vector (see :data:`MASK_MIN_ELEMENTS`)."""
+    """A part for torch's fused kernel: one learning-rate class and the strides it was found exact
+    for; ``flag_place``: a one-tensor part that masks its own step, its place in the keep vector."""
 
     lr_class: int
     grad_strides: _Strides
@@ -79,10 +74,9 @@ class FusedSGDPart(SGDPart):
     flag_place: int | None = None
 
 
-#: Off the host, a tensor of at least this many elements that torch's fused kernel steps masks
-#: its own SGD step where its gradient is rejected instead of being copied and put back: a call
-#: of its own whose ``found_inf`` is its rejection (the kernel then writes nothing and reads no
-#: gradient), a launch a tensor against about a hundred bytes an element of copy and restore.
+#: Off the host, a tensor of at least this many elements that torch's fused kernel steps masks its
+#: own step where its gradient is rejected: a call of its own whose ``found_inf`` is its rejection
+#: (the kernel then writes nothing), rather than a copy and a restore.
 MASK_MIN_ELEMENTS = 2**20
 
 
@@ -107,10 +101,8 @@ def _part_lists(items: list[SGDItem], group: int, dtype: torch.dtype | None) -> 
 
 
 class SGDProgram:
-    """The SGD step prepared once: per (β, nesterov, wd, device, dtypes of parameter and
-    buffer), torch's fused kernel per learning rate where it is exact, else foreach calls with
-    one scale class per learning rate. ``lr_class``: the classes of the step's learning rates
-    (one per ``lr_slot``)."""
+    """The SGD step prepared once: per (β, nesterov, wd, device, dtypes), torch's fused kernel per
+    learning rate where it is exact, else foreach calls; ``lr_class``: one class per ``lr_slot``."""
 
     def __init__(self, items: list[SGDItem], lr_class: Sequence[int], fused_ok: bool, masking: bool = False):
         self.positions = frozenset(i.index for i in items)  # the step's parameters it updates
@@ -177,8 +169,7 @@ class SGDProgram:
         self._flag_index: dict[torch.device, Tensor] = {}
 
     def fits(self, grads: Sequence[Tensor]) -> bool:
-        """The fused kernel walks memory without looking at strides: gradients and parameters
-        must still have the layouts it was chosen for."""
+        """The fused kernel walks memory without looking at strides: the layouts must be unchanged."""
         for part in self.fused:
             if (
                 list(map(Tensor.stride, part.pick(grads))) != part.grad_strides
@@ -188,14 +179,11 @@ class SGDProgram:
         return True
 
     def self_masked(self) -> frozenset[int]:
-        """The step's parameters (places among its gradients) whose SGD step masks itself where
-        ``keep`` rejects their gradient (see :data:`MASK_MIN_ELEMENTS`): their parameter and
-        buffer need no copy to put back. The others' are copied and put back by the guard."""
+        """The parameters whose SGD step masks itself where ``keep`` rejects their gradient."""
         return frozenset(self.masked_places)
 
     def _rejections(self, keep: Tensor) -> dict[int, Tensor]:
-        """Per masking part's flag place, its ``found_inf``: 1.0 where its gradient is
-        rejected (0-d fp32 tensors on the keep vector's device, no host read)."""
+        """Per masking part's flag place, its ``found_inf``: 1.0 where rejected (0-d fp32, no host read)."""
         index = self._flag_index.get(keep.device)
         if index is None:
             index = self._flag_index[keep.device] = torch.tensor(self.masked_places, device=keep.device)
@@ -204,9 +192,8 @@ class SGDProgram:
 
     @torch._disable_dynamo
     def _run_fused(self, grads: Sequence[Tensor], s: SGDScalars, rejected: dict[int, Tensor]) -> None:
-        """The fused parts' calls, never traced: the kernel has no fake one, and a program
-        prepared eagerly (with fused parts) can still be run from a frame dynamo compiles,
-        e.g. once it falls back to eager for the step's driver after too many recompiles."""
+        """The fused parts' calls, never traced (the kernel has no fake one), even when a frame
+        dynamo compiles runs a program prepared eagerly."""
         lr_of = s.lr
         for f in self.fused:
             g = f.group
@@ -229,8 +216,7 @@ class SGDProgram:
                 store_(f.bufs, work)
 
     def run(self, grads: Sequence[Tensor], s: SGDScalars, keep: Tensor | None = None) -> None:
-        """One step; ``keep``: the step's keep flags (None: every gradient kept), which the
-        masking parts read."""
+        """One step; ``keep``: the step's keep flags (None: all kept), read by the masking parts."""
         lr_of = s.lr  # a class is the index of its first member's value
         if self.fused:
             rejected = self._rejections(keep) if keep is not None and self.masked_places else {}
@@ -268,14 +254,10 @@ def foreach_sgd_step_(
     limit: int,
     host: bool,
 ) -> None:
-    """SGD with heavy-ball momentum and coupled weight decay, in place, with foreach ops: with
-    ``g' = g + wd·p``, ``B ← β·B + g'`` and ``p ← p − lr·u``, ``u = g' + β·B`` (Nesterov) or ``B``.
-    ``by_lr`` picks each learning rate's tensors out of the part (one scale class each); ``host``:
-    the tensors live on the host's CPU.
-
-    Written to allocate at most one list, the decayed gradients, which then take the Nesterov
-    update in place; without decay the Nesterov update is applied as two passes over ``p``.
-    A fresh list as large as the model costs more than a pass over it on a CPU.
+    """SGD with heavy-ball momentum and coupled weight decay, in place, by foreach ops (see the
+    module's formulas). ``by_lr`` picks each learning rate's tensors out of the part; ``host``: they
+    live on the host's CPU. It allocates at most one list, the decayed gradients, which then take
+    the Nesterov update in place; without decay Nesterov is applied as two passes over ``p``.
     """
     owned = bool(weight_decay)
     if owned:  # g' as new tensors: the gradients themselves are never touched

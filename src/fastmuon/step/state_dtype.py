@@ -19,8 +19,7 @@ STATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def check_state_dtype(value: Any, where: str) -> None:
-    """``state_dtype``: None (each buffer in its parameter's dtype) or a floating dtype of
-    :data:`STATE_DTYPES`."""
+    """``state_dtype``: None (each buffer in its parameter's dtype) or one of :data:`STATE_DTYPES`."""
     if value is None or value in STATE_DTYPES:
         return
     names = ", ".join(str(d) for d in STATE_DTYPES)
@@ -48,9 +47,8 @@ def arithmetic_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.
 
 
 def widened(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """Each tensor in ``dtype``: itself where it is already, else a fresh copy in its memory
-    format (so a gradient is never written through one). The copies are made by one foreach
-    copy: one kernel on a GPU, not one per tensor."""
+    """Each tensor in ``dtype``: itself where it is already, else a fresh copy in its memory format
+    (a gradient is never written through one), all made by one foreach copy."""
     work = [t if t.dtype == dtype else torch.empty_like(t, dtype=dtype) for t in tensors]
     fresh = [(w, t) for w, t in zip(work, tensors) if w is not t]
     if fresh:
@@ -59,8 +57,7 @@ def widened(tensors: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
 
 
 def store_(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
-    """Write working copies back into their buffers, rounded to nearest (a working copy that is
-    its buffer itself is skipped)."""
+    """Write working copies back into their buffers, rounded to nearest (skipping a buffer itself)."""
     pairs = [(b, w) for b, w in zip(bufs, work) if w is not b]
     if pairs:
         torch._foreach_copy_([b for b, _ in pairs], [w for _, w in pairs])

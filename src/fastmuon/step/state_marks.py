@@ -7,15 +7,13 @@ from typing import Any
 
 
 def mark_state(state: MutableMapping[Any, dict[str, Any]]) -> list[int]:
-    """How many entries each parameter's state holds now (a step only ever adds entries, and
-    dicts keep their insertion order), for :func:`drop_state_after` to undo a refused step.
-    An entry that is not a parameter's dict (a hook may store anything) counts as -1: kept."""
+    """How many entries each parameter's state holds now (a step only adds entries, and dicts keep
+    their order); an entry that is not a dict counts as -1: kept."""
     return [len(entry) if isinstance(entry, dict) else -1 for entry in state.values()]
 
 
 def drop_state_after(state: MutableMapping[Any, dict[str, Any]], mark: list[int]) -> None:
-    """Remove every state entry added since ``mark``: the zero buffers a step that was then
-    refused created (for parameters it had not seen, or new keys of ones it had)."""
+    """Remove every state entry added since ``mark`` (the zero buffers of a refused step)."""
     entries = list(state.items())
     for key, _ in entries[len(mark) :]:
         del state[key]
