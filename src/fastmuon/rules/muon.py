@@ -1,7 +1,6 @@
 """The Muon rule: orthogonalised EMA momentum for matrices, AdamW for everything else. The maths
 of ``torch.optim.Muon`` (EMA and Nesterov via ``lerp``, decoupled weight decay
-``p ← (1 − lr·wd)·p``, its learning-rate adjustments), extended to >2D weights and mapped matrices.
-"""
+``p ← (1 − lr·wd)·p``, its learning-rate adjustments), extended to >2D weights and mapped matrices."""
 
 from __future__ import annotations
 
@@ -102,8 +101,7 @@ def collect(
     env: CollectEnv,
     variant: AfterNSKind | None = None,
 ) -> Items:
-    """The step's items; a ``variant`` gives each group's lr factor mode and attaches its state
-    to each parameter's matrix items."""
+    """The step's items; a ``variant`` gives each group's lr factor mode and its matrices' state."""
     matrices: list[MatrixItem] = []
     others: list[AdamWItem] = []
     for gi, group, members in live_params(groups, grads, env):

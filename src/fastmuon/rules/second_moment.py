@@ -1,26 +1,21 @@
 """NorMuon and AdaMuon: one rule, Muon's orthogonalised momentum divided by a second moment of
-itself, AdamW for the rest. The two differ only in how the moment averages and what NS sees.
+itself, AdamW for the rest. For a matrix ``W`` (``m×n``, rows the output neurons) both take
+``M ← β₁·M + (1−β₁)·G`` (Muon's, here with its Nesterov option), ``Ô = O ⊘ (√v + ε)``, a rescale of
+``Ô``, then ``W ← W − η·λ·W − η̂·Ô`` (decoupled weight decay); they differ in what NS sees and in
+how the moment averages:
 
-NorMuon (Li, Liu, Liang, Chen, Zhao, arXiv 2510.05491, Algorithm 1), for a matrix ``W``
-(``m×n``, rows the output neurons):
-
-- ``M ← β₁·M + (1−β₁)·G``, ``O = NS(M)`` (Muon's, here with its Nesterov option);
-- ``v ← β₂·v + (1−β₂)·mean_cols(O⊙O)`` (``v ∈ ℝᵐ``, one entry per neuron), ``Ô = O ⊘ (√v + ε)``;
-- a rescale of ``Ô``, then ``W ← W − η·λ·W − η̂·Ô`` (decoupled weight decay).
-
-AdaMuon (Si, Zhang, Shen, arXiv 2507.11005, v2):
-
-- ``M ← β₁·M + (1−β₁)·G``; ``O = NS(sign(M))`` (the sign-stabilised orthogonal update; with
-  ``sign_momentum=False`` ``O = NS(M)``, the paper's first version and pytorch-optimizer's);
-- ``v ← β₂·v + (1−β₂)·O⊙O`` (elementwise, no bias correction: the rescale removes it),
-  ``Ô = O ⊘ (√v + ε)``; the rescale, then ``W ← W − η·λ·W − η·Ô``.
+- NorMuon (Li, Liu, Liang, Chen, Zhao, arXiv 2510.05491, Algorithm 1): ``O = NS(M)``,
+  ``v ← β₂·v + (1−β₂)·mean_cols(O⊙O)`` (``v ∈ ℝᵐ``, one entry per neuron);
+- AdaMuon (Si, Zhang, Shen, arXiv 2507.11005, v2): ``O = NS(sign(M))`` (the sign-stabilised
+  orthogonal update; with ``sign_momentum=False`` ``O = NS(M)``, the paper's first version and
+  pytorch-optimizer's), ``v ← β₂·v + (1−β₂)·O⊙O`` (elementwise, no bias correction: the rescale
+  removes it).
 
 The rescale is ``rescale`` per group: ``"norm"`` keeps the Frobenius norm NS gave,
 ``Ô·‖O‖_F/‖Ô‖_F``, and then takes Muon's lr factor (``adjust_lr_fn``), as NorMuon's authors'
 code, dion's NorMuon (``normuon_normalization``) and modded-nanogpt's NorMuon records do, so
 Muon's learning rates carry over; ``"rms"`` is ``η̂ = 0.2·η·√(mn)/‖Ô‖_F``: an update of RMS 0.2,
-AdamW's, with no lr factor (NorMuon's paper, AdaMuon's RMS-aligned rescale).
-"""
+AdamW's, with no lr factor (NorMuon's paper, AdaMuon's RMS-aligned rescale)."""
 
 from __future__ import annotations
 

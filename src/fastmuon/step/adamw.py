@@ -3,8 +3,7 @@
 Same maths and state keys as ``torch.optim.AdamW`` (``step``, ``exp_avg``, ``exp_avg_sq``): torch's
 fused kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else a few foreach
 calls per set of shared hyperparameters. Off the host, large fp32 tensors mask their own update
-where their gradient is rejected (:class:`Masks`), so a skipped step copies none of them.
-"""
+where their gradient is rejected (:class:`Masks`), so a skipped step copies none of them."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ class AdamWClasses(NamedTuple):
 
 @dataclass
 class AdamWPart:
-    """One class of AdamW's parameters stepped by one kernel call; ``dtype``: the arithmetic dtype
-    of moments stored in another one (None: their own)."""
+    """One class of AdamW's parameters stepped by one kernel call; ``dtype``: see ``arithmetic_dtype``."""
 
     group: int
     params: list[Tensor]
@@ -127,8 +125,7 @@ class ForeachAdamWPart(AdamWPart):
         return Masks(keep.index_select(0, index))
 
 
-#: Off the host, an fp32 AdamW tensor of at least this many elements masks its own update where
-#: its gradient is rejected: a few launches, rather than a copy of parameter and moments and a restore.
+#: From this many elements an fp32 tensor masks its own update: a few launches, not a copy and a restore.
 MASK_MIN_ELEMENTS = 2**20
 
 
@@ -183,8 +180,7 @@ def _moments_(
 
 
 def _masks_itself(item: AdamWItem) -> bool:
-    """Whether an AdamW tensor masks its own update (:class:`Masks`): off the host, fp32 (only there
-    does a masked factor round as the kernels' number does), at least :data:`MASK_MIN_ELEMENTS`."""
+    """Off the host, large, fp32: only there does a masked factor round as the kernels' number does."""
     p = item.param
     return (
         not device.is_host(p.device)
@@ -196,11 +192,10 @@ def _masks_itself(item: AdamWItem) -> bool:
 
 
 class AdamWProgram:
-    """AdamW over fixed lists, prepared once: torch's fused kernel where it is exact, parts per
-    class of hyperparameters, device and dtypes of parameter and moments. With ``capturable`` no
-    kernel reads a value on the host (step counts and bias corrections on the device); with
-    ``masking`` (a step may be given keep flags) the tensors that qualify (:func:`_masks_itself`)
-    make parts that mask their own update."""
+    """AdamW over fixed lists, prepared once, in parts per class of hyperparameters, device and
+    dtypes. With ``capturable`` no kernel reads a value on the host (step counts and bias corrections
+    on the device); with ``masking`` (a step may be given keep flags) the tensors that qualify
+    (:func:`_masks_itself`) make parts that mask their own update."""
 
     def __init__(
         self, items: list[AdamWItem], classes: AdamWClasses, capturable: bool, masking: bool = False
@@ -247,8 +242,7 @@ class AdamWProgram:
         def masks_itself(i: AdamWItem) -> bool:
             return masking and not capturable and _masks_itself(i)
 
-        # one learning rate per part: it may be a tensor, used as one
-        self.rest = [
+        self.rest = [  # one learning rate per part: it may be a tensor, used as one
             ForeachAdamWPart(
                 **lists(part),
                 host=device.is_host(part[0].param.device),
@@ -281,14 +275,12 @@ class AdamWProgram:
         return True
 
     def self_masked(self) -> frozenset[int]:
-        """The parameters whose update masks itself where ``keep`` rejects their gradient: their
-        tensors need no copy (their step counts, on the host, still do)."""
+        """The parameters whose update masks itself where ``keep`` rejects their gradient."""
         return self.masked_positions
 
     @torch._disable_dynamo
     def _run_fused(self, grads: Sequence[Tensor], s: AdamWScalars) -> None:
-        """The fused parts' calls, never traced (the kernel has no fake one), even when a frame
-        dynamo compiles runs a program prepared eagerly."""
+        """The fused parts' calls, never traced (the kernel has no fake one), even in a compiled frame."""
         for f in self.fused:
             g = f.group
             beta1, beta2 = s.betas[g]
@@ -380,8 +372,7 @@ def _capturable_adamw(
     wd: float,
     masks: Masks | None = None,
 ) -> None:
-    """The foreach AdamW step with nothing read on the host: bias corrections from the step counts
-    on the device, the learning rate a number or a 0-d tensor; ``masks``: see :class:`Masks`."""
+    """The foreach AdamW step with nothing read on the host; ``lr``: a number or a 0-d tensor."""
     beta1, beta2 = betas
     torch._foreach_add_(steps, 1.0)
     if wd and masks is not None:

@@ -1,16 +1,12 @@
-"""A bucket's momentum kept in the bucket's own layout: one ``(B, R, C)`` buffer per bucket,
-each member parameter's ``momentum_buffer`` a view of its slot.
-
-Off the host, a bucket that masks rejected gradients itself would otherwise step its momentum one
-matrix at a time, since torch's foreach ops take per-tensor weights only as host scalars. Laid out
-as the bucket's NS input, the weights are one ``(B, 1, 1)`` tensor, and the EMA and the NS input
-take one launch each for the whole bucket through the per-matrix step's operations, so the values
-are the same. (The layout is the idea of flat parameters, as in FSDP's ``FlatParameter``, applied
-to optimizer state.)
-
-The state stays a tensor per parameter, as ``torch.optim`` keeps it: a view in the parameter's
-shape. One loaded in its place is moved back into a bucket's buffer when the step is prepared again.
-"""
+"""A bucket's momentum kept in the bucket's own layout: one ``(B, R, C)`` buffer per bucket, each
+member parameter's ``momentum_buffer`` a view of its slot in the parameter's shape (the state stays
+a tensor per parameter, as ``torch.optim`` keeps it; one loaded in its place is moved back into the
+buffer when the step is prepared again). Off the host, a bucket that masks rejected gradients itself
+would otherwise step its momentum one matrix at a time, since torch's foreach ops take per-tensor
+weights only as host scalars. Laid out as the bucket's NS input, the weights are one ``(B, 1, 1)``
+tensor, and the EMA and the NS input take one launch each for the whole bucket through the
+per-matrix step's operations, so the values are the same. (The layout is the idea of flat
+parameters, as in FSDP's ``FlatParameter``, applied to optimizer state.)"""
 
 from __future__ import annotations
 
@@ -59,11 +55,9 @@ class BucketMomentum:
     def step(
         self, grads: Sequence[Tensor], batch: Tensor, keep: Tensor, beta: float, nesterov: bool
     ) -> Tensor | None:
-        """``M ← lerp(M, g, 1−β)`` and the NS input (``lerp(g, M, β)``, Nesterov, else ``M``) written
-        into ``batch``, the bucket's input buffer. A rejected member's gradient is read as zeros and
-        its EMA weight is 0, so its buffer stays as it was (``M + 0·(0 − M)``); its NS input is then
-        ``M·0`` (exact zeros) or, Nesterov, ``lerp(0, M, β)``, finite: the returned ``(B, 1, 1)``
-        flags are then the engine's ``drop``, whose normalisation zeroes it."""
+        """The EMA of :func:`~fastmuon.step.matrix._masked_momentum` over the whole bucket, the NS input
+        written into ``batch``; a rejected member's Nesterov input is ``lerp(0, M, β)``, finite: the
+        returned ``(B, 1, 1)`` flags are then the engine's ``drop``, whose normalisation zeroes it."""
         M = self.buffer
         G = torch.empty(M.shape, dtype=M.dtype, device=M.device)
         flags = self._flags(keep)
@@ -79,8 +73,7 @@ class BucketMomentum:
         return None
 
     def held(self) -> None:
-        """Make each member's state hold its view again where another tensor was put in its place
-        (its values are moved back into this buffer)."""
+        """Re-point each member's state entry replaced since (e.g. by a load) to its view, values copied."""
         current = [state[KEY] for state in self.states]
         if all(map(operator.is_, current, self.views)):
             return

@@ -17,12 +17,10 @@ class CollectEnv(NamedTuple):
     state: Any  # the optimizer's ``state``: per-parameter dicts, created on first use
     lr_value: Callable[[Any], Any]  # a group's ``lr`` as the step uses it (host number or tensor)
     check_grad: Callable[[dict[str, Any], int, Tensor], None]  # raises naming the parameter
-    # a group's matrix maps (group, index), checked against its parameters' shapes
-    maps: Callable[[dict[str, Any], int], list[MatrixMap]]
+    maps: Callable[[dict[str, Any], int], list[MatrixMap]]  # (group, index) -> its maps, shapes checked
     capturable: bool  # state lives where a captured step can update it
     optimizer: str  # the optimizer's class name, for errors
-    # over DTensors: every rank's part of a parameter (fastmuon.distributed.parts); else None
-    parts: Callable[[Tensor], Any] | None = None
+    parts: Callable[[Tensor], Any] | None = None  # over DTensors: every rank's part of a parameter
 
     def parts_of(self, p: Tensor) -> Any:
         """Where each rank's part of ``p`` lies, in a step over DTensors; None otherwise."""

@@ -1,9 +1,7 @@
-"""The contracts between the layers, checked by mypy: what a rule offers (:class:`Rule`), the
-stage after NS a variant supplies (:class:`AfterNSKind`, :class:`AfterNSStage`), an update's
-elementwise half (:class:`HalfProgram`) and what an engine offers the matrix program
-(:class:`Engine`, :data:`EngineFor`). They live in ``step/``, the lowest layer that holds every
-type they name; a rule satisfies :class:`Rule` as a module or as an object.
-"""
+"""The contracts between the layers, checked by mypy: what a rule offers (:class:`Rule`), the stage
+after NS a variant supplies (:class:`AfterNSKind`, :class:`AfterNSStage`), an update's elementwise
+half (:class:`HalfProgram`) and what an engine offers the matrix program (:class:`Engine`,
+:data:`EngineFor`). They live in ``step/``, the lowest layer that holds every type they name."""
 
 from __future__ import annotations
 
@@ -41,11 +39,10 @@ EngineFor = Callable[[list[Tensor], list[NSConfig], list[Any]], Engine]
 
 
 class AfterNSStage(Protocol):
-    """A stage after NS over a program's matrices: maps their NS results, in the program's order,
-    to the updates applied; ``classes`` and ``run_class`` let a bucket-by-bucket step run it per
-    class. One whose ``masks_rejected`` is True leaves a rejected matrix's state as it was given
-    the class's keep ``flags``; one without it is never given flags (its matrices are copied and
-    put back)."""
+    """A stage after NS over a program's matrices: maps their NS results, in the program's order, to the
+    updates applied; ``classes`` and ``run_class`` let a bucket-by-bucket step run it per class. One
+    whose ``masks_rejected`` is True leaves a rejected matrix's state as it was given the class's keep
+    ``flags``; one without it is never given flags (its matrices are copied and put back)."""
 
     classes: list[Any]
 
@@ -57,10 +54,9 @@ class AfterNSStage(Protocol):
 
 
 class AfterNSKind(Protocol):
-    """A kind of stage after NS, of which a variant of Muon is made (``StagedRule``): what it adds
-    to each matrix item, its state, its settings per step, its batched stage and its per-matrix
-    reference (e.g. ``fastmuon.step.moments.SecondMoment``). ``key``: the state entry it keeps per
-    matrix parameter (None: none), shaped as ``shaped`` says and following ``role`` in checkpoints."""
+    """A kind of stage after NS, of which a variant of Muon is made (``StagedRule``; e.g.
+    ``fastmuon.step.moments.SecondMoment``). ``key``: the state entry it keeps per matrix parameter
+    (None: none), shaped as ``shaped`` says and following ``role`` in checkpoints."""
 
     @property
     def key(self) -> str | None: ...
@@ -124,13 +120,11 @@ class RuleItems(Protocol):
 
 @runtime_checkable
 class Rule(Protocol):
-    """An update rule of :mod:`fastmuon.rules` (a module, or an object with these members).
-
-    ``family``: its name in checkpoints; ``other_update``: the update of the parameters it does not
-    orthogonalise ("SGD", "AdamW"); ``state_keys``: each state entry's shape kind. ``scalars``
+    """An update rule of :mod:`fastmuon.rules` (a module, or an object with these members):
+    ``family``, its name in checkpoints; ``other_update``, the update of the parameters it does not
+    orthogonalise ("SGD", "AdamW"); ``state_keys``, each state entry's shape kind. ``scalars``
     returns the step's pattern (the hyperparameters' equality classes, which decide whether a
-    prepared program still fits) and its scalars.
-    """
+    prepared program still fits) and its scalars."""
 
     family: str
     other_update: str

@@ -1,17 +1,14 @@
 """``nonfinite="raise"`` on an accelerator: the verdict on a step's gradients read one call later.
 
-Asking before the update whether every gradient is finite would make the host wait for the
-device every step. So the step runs masked, as ``"skip"`` runs, and only its flags travel: a
-non-blocking copy into a pinned host buffer behind an event. The next ``step()`` (before it
-changes anything) or ``state_dict()`` reads them, waiting for the event if need be, and raises
-naming the parameters that step left untouched.
-
-The next step waits rather than reading the flags only once they have arrived: the ranks of a
-distributed run must raise alike (the flags are agreed before their copy; whether it has arrived
-differs by rank), and what the step keeps on the host (AdamW's step counts) must be put back
-before the next step changes it. In a training loop the wait costs nothing: the next batch's
-forward and backward are queued behind the event. ``zero_grad()`` reads nothing.
-"""
+Asking before the update whether every gradient is finite would make the host wait for the device
+every step. So the step runs masked, as ``"skip"`` runs, and only its flags travel: a non-blocking
+copy into a pinned host buffer behind an event. The next ``step()`` (before it changes anything) or
+``state_dict()`` reads them, waiting for the event if need be, and raises naming the parameters that
+step left untouched. It waits rather than reading the flags only once they have arrived: the ranks
+of a distributed run must raise alike (the flags are agreed before their copy; whether it has
+arrived differs by rank), and what the step keeps on the host (AdamW's step counts) must be put back
+before the next step changes it. In a training loop the wait costs nothing: the next batch's forward
+and backward are queued behind the event. ``zero_grad()`` reads nothing."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""Running a step: find or prepare its program, check its gradients, run it; or run the rule's
-per-parameter reference. Everything the driver needs of the optimizer comes in a :class:`StepEnv`.
+"""Running a step: find or prepare its program, check its gradients, run it; or the rule's reference.
 
-A program is prepared on the first step and again when the set of parameters with gradients,
-their layouts, the groups or the equality classes of their hyperparameters change, under a guard
-that takes back the state a refused step made; a later step only reads the gradients and the
-hyperparameters and runs a fixed sequence of foreach and NS calls. In a distributed run the set
-is the one the ranks agree on (zeros stand in where a rank has no gradient).
-"""
+A program is prepared on the first step and again when the set of parameters with gradients, their
+layouts, the groups or the equality classes of their hyperparameters change, under a guard that
+takes back the state a refused step made; a later step only reads the gradients and the
+hyperparameters and runs a fixed sequence of foreach and NS calls. In a distributed run the set is
+the one the ranks agree on (zeros stand in where a rank has no gradient)."""
 
 from __future__ import annotations
 
@@ -92,9 +90,8 @@ Kind = Literal["single", "replicated", "sharded"]
 
 @dataclass(frozen=True)
 class Site:
-    """Where a step runs and over what, worked out once per parameter list and process group:
-    ``params`` in the order a step reads their gradients, each one's ``owners`` ``(group, index)``
-    to name it, and ``kind`` (:data:`SINGLE`, :data:`REPLICATED` or :data:`SHARDED`)."""
+    """Where a step runs and over what, worked out once per parameter list and process group;
+    ``owners[k]``, ``(group, index)``, names ``params[k]`` (in the order a step reads gradients)."""
 
     params: list[Tensor]
     owners: list[tuple[Group, int]]
@@ -152,7 +149,6 @@ class StepDriver:
         """Drop an unread verdict (loading a state dict replaces the state it speaks of)."""
         self.pending = None
 
-    # ----- the batched step -----------------------------------------------------------------
     def step(self, env: StepEnv) -> None:
         """One batched update of every parameter with a gradient."""
         pattern, scalars = env.rule.scalars(env.groups, env.lr_value)
@@ -162,8 +158,7 @@ class StepDriver:
             site = self._site = Site.of(env.groups, flat, sharded, env.process_group)
         compiling = torch.compiler.is_compiling()  # traced Python runs once: nothing to keep
         agree = None if site.kind == SINGLE else functools.partial(self._agree, site)
-        # the gradients, then the kept program; a distributed run's first gradients make every
-        # parameter's state, so they are read only where a refusal takes it back (preparing)
+        # a distributed run's first gradients make every state: read only where a refusal undoes it
         ready = misfit = grads = None
         if not compiling and (site.kind == SINGLE or self.initialised):
             grads = _grads_of(site.params) if site.kind == SINGLE else self._gradients(env, site)
@@ -233,7 +228,6 @@ class StepDriver:
             self.cache.remember((tuple(map(_is_none, grads)), pattern), program)
         return Ready(program, live, keep)
 
-    # ----- the per-parameter reference ------------------------------------------------------
     def reference_step(self, env: StepEnv) -> None:
         """The same update through the rule's per-parameter reference (``foreach=False``)."""
         guard = keep = saved = None
@@ -275,8 +269,7 @@ class StepDriver:
     @contextlib.contextmanager
     def _refusal_leaves_no_state(self, env: StepEnv) -> Iterator[None]:
         """A step refused while preparing leaves the optimizer as it was: no new state, and no
-        program, since one is remembered only once its step is accepted (so in a distributed run
-        every rank remembers the same programs)."""
+        program (one is remembered only once its step is accepted, alike on every rank)."""
         mark = mark_state(env.state)
         initialised = self.initialised
         try:
@@ -287,8 +280,7 @@ class StepDriver:
             raise
 
     def _gradients(self, env: StepEnv, site: Site) -> list[Tensor | None]:
-        """Every parameter's gradient this step; in a distributed run, of the parameters the ranks
-        agree on (zeros where only another rank has one), every state made on the first step."""
+        """Every parameter's gradient this step (distributed: zeros where only another rank has one)."""
         flat = site.params
         if site.kind == SINGLE:
             return _grads_of(flat)
@@ -372,7 +364,6 @@ class StepDriver:
         """Every rank's verdict on its gradients combined: a NaN may sit in one rank's shard only."""
         return agree_across_ranks(keep, self.ranks(site), self.inflight)
 
-    # ----- the executors ------------------------------------------------------------------
     def _engine(
         self,
         env: StepEnv,
@@ -386,8 +377,7 @@ class StepDriver:
         key = (policy, tuple(map(_engine_key, wholes, configs)))
         return self.cache.engine(key, lambda: self._build(env, site, params, configs, wholes, policy))
 
-    # planning is host-side bookkeeping: nothing to trace (torch's lazy form of
-    # torch.compiler.disable does not import torch._dynamo with fastmuon)
+    # host-side planning, nothing to trace (torch.compiler.disable's lazy form: no dynamo import)
     @torch._disable_dynamo
     def _build(
         self,
@@ -458,8 +448,7 @@ def classes_each(*values: Sequence[Hashable]) -> list[tuple[int, ...]]:
 
 @dataclass
 class TwoHalves:
-    """A rule's update prepared as its two halves, run in turn: the matrices'
-    (:class:`~fastmuon.step.matrix.MatrixProgram`), then the elementwise one (SGD, AdamW)."""
+    """A rule's update prepared as two halves, run in turn: the matrices', then the elementwise one."""
 
     matrices: MatrixProgram
     elementwise: HalfProgram
@@ -479,8 +468,7 @@ class TwoHalves:
 class StepProgram:
     """One step, prepared: the update's program and what every step around it needs. ``live``
     picks the parameters with gradients out of the flat list; ``owners`` (``(group, j)``) name them
-    in errors; ``shards`` (sharded parameters) are the local tensors the program updates.
-    """
+    in errors; ``shards`` (sharded parameters) are the local tensors the program updates."""
 
     def __init__(
         self,
@@ -518,8 +506,7 @@ class StepProgram:
         return lambda k: param_name(*self.owners[k])
 
 
-#: How many programs (and executors) are kept: a run alternates between a few step shapes at most
-#: (e.g. with and without a frozen part), and each holds buffers as large as its matrices.
+#: Programs (and executors) kept: a run alternates between a few step shapes, each with matrix-sized buffers.
 CACHE_SIZE = 4
 
 
@@ -585,8 +572,7 @@ class StepCache:
 
 
 def _finite_by_group(grads: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
-    """``(indices, ok)`` per (device, dtype) of the non-empty gradients: ``ok[k]`` is whether
-    ``grads[indices[k]]`` is all finite (a max-abs norm, which cannot overflow as a sum of squares)."""
+    """``(indices, ok)`` per (device, dtype) of the non-empty gradients: which of them are all finite."""
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, g in enumerate(grads):
         if g.numel() > 0:  # nothing to be non-finite (and the inf-norm of nothing is undefined)
@@ -681,12 +667,9 @@ class FiniteCheck:
 
 
 class NonFiniteGuard:
-    """A step's handling of NaN/Inf gradients over a fixed list of gradients (see
-    :mod:`fastmuon.step.nonfinite`): ``params[i]`` owns ``grads[i]`` and ``states[i]``. In a
-    distributed run :meth:`keep` takes ``agree``, which combines every rank's flags, so that the
-    ranks decide alike. With ``defer`` (the prepared step) "raise" off the host's CPU runs masked
-    as "skip" and leaves its verdict for the next call (:mod:`fastmuon.step.deferred`).
-    """
+    """A step's handling of NaN/Inf gradients over a fixed list (see :mod:`fastmuon.step.nonfinite`;
+    ``defer``: the prepared step's, :mod:`fastmuon.step.deferred`): ``params[i]`` owns ``grads[i]``
+    and ``states[i]``. :meth:`keep`'s ``agree`` combines every rank's flags, so the ranks decide alike."""
 
     def __init__(
         self,
@@ -753,9 +736,8 @@ class NonFiniteGuard:
         return agree(keep) if agree is not None else keep
 
     def snapshot(self, keep: Tensor | None, whole: bool = False) -> list[Tensor] | None:
-        """What the update may overwrite and does not keep by itself, saved. ``whole``: this step
-        runs the matrix half unmasked (a hook or a compiler's trace): everything is saved, and
-        :meth:`restore` and :meth:`settle` get the same ``whole``."""
+        """What the update may overwrite and does not keep by itself, saved; with ``whole`` (the matrix
+        half runs unmasked: a hook or a trace) everything, and restore and settle get the same."""
         plan = self.skip_all if whole else self.skip
         return plan.snapshot() if keep is not None and plan is not None else None
 

@@ -1,7 +1,6 @@
-"""The elementwise steps of the update pipeline, each one fused ``torch._foreach_*`` call or two,
-over lists of tensors that share hyperparameters: a handful of kernels per step however many
-parameters there are. Nothing here writes to a gradient.
-"""
+"""The elementwise steps of the update pipeline, each one fused ``torch._foreach_*`` call or two, over
+lists of tensors that share hyperparameters: a handful of kernels per step however many parameters
+there are. Nothing here writes to a gradient."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def fusable_stored(p: Tensor, grad: Tensor, buffers: Sequence[Tensor], cuda: boo
 
 def foreach_scalar(value: float, like: Tensor, host: bool) -> float | Tensor:
     """``value`` for a foreach multiply of tensors like ``like``: on the host's CPU a 0-d tensor of
-    ``like``'s dtype, since each ``mul_`` by a Python number there first wraps it in one (five
-    extra ops per tensor); the products are bit for bit the same."""
+    its dtype, which ``mul_`` otherwise makes of a number per tensor (products bit for bit alike)."""
     return torch.tensor(value, dtype=like.dtype) if host else value
 
 

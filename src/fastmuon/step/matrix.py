@@ -1,8 +1,7 @@
 """The Muon half of a step, shared by MuSGD and Muon: momentum → orthogonalise → scale → apply.
 
-Both optimizers update every matrix as ``p ← decay·p − scale·NS(EMA momentum)``; they differ
-only in ``decay`` (Muon's decoupled weight decay; 1 for MuSGD) and in what ``scale`` holds.
-"""
+Both update every matrix as ``p ← decay·p − scale·NS(EMA momentum)``, differing only in ``decay``
+(Muon's decoupled weight decay; 1 for MuSGD) and in what ``scale`` holds."""
 
 from __future__ import annotations
 
@@ -58,9 +57,8 @@ def matrix_items(
     parts: Any = None,
     state_dtype: torch.dtype | None = None,
 ) -> list[MatrixItem]:
-    """The Muon updates of ``p``, one per matrix its map ``m`` makes of it (views throughout), each
-    scaled by ``base`` times its shape's lr factor. ``parts``: over DTensors, where each rank's part
-    of ``p`` lies; ``state_dtype``: the dtype of a missing momentum buffer (None: ``p``'s)."""
+    """The Muon updates of ``p``, one per matrix of its map ``m`` (views), each scaled by ``base``
+    times its shape's lr factor; ``parts``: over DTensors, where each rank's part of ``p`` lies."""
     buf = state_buffer(state, "momentum_buffer", p, state_dtype)
     pieces: list[Piece]
     if parts is not None:
@@ -109,8 +107,7 @@ def batch_order(items: list[MatrixItem]) -> list[list[MatrixItem]]:
 
 
 def momentum_update(it: MatrixItem) -> Tensor:
-    """``M ← β·M + (1−β)·g`` in place; returns NS's input (Nesterov ``β·M + (1−β)·g``, else ``M``).
-    A buffer in another dtype is stepped in the arithmetic dtype (see :mod:`.state_dtype`)."""
+    """``M ← β·M + (1−β)·g`` in place; returns NS's input (Nesterov ``β·M + (1−β)·g``, else ``M``)."""
     dtype = arithmetic_dtype(it.param.dtype, it.buf.dtype)
     if dtype is None:
         it.buf.lerp_(it.grad, 1 - it.beta)
@@ -191,19 +188,16 @@ def orthogonalize_step(
 #: results' dtype: from about this size a launch per matrix costs less than a cast copy.
 NARROW_APPLY_MIN_ELEMENTS = 2**20
 
-#: a momentum step over one part: ``(bufs, grads, beta, nesterov, out=views) -> NS inputs``
-Momentum = Callable[..., list[Tensor]]
+Momentum = Callable[..., list[Tensor]]  # ``(bufs, grads, beta, nesterov, out=views) -> NS inputs``
 
 
 class MatrixProgram:
     """The batched matrix update prepared once for a fixed set of matrices; a later step with the
-    same hyperparameter classes runs the same calls with its own values.
-
-    Where the engine runs bucket by bucket (``Orthogonalizer.open_bucket``) each bucket goes
-    through the whole update before the next, its momentum written straight into the bucket's NS
-    input, so a step holds no more than the largest bucket's buffers. Elsewhere (hooks around NS,
-    a compiler's trace, distributed engines) all buckets run in one engine call.
-    """
+    same hyperparameter classes runs the same calls with its own values. Where the engine runs
+    bucket by bucket (``Orthogonalizer.open_bucket``) each bucket goes through the whole update
+    before the next, its momentum written straight into the bucket's NS input, so a step holds no
+    more than the largest bucket's buffers; with hooks around NS, in a compiler's trace or with a
+    distributed engine all buckets run in one engine call (:meth:`_run_whole`)."""
 
     def __init__(
         self,
@@ -239,18 +233,16 @@ class MatrixProgram:
         # the plan's executor, and where it reads each source from (momentum is written there)
         wholes = [i.param if i.whole is None else i.whole for i in ordered]
         self.engine: Engine | None = engine_for(self.params, self.configs, wholes) if ordered else None
-        # per part: its matrices' places, and its arithmetic dtype where not the buffers'
         self.part_specs: list[PartSpec] = []
         start = 0
         for part in parts:
-            work = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)  # one per part
+            work = arithmetic_dtype(part[0].param.dtype, part[0].buf.dtype)
             masked = tuple(i.index for i in part) if mask_packed and _masks_when_packed(part[0]) else None
             self.part_specs.append(
                 PartSpec(list(range(start, start + len(part))), part[0].group, work, masked)
             )
             start += len(part)
-        # a parameter whose matrices all mask themselves (a split one may have some that do not)
-        unmasked = {
+        unmasked = {  # parameters with a matrix that does not mask itself (a split one may mix both)
             i.index for part, spec in zip(parts, self.part_specs) if spec.flag_places is None for i in part
         }
         self.packed_masked = (
@@ -264,7 +256,6 @@ class MatrixProgram:
         self.grad_positions = position
         self.item_groups = [i.group for i in ordered]
         self.groups = sorted(set(self.item_groups))
-        # the stage before NS: the matrices whose NS input is the sign of their momentum, if any
         signed = [k for k, i in enumerate(ordered) if i.sign_input]
         self.sign = SignInputs(signed) if signed else None
         # scale = base · factor: one class per (class of the group's base, factor)
@@ -276,7 +267,6 @@ class MatrixProgram:
                 scale_class[k] = c
         limit = scale_limit(self.params[0].device) if ordered else 0
         self.one_pass = len(self.scale_keys) <= limit
-        # the rule's stage after NS over all the matrices, or None
         whole = stage(ordered) if stage is not None and ordered else None
         self.stage = whole
         self.after = AfterNS.over(ordered, self.params, self.item_groups, scale_class, whole)
@@ -298,7 +288,6 @@ class MatrixProgram:
         if not isinstance(engine, Orthogonalizer) or not engine.by_bucket or engine.plan is None:
             return None
         self.bucketwise_engine = engine
-        # a stage that does not mask rejected matrices itself has them copied and put back
         self.stage_masks = whole is None or getattr(whole, "masks_rejected", False)
         buckets = [list(engine.members(b)) for b in range(len(engine.plan.buckets))]
         classes = [c[0] for c in whole.classes] if whole is not None else []
@@ -306,8 +295,7 @@ class MatrixProgram:
         last = [max(bucket_of[k] for k in idx) for idx in classes]
         spans = [len({bucket_of[k] for k in idx}) > 1 for idx in classes]
         place = {k: (c, j) for c, idx in enumerate(classes) for j, k in enumerate(idx)}
-        # the stage's classes are applied as each completes (its stage over them, then the rest)
-        self.class_after = [
+        self.class_after = [  # the stage's classes, applied as each completes (its stage, then the rest)
             AfterNS.over(
                 [ordered[k] for k in idx],
                 [self.params[k] for k in idx],
@@ -361,7 +349,6 @@ class MatrixProgram:
                     feeds[c][0].append(n)
                     feeds[c][1].append(j)
             out_dtype = self.dtypes[ks[0]]
-            # off the host, large matrices are applied from the NS dtype (the add widens exactly)
             exact_cast = torch.promote_types(ns_dtype, out_dtype) == out_dtype
             narrow = (
                 exact_cast
@@ -403,11 +390,9 @@ class MatrixProgram:
         return True
 
     def self_masked(self) -> frozenset[int]:
-        """The parameters (places among the step's gradients) this half leaves, with their
-        momentum, as they were where ``keep`` rejects their gradient, without a copy: matrices
-        stepped bucket by bucket off the host (:func:`_masks_itself`), whose masked momentum gives
-        an exact-zero NS input (:func:`_masked_momentum`) and whose decay factor is masked to 1.
-        A rule's stage after NS must mask rejected matrices itself (``masks_rejected``)."""
+        """The parameters (places among the step's gradients) this half leaves as they were, momentum
+        included, where ``keep`` rejects their gradient, with no copy: those whose matrices all mask
+        themselves (:func:`_masks_itself`, :func:`_masked_momentum`), their decay factor masked to 1."""
         return self.masked_positions
 
     @property
@@ -418,10 +403,8 @@ class MatrixProgram:
     def run(
         self, grads: Sequence[Tensor], scalars: MatrixScalars, keep: Tensor | None, hooks: Mapping[int, Any]
     ) -> None:
-        """One step over ``grads``. ``hooks`` (``register_orthogonalize_hook``) wrap the NS call,
-        which then runs all buckets at once (:meth:`_run_whole`), as a compiler's trace does; else
-        one bucket at a time, each finished before the next reuses its buffers. A rule's stage
-        after NS takes the results in the NS dtype where widening is exact, the rest cast."""
+        """One step over ``grads`` (see the class); ``hooks`` (``register_orthogonalize_hook``) wrap
+        NS. A rule's stage after NS gets results in the NS dtype where widening is exact, else cast."""
         engine = self.engine
         if engine is None:  # no matrix
             return
@@ -438,8 +421,7 @@ class MatrixProgram:
         engine = bucketwise
         stage = self.stage
         beta, nesterov = scalars.beta, scalars.nesterov
-        # the stage's classes seen in part (one spanning buckets: None where not fed yet)
-        pending: dict[int, list[Any]] = {}
+        pending: dict[int, list[Any]] = {}  # stage classes seen in part (None: a slot not fed yet)
         # a tensor scale multiplies the updates in place: those must come in the full dtype
         narrow_ok = self.any_narrow and not any(isinstance(s, Tensor) for s in scales)
         for step in self.buckets or ():
@@ -466,11 +448,9 @@ class MatrixProgram:
                 torch._foreach_sign_(step.signed(views))
             narrow = narrow_ok and step.narrow_apply
             dtype = None if narrow or (stage is not None and step.exact_cast) else step.out_dtype
-            # a masked bucket's rejected inputs are exact zeros already (see _masked_momentum)
-            zeroed = keep if flags is None else None
+            zeroed = keep if flags is None else None  # a masked bucket's rejected inputs are zeros already
             updates = step.order(engine.run_bucket(step.index, dtype, zeroed, self.keep_positions, drop))
-            # off the host, free this bucket's buffers before the next one allocates
-            del views
+            del views  # off the host, free this bucket's buffers before the next one allocates
             if stage is None:
                 # narrow: one add per scale class, each a launch per matrix anyway
                 step.after.run(updates, scalars, scales, self.groups, narrow or self.one_pass, keep=flags)
@@ -506,7 +486,6 @@ class MatrixProgram:
         hooks: Mapping[int, Any],
     ) -> None:
         """The step with every bucket's NS in one engine call (see :meth:`run`)."""
-        # 1. momentum, one foreach call per (β, nesterov, device, dtype)
         sources: list[Tensor] = []
         for p, (bufs, pick, g, out, momentum) in enumerate(self._momentum_parts()):
             places = self.part_specs[p].flag_places
@@ -523,7 +502,6 @@ class MatrixProgram:
             sources += momentum(bufs, pick(grads), scalars.beta[g], scalars.nesterov[g], out=out)
         if self.sign is not None:
             self.sign.run(sources, self.owned_inputs)
-        # 2. orthogonalise, one NS call per bucket of the cached plan
         args = (engine, sources, self.dtypes, keep, self.keep_positions)
         if hooks:
             call = functools.partial(orthogonalize_step, *args)
@@ -532,11 +510,9 @@ class MatrixProgram:
             updates = call()
         else:
             updates = orthogonalize_step(*args)
-        # 3-4. the rule's stage, decay, scale and apply
         self.after.run(updates, scalars, scales, self.groups, self.one_pass)
 
     def _part_flags(self, p: int, places: tuple[int, ...], keep: Tensor) -> Tensor:
-        """Momentum part ``p``'s members' keep flags (``places`` in the keep vector)."""
         index = self._part_flag_index.get((p, keep.device))
         if index is None:
             index = self._part_flag_index[p, keep.device] = torch.tensor(places, device=keep.device)
@@ -574,18 +550,15 @@ class PartSpec(NamedTuple):
     positions: list[int]  # its matrices' places in the program
     group: int  # the param group whose β and nesterov it reads
     work: torch.dtype | None  # the dtype its arithmetic runs in where not the buffers' (else None)
-    # large self-masking matrices on the packed path: their places in the keep vector (else None)
-    flag_places: tuple[int, ...] | None = None
+    flag_places: tuple[int, ...] | None = None  # self-masking matrices on the packed path: keep-vector places
 
 
-#: Where a rule's matrix half has no decay after NS (MuSGD's), matrices of at least this many
-#: elements stepped off the host all buckets at once mask their own momentum where the gradient
-#: is rejected (see ``_masked_momentum``): a few launches each rather than a copy and a restore.
+#: Off the host, matrices of this many elements stepped all buckets at once mask their own momentum
+#: (``_masked_momentum``) where no decay follows NS (MuSGD): a few launches, not a copy and a restore.
 PACKED_MASK_MIN_ELEMENTS = 2**20
 
 
 def _masks_when_packed(item: MatrixItem) -> bool:
-    """Whether a matrix masks its own momentum on the packed path (see PACKED_MASK_MIN_ELEMENTS)."""
     return _masks_itself(item) and item.param.numel() >= PACKED_MASK_MIN_ELEMENTS
 
 
@@ -630,9 +603,8 @@ def _masked_momentum(
     out: list[Tensor],
 ) -> None:
     """A masked bucket's EMA step, one matrix at a time, its weights 0-d device tensors (``mine``
-    picks this part's ``flags``): where kept, ``1−β`` and ``β``, as the plain step computes; where
-    rejected, the gradient read as zeros and both weights 0, so ``M + 0·(0 − M)`` is ``M`` exactly
-    and the NS input ``0 + 0·M`` exactly zero."""
+    picks this part's ``flags``): where kept ``1−β`` and ``β``, as the plain step computes; where
+    rejected 0, the gradient read as zeros: ``M + 0·(0 − M)`` is ``M``, NS's input ``0 + 0·M`` exactly 0."""
     weights = mine(list(torch.mul(flags, 1 - beta).unbind(0)))
     if nesterov:
         lerps = mine(list(torch.mul(flags, beta).unbind(0)))
@@ -652,21 +624,18 @@ class BucketStep:
     """One bucket's share of a step."""
 
     index: int  # the bucket's place in the plan
-    # per momentum part here (``out``: picks of its NS input views among the bucket's)
-    momentum: list[MomentumPart]
+    momentum: list[MomentumPart]  # per momentum part here (``out``: picks of its NS input views)
     signed: Gather  # the sign-input matrices' places among the bucket's, slot order
     order: Gather  # the bucket's results (slot order) in the program's order
     out_dtype: torch.dtype  # the parameters'
     exact_cast: bool  # widening the NS dtype to the parameters' is exact
     narrow_apply: bool  # off the host, large matrices: applied from the NS dtype, not a cast copy
     after: AfterNS  # the stages after NS over the bucket's matrices (the rule's stage after NS apart)
-    # with a rule's stage: where its classes' matrices sit, and which classes end here
-    feeds: list[Feed]
-    completes: list[int]
-    # the bucket masks rejected gradients itself: its keep-vector places, and each part's among them
-    masked: bool
-    flag_places: tuple[int, ...]
-    momentum_flags: list[Gather]
+    feeds: list[Feed]  # with a rule's stage: where its classes' matrices sit
+    completes: list[int]  # and which of its classes end here
+    masked: bool  # the bucket masks rejected gradients itself
+    flag_places: tuple[int, ...]  # its members' places in the keep vector
+    momentum_flags: list[Gather]  # each momentum part's among them
     flag_index: dict[torch.device, Tensor] = field(default_factory=dict)
     flat: BucketMomentum | None = None  # the momentum kept in the bucket's layout, if it is
 
@@ -853,8 +822,7 @@ def apply_scaled_(
 def ema_momentum_(
     bufs: list[Tensor], grads: list[Tensor], beta: float, nesterov: bool, out: list[Tensor] | None = None
 ) -> list[Tensor]:
-    """``M ← β·M + (1−β)·g`` in place; returns the update ``β·M + (1−β)·g`` (Nesterov) or ``M``,
-    written into ``out`` (e.g. the NS engine's input views) where given."""
+    """:func:`momentum_update` over lists, the result written into ``out`` (NS's inputs) where given."""
     torch._foreach_lerp_(bufs, grads, 1 - beta)
     if out is None:
         # the foreach ops return a list (torch's stub says a tuple)
@@ -899,8 +867,7 @@ def ema_momentum_widened_(
 
 
 def lr_factor(group: Mapping[str, Any], index: int, default: str) -> tuple[str, float]:
-    """A group's ``adjust_lr_fn`` (``default`` where None) and ``rms_scale``. An ``adjust_lr`` key set
-    after the group was added would be ignored, so it is refused here, before anything changes."""
+    """A group's ``adjust_lr_fn`` (``default`` where None) and ``rms_scale``; refuses a late ``adjust_lr``."""
     if ADJUST_LR_ALIAS in group:
         raise ValueError(
             f"param group {index} has {ADJUST_LR_ALIAS}={group[ADJUST_LR_ALIAS]!r}, set after the group "

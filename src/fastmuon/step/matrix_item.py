@@ -26,17 +26,10 @@ class MatrixItem:
     group: int = 0  # the param group it belongs to (whose hyperparameters a program reads)
     index: int = 0  # its position among the step's parameters with gradients
     factor: float = 1.0  # the per-matrix part of ``scale`` (the optimizer's lr adjustment)
-    # one of several matrices in a tensor: how the tensor's gradient splits, and which is this one
-    split: Callable[[Tensor], list[Tensor]] | None = None
-    piece: int = 0
-    # what the planner sees of a matrix held in shards (see fastmuon.distributed); None: ``param``
-    whole: Any = None
-    # decay only where the update and the parameter agree in sign (cautious weight decay)
-    cautious: bool = False
-    # orthogonalise the sign of the momentum instead (a rule's stage before NS: see before_ns.py)
-    sign_input: bool = False
-    # the per-matrix state the rule's stage after NS reads (e.g. fastmuon.step.moments.Moment)
-    stage: Any = None
-    # the parameter's state where ``buf`` is its whole ``"momentum_buffer"`` (None: a piece of it),
-    # for a bucket that re-points the entry (see fastmuon.step.bucket_momentum)
-    state: dict[str, Any] | None = None
+    split: Callable[[Tensor], list[Tensor]] | None = None  # one of a tensor's matrices: how its grad splits
+    piece: int = 0  # and which of them this is
+    whole: Any = None  # what the planner sees of a matrix held in shards; None: ``param``
+    cautious: bool = False  # decay only where the update and the parameter agree in sign
+    sign_input: bool = False  # orthogonalise the momentum's sign instead (a stage before NS: before_ns.py)
+    stage: Any = None  # the per-matrix state the rule's stage after NS reads (e.g. moments.Moment)
+    state: dict[str, Any] | None = None  # state holding ``buf`` whole (None: a piece), for bucket_momentum

@@ -1,17 +1,12 @@
-"""A second moment of the orthogonalised update, a stage after Newton–Schulz that a rule supplies.
-
-For each matrix ``O`` (the NS output, ``m×n``: rows first, the other dims flattened):
-
-- ``v ← β₂·v + (1−β₂)·s`` with ``s`` the mean of ``O⊙O`` over each row (``per_row``: NorMuon,
-  one value per neuron) or ``O⊙O`` itself (AdaMuon, elementwise);
-- ``Ô = O ⊘ (√v + ε)`` (``v`` broadcast along the rows where it is per row);
-- ``Ô ← Ô · target / ‖Ô‖_F``, with ``target`` either ``‖O‖_F`` (the norm NS gave, so Muon's
-  learning rates and lr factors carry over) or ``rms·√(m·n)`` (an update of RMS ``rms``).
+"""A second moment of the orthogonalised update, a stage after Newton–Schulz that a rule supplies:
+for each matrix ``O`` (NS's output, ``m×n``, the other dims flattened) ``v ← β₂·v + (1−β₂)·s``,
+``s`` the row mean of ``O⊙O`` (``per_row``, one value per neuron) or ``O⊙O``; ``Ô = O ⊘ (√v + ε)``,
+rescaled to the Frobenius norm ``‖O‖_F`` or ``rms·√(m·n)`` (the rules and their papers:
+:mod:`fastmuon.rules.second_moment`).
 
 Statistics are taken on each matrix's own update, so a bucket's padding never enters a mean.
 Matrices of one shape, dtype, device and group are stacked. The arithmetic runs in float32
-(float64 where the update or ``v`` is); ``v`` is stored in its own dtype, rounded once per step.
-"""
+(float64 where the update or ``v`` is); ``v`` is stored in its own dtype, rounded once per step."""
 
 from __future__ import annotations
 
@@ -56,8 +51,7 @@ class Moment:
     beta2: float
     eps: float
     rms: float | None  # None: keep NS's Frobenius norm; else rescale to this RMS
-    # the matrix is stored (in, out) (a "transposed" matrix map): its neurons are the columns
-    transposed: bool = False
+    transposed: bool = False  # stored (in, out) (a "transposed" map): its neurons are the columns
 
 
 @dataclass(frozen=True)
@@ -96,7 +90,6 @@ class SecondMoment:
     ) -> None:
         """Give each of ``p``'s matrix items its :class:`Moment`, a view of the entry (made if missing)."""
         key = self.key
-        # the neurons: a matrix's rows, or its stored columns where the map says (in, out)
         rows = [it.param.shape[1] if m.transposed else it.param.shape[0] for it in items]
         wanted = (sum(rows),) if self.per_row else tuple(p.shape)
         buf = state.get(key)
@@ -248,8 +241,7 @@ class MomentStage:
     def run_class(
         self, c: int, updates: Sequence[Tensor], scalars: MomentScalars, flags: Tensor | None = None
     ) -> list[Tensor]:
-        """The stage over class ``c``'s NS results, stacked once a step has them all. ``flags``
-        (:meth:`flags`): where False, the result is zeros and ``v`` is left as it was."""
+        """The stage over class ``c``'s NS results, once a step has them all; ``flags``: see the class."""
         idx, shape, param_dtype, g, rms, transposed, moments, _ = self.classes[c]
         rows, cols = matrix_shape(shape)
         n = len(idx)

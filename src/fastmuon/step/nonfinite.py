@@ -4,11 +4,9 @@ One :class:`NonFiniteGuard` over a step's gradients serves the batched and the p
 ``"skip"`` never synchronises with the host: every decision is a device-side mask. The step runs
 as usual (a bad matrix's NS input is zeroed in its bucket, so its NaN cannot reach the others),
 then each parameter and every one of its state tensors is put back to its pre-step value wherever
-its gradient was not finite, in a handful of fused calls per (device, dtype).
-
-``"raise"`` on the host's CPU refuses the step before the update; on an accelerator it runs as
-``"skip"`` does and leaves the verdict for the next call (see :mod:`fastmuon.step.deferred`).
-"""
+its gradient was not finite, in a handful of fused calls per (device, dtype). ``"raise"`` on the
+host's CPU refuses the step before the update; on an accelerator it runs as ``"skip"`` does and
+leaves the verdict for the next call (see :mod:`fastmuon.step.deferred`)."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ from ..ns.layout import memory_order
 
 NONFINITE_MODES = ("raise", "skip", "ignore")
 
-#: Refuse loudly by default: a NaN gradient usually means a diverging run or a bug, and naming the
-#: parameter is the fastest way to find it. Under ``torch.amp.GradScaler`` a step never gets there
-#: (the scaler skips steps with infs itself).
+#: Refuse loudly by default: a NaN gradient usually means a diverging run or a bug, found fastest by
+#: the parameter's name. ``torch.amp.GradScaler`` skips steps with infs itself, before they get here.
 DEFAULT_NONFINITE = "raise"
 
 
@@ -44,7 +41,6 @@ def _memory_view(t: Tensor) -> Tensor | None:
     return t.permute(order).view(-1)
 
 
-# ----- prepared once per step program ---------------------------------------------------------
 class _Loose(NamedTuple):
     """A tensor a restore may put back that is no 1-D view of its memory (gaps or overlaps)."""
 
@@ -71,8 +67,7 @@ class _Group:
     """The tensors of one (device, dtype) that a restore may put back, as 1-D views laid out by
     owner, each owner's run padded to whole blocks. ``pieces``: the split of a flat copy into the
     views, each followed by its padding, so ``flat.split(pieces)[::2]`` are the views' places;
-    ``block_owner``: each block's owner; ``pads``: views of a spare tensor for the host's cat.
-    """
+    ``block_owner``: each block's owner; ``pads``: views of a spare tensor for the host's cat."""
 
     __slots__ = ("views", "tensors", "pieces", "block", "block_owner", "total", "host", "pads")
 
@@ -129,8 +124,7 @@ class SkipPlan:
     """What a step may have to put back, prepared once: every parameter and state tensor, grouped
     by (device, dtype). ``owners[i]``: the place in the keep vector of the parameter owning
     ``params[i]`` and ``states[i]``; ``counts_only``: owners whose update masks itself, of whose
-    tensors only the 0-d state (AdamW's step count, counted on the host) is taken.
-    """
+    tensors only the 0-d state (AdamW's step count, counted on the host) is taken."""
 
     def __init__(
         self,
@@ -148,8 +142,7 @@ class SkipPlan:
             if owner in counts_only:
                 tensors = [t for t in tensors[1:] if t.dim() == 0]
             for t in tensors:
-                # grouped detached (the restore writes a leaf parameter in place through its view)
-                if memory_order(t) is None:
+                if memory_order(t) is None:  # grouped detached: the restore writes leaves through views
                     self._loose.append(_Loose(t, owner, device.is_host(t.device)))
                 else:
                     grouped.setdefault((t.device, t.dtype), []).append((t.detach(), owner))

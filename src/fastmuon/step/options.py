@@ -12,14 +12,12 @@ from .nonfinite import DEFAULT_NONFINITE, check_mode
 
 @dataclass(frozen=True)
 class Options:
-    """What applies to every param group of one optimizer.
-
-    ``foreach``: None/True the batched step, False the per-parameter loop; ``compile`` runs each
-    bucket's NS through ``torch.compile``; ``capturable`` keeps every step free of host reads
-    (refused with ``nonfinite="raise"``); ``adamw_lr`` (Muon) is AdamW's learning rate in
-    ``use_muon=False`` groups that set none; ``owner_group_size`` and ``max_exchange_bytes`` steer
-    the distributed step over DTensors (see :mod:`fastmuon.distributed.placement`).
-    """
+    """What applies to every param group of one optimizer: ``foreach``, None/True the batched step,
+    False the per-parameter loop; ``compile`` runs each bucket's NS through ``torch.compile``;
+    ``capturable`` keeps every step free of host reads (refused with ``nonfinite="raise"``);
+    ``adamw_lr`` (Muon) is AdamW's learning rate in ``use_muon=False`` groups that set none;
+    ``owner_group_size`` and ``max_exchange_bytes`` steer the distributed step over DTensors (see
+    :mod:`fastmuon.distributed.placement`)."""
 
     foreach: bool | None = None
     policy: str = "auto"
@@ -67,8 +65,7 @@ def check_foreach(foreach: Any) -> bool | None:
 
 
 def check_capturable(capturable: bool, nonfinite: str) -> None:
-    """A captured step (a CUDA graph) cannot read on the host whether its gradients were finite,
-    which ``nonfinite="raise"`` must do, so the pair is refused."""
+    """A captured step (a CUDA graph) cannot read on the host whether its gradients were finite."""
     if capturable and nonfinite == "raise":
         raise ValueError(
             "capturable=True cannot be combined with nonfinite='raise' (the default): raising must "

@@ -2,8 +2,7 @@
 
 ``g' = g + wd·p``, ``B ← β·B + g'``, ``p ← p − lr·u`` with ``u = g' + β·B`` (Nesterov) or ``B``:
 torch's fused SGD kernel where it is exact (:func:`~fastmuon.step.elementwise.fusable`), else
-foreach calls with one scale class per learning rate.
-"""
+foreach calls with one scale class per learning rate."""
 
 from __future__ import annotations
 
@@ -20,9 +19,8 @@ from .elementwise import Scalar, foreach_scalar, fusable_stored, partition, scal
 from .matrix import apply_scaled_
 from .state_dtype import arithmetic_dtype, store_, widened
 
-#: each tensor's strides; the (pick, parameters) of each learning-rate class
-_Strides = list[tuple[int, ...]]
-_ByScale = list[tuple[Gather, list[Tensor]]]
+_Strides = list[tuple[int, ...]]  # each tensor's strides
+_ByScale = list[tuple[Gather, list[Tensor]]]  # the (pick, parameters) of each learning-rate class
 
 
 @dataclass
@@ -53,8 +51,7 @@ class SGDScalars:
 
 @dataclass
 class SGDPart:
-    """One class of SGD's parameters stepped together; ``dtype``: the arithmetic dtype of buffers
-    stored in another one (None: their own)."""
+    """One class of SGD's parameters stepped together; ``dtype``: see ``arithmetic_dtype``."""
 
     group: int
     params: list[Tensor]
@@ -74,23 +71,20 @@ class FusedSGDPart(SGDPart):
     flag_place: int | None = None
 
 
-#: Off the host, a tensor of at least this many elements that torch's fused kernel steps masks its
-#: own step where its gradient is rejected: a call of its own whose ``found_inf`` is its rejection
-#: (the kernel then writes nothing), rather than a copy and a restore.
+#: Off the host, a tensor of this many elements that the fused kernel steps masks its own step: a call
+#: of its own whose ``found_inf`` is its rejection (then nothing is written), not a copy and a restore.
 MASK_MIN_ELEMENTS = 2**20
 
 
 @dataclass
 class ForeachSGDPart(SGDPart):
-    """A part for the foreach kernels: its members by learning-rate class (picks among the
-    part's and their parameters), and each class's index among the step's learning rates."""
+    """A part for the foreach kernels; ``lr_classes``: each ``by_lr`` class's index among the step's."""
 
     by_lr: _ByScale
     lr_classes: list[int]
 
 
 def _part_lists(items: list[SGDItem], group: int, dtype: torch.dtype | None) -> dict[str, Any]:
-    """What every :class:`SGDPart` over ``items`` holds (``group``: the one whose scalars it takes)."""
     return dict(
         group=group,
         params=[i.param for i in items],
@@ -192,8 +186,7 @@ class SGDProgram:
 
     @torch._disable_dynamo
     def _run_fused(self, grads: Sequence[Tensor], s: SGDScalars, rejected: dict[int, Tensor]) -> None:
-        """The fused parts' calls, never traced (the kernel has no fake one), even when a frame
-        dynamo compiles runs a program prepared eagerly."""
+        """The fused parts' calls, never traced (the kernel has no fake one), even in a compiled frame."""
         lr_of = s.lr
         for f in self.fused:
             g = f.group
@@ -254,14 +247,11 @@ def foreach_sgd_step_(
     limit: int,
     host: bool,
 ) -> None:
-    """SGD with heavy-ball momentum and coupled weight decay, in place, by foreach ops (see the
-    module's formulas). ``by_lr`` picks each learning rate's tensors out of the part; ``host``: they
-    live on the host's CPU. It allocates at most one list, the decayed gradients, which then take
-    the Nesterov update in place; without decay Nesterov is applied as two passes over ``p``.
-    """
+    """The module's SGD step in place, by foreach ops; ``by_lr`` picks each learning rate's tensors,
+    ``host``: on the host's CPU. It allocates at most one list, the decayed gradients, which then
+    take the Nesterov update in place; without decay Nesterov is two passes over ``p``."""
     owned = bool(weight_decay)
     if owned:  # g' as new tensors: the gradients themselves are never touched
-        # a list, as every foreach op returns (torch's stub says a tuple)
         grads = torch._foreach_add(grads, params, alpha=weight_decay)  # type: ignore[assignment]
     if beta == 0:  # B = g' exactly (a stale buffer must not leak in)
         torch._foreach_copy_(bufs, grads)

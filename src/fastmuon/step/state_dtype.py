@@ -3,8 +3,7 @@
 Such a buffer is read once per step into the step's arithmetic dtype (float32, or float64 where
 the parameter or the buffer is float64), updated there, and written back rounded to nearest
 once; the parameter's update is computed from the unrounded values. A buffer in its
-parameter's dtype takes the arithmetic torch's optimizers use, untouched by any of this.
-"""
+parameter's dtype takes the arithmetic torch's optimizers use, untouched by any of this."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def group_state_dtype(group: Mapping[str, Any], index: int) -> torch.dtype | Non
 
 
 def arithmetic_dtype(param_dtype: torch.dtype, buf_dtype: torch.dtype) -> torch.dtype | None:
-    """What a buffer's update is computed in: None where it is stored in its parameter's dtype
-    (the step computes as it always does), else float32, or float64 where either is float64."""
+    """What a buffer's update is computed in (see the module); None: stored in its parameter's dtype."""
     if buf_dtype == param_dtype:
         return None
     return torch.float64 if torch.float64 in (param_dtype, buf_dtype) else torch.float32
@@ -64,8 +62,7 @@ def store_(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
 
 
 def cast_state(state: Any, names: Sequence[str], dtype: torch.dtype) -> None:
-    """The floating buffers ``names`` of one parameter's state (a dict, or None where it has
-    none) in ``dtype``, as fresh tensors where they are in another."""
+    """Cast the floating buffers ``names`` of one parameter's state (if a dict) to ``dtype``."""
     if not isinstance(state, dict):
         return
     for name in names:
