@@ -1,19 +1,9 @@
-"""Newton–Schulz across ranks: DDP-replicated parameters share the work; DTensor parameters on
-any mesh (FSDP2, HSDP, tensor and expert parallel) are gathered to an owner (or owner group) and
-sent back, in rounds within a buffer cap. The optimizer hands the layer a context, never itself.
-
-- :mod:`.context`: the :class:`DistContext`, agreeing on a step, building its executor;
-- :mod:`.owners`: FLOP-balanced work units and each owner's plan;
-- :mod:`.replicated`: NS over DDP-replicated parameters, one broadcast per unit;
-- :mod:`.placement`: where each matrix's NS runs over DTensors, by predicted time;
-- :mod:`.parts`: every rank's box of every parameter, gathered once;
-- :mod:`.sharded`: the matrices a rank takes part in, and which move;
-- :mod:`.exchange`: gather-to-owner and scatter-back over those boxes, in rounds;
-- :mod:`.dtensor`: DTensor facts and local shards;
-- :mod:`.group_ns`: NS of one matrix split by columns over an owner group;
-- :mod:`.inflight`: keeping every collective's tensors alive until it is done;
-- :mod:`.stats`: what a step cost one rank (:class:`CommStats`).
-"""
+"""Newton–Schulz across ranks: DDP-replicated parameters share the work (:mod:`.replicated`, by
+:mod:`.owners`' FLOP-balanced units); DTensor parameters on any mesh (FSDP2, HSDP, tensor and
+expert parallel) are gathered to an owner or owner group (:mod:`.placement`, :mod:`.group_ns`)
+and sent back in rounds within a buffer cap (:mod:`.parts`, :mod:`.sharded`, :mod:`.exchange`).
+The optimizer hands the layer a context (:mod:`.context`), never itself; :mod:`.inflight` keeps every
+collective's tensors alive until it is done."""
 
 from .dtensor import is_dtensor, local_shard
 from .owners import WorkUnit, assign_work, sub_plan

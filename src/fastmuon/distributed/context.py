@@ -1,9 +1,7 @@
-"""What an optimizer hands the distributed layer (a :class:`DistContext`, never itself) and what
-the layer does with it: agree on which parameters step (all ranks must step the same ones),
-combine the ranks' non-finite verdicts, build the step's NS executor. Every collective goes
-through an :class:`~fastmuon.distributed.inflight.InFlight` and exchange buffers persist, so no
-process-group thread frees a tensor a collective touched.
-"""
+"""What the distributed layer does with a :class:`DistContext`: agree on which parameters step
+(all ranks must step the same ones), combine the ranks' non-finite verdicts, build the step's NS
+executor. Every collective goes through an :class:`~fastmuon.distributed.inflight.InFlight` and
+exchange buffers persist, so no process-group thread frees a tensor a collective touched."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ def build_distributed(
     policy: str,
     group: Any = None,
 ) -> ShardedOrthogonalizer | SplitShardedOrthogonalizer | ReplicatedOrthogonalizer:
-    """The orthogonalizer for a step's matrices: the exchange where ``wholes`` holds each one's
-    :class:`ShardedMatrix` (its parts over ``group``), else replicated over DDP's group."""
+    """The step's orthogonalizer: over ``group`` where ``wholes`` are :class:`ShardedMatrix`, else DDP's."""
     sharded = [isinstance(g, ShardedMatrix) for g in wholes]
     if any(sharded) and params:
         assert all(sharded), "a step over DTensors describes every matrix by its parts"
@@ -125,8 +122,7 @@ def build_distributed(
 
 
 def _owner_group_size(asked: int | None, group: Any) -> int | None:
-    """``asked``, or 1 (no owner groups) over some ranks of a device-bound default group: their
-    members alone would make them, but its split needs every rank (see :mod:`.subgroups`)."""
+    """``asked``, or 1 where owner groups would split a device-bound default group (:mod:`.subgroups`)."""
     if group is not None and dist.get_world_size(group) != dist.get_world_size() and splits_default():
         return 1
     return asked
@@ -139,8 +135,7 @@ def _plan(
     policy: str,
     group: ProcessGroup | None,
 ) -> tuple[Plan, Any, int]:
-    """The plan every rank builds alike, with its cost model and thread count: these vary by
-    rank and steer the planner, so rank 0's are sent to all."""
+    """The plan every rank builds alike, from rank 0's cost model and thread count (they vary by rank)."""
     box: list[Any] = [resolve_cost_model(ctx.options.cost_model, specs), torch.get_num_threads()]
     src = 0 if group is None else dist.get_global_rank(group, 0)
     device = specs[0].device if specs else torch.device("cpu")
@@ -171,8 +166,7 @@ def _broadcast_object(
 
 
 def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
-    """Every rank's keep flags combined (finite only where finite everywhere) by one all-reduce,
-    returned on ``keep``'s device; nothing is read on the host."""
+    """Every rank's keep flags AND-ed by one all-reduce, on ``keep``'s device (no host read)."""
     ok = keep.to(collective_device(keep.device, group), torch.float32)
     inflight.issue(dist.all_reduce, ok, op=dist.ReduceOp.MIN, group=group)
     inflight.wait()
@@ -180,10 +174,9 @@ def agree_across_ranks(keep: Tensor, group: Any, inflight: InFlight) -> Tensor:
 
 
 def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict[Tensor, Tensor]:
-    """Agree across ranks on which of ``params`` step; returns zero gradients for the missing ones.
-    A parameter steps everywhere if any rank has its gradient, so all ranks issue the same
-    collectives. The flags go through a host group (:func:`host_group`) where there is one: the
-    host then waits for the other ranks but never for the device."""
+    """Agree on which ``params`` step, returning zero gradients for the missing: a parameter steps
+    everywhere if any rank has its gradient, so all ranks issue the same collectives. The flags go
+    through a host group where there is one (the host waits for the ranks, never the device)."""
     if not params:
         return {}
     flags = [p.grad is not None for p in params]
@@ -204,10 +197,9 @@ def begin_step(params: Sequence[Tensor], group: Any, inflight: InFlight) -> dict
 
 
 def host_group(group: Any) -> Any | None:
-    """A group over ``group``'s ranks that takes host tensors: ``group`` itself if its backend
-    does (gloo, ``"cpu:gloo,cuda:nccl"``); over every rank, a gloo twin of the world made by every
-    rank alike; over some ranks, None: under a device-bound default group every rank outside a
-    new group must enter its split, so a twin made by its members alone would hang the job."""
+    """A group over ``group``'s ranks that takes host tensors: ``group`` if its backend does (gloo,
+    ``"cpu:gloo,cuda:nccl"``); over every rank, a gloo twin of the world; over some ranks, None (a
+    twin made by its members alone could hang: :mod:`.subgroups`)."""
     if _takes_host_tensors(group):
         return group
     if not dist.is_gloo_available():
@@ -218,6 +210,5 @@ def host_group(group: Any) -> Any | None:
 
 
 def _takes_host_tensors(group: Any) -> bool:
-    """Whether ``group``'s backend runs collectives on host (CPU) tensors."""
     config = str(dist.get_backend_config(group))
     return "cpu:" in config or config in ("gloo", "mpi", "fake")

@@ -26,16 +26,14 @@ def local_shard(t: Tensor) -> Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
-#: A DTensor's own local tensor. ``to_local()`` of a parameter returns a new view at every call
-#: (one that is a Parameter too), so the tensor's identity is read from this field.
+#: A DTensor's own local tensor: ``to_local()`` makes a new view each call, so identity is read here.
 _local_tensor = operator.attrgetter("_local_tensor")
 
 
 class LocalShards:
-    """The local tensors of a step program's DTensor parameters, as they were when it was built:
-    FSDP2 gives a parameter a new one when it re-pads (``nn.Module._apply``,
-    ``load_state_dict(assign=True)``), and the program's views of the old one would update memory
-    no longer the parameter's, so :meth:`current` checks each still holds its own."""
+    """A step program's DTensor parameters' local tensors as built: FSDP2 gives a parameter a new
+    one when it re-pads (``nn.Module._apply``, ``load_state_dict(assign=True)``), and views of the
+    old one would update memory no longer the parameter's; :meth:`current` checks for that."""
 
     def __init__(self, params: Sequence[Any]):
         self._params = [p for p in params if is_dtensor(p)]
@@ -46,8 +44,7 @@ class LocalShards:
 
 
 def localize(items: Sequence[Any], optimizer: str) -> None:
-    """Swap every DTensor field but ``whole`` of the step's items for its local shard, in place:
-    per-op DTensor dispatch would cost more than the elementwise maths."""
+    """Swap items' DTensor fields (except ``whole``) for local shards: per-op dispatch outcosts the maths."""
     for item in items:
         param: Any = getattr(item, "param", None)  # a work item's own parameter
         for f in fields(item):

@@ -1,11 +1,10 @@
 """Newton–Schulz of matrices whose parts lie on several ranks (FSDP2, HSDP, TP, EP).
 
-One ``all_to_all`` brings each matrix's owner every part (from the nearest holder: under HSDP a
-replica in its own replica group), the owner orthogonalises its buckets, and a second sends
-every holder, replicas alike, its part of the result.
-This is the gather-to-owner / scatter-back scheme of muon-fsdp2 and torchtitan, over boxes of
-any layout and batched here to two collectives per NS dtype and round. Every rank computes every
-box's size (:mod:`.parts`), so uneven and empty shards need no padding.
+One ``all_to_all`` brings each matrix's owner every part (from its nearest holder, under HSDP in
+its own replica group), the owner orthogonalises its buckets, and a second sends every holder,
+replicas alike, its part of the result: the gather-to-owner / scatter-back scheme of muon-fsdp2 and
+torchtitan, over boxes of any layout, batched to two collectives per NS dtype and round. Every rank
+knows every box (:mod:`.parts`): uneven and empty shards need no padding.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from .subgroups import local_subgroup, world_subgroup
 
 #: A rank's gather and scatter sizes of one round, in elements (see :meth:`Routes.round_sizes`).
 RoundSizes = tuple[tuple[list[int], list[int]], tuple[list[int], list[int]]]
-#: An index into a tensor: a slice per dim of a region.
 Index = tuple[slice, ...]
 #: A piece of a result a rank receives: (matrix, region, offset, numel, sizes).
 Back = tuple[int, Region, int, int, tuple[int, ...]]
@@ -59,8 +57,7 @@ DEFAULT_MIN_EXCHANGE_BYTES = 2**30
 def exchange_caps(
     given: int | None, held: Sequence[Sequence[Region | None]], itemsizes: Sequence[int], world: int
 ) -> list[int]:
-    """Every rank's cap on its round buffers, in bytes: ``given``, else the default of
-    :data:`DEFAULT_MIN_EXCHANGE_BYTES` over its shard of the exchanged matrices."""
+    """Every rank's round-buffer cap in bytes: ``given``, else :data:`DEFAULT_MIN_EXCHANGE_BYTES`'s."""
     if given is not None:
         return [int(given)] * world
     shard = [0] * world
@@ -111,7 +108,6 @@ def block_region(shape: Sequence[int], k: int, g: int) -> Region:
 
 
 def _meet(a: Region, b: Region) -> Region | None:
-    """The overlap of two boxes of one matrix, or None."""
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return out if all(lo < hi for lo, hi in out) else None
 
@@ -123,8 +119,7 @@ def _within(inner: Region, outer: Region) -> Region:
 
 @dataclass(frozen=True)
 class Target:
-    """What one rank orthogonalises of a matrix: all of it, or block ``member`` of its owner
-    group's split (``region``, in the matrix's coordinates)."""
+    """What one rank orthogonalises of a matrix: all, or its owner group's block ``member`` (``region``)."""
 
     matrix: int
     region: Region
@@ -136,11 +131,9 @@ class Target:
 class Routes:
     """Who sends which part of which matrix to whom, in which round: a pure function of the
     units, every rank's boxes, the world size and the caps, so every rank computes the same.
-    A single-owner matrix is one target, an owner group's one per member (its column block).
     ``sources[t]``: the ``(rank, region)`` pairs target ``t`` is assembled from (each part's
-    nearest holder); ``pieces[t]``: every holder's piece of its result. ``rounds[dtype]`` splits
-    each NS dtype's units into rounds whose buffers fit every rank's cap (``caps[r]`` bytes).
-    """
+    nearest holder); ``pieces[t]``: every holder's piece of its result; ``rounds[dtype]``: each
+    NS dtype's units in rounds within every rank's cap (``caps[r]`` bytes, :func:`pack_rounds`)."""
 
     def __init__(
         self,
@@ -274,8 +267,7 @@ class Routes:
         return {d: [self.round_sizes(units, rank) for units in rs] for d, rs in self.rounds.items()}
 
     def buffer_bytes(self, rank: int) -> int:
-        """Bytes of exchange buffers ``rank`` keeps between steps: per NS dtype one round buffer
-        (see ``_round_numel``) and every round's results."""
+        """Exchange-buffer bytes ``rank`` keeps: per NS dtype, a round buffer and every round's results."""
         total = 0
         for dtype, per_round in self.sizes(rank).items():
             total += dtype.itemsize * (_round_numel(per_round) + _results_numel(per_round))
@@ -288,9 +280,8 @@ class Routes:
 
 class ShardedOrthogonalizer:
     """Gather each target to its owner, orthogonalise it there (in buckets, or with its owner
-    group) and scatter the parts back, in rounds within the caps. Parts travel in the NS dtype,
-    as the one-process engine packs them; buffers persist, so results are views valid until the
-    next call."""
+    group), scatter the parts back, in rounds within the caps. Parts travel in the NS dtype, as
+    the one-process engine packs them; results view persistent buffers, valid until the next call."""
 
     def __init__(
         self,
@@ -357,7 +348,6 @@ class ShardedOrthogonalizer:
                 (to_owner, from_rank), (to_rank, from_owner) = self._sizes[dtype][r]
                 gather, owned, scatter, back = self._round_plans[(dtype, r)]
                 t0 = timer.now()
-                # 1. every part to its target's owner, cast to NS dtype on the way
                 n_send, n_recv = sum(to_owner), sum(from_rank)
                 send = arena[:n_send]
                 blocks = [sources[i][index].reshape(-1) for i, index in gather]
@@ -369,11 +359,9 @@ class ShardedOrthogonalizer:
                 )
                 self._inflight.wait()
                 t1 = timer.now()
-                # 2. the owner's targets whole, NS in buckets or with the owner group
                 inputs = self._assemble(recv, from_rank, owned)
                 outs = self._orthogonalise(dtype, r, owned, inputs)
                 t2 = timer.now()
-                # 3. every holder's piece of each result back to it
                 send = arena[n_send + n_recv : n_send + n_recv + sum(to_rank)]
                 parts = [outs[j][index].reshape(-1) for j, index in scatter]
                 if parts:
@@ -527,10 +515,8 @@ def _my_part(got: list[tuple[Region, Tensor]], region: Region | None, dtype: tor
 
 
 def _owner_groups(units: Sequence[WorkUnit], rank: int, group: Any) -> dict[tuple[int, ...], Any]:
-    """A process group per owner group this rank is in (see :mod:`.subgroups`). Over every rank
-    of the job every rank creates every one in one order, as ``new_group`` asks; over some ranks
-    only the members do, which :func:`.context.build_distributed` allows only where no
-    device-bound default group would be split."""
+    """A process group per owner group this rank is in: over every rank of the job made by all in
+    one order, over some ranks by the members alone (only where nothing splits: :mod:`.subgroups`)."""
     wanted = sorted({u.group for u in units if u.group})
     out: dict[tuple[int, ...], Any] = {}
     everyone = group is None or dist.get_world_size(group) == dist.get_world_size()
@@ -546,8 +532,7 @@ def _owner_groups(units: Sequence[WorkUnit], rank: int, group: Any) -> dict[tupl
 
 
 def _group_reduce_bytes(routes: Routes, plan: Plan, rank: int) -> int:
-    """Bytes ``rank`` moves each way in its owner groups' Gram all-reduces per step (a ring
-    all-reduce moves ``2(g-1)/g`` of the tensor)."""
+    """:meth:`Routes.group_reduce_bytes` (a ring all-reduce moves ``2(g-1)/g`` of the tensor)."""
     total = 0
     for u in routes.units:
         if rank not in u.group:

@@ -1,13 +1,11 @@
 """Newton–Schulz of one matrix split by columns over an owner group of ranks.
 
-A matrix whose NS costs more than one rank's fair share is orthogonalised by ``g`` ranks
-together. Oriented wide (``X`` is ``m×n``, ``m <= n``), member ``j`` holds columns ``X_j``
+Oriented wide (``X`` is ``m×n``, ``m <= n``), member ``j`` of the ``g`` ranks holds columns ``X_j``
 (``m×n_j``). NS needs only the Gram matrix ``A = X·Xᵀ = Σ_j X_j·X_jᵀ`` and ``‖X‖² = Σ_j ‖X_j‖²``,
-and each iteration maps every block by the same left factor, ``X_j ← a·X_j + (b·A + c·A²)·X_j``;
-so one all-reduce of the norms and one of ``A`` per iteration give each member its columns of the
-one-process result, and no member holds the whole matrix. Two forms, equal up to rounding:
-``"redundant"`` forms ``B = b·A + c·A²`` (``2m³``) and applies ``B·X_j``; ``"factored"`` computes
-``a·X_j + A·(b·X_j + c·A·X_j)`` (two ``2m²n_j`` products), cheaper where ``n_j < m``.
+and each iteration maps every block by the same left factor, ``X_j ← a·X_j + (b·A + c·A²)·X_j``; so
+one all-reduce of the norms and one of ``A`` per iteration give each member its columns of the
+one-process result, and no member holds the whole matrix. The ``"redundant"`` form builds the
+factor (``2m³``), the ``"factored"`` one does not, cheaper where ``n_j < m`` (:func:`group_form`).
 
 Precision: Gram matrices are reduced in the NS dtype (as one process rounds its own), sums of
 squares in fp32 at least (bf16 loses the norm's leading digits), AOL's first, unscaled Gram
@@ -68,15 +66,12 @@ def group_reduce_elements(k: int, m: int, steps: int, preconditioning: str = "fr
 
 
 def group_newton_schulz(blocks: Tensor, config: NSConfig, reduce: GroupReduce, form: str = "auto") -> Tensor:
-    """This member's columns of NS(X), for ``k`` matrices split by columns over a group.
-
-    ``blocks``: ``(k, m, n_j)``, this member's column blocks of ``k`` same-shape matrices oriented
-    wide (a tall matrix passed transposed), any float dtype, not modified. ``config.method`` is
-    unused (the standard iteration runs). ``form``: ``"auto"`` takes :func:`group_form`; members
-    may differ, as both forms reduce the same tensors. Returns ``(k, m, n_j)`` in ``config.dtype``.
-    Every member must call this with the same ``k``, ``m`` and ``config``, in the same order:
-    the reduces are collectives, :func:`group_reduce_calls` of them per call.
-    """
+    """This member's columns ``(k, m, n_j)`` of NS(X) in ``config.dtype``, for ``k`` matrices split
+    by columns over a group. ``blocks``: its ``(k, m, n_j)`` column blocks of the same-shape
+    matrices oriented wide (a tall one transposed), any float dtype, not modified; the standard
+    iteration runs whatever ``config.method``. ``form``: ``"auto"`` takes :func:`group_form`;
+    members may differ, as both forms reduce the same tensors. Every member must call this with
+    the same ``k``, ``m`` and ``config``, in the same order: the reduces are collectives."""
     if not isinstance(blocks, Tensor) or blocks.ndim != 3 or not blocks.is_floating_point():
         got = (
             f"a {blocks.ndim}-D {blocks.dtype} tensor"
@@ -148,10 +143,9 @@ def _redundant(X: Tensor, A: Tensor, a: float, b: float, c: float, out: Tensor) 
 
 
 def _factored(X: Tensor, A: Tensor, a: float, b: float, c: float, out: Tensor) -> Tensor:
-    """``a·X + A·(b·X + c·A·X)`` into ``out``: no ``m×m×m`` product, two fused ``m×m×n_j`` ones.
-    Grouped so no rounded intermediate is scaled by the large ``b`` (-4.8 for "jordan"): in bf16
-    it then errs about as much as the redundant form, where ``a·X + b·Y + c·A·Y`` (``Y = A·X``)
-    errs several times more."""
+    """``a·X + A·(b·X + c·A·X)`` into ``out``: no ``m×m×m`` product, two fused ``m×m×n_j`` ones,
+    and no rounded intermediate scaled by the large ``b`` (-4.8 for "jordan"), so it errs in bf16
+    about as the redundant form does; ``a·X + b·Y + c·A·Y`` (``Y = A·X``) errs several times more."""
     Z = torch.baddbmm(X, A, X, beta=b, alpha=c)
     return torch.baddbmm(X, A, Z, beta=a, out=out)
 

@@ -21,8 +21,7 @@ from torch import Tensor
 
 
 def collective_device(device: torch.device, group: Any) -> torch.device:
-    """Where a collective's tensors must live for ``group``'s backend: NCCL takes CUDA tensors
-    only, so a CPU-side buffer (flags, sizes, boxes) goes to the current CUDA device there."""
+    """``device``, or the current CUDA device where ``group``'s backend (NCCL) takes only CUDA tensors."""
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -39,7 +38,6 @@ def _refs(t: Tensor) -> int:
 
 
 def _tensors(args: tuple[Any, ...]) -> list[Tensor]:
-    """The tensors among a collective's arguments, and those in its list or tuple arguments."""
     found: list[Tensor] = []
     for a in args:
         if isinstance(a, Tensor):
@@ -58,8 +56,7 @@ class InFlight:
         self._held: dict[int, tuple[Tensor, int]] = {}  # id -> (tensor, references the works hold)
 
     def issue(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Start ``collective(*args, async_op=True, **kwargs)``, holding its work object and its
-        tensors (in list or tuple arguments too) until :meth:`settle`."""
+        """Start ``collective(*args, async_op=True, **kwargs)``; hold its work and tensors until settled."""
         for t in _tensors(args):
             if id(t) not in self._pending:
                 _, held = self._held.pop(id(t), (t, 0))

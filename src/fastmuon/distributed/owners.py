@@ -1,11 +1,8 @@
 """Who orthogonalises what: a plan's buckets cut into FLOP-balanced units, each with an owner rank
-(or owner group); and the plans of one rank's units.
-
-Pure and deterministic: every rank computes the same units from the same plan without talking
-to the others. The idea of an owner per matrix followed by an exchange is Keller Jordan's Muon
-(round-robin owners, then all_gather) and Dion's (one collective per same-shape group); the
-FLOP-balanced assignment of whole buckets is ours.
-"""
+(or owner group), and the plans of one rank's units. Pure and deterministic: every rank computes
+the same units from the same plan without talking to the others. The idea of an owner per matrix
+followed by an exchange is Keller Jordan's Muon (round-robin owners, then all_gather) and Dion's
+(one collective per same-shape group); the FLOP-balanced assignment of whole buckets is ours."""
 
 from __future__ import annotations
 
@@ -107,9 +104,8 @@ def sub_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
 
 
 def owner_plan(plan: Plan, units: Sequence[WorkUnit]) -> tuple[Plan, list[int]]:
-    """A plan for one rank's ``units``, those cut from alike buckets batched again (up to the
-    bucket memory cap) so a rank owning many pieces of one shape makes as few NS calls as the
-    planner would; and for each new index the matrix's index in ``plan``."""
+    """As :func:`sub_plan`, but units cut from alike buckets are batched again (up to the bucket
+    cap), so that a rank's many pieces of one shape make as few NS calls as the planner would."""
     alike: dict[tuple[Any, ...], list[WorkUnit]] = {}
     for u in units:
         b = plan.buckets[u.bucket]

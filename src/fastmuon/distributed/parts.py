@@ -1,11 +1,10 @@
 """Where each rank's part of every parameter lies, in the whole tensor's coordinates.
 
-A DTensor with ``Shard``/``Replicate`` placements on any mesh leaves each rank one box of the
-whole tensor; two ranks' boxes are equal (replicas) or disjoint. What each rank sends, receives
-or orthogonalises alone follows from every rank's box. A rank knows its own
+A DTensor with ``Shard``/``Replicate`` placements on any mesh leaves each rank one box of the whole
+tensor; two ranks' boxes are equal (replicas) or disjoint. A rank knows its own
 (``__create_chunk_list__``, the protocol ``torch.distributed.checkpoint`` reads), so one
-``all_gather``, repeated only when layouts change, tells every rank all of them. A plain tensor
-beside DTensors is whole on every rank.
+``all_gather``, repeated only when layouts change, tells every rank all of them; what each sends,
+receives or orthogonalises alone follows. A plain tensor beside DTensors is whole on every rank.
 """
 
 from __future__ import annotations
@@ -86,8 +85,7 @@ def exchange_group(
     params: Sequence[Any], name: Callable[[int], str], optimizer: str
 ) -> dist.ProcessGroup | None:
     """The group of the ranks the DTensors' meshes span: None (the default group) where they
-    span every rank, else the one 1-D mesh's group over them (a pipeline stage's FSDP2).
-    Refuses partial placements, naming the parameter."""
+    span every rank, else the one 1-D mesh's group over them (a pipeline stage's FSDP2)."""
     ranks: set[int] = set()
     one_d: dict[Any, None] = {}
     for k, p in enumerate(params):
@@ -112,9 +110,8 @@ def exchange_group(
 
 
 class PartsTable:
-    """Every parameter's :class:`Parts` and the exchange's group, for a step over DTensors. Kept
-    while the parameter list holds the same objects (whose layouts are fixed), so it is rebuilt,
-    one collective on every rank, only when every rank's parameters changed."""
+    """Every parameter's :class:`Parts` and the exchange's group, kept while the parameters are the
+    same objects (fixed layouts): rebuilt, one collective on every rank, only when they change."""
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
@@ -159,8 +156,7 @@ class PartsTable:
 
 
 def provisional_parts(p: Any) -> Parts:
-    """``p``'s parts as this rank alone knows them (others' boxes unknown), for making state
-    before the first step has gathered the boxes: never for a step."""
+    """``p``'s parts as this rank alone knows them: for state made before the first step, never a step."""
     group = None
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if not is_dtensor(p):
@@ -259,8 +255,7 @@ def check_replicated(
     grads: Sequence[Tensor | None], names: Sequence[str], group: Any, inflight: InFlight, optimizer: str
 ) -> None:
     """Refuse, by name, a plain tensor beside DTensors whose gradient differs across ranks (a
-    module left out of ``fully_shard``): its update is computed once for all ranks. One
-    ``all_reduce`` of every gradient's :func:`replica_sketch` and its negative."""
+    module left out of ``fully_shard``): its update is computed once for all ranks."""
     live = [(g, n) for g, n in zip(grads, names) if g is not None]
     if not live:
         return

@@ -4,15 +4,13 @@ A piece is a run of a bucket's slots with the same holders, cut to at most a qua
 fair share, to at least one piece per rank where slots allow, and to the round cap. It runs where
 it lies (a rank holding it whole: no bytes move), at one owner elsewhere (parts in, results out),
 or, for one matrix costing more than a fair share, at an owner group: ``g`` aligned consecutive
-ranks, inside a node where there are nodes, each orthogonalising a column block of its wide
-orientation and summing the Gram matrix each iteration (:mod:`fastmuon.distributed.group_ns`).
+ranks, inside a node where there are nodes, splitting it by columns (:mod:`.group_ns`).
 
-Each option is priced by what it adds to the ranks it touches: NS seconds at the cost model's
-rate, the larger of bytes sent and received at the link rate (an ``all_to_all`` moves both at
-once), and Gram all-reduces at the group's rate. Pieces go largest first to the option leaving
-the busiest touched rank least loaded (LPT). Pure and deterministic: every rank computes the same
-placement, and ``fastmuon plan`` computes it for any world size without running one.
-Owner groups are our design; the Gram all-reduce per iteration is what NVIDIA's
+An option is priced by what it adds to the ranks it touches: NS seconds at the cost model's rate,
+the larger of bytes sent and received at the link rate (an ``all_to_all`` moves both at once), Gram
+all-reduces at the group's. Pieces go largest first to the option leaving the busiest touched rank
+least loaded (LPT). Pure and deterministic: every rank (and ``fastmuon plan``) computes the same
+placement. Owner groups are our design; the Gram all-reduce per iteration is what NVIDIA's
 Emerging-Optimizers does for tensor-parallel shards (its ``tp_mode="distributed"``).
 """
 
@@ -45,8 +43,7 @@ class Links:
     ranks_per_node: int
 
 
-#: Assumed where no plan gives links: on CUDA NVLink-class inside a node of 8 and a 400 Gb/s NIC
-#: per GPU beyond (the H100 figures of ``fastmuon plan``); gloo at 1 GB/s, one node.
+#: Assumed links: on CUDA NVLink-class in a node of 8, a 400 Gb/s NIC per GPU beyond; gloo 1 GB/s.
 def default_links(device_type: str, world: int, ranks_per_node: int | None = None) -> Links:
     if device_type == "cuda":
         node = min(ranks_per_node or 8, world)
@@ -112,14 +109,12 @@ def ranks_per_node() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-#: Pieces per fair share: largest-first placement leaves up to a piece's size of imbalance, so a
-#: piece is at most a quarter of a rank's share.
+#: Pieces per fair share: largest-first placement leaves up to a piece's size of imbalance.
 PIECES_PER_SHARE = 4
 
 
 def _member_seconds(m: Member, g: int, bucket: Bucket, steps: int, model: CostModel, links: Links) -> float:
-    """What one member of an owner group of ``g`` spends on matrix ``m``: its NS FLOPs at the
-    device rate and its Gram all-reduces at the group's link rate."""
+    """An owner-group member's seconds on ``m``: NS FLOPs at device rate, Gram all-reduces at the group's."""
     short, long_side = min(m.rows, m.cols), max(m.rows, m.cols)
     nj = long_side // g
     flops = group_ns_flops(short, nj, steps, group_form(short, nj), bucket.preconditioning)
@@ -148,13 +143,10 @@ def place(
     splittable: Sequence[bool] | None = None,
     max_piece_bytes: int | None = None,
 ) -> list[WorkUnit]:
-    """The plan's work units with their owners (see the module docstring).
-
-    ``holdings[i]``: how matrix ``i`` lies; None: every rank holds every matrix whole (DDP).
-    ``owner_group_size``: None chooses per matrix, 1 never splits, ``g`` splits every matrix
-    costing more than a fair share over ``g`` ranks. ``max_piece_bytes``: a piece's round buffer
-    on its owner (parts in, results out) stays within it, so the exchange's rounds keep their caps.
-    """
+    """The plan's work units with their owners (see the module docstring). ``holdings[i]``: how
+    matrix ``i`` lies (None: every rank holds every matrix whole, DDP); ``owner_group_size``: None
+    chooses per matrix, 1 never splits, ``g`` splits every matrix costing more than a fair share
+    over ``g`` ranks; ``max_piece_bytes``: the cap on a piece's round buffer on its owner."""
     steps = plan.steps
     per_slot_s: list[float] = []
     for bucket in plan.buckets:
@@ -216,7 +208,6 @@ def place(
             bucket.dtype
         )
         ns_s = seconds + launch
-        # one owner: where it lies costs no bytes; elsewhere its parts come in, results go out
         recv_b, send_b, cand = _move_bytes(members, holdings, world)
         link = links.exchange_bytes_per_s
         after = loads.ns + ns_s + np.maximum(loads.sent + send_b, loads.received + recv_b) / link
@@ -322,8 +313,7 @@ def _group_option(
     loads: _Loads,
     holdings: Sequence[Holding] | None,
 ) -> tuple[float, int]:
-    """The best aligned block of ``g`` ranks to own matrix ``m`` as a group: its busiest member's
-    finish time and the block's number."""
+    """The best aligned block of ``g`` ranks to own ``m``: its busiest member's finish time, its number."""
     ns_s = _member_seconds(m, g, bucket, steps, model, links)
     item = torch.empty((), dtype=bucket.dtype).element_size()
     moved = 0.0 if holdings is None else holdings[m.index].numel * item / g

@@ -1,7 +1,5 @@
-"""Newton–Schulz shared across ranks that hold the same gradients (DDP): each rank
-orthogonalises its FLOP-balanced share of the plan's buckets (see :mod:`.owners`) and one
-broadcast per share hands the results on.
-"""
+"""Newton–Schulz shared across ranks that hold the same gradients (DDP): each rank orthogonalises
+its FLOP-balanced units (:mod:`.owners`), and one broadcast per unit hands each result on."""
 
 from __future__ import annotations
 
@@ -20,12 +18,10 @@ from .stats import CommStats, Timer
 
 
 class ReplicatedOrthogonalizer:
-    """Each rank orthogonalises its units; one broadcast per unit hands the result to the rest.
-    Every rank visits the units in one order, so the collectives match; an owner starts its
+    """Every rank visits the units in one order, so the collectives match; an owner starts its
     broadcast right after its NS, so earlier units' exchange overlaps later units' NS. Results
-    travel as one flat buffer per unit in the NS dtype, which every rank, owner included, casts
-    and views per matrix, so all ranks apply bit-identical updates. Results are views of
-    persistent buffers, valid until the next call."""
+    travel as one flat buffer per unit in the NS dtype, which every rank, owner included, casts and
+    views per matrix, so all ranks apply bit-identical updates (views valid until the next call)."""
 
     def __init__(
         self,

@@ -46,11 +46,9 @@ class ShardedMatrix:
 
 
 def held_pieces(m: MatrixMap, p: Tensor, grad: Tensor, buf: Tensor, parts: Parts) -> list[Piece]:
-    """The matrices under map ``m`` this rank takes part in (holds part of, or exchanged: every
-    rank joins those, maybe with an empty part), as :class:`Piece` records with views of its
-    local ``p``, ``grad`` and ``buf`` (see :func:`fastmuon.step.matrix.matrix_items`). Every rank
-    computes every box from ``parts``, so all agree on which are exchanged. An interleaved part
-    (a box with a step) meets a rank's box in a contiguous range of the matrix's rows."""
+    """The matrices under map ``m`` this rank takes part in (holds part of, or exchanged: every rank
+    joins those, maybe with an empty part), as :class:`Piece` views of its local ``p``, ``grad`` and
+    ``buf``; every rank computes every box from ``parts``, so all agree on which are exchanged."""
     shape, local, mine = parts.shape, (p, grad, buf), parts.mine
     boxes: list[Box] = []
     pieces: list[tuple[Tensor, Tensor, Tensor, tuple[int, ...], ShardedMatrix]] = []

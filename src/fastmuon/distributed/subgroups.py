@@ -1,10 +1,8 @@
 """Process groups fastmuon makes itself (owner groups, the host twin of an NCCL world), each made
-once per set of ranks and default group, never again when an engine is rebuilt.
-
-``new_group`` over every rank is a collective all ranks enter in one order. Under a device-bound
-default group (``init_process_group(device_id=...)``) NCCL splits the default communicator, which
-every rank outside the new group must enter too: a group made by its members alone would hang.
-"""
+once per set of ranks and default group, never again when an engine is rebuilt. ``new_group`` over
+every rank is a collective all ranks enter in one order. Under a device-bound default group
+(``init_process_group(device_id=...)``) NCCL splits the default communicator, which every rank
+outside the new group must enter too: a group made by its members alone would hang."""
 
 from __future__ import annotations
 
@@ -38,8 +36,7 @@ def world_subgroup(ranks: tuple[int, ...], member: bool) -> Any | None:
 
 
 def local_subgroup(ranks: tuple[int, ...]) -> Any:
-    """The group over global ``ranks``, made once by its members alone: only where no split of
-    the default group is involved (see :func:`splits_default`)."""
+    """The group over global ``ranks``, made once by its members alone (only where nothing splits)."""
     assert not splits_default(), "a group made by its members alone would hang a split"
     made = _made()
     if ranks not in made:

@@ -61,8 +61,7 @@ def _option(name: str) -> property:
 
 
 def _lr_value(lr: Any) -> Any:
-    """A CPU tensor ``lr`` is read (free); an accelerator's stays a tensor: reading it would make
-    the host wait."""
+    """A CPU tensor ``lr`` is read; an accelerator's stays a tensor (reading it makes the host wait)."""
     if isinstance(lr, Tensor) and device.is_host(lr.device):
         return lr.item()
     return lr
@@ -122,11 +121,9 @@ class MatrixOptimizer(Optimizer):
         """The plan of the last batched step (None before one)."""
         return self._driver.cache.last_plan
 
-    # ----- validation ---------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group after checking it whole, as it would be stored: a refused group leaves the
-        optimizer exactly as it was. A group that sets ``ns_coefficients`` without ``ns_steps``
-        runs their published count."""
+        """Add a group checked whole, as it would be stored: a refused group leaves the optimizer
+        exactly as it was; one setting ``ns_coefficients`` but no ``ns_steps`` runs their count."""
         where = f"param group {len(self.param_groups)}"
         param_group = group_lr_factor(param_group, self._lr_factor_alias, type(self).__name__, where)
         param_group = with_implied_ns_steps(param_group, self.defaults)
@@ -181,8 +178,7 @@ class MatrixOptimizer(Optimizer):
             raise ValueError(f"{e} (in {where})") from None
 
     def _check_matrix_maps(self, group: dict[str, Any], where: str) -> list[MatrixMap]:
-        """The group's matrix maps, checked against its parameters' shapes; again when a program
-        is built, as a map may have been set on the group since."""
+        """The group's matrix maps, checked against its shapes (again at build: a map may be set since)."""
         try:
             maps = maps_of(group.get("matrices"), len(group["params"]))
         except ValueError as e:
@@ -202,7 +198,6 @@ class MatrixOptimizer(Optimizer):
     def _check_grad(self, group: dict[str, Any], j: int, grad: Tensor) -> None:
         check_grad(self._param_name(group, j), type(self).__name__, grad)
 
-    # ----- the step ---------------------------------------------------------------------
     @overload
     def step(self, closure: None = None, *, logit_maxima: _Maxima = None) -> None: ...
     @overload
@@ -212,8 +207,7 @@ class MatrixOptimizer(Optimizer):
         self, closure: Callable[[], float] | None = None, *, logit_maxima: _Maxima = None
     ) -> float | None:
         """One update of every parameter with a gradient, then QK-clip by ``logit_maxima``
-        (``{layer: per-head maxima}``, checked before the update). A deferred non-finite verdict
-        of the step before raises first (:mod:`fastmuon.step.deferred`)."""
+        (``{layer: per-head maxima}``); a deferred non-finite verdict of the step before raises first."""
         driver, groups = self._driver, self.param_groups
         if driver.pending is not None:
             driver.raise_pending()
@@ -253,14 +247,12 @@ class MatrixOptimizer(Optimizer):
         return self._check_matrix_maps(group, f"param group {index}")
 
     def invalidate(self) -> None:
-        """Forget the prepared step programs (done by ``add_param_group`` and ``load_state_dict``;
-        call it after replacing state tensors or a group's ``params`` list by hand)."""
+        """Forget prepared step programs: call it after replacing state tensors or a group's ``params``."""
         self._driver.cache.forget_programs()
 
     def init_state(self) -> None:
-        """Create every parameter's state (zeros) now, as its first step would. Distributed steps
-        do it on the first step, so state dicts are rank-symmetric; call it on a fresh optimizer
-        before loading a ``torch.distributed.checkpoint`` into it."""
+        """Create every parameter's state (zeros) now, as a distributed first step does (so state
+        dicts are rank-symmetric); call it before loading a ``torch.distributed.checkpoint``."""
         self._driver.init_state(self._step_env())
 
     @property
@@ -273,9 +265,8 @@ class MatrixOptimizer(Optimizer):
         return muon_share(self.param_groups, self.rule, self._maps_of)
 
     def plan(self) -> Plan:
-        """The last step's batching plan, its note saying what Muon takes; before a step, the plan
-        the next step would use (no state is created). Empty, its note saying why, where nothing
-        is batched."""
+        """The last step's batching plan (before one, the next step's; no state is made), its note
+        saying what Muon takes; empty, its note saying why, where nothing is batched."""
         take = self.muon_takes()
         driver = self._driver
         plan = driver.plan(self._step_env())
@@ -288,11 +279,9 @@ class MatrixOptimizer(Optimizer):
         ns_steps = max((g["ns_steps"] for g in self.param_groups), default=self.defaults["ns_steps"])
         return Plan((), 0, self.options.policy, ns_steps, self.options.max_bucket_bytes, note)
 
-    # ----- for tools: the executors, their kept buffers, a hook around NS ---------------------
     def orthogonalizers(self) -> list[Any]:
         """The cached Newton–Schulz executors, least recently used first: each has ``plan`` and
-        ``workspaces()``, and in a distributed run ``stats`` and ``profile`` (True times NS and
-        communication apart, at the cost of a synchronisation)."""
+        ``workspaces()``; distributed, also ``stats`` and ``profile`` (True: timed, synchronising)."""
         return list(self._driver.cache.engines.values())
 
     def workspaces(self) -> list[Tensor]:
@@ -300,14 +289,12 @@ class MatrixOptimizer(Optimizer):
         return [t for engine in self._driver.cache.engines.values() for t in engine.workspaces()]
 
     def register_orthogonalize_hook(self, hook: _NSHook) -> RemovableHandle:
-        """Call ``hook(run)`` in place of each batched step's Newton–Schulz; ``run()`` returns the
-        orthogonalised matrices in the plan's order, and the hook returns them unchanged (it is
-        for timing and inspection). The handle's ``remove()`` takes the hook out."""
+        """Call ``hook(run)`` in place of each batched step's Newton–Schulz, for timing and
+        inspection: it returns ``run()``'s matrices (plan order) unchanged; ``remove()`` undoes it."""
         handle = RemovableHandle(self._driver.hooks)
         self._driver.hooks[handle.id] = hook
         return handle
 
-    # ----- state --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """torch's, naming the rule that wrote it; a deferred non-finite verdict raises first."""
         self._driver.raise_pending()
@@ -319,9 +306,8 @@ class MatrixOptimizer(Optimizer):
         super().zero_grad(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load as torch does, also other optimizers' state dicts (:mod:`fastmuon.optim.checkpoint`);
-        one that cannot be used raises ``ValueError`` naming the group or parameter, and the
-        optimizer is left as it was. Pre-hooks see the state dict as given."""
+        """Load as torch does, pre-hooks seeing it as given, also other optimizers' state dicts
+        (:mod:`fastmuon.optim.checkpoint`); a refused one raises ``ValueError``, changing nothing."""
         if not isinstance(state_dict, dict):
             raise TypeError(
                 f"load_state_dict takes an optimizer's state_dict() (a dict), got {type(state_dict).__name__}"
@@ -362,8 +348,7 @@ class MatrixOptimizer(Optimizer):
         return [self.rule.state_shapes(group, p, m) for p, m in zip(group["params"], maps)]
 
     def _after_load(self) -> None:
-        """AdamW's ``step`` as float32 where the step reads it (the host; ``capturable``: the
-        parameter's device), other buffers in the group's ``state_dtype``; programs rebuilt."""
+        """AdamW's ``step`` as float32 where read, other buffers in ``state_dtype``; programs rebuilt."""
         for p, state in self.state.items():
             step = state.get("step") if isinstance(state, dict) else None
             where = _local(p).device if self.options.capturable else torch.device("cpu")
@@ -373,10 +358,8 @@ class MatrixOptimizer(Optimizer):
         self._driver.cache.clear()
         self._driver.discard_pending()  # its verdict spoke of the state just replaced
 
-    # ----- copy.deepcopy and pickle ----------------------------------------------------------
     def _copied_state(self) -> dict[str, Any]:
-        """torch's state plus the options, process group and plan. Caches are rebuilt by the copy's
-        first step; hooks (as in ``torch.optim``) and an unread non-finite verdict are not copied."""
+        """torch's state plus the options, process group and plan (not caches, hooks, an unread verdict)."""
         self._driver.complete_pending()
         state = super().__getstate__()
         state.update(
@@ -399,8 +382,7 @@ class MatrixOptimizer(Optimizer):
         return self._copied_state()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MatrixOptimizer:
-        """A copy with its own state that steps as the original would; the process group, a
-        handle on this process's communicator, is shared."""
+        """A copy with its own state that steps as the original; the process group (a handle) is shared."""
         clone = type(self).__new__(type(self))
         memo[id(self)] = clone
         if self.process_group is not None:

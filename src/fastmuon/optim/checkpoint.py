@@ -1,34 +1,31 @@
 """Loading state dicts saved by other optimizers, and by older fastmuon versions.
 
-torch's ``load_state_dict`` takes the saved groups and hands each buffer to the parameter at the
-same position, so a state dict from Ultralytics' MuSGD, ``torch.optim`` Muon, SGD or AdamW, or an
-older fastmuon, would load and then break or mislead the next step. :func:`adapt_state_dict`
+torch's ``load_state_dict`` pairs saved buffers with parameters by position, so another optimizer's
+or an older fastmuon's state dict would break or mislead the next step; :func:`adapt_state_dict`
 makes it one this optimizer steps from, or refuses it before anything changes.
 
 **Groups.** The saved values win (they carry the run's schedule); a missing key comes from the
-optimizer's own group at the same index, then its defaults (a filled ``momentum`` is also the
-``β`` the buffers are judged by). Dropped: keys of the source's algorithm alone (SGD's
-``dampening``, AdamW's ``amsgrad``, a variant's ``beta2``), the lr factor between Muon and MuSGD
-(their factors scale different learning rates), and keys whose meaning differs: ``weight_decay``
-between coupled (SGD, MuSGD, Adam) and decoupled (AdamW, Muon) decay, ``eps`` between
-Newton–Schulz's and AdamW's (AdamW's becomes ``adamw_eps`` in a Muon group holding matrices).
+optimizer's own group at the same index, then its defaults (a filled ``momentum`` is also the ``β``
+the buffers are judged by). Dropped: keys of the source's algorithm alone (SGD's ``dampening``,
+AdamW's ``amsgrad``, a variant's ``beta2``), the lr factor between Muon and MuSGD (their factors
+scale different learning rates), and keys whose meaning differs: ``weight_decay`` between coupled
+(SGD, MuSGD, Adam) and decoupled (AdamW, Muon) decay, ``eps`` between Newton–Schulz's and AdamW's
+(AdamW's becomes ``adamw_eps`` in a Muon group holding matrices).
 
 **Buffers.** Each buffer follows one recurrence, its role (:mod:`fastmuon.rules.roles`): ``EMA``,
-``M ← β·M + (1−β)·g`` (Muon's ``momentum_buffer``); ``HEAVY_BALL``, ``B ← β·B + g + wd·p``
-(torch's SGD at dampening 0, MuSGD's SGD half); AdamW's ``exp_avg``, ``exp_avg_sq`` and
-``step``. A buffer is carried only where the target's recurrence, run over the same gradients
-from zeros, would have produced it, so the next step is the one the target would have taken:
-the same role and ``β``; AdamW's ``exp_avg`` as an ``EMA`` when ``betas[0]`` is the momentum;
-``HEAVY_BALL`` ↔ ``EMA`` with the same ``β`` where the heavy ball saw no weight decay,
-``B = M / (1−β)`` (both are sums of ``βᵏ·g`` from zero); AdamW's three entries together or not
-at all (its bias correction counts from ``step``); a second moment from the same variant with
-the same ``β₂`` (and AdaMuon's ``sign_momentum``) only. Anything else restarts from zero.
+``M ← β·M + (1−β)·g`` (Muon's ``momentum_buffer``); ``HEAVY_BALL``, ``B ← β·B + g + wd·p`` (torch's
+SGD at dampening 0, MuSGD's SGD half); AdamW's ``exp_avg``, ``exp_avg_sq`` and ``step``. A buffer
+is carried only where the target's recurrence, run over the same gradients from zeros, would have
+produced it: the same role and ``β``; AdamW's ``exp_avg`` as an ``EMA`` when ``betas[0]`` is the
+momentum; ``HEAVY_BALL`` ↔ ``EMA`` with the same ``β`` where the heavy ball saw no weight decay,
+``B = M / (1−β)`` (both are sums of ``βᵏ·g`` from zero); AdamW's three entries together or not at
+all (its bias correction counts from ``step``); a second moment from the same variant with the same
+``β₂`` (and AdaMuon's ``sign_momentum``) only. Anything else restarts from zero.
 
 **Which optimizer wrote it.** A fastmuon state dict names its rule under :data:`FAMILY_TAG`; one
-without it (another optimizer's, or one passed through a loader that keeps only ``state`` and
-``param_groups``, as ``torch.distributed.checkpoint`` does) is told by the keys only each
-family's groups have (:func:`source_family`). What fastmuon's MuSGD saves has ``use_muon`` in
-every group and Ultralytics' buffer names, so Ultralytics' MuSGD loads it.
+without it (another optimizer's, or one through a loader keeping only ``state`` and
+``param_groups``, as DCP's) is told by the keys only each family's groups have. fastmuon's MuSGD
+saves ``use_muon`` in every group and Ultralytics' buffer names, so Ultralytics' MuSGD loads it.
 """
 
 from __future__ import annotations
@@ -161,8 +158,7 @@ class Writer:
 
 
 def with_family_tag(saved: dict[str, Any], rule: Rule) -> dict[str, Any]:
-    """``saved`` naming ``rule`` under :data:`FAMILY_TAG`, which loading reads rather than guess
-    from the groups' keys; torch's loader, and so every other optimizer's, ignores it."""
+    """``saved`` naming ``rule`` under :data:`FAMILY_TAG` (torch's loader, so any other, ignores it)."""
     tag = next((tag for tag, known in _TAGGED.items() if known is rule), None)
     if tag is not None:
         saved[FAMILY_TAG] = tag
@@ -238,7 +234,6 @@ def adapt_group(into: LoadTarget, saved: dict[str, Any], family: str, own: dict[
     target = into.family
     keys = into.defaults.keys()
     if family != target:
-        # the lr factor is each family's own (MuSGD's scales lr·muon): a group keeps its own
         saved = {k: v for k, v in saved.items() if k not in _LR_FACTOR_KEYS}
     elif _LR_ALIAS in saved:  # an older fastmuon MuSGD's name for it
         alias = saved[_LR_ALIAS]
@@ -352,7 +347,6 @@ def carry_buffers(
             elif EMA in by_role and by_role[EMA][1] == beta and group.get("weight_decay") == 0:
                 out[name] = by_role[EMA][0] / (1 - beta)
         elif role in _MOMENT_ROLES and role in by_role and by_role[role][1] == _moment_key(role, group):
-            # a second moment averages its own variant's O⊙O: only the same variant's carries
             out[name] = by_role[role][0]
     adam = {role: name for name, role in wanted.items() if role in _ADAM_ROLES}
     betas = _betas(group)
@@ -411,7 +405,6 @@ def adapt_state_dict(into: LoadTarget, state_dict: Any) -> dict[str, Any]:
                 "or load a state dict saved for this model"
             ) from None
         source_decay = saved.get("weight_decay", 0)
-        # a saved group without momentum steps at the one filled in: its buffers are judged by it
         judged = saved if "momentum" in saved else {**saved, "momentum": group.get("momentum")}
         shapes = into.state_shapes(candidate, where)
         for j, (pid, saved_buffers, p) in enumerate(zip(ids, states, own["params"])):
@@ -459,8 +452,7 @@ def _check_buffers(owner: str, buffers: dict[str, Any], roles: dict[str, tuple[s
 
 
 def _check_shapes(owner: str, carried: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Refuse a carried buffer whose shape the target's step would refuse, before anything
-    changes (``check_state_layout`` has checked those shaped like the parameter)."""
+    """Refuse a carried buffer of a shape the target's step would refuse, before anything changes."""
     for name, shape in shapes.items():
         value = carried.get(name)
         if isinstance(value, Tensor) and tuple(value.shape) != shape:

@@ -49,13 +49,10 @@ class Muon(MatrixOptimizer):
             that hold matrices too.
         weight_decay: decoupled weight decay, ``p ← p·(1 − lr·weight_decay)``, both parts.
         momentum: ``β`` in [0, 1) of Muon's EMA momentum.
-        nesterov: Nesterov momentum for Muon (a bool, or an integer read as its truth value, as
-            ``torch.optim.Muon`` takes it and keeps it).
-        ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (one ``(a, b, c)``, one
-            per step, or a preset name), the norm's eps and the iteration count; ``ns_steps=None``
-            (the default, also in a group that sets only ``ns_coefficients``) is the count the
-            preset was published for (4 for ``"aol"``, whose AOL start saves one of the standard
-            5; see :data:`fastmuon.ns.newton_schulz.PRESET_STEPS`), else 5.
+        nesterov: Nesterov momentum for Muon (a bool, or an integer read as its truth value).
+        ns_coefficients, eps, ns_steps: the Newton–Schulz coefficients (``(a, b, c)``, one per step, or
+            a preset name), eps and iteration count; ``ns_steps=None`` (default, also where a group sets
+            only ``ns_coefficients``): the preset's count (4 for ``"aol"``), else 5.
         adjust_lr_fn: the per-matrix factor ``s``: ``None``/"original", "match_rms_adamw",
             "spectral_unclamped" (torch's modes), or "ultralytics", "none".
         rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
@@ -66,39 +63,28 @@ class Muon(MatrixOptimizer):
             (see :mod:`fastmuon.ns.matrices`); per group, or a list with one per parameter.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         betas: AdamW's ``(β1, β2)``, default (0.9, 0.95).
-        adamw_lr: AdamW's learning rate in ``use_muon=False`` groups that do not set their own
-            ``lr`` (default 3e-4: Muon's learning rates are far too large for AdamW); in a group
-            that also holds matrices, ``lr`` is shared.
+        adamw_lr: AdamW's ``lr`` in ``use_muon=False`` groups that set none (default 3e-4: Muon's
+            learning rates are far too large for AdamW); groups also holding matrices share ``lr``.
         adamw_eps: AdamW's eps in groups that also hold matrices, default 1e-8; in a
             ``use_muon=False`` group AdamW uses the group's ``eps`` (default 1e-8 there).
         foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter loop.
         compile, max_bucket_bytes, cost_model: as in :class:`~fastmuon.MuSGD`.
-        process_group: DDP: ranks split the Newton–Schulz work; FSDP2 DTensor parameters are
-            detected without it (see :mod:`fastmuon.distributed`).
-        nonfinite: what a NaN/Inf gradient does ("raise" by default, "skip" or "ignore"), as in
-            :class:`~fastmuon.MuSGD`.
+        process_group: DDP's ranks split the NS work (FSDP2 DTensors need none; :mod:`fastmuon.distributed`).
+        nonfinite: what a NaN/Inf gradient does, as in :class:`~fastmuon.MuSGD` ("raise" by default).
         cautious_weight_decay: decay a matrix only where its update and the parameter agree in
             sign, ``p ← p − lr·wd·𝟙[u⊙p ≥ 0]⊙p`` (Chen et al., arXiv 2510.12402); per group.
-        capturable: keep AdamW's step counts on the parameters' devices, use a tensor ``lr`` as
-            a tensor and read nothing on the host, so that a step can be captured in a CUDA
-            graph. It needs ``nonfinite`` "skip" or "ignore": with "raise" it is refused.
+        capturable: as in :class:`~fastmuon.MuSGD`, AdamW's step counts kept on the parameters' devices.
         owner_group_size, max_exchange_bytes: the distributed step's owner groups and exchange
             buffer cap, as in :class:`~fastmuon.MuSGD`.
         qk_clip_tau: QK-clip (MuonClip's, Kimi K2): after each step, every attention head whose
-            largest pre-softmax logit in the step exceeded ``qk_clip_tau`` has its query and key
-            rows scaled by ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group,
-            on the parameters its ``attention`` entries name (:func:`fastmuon.param_groups`'s
-            ``attention=``), by the maxima given to ``step(logit_maxima=...)`` (e.g. by
-            :class:`fastmuon.qk_clip.LogitMaxRecorder`); see "QK-clip (MuonClip)" in
-            docs/optimizers.md.
+            largest pre-softmax logit ``S`` exceeded ``τ`` has its query and key rows scaled by
+            ``(τ/S)^α`` and ``(τ/S)^(1−α)``; None (the default) is off. Per group, on the parts
+            its ``attention`` entries name (:func:`fastmuon.param_groups`'s ``attention=``), by the
+            maxima given to ``step(logit_maxima=...)``; see "QK-clip (MuonClip)" in docs/optimizers.md.
         qk_clip_alpha: ``α`` in [0, 1], the queries' share of the clip (default 0.5).
-        state_dtype: the dtype of a group's state buffers (not AdamW's step count): ``None``
-            (the default) each parameter's own, or e.g. ``torch.bfloat16`` to halve fp32
-            parameters' state; the step computes in float32 and rounds once when storing (see
-            "Low-memory state" in docs/optimizers.md). Per group; a loaded state dict is cast to it.
+        state_dtype: a group's state buffers' dtype (not AdamW's step count), as in :class:`~fastmuon.MuSGD`.
 
-    The batched step is a program prepared once, as in :class:`~fastmuon.MuSGD`; ``load_state_dict``
-    also takes state dicts of ``torch.optim`` Muon, AdamW and SGD and of Ultralytics' MuSGD.
+    ``load_state_dict`` also loads state dicts of ``torch.optim`` Muon, AdamW, SGD and Ultralytics' MuSGD.
 
     Examples:
         Matrices to Muon, the rest (biases, norms, embeddings, the head) to AdamW, split by
@@ -203,8 +189,7 @@ def muon_options() -> tuple[str, ...]:
 
 
 def muon_settings(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], Options]:
-    """The group defaults and optimizer-wide options of :class:`Muon`'s ``arguments`` (every one
-    of :func:`muon_options`); a variant adds its own group options to the defaults."""
+    """The group defaults and options of :class:`Muon`'s ``arguments``; a variant adds its own."""
     defaults = dict(arguments)
     defaults["ns_steps"] = implied_ns_steps(defaults["ns_steps"], defaults["ns_coefficients"])
     check_foreach(defaults["foreach"])

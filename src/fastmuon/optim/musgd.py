@@ -31,82 +31,65 @@ class MuSGD(MatrixOptimizer):
     """Muon + SGD hybrid (a drop-in for Ultralytics' MuSGD), batched across all matrices.
 
     A matrix (>=2D parameter) in a ``use_muon=True`` group takes, each step, ``lr·muon`` times its
-    orthogonalised EMA momentum and then ``lr·sgd`` times an SGD step with coupled weight decay;
-    a vector in such a group takes the SGD step alone at ``lr·sgd``; every parameter of a
-    ``use_muon=False`` group takes plain SGD at ``lr`` (see "Update rules" in docs/optimizers.md).
-    As in Ultralytics, a group that does not set ``use_muon`` takes the constructor's ``use_muon``
-    (default False), so ``MuSGD(model.parameters())`` is plain SGD; :func:`fastmuon.param_groups`
-    builds the usual split.
+    orthogonalised EMA momentum, then ``lr·sgd`` times an SGD step with coupled weight decay; a
+    vector there takes the SGD step alone at ``lr·sgd``; a ``use_muon=False`` group takes plain SGD
+    at ``lr`` (see "Update rules" in docs/optimizers.md). As in Ultralytics, a group not setting
+    ``use_muon`` takes the constructor's (default False): ``MuSGD(model.parameters())`` is plain
+    SGD, and :func:`fastmuon.param_groups` builds the usual split.
 
-    The positional arguments are Ultralytics' MuSGD's, in its order and with its defaults; the
-    rest are keyword-only. ``opt.muon`` and ``opt.sgd`` read and set the mixing factors of every
-    group, as Ultralytics' attributes of the same names do.
+    The positional arguments are Ultralytics' MuSGD's (order, defaults), the rest keyword-only;
+    ``opt.muon`` and ``opt.sgd`` set every group's mixing factors, as Ultralytics' attributes do.
 
     Args:
         params: parameters, ``(name, parameter)`` pairs, or param groups (dicts); a group may set
-            any of the hyperparameters below except the optimizer-wide ones (policy, foreach,
-            compile, max_bucket_bytes, cost_model, process_group, nonfinite).
+            any of the per-group hyperparameters below.
         lr: learning rate (a float, or a 1-element tensor).
         momentum: ``β`` in [0, 1): of the Muon EMA and of the SGD heavy-ball momentum alike.
         weight_decay: coupled (L2) weight decay of the SGD step, ``g' = g + weight_decay·p``.
-        nesterov: Nesterov momentum in both halves (a bool, or an integer read as its truth
-            value, as ``torch.optim.SGD`` takes it and keeps it).
+        nesterov: Nesterov momentum in both halves (a bool, or an integer read as its truth value).
         use_muon: the ``use_muon`` of groups that do not set it.
         muon: the factor on ``lr`` for the Muon half.
         sgd: the factor on ``lr`` for the SGD half of parameters in ``use_muon`` groups.
-        ns_steps, ns_coefficients, eps: the Newton–Schulz iteration count, coefficients (a
-            preset name such as "jordan", one ``(a, b, c)`` or one per step) and the norm's eps;
-            ``ns_steps=None`` (the default): the preset's published count, as in
-            :class:`~fastmuon.Muon`.
+        ns_steps, ns_coefficients, eps: Newton–Schulz's iteration count (None: the preset's),
+            coefficients (a preset name such as "jordan") and eps, as in :class:`~fastmuon.Muon`.
         ns_dtype: the dtype the iteration runs in (bf16 by default, as Ultralytics).
         ns_method: "auto" (the cheapest accurate formulation per bucket: Gram-space NS for wide
             fp32 buckets; on CPUs, where bf16 NS runs in fp32, the eigendecomposition route where
             it costs less; see planner.choose_method), "standard", "gram", "eigh".
-        matrices: how each tensor maps to the matrices NS orthogonalises: "flatten" (conv
-            kernels, linear weights), "experts", "transposed" or a dict (see
-            :mod:`fastmuon.ns.matrices`); per group, or a list with one per parameter.
+        matrices: how each tensor maps to matrices ("flatten": conv kernels, linear weights), as
+            in :class:`~fastmuon.Muon`.
         policy: how matrices are batched ("auto", "exact", "min_launches"); optimizer-wide.
         adjust_lr_fn: the per-matrix factor ``s``: "ultralytics", "original", "match_rms_adamw",
-            "spectral_unclamped", "none" (the name Muon and ``torch.optim.Muon`` use;
-            ``adjust_lr``, as a keyword or a group key, is its alias).
-        rms_scale: the update RMS ``adjust_lr_fn="match_rms_adamw"`` aims at: ``s =
-            rms_scale·sqrt(max(rows, cols))`` (0.2 as Moonlight and torch; DeepSeek-V4 uses 0.18).
+            "spectral_unclamped", "none" (Muon's name; ``adjust_lr``, keyword or group key, is its alias).
+        rms_scale: the RMS ``adjust_lr_fn="match_rms_adamw"`` aims at, as in :class:`~fastmuon.Muon`.
         foreach: ``None`` or ``True``: the batched path; ``False``: the per-parameter reference loop.
-        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; compiles
-            once per bucket shape).
+        compile: run each bucket's NS through ``torch.compile`` (worth it on GPUs; once per shape).
         max_bucket_bytes, cost_model: planner memory cap and cost constants (``None``: the
             built-in constants per device type; ``"calibrate"``: measured once on this machine).
         process_group: with DDP (replicated parameters), each rank orthogonalises only its share
             of the matrices and the results are exchanged; FSDP2 DTensor parameters need nothing.
-        nonfinite: a NaN/Inf gradient "raise"s (default, naming the parameter; on a CPU the step
-            is refused, on an accelerator that parameter is skipped and the next ``step()`` or
-            ``state_dict()`` raises, so no step waits for the device), "skip"s that parameter
-            for the step (weights and state untouched, no host sync) or is "ignore"d.
-        capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no
-            fused CPU kernel, no host-side NS range check), so that a step can be captured in a
-            CUDA graph (see "Host time" in docs/performance.md). It needs ``nonfinite`` "skip" or
-            "ignore": with "raise" it is refused.
+        nonfinite: what a NaN/Inf gradient does: "raise" (default, naming the parameter; on an
+            accelerator it is skipped and the next ``step()`` or ``state_dict()`` raises, so no step
+            waits for the device), "skip" that parameter for the step, or "ignore".
+        capturable: read nothing on the host during a step (a tensor ``lr`` stays a tensor, no fused
+            CPU kernel, no host-side NS range check), so that a CUDA graph can capture it (see
+            "Host time" in docs/performance.md); it needs ``nonfinite`` "skip" or "ignore".
         owner_group_size, max_exchange_bytes: the distributed step over DTensors (FSDP2, HSDP,
-            tensor and expert parallel). A matrix costing more than a rank's fair share of NS
-            is orthogonalised by an owner group of ranks together: ``None`` (the default) lets
-            the step choose the size per matrix (2, 4, ... up to a node), ``1`` keeps whole-matrix
-            owners, ``g`` splits every such matrix over ``g`` ranks (it must divide them). The
-            exchange runs in rounds whose buffers stay within ``max_exchange_bytes`` per rank
-            (``None``: the rank's shard in the NS dtype, or enough to keep its buffers within
-            2 GiB, whichever is larger). See docs/distributed.md.
-        cautious_weight_decay: not taken (False only, as a keyword or a group key): MuSGD's weight
-            decay is coupled, and cautious decay is defined for decoupled decay (use
-            :class:`~fastmuon.Muon`); named here so that it is refused with that reason.
-        state_dtype: the dtype of a group's momentum buffers: ``None`` (the default) each
-            parameter's own, or e.g. ``torch.bfloat16`` to halve fp32 parameters' state; the step
-            computes in float32 and rounds once when storing (see "Low-memory state" in
-            docs/optimizers.md). Per group; a loaded state dict is cast to it.
+            tensor and expert parallel; see docs/distributed.md). A matrix costing more than a
+            rank's fair share of NS is orthogonalised by an owner group: ``None`` (default) sizes
+            it per matrix (2, 4, ... up to a node), ``1`` keeps whole-matrix owners, ``g`` splits
+            over ``g`` ranks (dividing them). Exchange rounds stay within ``max_exchange_bytes``
+            per rank (``None``: its shard in the NS dtype or, if larger, all its buffers in 2 GiB).
+        cautious_weight_decay: False only (named so that it is refused with the reason): cautious
+            decay is defined for decoupled decay, and MuSGD's is coupled (use :class:`~fastmuon.Muon`).
+        state_dtype: a group's momentum buffers' dtype: ``None`` (default) each parameter's own, or
+            e.g. ``torch.bfloat16`` to halve fp32 state, computed in float32 and rounded once when
+            stored ("Low-memory state" in docs/optimizers.md); loaded state is cast to it.
 
     The batched step runs a program built on the first step and reused while the parameters
     with gradients, their layouts and the equality classes of the groups' hyperparameters stay
-    the same (their values are read at every step). ``load_state_dict`` also takes state dicts
-    of Ultralytics' MuSGD, ``torch.optim`` SGD, Muon and AdamW (see
-    :mod:`fastmuon.optim.checkpoint`); what it saves loads into Ultralytics' MuSGD.
+    the same (values are read each step). ``load_state_dict`` also takes Ultralytics' MuSGD's,
+    ``torch.optim`` SGD's, Muon's and AdamW's state dicts; Ultralytics' MuSGD loads what it saves.
 
     Examples:
         Matrices take Muon and SGD, the rest plain SGD, split by :func:`fastmuon.param_groups`:

@@ -65,9 +65,8 @@ class NorMuon(_SecondMomentMuon):
             rates carry over); ``"rms"``: the paper's Algorithm 1, an update of RMS 0.2 (AdamW's),
             with no lr factor (``adjust_lr_fn`` must be None or ``"none"``).
 
-    The state of a matrix parameter adds ``second_moment``: a 1-D tensor with one entry per row
-    of each of its matrices (in the matrix map's order), in the group's ``state_dtype`` as Muon's
-    buffers are. FSDP2-sharded matrices are refused (use :class:`~fastmuon.Muon` there).
+    A matrix's state adds ``second_moment``, one entry per row of each of its matrices (in map
+    order), in the group's ``state_dtype``; FSDP2-sharded matrices are refused (use Muon there).
 
     Examples:
         Muon's param groups and learning rates carry over (``rescale="norm"``, the default):
@@ -147,8 +146,7 @@ class AdaMuon(_SecondMomentMuon):
             no lr factor (``adjust_lr_fn`` must be None or ``"none"``); ``"norm"``: keep NS's
             Frobenius norm and apply ``adjust_lr_fn``.
 
-    The state of a matrix parameter adds ``second_moment``, of the parameter's shape, in the
-    group's ``state_dtype`` as Muon's buffers are.
+    A matrix's state adds ``second_moment``, of the parameter's shape, in the group's ``state_dtype``.
 
     Examples:
         Muon's param groups, with a learning rate near AdamW's (the update has AdamW's RMS):
@@ -202,7 +200,6 @@ class AdaMuon(_SecondMomentMuon):
         qk_clip_alpha: float = DEFAULT_ALPHA,
         state_dtype: torch.dtype | None = None,
     ):
-        # as in NorMuon.__init__
         arguments = locals()
         defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)

@@ -6,26 +6,23 @@ an update, each attention head ``h`` whose largest pre-softmax logit ``S_h`` in 
 logits it feeds, its side, and how its rows (dim 0; a bias's entries alike) split into heads:
 
 - ``{"layer": L, "part": "query", "heads": H}``: each query head's rows scaled by ``γ_h^α``;
-- ``{"layer": L, "part": "key", "heads": K}``: a key head serves ``H/K`` query heads
-  (grouped-query attention) and takes ``(min γ over them)^(1−α)``, so that every head's logits
-  end at or below ``τ``;
+- ``{"layer": L, "part": "key", "heads": K}``: a key head serves ``H/K`` query heads (GQA) and
+  takes ``(min γ over them)^(1−α)``, so that every head's logits end at or below ``τ``;
 - ``{"layer": L, "part": "mla_query", "heads": H, "nope_dim": n, "rope_dim": r}``: multi-head
   latent attention's query (DeepSeek-V3's ``q_b_proj``), each head ``n`` content rows taking
-  ``γ_h^α``, then ``r`` rotary rows taking ``γ_h`` (the shared rotary key is not scaled, so the
-  rotary query carries the whole factor);
+  ``γ_h^α``, then ``r`` rotary rows taking ``γ_h`` (the shared rotary key is not scaled);
 - ``{"layer": L, "part": "mla_key_value", "heads": H, "nope_dim": n, "v_dim": v}``: MLA's
   ``kv_b_proj``, each head ``n`` content-key rows taking ``γ_h^(1−α)``, then ``v`` value rows.
 
 With ``α = 1/2`` the MLA rule is the report's: ``√γ`` on ``q_C`` and ``k_C``, ``γ`` on ``q_R``,
 nothing on the shared ``k_R``. Parts are plain dicts, so they travel in ``state_dict()``.
 
-**Parts read off known models** (:func:`detected_parts`), by the layers' forward in 🤗
-Transformers: Llama-family ``q_proj``/``k_proj`` viewed as ``(heads, head_dim)`` per token, with
-``config.num_attention_heads`` query and ``config.num_key_value_heads`` key heads, but not where
-queries and keys are normalised per head (``q_norm``/``k_norm``: Qwen3, Gemma 3, OLMo 2), as
-scaling the projection would not change the normalised logits; DeepSeek-V3 (and V2) MLA's
-``q_b_proj`` (or ``q_proj``) and ``kv_b_proj``. A part's ``layer`` is the attention module's
-name, under which :class:`fastmuon.qk_clip.LogitMaxRecorder` reports its maxima.
+**Parts read off known models** (:func:`detected_parts`, by 🤗 Transformers' forward): Llama-family
+``q_proj``/``k_proj`` as ``(heads, head_dim)`` per token, with ``config.num_attention_heads`` query
+and ``config.num_key_value_heads`` key heads, but not where queries and keys are normalised per
+head (Qwen3, Gemma 3, OLMo 2), as scaling the projection would not change their logits; DeepSeek-V3
+(and V2) MLA's ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj``. A part's ``layer`` is the attention
+module's name, the key of its maxima in :class:`~fastmuon.qk_clip.LogitMaxRecorder`'s.
 
 ``opt.step(logit_maxima=...)`` checks the maxima before the update, so that a refused step changes
 nothing; a clipping step given no maxima updates as usual, clips nothing, and says so once.
@@ -46,7 +43,6 @@ from ..distributed.inflight import collective_device
 from ..ns import device
 from .validation import is_number
 
-# ----- attention parts ------------------------------------------------------------------------
 #: The sides a parameter can take in QK-clip.
 PARTS = ("query", "key", "mla_query", "mla_key_value")
 
@@ -177,7 +173,6 @@ def clip_(param: Tensor, part: AttentionPart, gamma: Tensor, alpha: float) -> No
     param.mul_(factors.view(-1, *([1] * (param.ndim - 1))))
 
 
-# ----- parts read off known models ---------------------------------------------------------------
 #: Names of the per-head query/key normalisations that make scaling a projection moot.
 QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm")
 
@@ -242,7 +237,6 @@ def latent_attention(module: nn.Module) -> Iterator[tuple[Tensor, dict[str, Any]
     yield from _rows(kv, {"part": "mla_key_value", "heads": heads, "nope_dim": nope, "v_dim": v_dim})
 
 
-# ----- the group options and the clip a step applies ------------------------------------------
 TAU, ALPHA, ATTENTION = "qk_clip_tau", "qk_clip_alpha", "attention"
 DEFAULT_ALPHA = 0.5
 
@@ -298,9 +292,8 @@ def has_parts(group: Mapping[str, Any]) -> bool:
 def refuse_settings_without_parts(
     param_group: Mapping[str, Any], defaults: Mapping[str, Any], where: str
 ) -> None:
-    """A group that sets QK-clip itself must hold attention parts. A value equal to the default is
-    not the group's own: torch fills stored groups with the defaults, and the same dicts may be
-    handed to another optimizer."""
+    """A group that sets QK-clip itself must hold attention parts; a value equal to the default is
+    not its own (torch fills groups with the defaults, and the dicts may reach another optimizer)."""
     given = [
         k
         for k in (TAU, ALPHA)
@@ -348,9 +341,7 @@ class QKClip:
         process_group: Any = None,
         host_reads: bool = True,
     ) -> Callable[[], None]:
-        """The clip of one step, to run after its update; raises (changing nothing) where the
-        maxima do not fit. ``host_reads=False`` (capturable) scales every part, by 1 where no
-        head is over τ."""
+        """The step's clip, run after its update; raises, changing nothing, where the maxima do not fit."""
         work = [(g, _parts(g)) for g in groups if g.get(TAU) is not None]
         work = [(g, items) for g, items in work if items]
         if not work:
@@ -439,8 +430,7 @@ def _as_maxima(value: Any, layer: str) -> Tensor:
 
 
 def _agreed(layers: dict[str, Tensor], process_group: Any) -> dict[str, Tensor]:
-    """Every rank's maxima combined (their largest): data-parallel ranks see different batches,
-    and replicated weights must be clipped alike."""
+    """Every rank's maxima combined (largest): ranks see different batches, replicas must clip alike."""
     names = sorted(layers)
     home = layers[names[0]].device
     flat = torch.cat([layers[n].to(home) for n in names])

@@ -50,8 +50,7 @@ class MuonShare(NamedTuple):
 def muon_share(
     groups: Sequence[dict[str, Any]], rule: Rule, maps_of: Callable[[dict[str, Any], int], list[MatrixMap]]
 ) -> MuonShare:
-    """What ``rule`` orthogonalises and what takes ``rule.other_update``: counts over every
-    group, gradients or not."""
+    """What ``rule`` orthogonalises and what takes ``rule.other_update``, gradients or not."""
     other_update = rule.other_update
     parameters = matrices = elements = others = other_elements = 0
     for index, group in enumerate(groups):

@@ -90,8 +90,7 @@ def check_tensor_lr(lr: Any, where: str) -> None:
 
 
 def param_name(groups: list[dict[str, Any]], group: dict[str, Any], j: int) -> str:
-    """How errors name parameter ``j`` of ``group``: by its name where the group has names,
-    else by its position (``group`` not among ``groups`` is the one being added)."""
+    """How errors name parameter ``j`` of ``group``: by name if the group has names, else by position."""
     names = group.get("param_names")
     p = group["params"][j]
     if names is not None and j < len(names):
@@ -134,8 +133,7 @@ def resolve_alias(value: Any, alias_value: Any, name: str, alias: str, default: 
 
 
 def group_without_alias(param_group: dict[str, Any], name: str, alias: str, where: str) -> dict[str, Any]:
-    """``param_group`` with an option given under its alias stored under its name (a new dict;
-    the caller's is unchanged until the group is accepted)."""
+    """``param_group`` with ``alias`` stored as ``name``, in a new dict (the caller's is kept as given)."""
     if not isinstance(param_group, dict) or alias not in param_group:
         return param_group
     group = dict(param_group)
@@ -184,8 +182,7 @@ def implied_ns_steps(ns_steps: Any, coefficients: Any) -> Any:
 
 
 def with_implied_ns_steps(param_group: Any, defaults: dict[str, Any]) -> Any:
-    """A group naming its own ``ns_coefficients`` but no ``ns_steps`` runs the count they were
-    published for, not the constructor's (a new dict)."""
+    """A group setting ``ns_coefficients`` but no ``ns_steps`` runs their count, not the constructor's."""
     if not isinstance(param_group, dict):
         return param_group
     steps = param_group.get("ns_steps")
@@ -211,8 +208,7 @@ def state_betas(group: dict[str, Any], roles: Collection[str]) -> dict[str, Any]
 
 
 def warn_lost_decays(group: dict[str, Any], where: str, roles: Collection[str]) -> None:
-    """A ``state_dtype`` too coarse for a β of the group's buffers (``roles``) loses their decay
-    in rounding (see :func:`fastmuon.step.state_dtype.lost_decays`): said when the group is added."""
+    """Warn where ``state_dtype`` is too coarse for a β of the group's buffers (rounding undoes decay)."""
     dtype = group.get("state_dtype")
     betas = state_betas(group, roles)
     lost = lost_decays(dtype, betas)
