@@ -548,10 +548,6 @@ def _index(region: Region) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in region)
 
 
-def _part(t: Tensor, region: Region) -> Tensor:
-    return t[_index(region)]
-
-
 def _whole(blocks: list[tuple[Region, Tensor]], shape: tuple[int, ...], count: int) -> Tensor:
     """``count`` whole matrices of ``shape`` from their parts (each ``(count, *part)``): a view
     where one part is the whole, one ``cat`` of row blocks, else copies."""

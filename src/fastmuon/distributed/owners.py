@@ -43,7 +43,7 @@ def assign_work(
     who may own matrix ``i`` (the ranks holding it whole: nothing to gather)."""
     steps = plan.steps
     share = plan.flops() / max(world, 1)
-    pieces: list[tuple[int, int, int, int, tuple[int, ...] | None]] = []  # (bucket, start, stop, flops, who)
+    pieces: list[tuple[WorkUnit, tuple[int, ...] | None]] = []  # each piece (owner -1) and who may own it
     for b, bucket in enumerate(plan.buckets):
         slots = bucket.shape[0]
         per_slot = bucket.flops(steps) // slots
@@ -51,14 +51,14 @@ def assign_work(
             run_flops = per_slot * (hi - lo)
             n = 1 if world == 1 or share <= 0 else min(hi - lo, max(1, math.ceil(run_flops / share)))
             bounds = [lo + round(k * (hi - lo) / n) for k in range(n + 1)]
-            pieces += [(b, a, z, per_slot * (z - a), who) for a, z in zip(bounds, bounds[1:])]
+            pieces += [(WorkUnit(b, a, z, per_slot * (z - a), -1), who) for a, z in zip(bounds, bounds[1:])]
     load = [0] * world
     owners: dict[tuple[int, int], int] = {}
-    for b, lo, _, flops, who in sorted(pieces, key=lambda p: (-p[3], p[0], p[1])):
+    for unit, who in sorted(pieces, key=lambda p: (-p[0].flops, p[0].bucket, p[0].start)):
         rank = min(range(world) if who is None else who, key=lambda r: (load[r], r))
-        load[rank] += flops
-        owners[(b, lo)] = rank
-    return [WorkUnit(b, lo, hi, flops, owners[(b, lo)]) for b, lo, hi, flops, _ in pieces]
+        load[rank] += unit.flops
+        owners[(unit.bucket, unit.start)] = rank
+    return [replace(unit, owner=owners[(unit.bucket, unit.start)]) for unit, _ in pieces]
 
 
 class SlotRun(NamedTuple):

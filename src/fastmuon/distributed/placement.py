@@ -20,6 +20,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -132,6 +133,16 @@ class _Loads:
         self.received = np.zeros(world)
 
 
+class _Piece(NamedTuple):
+    """Slots ``start:stop`` of a bucket, the NS seconds they take and their whole cost (NS and moves)."""
+
+    bucket: int
+    start: int
+    stop: int
+    seconds: float
+    cost: float
+
+
 def place(
     plan: Plan,
     world: int,
@@ -173,7 +184,7 @@ def place(
             f"owner_group_size={owner_group_size} must divide the {world} ranks the step runs on; "
             f"give a divisor of {world}, or None to let the step choose, or 1 for whole-matrix owners"
         )
-    pieces: list[tuple[int, int, int, float, float]] = []  # (bucket, start, stop, NS seconds, cost)
+    pieces: list[_Piece] = []
     for b, bucket in enumerate(plan.buckets):
         mv = moved_s[b]
         slot_bytes = [0] * bucket.shape[0]
@@ -196,12 +207,12 @@ def place(
                 n = max(n, min(hi - lo, math.ceil((hi - lo) / per_piece)))
             bounds = [lo + round(k * (hi - lo) / n) for k in range(n + 1)]
             pieces += [
-                (b, a, z, per_slot_s[b] * (z - a), per_slot_s[b] * (z - a) + sum(mv[a:z]))
+                _Piece(b, a, z, per_slot_s[b] * (z - a), per_slot_s[b] * (z - a) + sum(mv[a:z]))
                 for a, z in zip(bounds, bounds[1:])
             ]
     loads = _Loads(world)
     owners: dict[tuple[int, int], tuple[int, ...]] = {}
-    for b, lo, hi, seconds, cost in sorted(pieces, key=lambda p: (-p[4], p[0], p[1])):
+    for b, lo, hi, seconds, cost in sorted(pieces, key=lambda p: (-p.cost, p.bucket, p.start)):
         bucket = plan.buckets[b]
         members = bucket.members[lo:hi]
         launch = kernels_per_bucket(steps, bucket.method, bucket.preconditioning) * model.launch_cost(

@@ -517,7 +517,8 @@ class StepCache:
         self.programs: dict[Hashable, Any] = {}
         self.engines: OrderedDict[Hashable, Any] = OrderedDict()
         self.last_plan = last_plan
-        self._noted: tuple[Plan, str, Plan] | None = None
+        self._noted: Plan | None = None  # the last plan noted, and what it was noted from
+        self._noted_from: tuple[Plan | None, str] = (None, "")
         self._params: tuple[list[Tensor], bool] | None = None
         self.parts = PartsTable()  # where each rank's part of every parameter lies (DTensors)
 
@@ -553,12 +554,11 @@ class StepCache:
 
     def noted(self, plan: Plan, note: str) -> Plan:
         """``plan`` with ``note`` added: the same object while neither changes."""
-        kept = self._noted
-        if kept is not None and kept[0] is plan and kept[1] == note:
-            return kept[2]
-        noted = dataclasses.replace(plan, note=f"{plan.note}; {note}" if plan.note else note)
-        self._noted = (plan, note, noted)
-        return noted
+        if self._noted is not None and self._noted_from[0] is plan and self._noted_from[1] == note:
+            return self._noted
+        self._noted_from = (plan, note)
+        self._noted = dataclasses.replace(plan, note=f"{plan.note}; {note}" if plan.note else note)
+        return self._noted
 
     def forget_programs(self) -> None:
         """After the groups, their ``params`` or the state changed: programs are rebuilt."""
@@ -629,6 +629,14 @@ def raise_if_nonfinite(
         )
 
 
+class _FiniteGroup(NamedTuple):
+    """Gradients of one (device, dtype): where they sit in the list, and whether on the host's CPU."""
+
+    pick: Gather
+    positions: Tensor
+    host: bool
+
+
 class FiniteCheck:
     """Which of a fixed list of gradients are finite, as one bool vector on the device: no host read."""
 
@@ -639,9 +647,8 @@ class FiniteCheck:
         for i, g in enumerate(grads):
             if g.numel() > 0:
                 groups.setdefault((g.device, g.dtype), []).append(i)
-        # (pick, positions, on the host's CPU), a plain tuple: a record costs a call per step
         self._groups = [
-            (Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
+            _FiniteGroup(Gather(idx), torch.tensor(idx, device=self.device), device.is_host(where))
             for (where, _), idx in groups.items()
         ]
         by_device: dict[torch.device, list[int]] = {}
