@@ -1,6 +1,5 @@
 """Split a model's parameters into the Muon group and the rest: each trainable parameter gets a
-*kind* (Muon matrix, other, or no-decay), each kind one param group. What is a matrix is decided by
-the module that owns a parameter, never by its number of dims.
+*kind* (Muon matrix, other, or no-decay), each kind one param group (see :func:`param_groups`).
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ HEAD_NAMES = frozenset(
     {"lm_head", "head", "classifier", "fc", "output", "output_layer", "score", "qa_outputs"}
 )
 
-#: Names of an output layer that count only directly on the model (attention layers inside it
-#: use ``out_proj`` for a hidden projection).
+#: Output-layer names that count only directly on the model (inside, attention has ``out_proj``).
 TOP_LEVEL_HEAD_NAMES = frozenset({"out_proj", "output_proj", "proj_out"})
 
 #: Child names under which wrappers hold the model (``torch.compile``, FSDP1, activation
@@ -104,16 +102,15 @@ def param_groups(
     warns, naming them (``include=`` puts them in, ``exclude=`` keeps them out silently).
 
     The Muon group's ``"matrices"`` entry (one spec per parameter; :mod:`fastmuon.ns.matrices`) is
-    detected for known layers (:mod:`fastmuon.groups.layer_maps`): Transformers' fused
-    Mixture-of-Experts stacks (Mixtral, Qwen-MoE, DeepSeek, OLMoE, GPT-OSS, Llama-4, DBRX, ...) one
-    matrix per expert with ``gate_up_proj``'s gate and up apart, other ``*Experts`` modules' 3-D
-    tensors one per leading index, GPT-2's ``Conv1D`` transposed, and fused q/k/v projections
-    (``c_attn``, ``in_proj_weight``) split in three; the rest is "flatten" (no entry if all are).
-    ``matrices=`` sets maps as ``{selector: spec}`` (a tuple of selectors for several); later
-    entries win over earlier ones and over detection, and ``"flatten"`` undoes one. Per-head NS,
-    for instance: ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj": {"heads": 4}}`` (k with the
-    key/value head count). A selector naming none of Muon's parameters, or a map that does not fit,
-    is an error.
+    detected for known layers (:mod:`fastmuon.groups.layer_maps`): Transformers' fused MoE stacks
+    (Mixtral, Qwen-MoE, DeepSeek, OLMoE, GPT-OSS, Llama-4, DBRX, ...) one matrix per expert with
+    ``gate_up_proj``'s gate and up apart, other ``*Experts`` modules' 3-D tensors one per leading
+    index, GPT-2's ``Conv1D`` transposed, and fused q/k/v projections (``c_attn``,
+    ``in_proj_weight``) split in three; the rest is "flatten" (no entry if all are). ``matrices=``
+    sets maps as ``{selector: spec}`` (a tuple of selectors for several); later entries win over
+    earlier ones and over detection, and ``"flatten"`` undoes one. Per-head NS, for instance:
+    ``matrices={"*.q_proj": {"heads": 12}, "*.k_proj": {"heads": 4}}`` (k with the key/value head
+    count). A selector naming none of Muon's parameters, or a map that does not fit, is an error.
 
     ``attention=True`` marks attention queries and keys for QK-clip (``Muon(..., qk_clip_tau=...)``):
     each group holding some gets an ``"attention"`` entry, one part per parameter (None for others;
@@ -121,11 +118,10 @@ def param_groups(
     ``{selector: part}`` adds parts (or, with ``None``, removes them), e.g. ``{"blocks.*.attn.wq":
     {"part": "query", "heads": 8}}``; a part without ``"layer"`` belongs to the module two levels up.
 
-    Name selectors match with or without the wrappers' prefixes. ``overrides`` (e.g.
-    ``ns_dtype=torch.float32``) are set on every group, but the no-decay group keeps
-    ``weight_decay=0``; per-kind hyperparameters belong on the optimizer (``Muon(...,
-    adamw_lr=3e-4)``) or the returned groups. Shared parameters appear once, frozen ones not at
-    all, empty groups are left out. Each group carries torch's ``param_names`` (for messages).
+    Name selectors match with or without the wrappers' prefixes. ``overrides`` (``ns_dtype=...``)
+    are set on every group, but the no-decay group keeps ``weight_decay=0``; per-kind settings
+    belong on the optimizer (``Muon(..., adamw_lr=3e-4)``) or the returned groups. Shared parameters
+    appear once, frozen ones and empty groups not at all; each group carries torch's ``param_names``.
     """
     if "use_muon" in overrides:
         raise ValueError(
@@ -393,9 +389,8 @@ def output_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def search_root(model: nn.Module) -> tuple[nn.Module, list[tuple[str, nn.Module]]]:
-    """The module the head search looks in, and its submodules by name, wrappers removed: a module
-    with no parameter of its own and one child with parameters and submodules (a ``torch.compile``
-    or DDP wrapper, a LightningModule holding ``self.net``) is searched as that child."""
+    """The module the head search looks in and its submodules by name: a module with no parameter
+    of its own and one child with parameters and submodules (a wrapper) is searched as that child."""
     root = model
     while not any(True for _ in root.parameters(recurse=False)):
         with_params = [c for c in root.children() if any(True for _ in c.parameters())]

@@ -28,9 +28,8 @@ UNFLAGGED_EXPERTS = {
 
 
 def detected_maps(model: nn.Module) -> dict[int, MatrixMap]:
-    """``id(param) -> map`` for every parameter of ``model`` a rule recognises. Rules run generic
-    first, specific last, so one that knows a whole layer (GPT-2's attention) overrides one that
-    knows its parts (each ``Conv1D``)."""
+    """``id(param) -> map`` for the parameters a rule recognises; rules run generic first, so one
+    knowing a whole layer (GPT-2's attention) overrides one knowing its parts (each ``Conv1D``)."""
     maps: dict[int, MatrixMap] = {}
     modules = list(model.modules())
     for rule in RULES:
@@ -38,9 +37,6 @@ def detected_maps(model: nn.Module) -> dict[int, MatrixMap]:
             for p, m in rule(module):
                 maps[id(p)] = m
     return maps
-
-
-# ----- Mixture-of-Experts stacks ---------------------------------------------------------------
 
 
 def experts_by_class_name(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
@@ -101,9 +97,6 @@ def dbrx_experts(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     yield w2, MatrixMap(split=blocks, dim=1, transposed=True)
 
 
-# ----- fused projections ----------------------------------------------------------------------
-
-
 def conv1d(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
     """Transformers' ``Conv1D`` (GPT-2, OpenAI GPT, ImageGPT) stores its weight (in, out)."""
     weight = _tensor(module, "weight")
@@ -112,9 +105,8 @@ def conv1d(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
 
 
 def conv1d_attention(module: nn.Module) -> Iterator[tuple[Tensor, MatrixMap]]:
-    """GPT-2-style attention: ``c_attn`` is a ``Conv1D`` whose output the forward splits into
-    parts of ``split_size`` (query, key, value; key, value in cross-attention, where ``q_attn``
-    makes the query); each part is its own matrix."""
+    """GPT-2-style attention: the forward splits the output of ``c_attn`` (a ``Conv1D``) into parts
+    of ``split_size`` (q, k, v; k, v in cross-attention, where ``q_attn`` makes q), a matrix each."""
     c_attn, size = getattr(module, "c_attn", None), getattr(module, "split_size", None)
     if not is_conv1d(c_attn) or not isinstance(size, int) or size <= 0:
         return
@@ -156,10 +148,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-# ----- which parameters are matrices ------------------------------------------------------------
-
-#: Module types whose ``weight`` is a matrix (conv weights flattened to ``(out, in·k…)``): linear
-#: (and subclasses, e.g. attention's ``out_proj``), bilinear, every convolution and transposed one.
+#: Module types (subclasses too) whose ``weight`` is a matrix, conv weights as ``(out, in·k…)``.
 MATRIX_LAYERS: tuple[type[nn.Module], ...] = (
     nn.Linear,
     nn.Bilinear,
@@ -171,18 +160,15 @@ MATRIX_LAYERS: tuple[type[nn.Module], ...] = (
     nn.ConvTranspose3d,
 )
 
-#: Class-name endings of a Mixture-of-Experts router (Transformers' ``...TopKRouter``,
-#: ``Llama4Router``, ``DbrxRouter``, ...).
+#: Class-name endings of an MoE router (Transformers' ``...TopKRouter``, ``Llama4Router``, ...).
 ROUTER_CLASS_ENDINGS = ("Router",)
 
 
 def matrix_weights(model: nn.Module) -> set[int]:
     """The ids of the parameters that are a layer's matrix, recognised by module type or map: the
-    ``weight`` of :data:`MATRIX_LAYERS` and Transformers' ``Conv1D`` (if parametrised, e.g. weight
-    or spectral norm, the tensors of its shape it is computed from); ``nn.MultiheadAttention``'s
-    input projections; every parameter a rule of :func:`detected_maps` speaks for. Anything else,
-    however many dims it has (a class token, a positional table, a layer scale, a custom layer's
-    bare ``nn.Parameter``), is not recognised."""
+    ``weight`` of :data:`MATRIX_LAYERS` and Transformers' ``Conv1D`` (:func:`layer_weight`),
+    ``nn.MultiheadAttention``'s input projections, every parameter a rule of :func:`detected_maps`
+    speaks for; nothing else, however many dims it has."""
     ids: set[int] = set()
     for module in model.modules():
         if isinstance(module, MATRIX_LAYERS) or is_conv1d(module):
@@ -197,7 +183,8 @@ def matrix_weights(model: nn.Module) -> set[int]:
 
 
 def layer_weight(module: nn.Module) -> list[Tensor]:
-    """The parameter(s) holding a matrix layer's ``weight``."""
+    """The parameter(s) holding a matrix layer's ``weight`` (if parametrised, e.g. weight or spectral
+    norm, the tensors of its shape it is computed from)."""
     parametrizations = getattr(module, "parametrizations", None)
     if parametrize.is_parametrized(module, "weight") and isinstance(parametrizations, nn.ModuleDict):
         shape = module.weight.shape
@@ -214,10 +201,9 @@ def layer_weight(module: nn.Module) -> list[Tensor]:
 
 
 def router_weights(model: nn.Module) -> set[int]:
-    """The ids of the >=2-D parameters of Mixture-of-Experts routers: modules whose class name ends
-    in "Router", and children named ``gate``, ``router``, ``*_gate`` or ``*_router`` (Qwen-MoE's
-    ``shared_expert_gate``) of a module that also holds experts (a child named ``experts`` or
-    recognised as a stack). Dense MLPs' ``gate_proj`` is no router."""
+    """The ids of the >=2-D parameters of MoE routers: modules of :data:`ROUTER_CLASS_ENDINGS`, and
+    children named ``gate``, ``router``, ``*_gate``, ``*_router`` (Qwen-MoE's ``shared_expert_gate``)
+    of a module holding experts (a child ``experts`` or a stack): no dense MLP's ``gate_proj``."""
     routers: list[nn.Module] = []
     for module in model.modules():
         if type(module).__name__.endswith(ROUTER_CLASS_ENDINGS):

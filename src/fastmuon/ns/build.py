@@ -21,8 +21,7 @@ from .planner import DEFAULT_MAX_BUCKET_BYTES, CostModel, MatrixSpec, Plan, plan
 def resolve_cost_model(
     cost_model: CostModel | str | None, specs: Sequence[MatrixSpec]
 ) -> CostModel | str | None:
-    """``"calibrate"``: the constants measured on this machine for the specs' device and dtypes
-    (once per process); a :class:`CostModel` or None (the device type's built-in one) as given."""
+    """``"calibrate"``: the constants measured on this machine (:mod:`.calibrate`); else as given."""
     if cost_model == "calibrate" and specs:
         return calibrated_cost_model(specs[0].device, {s.dtype for s in specs})
     return cost_model
@@ -58,8 +57,7 @@ def build_orthogonalizer(
     host_reads: bool = True,
     result_views: bool = True,
 ) -> Orthogonalizer:
-    """The engine for matrices this process orthogonalises alone. ``result_views``: its results may
-    be views into buffers the next call reuses (a step applying them at once); False for a caller."""
+    """The engine for the matrices this process orthogonalises alone (see :class:`Orthogonalizer`)."""
     layouts = [TensorLayout.of(p) for p in params]
     specs = [spec_of(p, c, lay) for p, c, lay in zip(params, configs, layouts)]
     plan = plan_for(specs, configs, policy, resolve_cost_model(cost_model, specs), max_bucket_bytes)

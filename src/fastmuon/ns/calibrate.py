@@ -1,8 +1,7 @@
-"""Measure the planner's cost constants on this machine instead of assuming them: the time one
-more kernel and one more FLOP cost, once per (device, dtypes, threads), cached. Where the device
-type's model prices eigendecompositions (CPUs) their cost against matmuls is measured at two sizes.
-On a CPU fp32 is always measured (bf16 may run in it, ``device.wider_dtype``), and a low-precision
-kernel's fixed cost beyond an fp32 one's is added to its launches.
+"""Measure the planner's cost constants on this machine: the time one more kernel and one more
+FLOP cost (and eigendecompositions where the model prices them), once per (device, dtypes,
+threads), cached. On a CPU fp32 is always measured (bf16 may run in it, ``device.wider_dtype``),
+and a low-precision kernel's fixed cost beyond an fp32 one's is added to its launches.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Device facts: whether a tensor lives on the host, and which dtype NS matmuls really run in.
-
-The engine asks these once, when built. bf16 is asked for speed, but CPUs without AVX512-BF16/AMX
+"""Device facts: whether a tensor lives on the host, and which dtype NS matmuls really run in. The
+engine asks these once, when built. bf16 is asked for speed, but CPUs without AVX512-BF16/AMX
 emulate it far slower than fp32, so there NS runs in fp32 (faster and more accurate) unless the
 caller insists on native low precision; a one-off probe per (device type, dtype), cached.
 """
@@ -125,8 +124,7 @@ def _hardware_cpu_class() -> str:
 
 
 def _native_is_fast(dtype: torch.dtype, threads: int) -> bool:
-    """Does this CPU have matmul instructions for ``dtype``, and may torch use them? Not where
-    ``FASTMUON_CPU_CLASS=no_bf16`` says so (bf16) or oneDNN is capped below them."""
+    """Does this CPU have matmul instructions for ``dtype`` that no cap or ``FASTMUON_CPU_CLASS`` hides?"""
     cap = onednn_isa_cap()
     if dtype == torch.bfloat16 and (
         os.environ.get("FASTMUON_CPU_CLASS") == "no_bf16" or cap in ONEDNN_NO_BF16
@@ -154,8 +152,7 @@ def _cpu_seconds(dtype: torch.dtype) -> float:
 
 
 def cpu_flags() -> set[str] | None:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (Linux: ``flags`` on x86, ``Features`` on
-    Arm), or None where they cannot be read."""
+    """The CPU's feature flags from ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -43,12 +43,8 @@ from .planner import Bucket, MatrixSpec, Plan
 
 @dataclass(frozen=True)
 class NSConfig:
-    """The Newton–Schulz settings a bucket runs with; matrices with different ones never share.
-
-    ``preconditioning`` (``newton_schulz.PRECONDITIONINGS``) brings each matrix to spectral norm
-    <= 1 before iterating. It lives beside the schedule because a schedule is fitted to it:
-    :meth:`make` takes it from the coefficient preset's name (``"aol"``) unless given.
-    """
+    """The Newton–Schulz settings a bucket runs with (matrices with others never share one);
+    ``preconditioning`` sits beside the schedule fitted to it: by default the one its preset names."""
 
     steps: int
     coefficients: tuple[tuple[float, float, float], ...]
@@ -133,7 +129,6 @@ def _region(slots: Tensor, layout: TensorLayout, transposed: bool) -> Tensor:
 
 
 def _slot_view(batch: Tensor, slot: int, layout: TensorLayout, transposed: bool) -> Tensor:
-    """The tensor in ``slot`` of a ``(B, R, C)`` batch, as a view with its own shape."""
     return _region(batch[slot : slot + 1], layout, transposed)[0]
 
 
@@ -168,7 +163,6 @@ def _cast_places(rec: BucketRecord, layout: BucketLayout, out: Tensor, dtype: to
 
 
 def _slot_views(batch: Tensor, rec: BucketRecord) -> list[Tensor]:
-    """The bucket's members in a ``(B, R, C)`` batch, in slot order, each as a view in its own shape."""
     return [
         _slot_view(batch, m.slot, layout, m.transposed) for m, layout in zip(rec.bucket.members, rec.layouts)
     ]
@@ -176,8 +170,7 @@ def _slot_views(batch: Tensor, rec: BucketRecord) -> list[Tensor]:
 
 class ScratchArena:
     """Temporaries of the NS kernels, kept between steps and shared by the buckets in turn: a CPU
-    allocator returns large freed blocks to the OS, so fresh ones page-fault in again every step.
-    On CUDA the caching allocator already reuses memory."""
+    allocator returns large freed blocks to the OS, so fresh ones page-fault in again every step."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -215,9 +208,8 @@ class ScratchArena:
         return list(self._arenas.values())
 
 
-#: On a CPU, buckets of matrices with at most this many rows (after orienting them wide) keep
-#: their NS output and temporaries between steps; None: every bucket. Kept buffers save the page
-#: faults of fresh ones at the cost of workspace memory. Read when an engine is built.
+#: On a CPU, buckets of at most this many rows (oriented wide; None: all) keep their NS output and
+#: temporaries between steps, trading workspace memory for fresh buffers' page faults. Read at build.
 REUSE_MAX_ROWS: int | None = None
 
 #: Buckets of more runs than this are packed with one index copy, while the int64 index stays small.
@@ -234,8 +226,7 @@ class BucketRecord:
     config: NSConfig
     schedule: list[Coefficients]  # the config's coefficients, as the kernels take them
     kernel: Callable[..., Tensor]  # newton_schulz.ns_kernel(method, preconditioning), or its compiled form
-    # the eager kernel, fp32 products not pinned: run bucket by bucket at "highest" precision
-    eager: Callable[..., Tensor]
+    eager: Callable[..., Tensor]  # fp32 products not pinned: run bucket by bucket at "highest"
     compiled: bool  # the kernel runs through torch.compile
     host: bool  # the bucket lives on the host's CPU (device.is_host)
     host_reads: bool  # the eager kernel may read its norms on the host: free there, and allowed
@@ -247,41 +238,28 @@ class BucketRecord:
     layouts: tuple[TensorLayout, ...]  # the members' layouts, in slot order
     offsets: tuple[int, ...]  # where each member starts when all are stored back to back
     runs: tuple[_Run, ...]
-    # one-copy packing: each member element's place in the buffer (on the host made on first use)
-    gather: Tensor | None
+    gather: Tensor | None  # each member element's place in the buffer (on the host made on first use)
     gathers: bool  # packed and unpacked by ``gather`` (many runs, a small index)
-    # zeros on first sight of the sources' device (an engine never run allocates nothing)
-    buffer: Tensor | None = None
+    buffer: Tensor | None = None  # zeros, on first sight of the sources' device
     # views made on the first eager call and kept; never in a compiler's trace
     slot_regions: list[Tensor] | None = None  # each run's region, as (k, *shape)
     places: tuple[Tensor, list[Tensor], Tensor] | None = None  # staging, members there, flat buffer
     inputs: list[Tensor] | None = None  # the members' input views, once handed out
-    # Made by the first pack that copies: a step that writes its inputs in place never needs it.
-    staging: Tensor | None = None
-    # Made by the first eager run on a CPU (see ScratchArena), then written by every step.
-    output: Tensor | None = None
+    staging: Tensor | None = None  # made by the first pack that copies
+    output: Tensor | None = None  # kept on a CPU (see ScratchArena), rewritten by every step
     scratch: Callable[[str, tuple[int, ...]], Tensor] | None = None
     output_views: list[Tensor] | None = None  # the results as views of the kept output
-    # Casting unpack into kept buffers: made for the first eager call in an output dtype.
     cast: tuple[torch.dtype, Callable[[Tensor], None], list[Tensor]] | None = None
     cast_buffers: list[Tensor] = field(default_factory=list)
-    # The members' flags in a keep vector, per (device, positions) of the vectors seen.
+    # the members' flags in a keep vector, per (device, positions) of the vectors seen
     keep_index: dict[tuple[torch.device, tuple[int, ...] | None], Tensor] = field(default_factory=dict)
-    # bucket by bucket (Orthogonalizer.open_bucket): its layout in the shared workspace, which
-    # caches the views made of it once per buffer ("inputs", "results", "cast")
-    shared: BucketLayout | None = None
+    shared: BucketLayout | None = None  # bucket by bucket: its layout in the shared workspace
 
 
 class Orthogonalizer:
-    """Executes a :class:`Plan` for tensors of fixed layouts; reusable step after step.
-
-    Per bucket: pack the sources into its persistent ``(B, R, C)`` buffer, one batched NS, unpack
-    into results with each source's shape and strides. With ``result_views`` (a caller that
-    consumes the results at once) a CPU run's results are views of its output buffers, valid until
-    the next call. ``host_reads=False`` (a capturable step) keeps the kernels from reading any
-    value on the host. Where :meth:`bucketwise`, a caller may instead run the buckets one at a
-    time (:meth:`open_bucket`, :meth:`run_bucket`), all sharing one workspace.
-    """
+    """Executes a :class:`Plan` for tensors of fixed layouts, step after step. ``result_views`` (a
+    caller consuming results at once): a CPU run's results are views of its output buffers, valid
+    until the next call; ``host_reads=False`` (a capturable step): no value is read on the host."""
 
     def __init__(
         self,
@@ -303,12 +281,10 @@ class Orthogonalizer:
         self._scratch: ScratchArena | None = None
         self._shared: SharedWorkspace | None = None  # the bucket-by-bucket path's buffers
         self._staged: _StagedGathers | Literal[False] | None = None  # False: nothing to stage
-        # a step may run the buckets one at a time (see open_bucket and _runs_bucket_by_bucket)
         self.by_bucket = _runs_bucket_by_bucket(self.records)
         self._opened: tuple[int, Tensor] | None = None  # off the host: the bucket handed out
 
     def _record(self, bucket: Bucket, config: NSConfig) -> BucketRecord:
-        """Everything about ``bucket`` that is known before any data is seen."""
         layouts = tuple(self.layouts[m.index] for m in bucket.members)
         runs = _split_runs(bucket, layouts)
         host = device.is_host(bucket.device)
@@ -323,7 +299,6 @@ class Orthogonalizer:
             eager=ns_kernel(bucket.method, pre),
             compiled=compiled,
             host=host,
-            # a compiled kernel is traced, and a trace cannot branch on a value read on the host
             host_reads=self.host_reads and host and not compiled,
             reuse=host and not compiled and (REUSE_MAX_ROWS is None or bucket.shape[1] <= REUSE_MAX_ROWS),
             fresh_input=not host and _unpadded(bucket, layouts),
@@ -345,7 +320,6 @@ class Orthogonalizer:
         keep_positions: tuple[int, ...] | None = None,
     ) -> list[Tensor]:
         """Orthogonalise ``sources``; each result has its source's shape and strides, in ``out_dtypes``.
-
         ``keep`` (one bool per source: a vector, or 0-d tensors) zeroes rejected sources inside
         their bucket; with ``keep_positions`` source ``i``'s flag is ``keep[keep_positions[i]]``."""
         compiling = _compiling()
@@ -391,7 +365,6 @@ class Orthogonalizer:
 
     @staticmethod
     def _keep_index(rec: BucketRecord, device: torch.device, positions: tuple[int, ...] | None) -> Tensor:
-        """Where the bucket's members' flags sit in a keep vector, in slot order."""
         key = (device, positions)
         index = rec.keep_index.get(key)
         if index is None:
@@ -438,8 +411,7 @@ class Orthogonalizer:
         return self.records[b].bucket.dtype
 
     def frame(self, b: int) -> BucketFrame | None:
-        """Bucket ``b`` for a caller that keeps tensors laid out as its NS input (:class:`BucketFrame`):
-        off the host, eager, filled, and a kernel that takes ``drop``; else None."""
+        """Bucket ``b`` as a :class:`BucketFrame` (off the host, eager, filled, taking ``drop``), or None."""
         rec = self.records[b]
         if rec.host or rec.compiled or not _filled(rec):
             return None
@@ -453,11 +425,9 @@ class Orthogonalizer:
         return batch
 
     def open_bucket(self, b: int) -> list[Tensor]:
-        """Where bucket ``b``'s NS reads its members from, in slot order, each a view in its own
-        shape and the NS dtype: write them all (the momentum step does, with ``out=``), then call
-        :meth:`run_bucket`. On the host every bucket lays its input, temporaries and cast results
-        out in one shared workspace (its padding zeroed on every call, since others write there);
-        off the host, a fresh buffer (:func:`_fresh_input`)."""
+        """Bucket ``b``'s NS inputs in slot order, each a view in its own shape and the NS dtype, to
+        write before :meth:`run_bucket`: in the shared workspace on the host (padding re-zeroed each
+        call, as others write there), else in a fresh buffer (:func:`_fresh_input`)."""
         rec = self.records[b]
         if not rec.host:  # a fresh buffer, held until run_bucket takes it
             batch = _fresh_input(rec)
@@ -487,9 +457,7 @@ class Orthogonalizer:
     ) -> list[Tensor]:
         """Bucket ``b``'s NS of what :meth:`open_bucket` handed out, in slot order, in the NS dtype
         or cast to ``out_dtype``: views of a buffer the next bucket reuses, to be consumed first.
-        ``keep``, ``keep_positions``: as in :meth:`__call__`. ``drop`` (off the host, a
-        :meth:`frame`'s bucket): ``(B, 1, 1)`` floats, 0 where a member's result must be zeros
-        though its input is finite (zeroed in the normalisation), 1 elsewhere."""
+        ``keep``, ``keep_positions``: as in :meth:`__call__`; ``drop``: the NS kernels' ``keep``."""
         rec = self.records[b]
         layout: BucketLayout = rec.shared  # type: ignore[assignment]  # None off the host
         if rec.host:
@@ -542,10 +510,9 @@ class Orthogonalizer:
         return rec.buffer if rec.buffer is not None else _make_buffer(rec, device)
 
     def input_views(self) -> list[Tensor] | None:
-        """Where NS reads each tensor from: a view of its slot in its bucket's buffer, in the
-        tensor's own shape and the NS dtype. A caller that writes its sources there (the momentum
-        step, with ``out=``) and passes these views back skips packing. CPU only (else None: on a
-        GPU the per-tensor writes cost a launch per matrix), and never in a compiler's trace."""
+        """Where NS reads each tensor from, a view in its own shape and the NS dtype: a caller that
+        writes its sources there and passes these views back skips packing. CPU only (else None: on
+        a GPU a write per tensor costs a launch each), and never in a compiler's trace."""
         if _compiling():
             return None
         if self._input_views is None:
@@ -575,7 +542,6 @@ class Orthogonalizer:
         NS output, or of kept cast buffers) where the caller consumes them at once, else copies."""
         dtype = _one_dtype(rec.members(out_dtypes))
         if self.result_views and out.dtype == dtype and rec.host:
-            # no unpacking copy: views of the kept output made once, a fresh output's per call
             views = rec.output_views if out is rec.output else None
             if views is None:
                 views = [
@@ -585,7 +551,6 @@ class Orthogonalizer:
                 if out is rec.output:
                     rec.output_views = views
         elif self.result_views and out.dtype != dtype and rec.host and not compiling:
-            # the cast goes into kept buffers whose views are made once
             cast = rec.cast
             if cast is None or cast[0] != dtype:
                 cast = rec.cast = (dtype, *_prepare_cast(rec, out.dtype, dtype, out.device))
@@ -604,9 +569,8 @@ class Orthogonalizer:
 
 
 def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tensor:
-    """Copy the bucket's sources (cast to the NS dtype) into its persistent buffer: nothing where
-    they are its :meth:`Orthogonalizer.input_views`, one ``stack`` per run for few runs, else one
-    foreach copy into a staging buffer and one index copy."""
+    """Copy the bucket's sources, cast to the NS dtype, into its buffer (nothing where they are its
+    :meth:`Orthogonalizer.input_views`): one ``stack`` per run, or one gather through staging."""
     inputs = rec.inputs
     if inputs is not None and all(map(operator.is_, rec.members(sources), inputs)):
         return rec.buffer  # type: ignore[return-value]
@@ -638,8 +602,7 @@ def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tens
             _stack_into(slots, [sources[i] for i in run.tensors], compiling)
         return buf
     if not compiling:
-        # one copy (with the cast) of every source into its place in the staging buffer: the
-        # values of a cat of their flat views, without a view per source per call
+        # the sources' values as a cat of their flat views, without making a view per source per call
         staging, places, target = rec.places or _make_places(rec, buf)
         torch._foreach_copy_(places, rec.members(sources))
         target.index_copy_(0, index, staging)
@@ -652,14 +615,10 @@ def _pack(rec: BucketRecord, sources: Sequence[Tensor], compiling: bool) -> Tens
 
 
 class _StagedGathers:
-    """The gather buckets of an engine off the host, packed and unpacked in five launches.
-
-    Per NS dtype, the buckets' inputs are views of one flat buffer made per call, and their gather
-    indices one index: one foreach copy casts every member into a kept staging buffer, one fill
-    and one index copy make the inputs; each bucket's NS writes into a view of one flat output,
-    from which one index select and one cast give every result. Only the index and the staging
-    are kept. Buckets whose kernels would each normalise through fp64 are normalised together.
-    """
+    """The gather buckets of an engine off the host, packed and unpacked in five launches: per NS
+    dtype, one foreach copy casts every member into a kept staging buffer, one fill and one index
+    copy make all inputs (views of one flat buffer made per call), each bucket's NS writes into a
+    view of one flat output, and one index select and one cast give every result."""
 
     def __init__(self, records: Sequence[BucketRecord], device: torch.device):
         self.packed = set(records)
@@ -714,13 +673,10 @@ class _StagedGathers:
             inputs = torch.zeros(st.total, dtype=st.staging.dtype, device=st.staging.device)
             self._inputs.append(inputs.index_copy_(0, st.index, st.staging))
         self._flat = [torch.empty_like(inputs) for inputs in self._inputs]
-        # buckets bound for the fp64 route divided by their norms now, per NS dtype and eps in one
-        # vector, so one add of eps serves them all
         for eps, recs in self.normalizable:
             normalize_in_fp64_([self.batch(rec) for rec in recs], eps)
 
     def run(self, rec: BucketRecord) -> None:
-        """Bucket ``rec``'s NS, from this call's input into its output."""
         done = {"normalized": True} if rec in self.normalized else {}
         rec.kernel(
             self.batch(rec),
@@ -734,11 +690,9 @@ class _StagedGathers:
         )
 
     def batch(self, rec: BucketRecord) -> Tensor:
-        """Bucket ``rec``'s packed input of this call."""
         return self._slots(self._inputs, rec)
 
     def output(self, rec: BucketRecord) -> Tensor:
-        """Where bucket ``rec``'s NS writes its result: its slots of this call's flat output."""
         return self._slots(self._flat, rec)
 
     def _slots(self, flats: list[Tensor], rec: BucketRecord) -> Tensor:
@@ -781,13 +735,11 @@ def _stack_into(out: Tensor, tensors: list[Tensor], compiling: bool) -> None:
 def _normalized_into(
     dtype: torch.dtype, device: torch.device, tag: str, shape: tuple[int, ...]
 ) -> Tensor | None:
-    """Scratch for a batch packed wider than its bucket's dtype: the normalised batch (``"X"``)
-    goes to a new tensor of the bucket's dtype, so every later iterate runs in it."""
+    """Scratch for a batch packed wider than its bucket: the normalised ``"X"`` in the bucket's dtype."""
     return torch.empty(shape, dtype=dtype, device=device) if tag == "X" else None
 
 
 def _no_scratch(tag: str, shape: tuple[int, ...]) -> None:
-    """The kernels' scratch where nothing is kept: every temporary is fresh."""
     return None
 
 
@@ -814,8 +766,7 @@ def _fresh_input(rec: BucketRecord) -> Tensor:
 def _run_fresh(
     rec: BucketRecord, batch: Tensor, out_dtype: torch.dtype | None, drop: Tensor | None = None
 ) -> list[Tensor]:
-    """:meth:`Orthogonalizer.run_bucket` off the host: the kernel may overwrite ``batch`` (this
-    call's alone); results in slot order, cast where asked (one cast for a filled bucket)."""
+    """:meth:`Orthogonalizer.run_bucket` off the host: ``batch`` is this call's alone, to overwrite."""
     masked = {} if drop is None else {"keep": drop}
     out = rec.kernel(
         batch, rec.schedule, rec.config.eps, host=False, host_reads=False, reuse_input=True, **masked
@@ -833,9 +784,8 @@ def _filled(rec: BucketRecord) -> bool:
 
 
 def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:
-    """Whether a step may run these buckets one at a time: every bucket eager, and all on the
-    host, or all off it on one device, packed by runs and at least :data:`BY_BUCKET_MIN_BYTES`
-    in all (gather buckets off the host are packed together instead)."""
+    """Whether a step may run these buckets one at a time: all eager, and all on the host, or all
+    off it on one device, packed by runs, of :data:`BY_BUCKET_MIN_BYTES` or more in all."""
     if not records or any(r.compiled for r in records):
         return False
     if all(r.host for r in records):
@@ -848,7 +798,6 @@ def _runs_bucket_by_bucket(records: Sequence[BucketRecord]) -> bool:
 
 
 def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
-    """The one output dtype of a bucket's members (refused if they differ)."""
     dtype = dtypes[0]
     if dtypes.count(dtype) != len(dtypes):
         raise ValueError("tensors packed together must share one output dtype")
@@ -856,7 +805,6 @@ def _one_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 
 def _unpadded(bucket: Bucket, layouts: Sequence[TensorLayout]) -> bool:
-    """Whether the bucket's members fill their slots (no zero padding to keep)."""
     _, R, C = bucket.shape
     return all(
         (layout.matrix[::-1] if m.transposed else layout.matrix) == (R, C)
@@ -877,7 +825,6 @@ def _split_runs(bucket: Bucket, layouts: Sequence[TensorLayout]) -> tuple[_Run, 
 
 
 def _gathers(layouts: Sequence[TensorLayout], runs: Sequence[_Run]) -> bool:
-    """Whether a bucket is packed with one index copy: many runs, and a small index."""
     total = sum(_numel(layout.shape) for layout in layouts)
     return len(runs) >= GATHER_MIN_RUNS and total <= GATHER_MAX_ELEMENTS
 
@@ -906,7 +853,6 @@ def _make_buffer(rec: BucketRecord, device: torch.device) -> Tensor:
 
 
 def _make_staging(rec: BucketRecord, buf: Tensor) -> Tensor:
-    """A gather bucket's flat staging buffer: its members back to back in memory order."""
     rec.staging = torch.empty(rec.gather.numel(), dtype=buf.dtype, device=buf.device)  # type: ignore[union-attr]
     return rec.staging
 
@@ -919,8 +865,7 @@ def _make_places(rec: BucketRecord, buf: Tensor) -> tuple[Tensor, list[Tensor], 
 
 
 def _strided_views(flat: Tensor, rec: BucketRecord, base: int | torch.SymInt = 0) -> list[Tensor]:
-    """The bucket's members stored back to back in ``flat``, each as a view with its layout's
-    strides; ``base``: where ``flat`` starts in its storage."""
+    """The bucket's members stored back to back in ``flat`` (from ``base`` in its storage), as views."""
     return [
         torch.as_strided(flat, layout.shape, layout.stride, base + offset)
         for layout, offset in zip(rec.layouts, rec.offsets)
@@ -965,7 +910,6 @@ def _prepare_cast(
 
 
 def _unpack_run(run: _Run, out: Tensor, dtype: torch.dtype, results: list[Tensor | None]) -> None:
-    """A run's results made afresh (views of the NS output where unpadded, upright and contiguous)."""
     layout, count = run.layout, run.stop - run.start
     numel = _numel(layout.shape)
     region = out[run.start : run.stop]
@@ -1002,11 +946,9 @@ class _ViewsOf(Generic[_V]):
 
 
 def _compiling() -> bool:
-    """Whether ``torch.compile`` is tracing the caller, asked once per call at the engine's entries.
-
-    The engine then hands no kept buffers to write into (views of a kept buffer written in place
-    are aliased, mutated graph inputs, which the compiler handles poorly or not at all), and its
-    kernels read no values on the host (a trace cannot branch on them)."""
+    """Whether ``torch.compile`` is tracing the caller, asked once per call at the engine's entries:
+    then no kept buffers are handed out (views written in place are aliased, mutated graph inputs,
+    which the compiler handles poorly) and no value is read on the host (no trace branches on it)."""
     return torch.compiler.is_compiling()
 
 
@@ -1026,7 +968,6 @@ def _memory_flat(t: Tensor, layout: TensorLayout) -> Tensor:
 
 
 def _in_layout(t: Tensor, layout: TensorLayout) -> Tensor:
-    """``t`` itself when it already has the planned strides, else a copy that has them."""
     if t.stride() == layout.stride:
         return t
     return torch.empty_strided(layout.shape, layout.stride, dtype=t.dtype, device=t.device).copy_(t)
@@ -1048,9 +989,8 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def spec_of(t: Tensor, config: NSConfig, layout: TensorLayout) -> MatrixSpec:
-    """The planner's spec of a >=2D tensor: flattened to (out, everything else), in the dtype NS
-    really runs in there. With ``method="auto"`` a low-precision request may run in fp32 where the
-    planner finds that faster (``device.wider_dtype``)."""
+    """The planner's spec of a >=2D tensor as ``(out, everything else)``, in the dtype NS really
+    runs in there; with ``method="auto"`` the planner may run it wider (``device.wider_dtype``)."""
     rows, cols = layout.matrix
     dtype = compute_dtype(config.dtype, t.device)
     requested = config.dtype if config.dtype != dtype else None
@@ -1149,7 +1089,6 @@ class BucketLayout:
         return self.batch()
 
     def batch(self) -> Tensor:
-        """The input batch (the bucket's shape and dtype, at the start of the buffer)."""
         return self._view("input", self.shape, 0)
 
     def _view(
@@ -1209,11 +1148,9 @@ def ns_config(group: Mapping[str, Any]) -> NSConfig:
     steps, coefficients, eps = group["ns_steps"], group["ns_coefficients"], group["eps"]
     dtype, method = group["ns_dtype"], group["ns_method"]
     if not _plain((steps, eps, coefficients)) or torch.compiler.is_compiling():
-        # a tensor may change in place
         return NSConfig.make(steps, coefficients, eps, dtype, method)
     try:
-        # the types too: equal values of other types (5 and 5.0) make configs that differ
-        # a type is hashable (typeshed's Hashable does not say so of type[Any])
+        # keyed by type too: 5 and 5.0 make different configs (a type is hashable; typeshed says not)
         return _cached_ns_config(
             type(steps),  # type: ignore[arg-type]
             steps,

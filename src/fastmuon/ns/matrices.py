@@ -42,8 +42,7 @@ SHORTHANDS: dict[str, dict[str, Any]] = {
     "transposed": {"transposed": True},
 }
 
-#: A piece of a tensor: an index (ints for batch dims, a slice for the split dim, with a step
-#: where the parts are interleaved) into it.
+#: A piece of a tensor: an index into it (ints for batch dims, a slice, strided if interleaved).
 Box = tuple[Union[int, slice], ...]
 
 
@@ -62,7 +61,6 @@ class MatrixMap:
     def is_flatten(self) -> bool:
         return self == FLATTEN
 
-    # ----- geometry ---------------------------------------------------------------------
     def stored_dim(self) -> int:
         """The tensor dim a split cuts: the output or input dim of each (transposed?) matrix."""
         return self.batch_dims + (1 - self.dim if self.transposed else self.dim)
@@ -98,8 +96,7 @@ class MatrixMap:
                 )
 
     def _check_interleaved(self, size: int, n: int) -> None:
-        """Interleaved parts take every ``n``-th entry: ``n`` must divide the dim, and a ``split``
-        must give each part its share."""
+        """Interleaved parts take every ``n``-th entry: ``n`` divides the dim, a split gives equal shares."""
         where = (
             f"its matrix map {self.plain()!r} interleaves {n} parts along dim {self.stored_dim()} "
             f"(size {size}; part k takes entries k, k+{n}, k+{2 * n}, ...)"
@@ -179,7 +176,6 @@ class MatrixMap:
             out[box] = result
         return out
 
-    # ----- spec round trip ----------------------------------------------------------------
     def plain(self) -> str | dict[str, Any]:
         """This map as a spec (a string where a shorthand says it), for state dicts and messages."""
         spec: dict[str, Any] = {}
@@ -313,7 +309,6 @@ def _is_int(value: Any) -> bool:
 
 
 def _indices(shape: Sequence[int]) -> list[tuple[int, ...]]:
-    """Every index into ``shape``, in row-major order."""
     out: list[tuple[int, ...]] = [()]
     for size in shape:
         out = [(*index, k) for index in out for k in range(size)]

@@ -63,10 +63,9 @@ PRESETS: dict[str, tuple[Coefficients, ...]] = {
         ]
     ),
     # Turbo-Muon (Boissin, Massena, Mamalet & Serrurier 2025, arXiv:2512.04632): four steps fitted
-    # to start from the AOL-rescaled matrix, one fewer than Frobenius-normalised NS needs; the
-    # numbers of the authors' thib-s/flash-newton-schulz (after its rescaling fix) and of
-    # microsoft/dion. NVIDIA's emerging-optimizers ships an earlier fit (4.0098, -7.0585, 2.4635),
-    # ... under this name, run after Frobenius normalisation. This name also selects AOL.
+    # to start from the AOL-rescaled matrix; the numbers of the authors' thib-s/flash-newton-schulz
+    # (after its rescaling fix) and of microsoft/dion. NVIDIA's emerging-optimizers ships an earlier
+    # fit (4.0098, -7.0585, 2.4635), ... under this name, run after Frobenius normalisation.
     "aol": (
         (4.6051, -9.6552, 5.6769),
         (4.7505, -6.0861, 2.1790),
@@ -91,7 +90,6 @@ PRESETS: dict[str, tuple[Coefficients, ...]] = {
 #: Polar Express as the paper's Implementation 1 runs it: the input divided by 1.01·‖X‖, folded
 #: into the first polynomial: p(x/1.01) = (a/1.01)·x + (b/1.01³)·x³ + (c/1.01⁵)·x⁵.
 def _input_divided(step: Coefficients, factor: float) -> Coefficients:
-    """The step's polynomial applied to ``x / factor``, as coefficients in ``x``."""
     a, b, c = step
     return (a / factor, b / factor**3, c / factor**5)
 
@@ -101,8 +99,7 @@ PRESETS["polar_express_paper"] = (
     *PRESETS["polar_express"][1:],
 )
 
-#: How NS brings a matrix's spectral norm to at most 1: ``"frobenius"`` divides by the Frobenius
-#: norm; ``"aol"`` rescales each row (wide orientation) by 1/√(its absolute row sum of ``X·Xᵀ``).
+#: How NS brings a matrix's spectral norm to at most 1: Frobenius normalisation, or AOL's rescaling.
 PRECONDITIONINGS = ("frobenius", "aol")
 
 #: Presets that select a preconditioning by their name (the schedule was fitted to start from it).
@@ -189,7 +186,6 @@ def resolve_coefficients(spec: CoefficientSpec, steps: int) -> list[Coefficients
 
 
 def _floats(triple: Any) -> Coefficients:
-    """One ``(a, b, c)`` (checked by ``_is_triple``) as Python floats."""
     a, b, c = (float(v) for v in triple)
     return (a, b, c)
 
@@ -221,11 +217,10 @@ def newton_schulz(
     spectral norm is at most 1, then iterated; tall ones as their transpose, so ``X·Xᵀ`` is the small
     side. Zero padding stays zero and leaves the norm alone, which lets the engine pad matrices into
     shared buckets. ``matrices`` (:mod:`fastmuon.ns.matrices`): ``X`` is the matrices the map makes
-    of it, one call each. ``method``: ``"standard"``, ``"gram"`` (:func:`_iterate_gram`) or
-    ``"eigh"`` (:func:`_iterate_eigh`). ``preconditioning="aol"`` (``None``: what the preset implies)
-    replaces the normalisation by AOL's row rescaling (:func:`_iterate_aol`), standard method only.
-    ``host_reads=False`` reads no value on the host, as a step captured into a CUDA graph must.
-    ``steps=None``: the count the coefficients were published for (:func:`default_steps`).
+    of it, one call each. ``method``: ``"standard"``, ``"gram"`` or ``"eigh"`` (:data:`METHODS`).
+    ``preconditioning="aol"`` (``None``: what the preset implies) replaces the normalisation by AOL's
+    row rescaling, standard method only. ``host_reads=False`` reads no value on the host, as a step
+    captured into a CUDA graph must. ``steps=None``: the count the coefficients were published for.
     """
     if matrices is not None:
         m = parse(matrices)
@@ -268,7 +263,6 @@ def newton_schulz(
     if tall:
         Y = Y.mT
     host = device.is_host(X.device)
-    # a user's torch.compile may trace this call, and a trace cannot branch on a host read
     host_reads = host_reads and host and not torch.compiler.is_compiling()
     with fp32_matmuls(dtype):
         Y = ns_kernel(method, preconditioning)(Y.to(dtype), schedule, eps, host=host, host_reads=host_reads)
@@ -283,9 +277,8 @@ def newton_schulz(
 #: return its result there or in scratch (tag ``"out"``; ``out`` unused): one or two fewer buffers.
 Scratch = Callable[[str, tuple[int, ...]], Union[Tensor, None]]
 
-# Every kernel below also takes ``host``, whether the batch is on the host's CPU (device.is_host),
-# and ``host_reads``, whether it may read values on the host (not while a compiler traces it, nor
-# in a step that must not); ``host_reads`` implies ``host``.
+# Every kernel below also takes ``host`` (the batch is on the host's CPU: device.is_host) and
+# ``host_reads`` (it may read values there, which no trace nor capturable step may; implies host).
 
 
 def _fresh(tag: str, shape: tuple[int, ...]) -> None:
@@ -301,14 +294,12 @@ def _normalize(
     host_reads: bool,
     keep: Tensor | None = None,
 ) -> Tensor:
-    """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs.
-
-    With ``host_reads``, a matrix whose norm is in the range where squares neither overflow nor
-    underflow gets the plain ``X / (‖X‖ + eps)``; the others, and all off the host (which must not
-    synchronise), :func:`_normalize_safe`: the same value bit for bit in that range, chosen per
-    matrix so a result never depends on its bucket mates. The result is a new contiguous tensor
-    (``out`` if given): CPU bf16 ``baddbmm`` into a transposed ``out=`` takes a far slower kernel.
-    """
+    """Divide each matrix by its Frobenius norm (+ eps): spectral norm <= 1, as NS needs. With
+    ``host_reads``, a matrix whose norm lies where squares neither overflow nor underflow gets the
+    plain ``X / (‖X‖ + eps)``, the others (and all off the host, which must not synchronise)
+    :func:`_normalize_safe`: the same value bit for bit in that range, chosen per matrix so a
+    result never depends on its bucket mates. The result is a new contiguous tensor (``out`` if
+    given): CPU bf16 ``baddbmm`` into a transposed ``out=`` takes a far slower kernel."""
     if out is None and not X.is_contiguous():
         out = torch.empty(X.shape, dtype=X.dtype, device=X.device)
     if keep is None and _host_check_is_free(X, host_reads):
@@ -326,16 +317,12 @@ def _normalize(
 def _normalize_safe(
     X: Tensor, eps: float, out: Tensor | None = None, *, host: bool, keep: Tensor | None = None
 ) -> Tensor:
-    """``X / (‖X‖ + eps)`` computed so that huge or tiny matrices neither overflow nor underflow.
-
-    As ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the largest |entry|: the same
-    value bit for bit (power-of-two scaling is exact), but the norm can neither overflow (|x| ~ 1e30)
-    nor underflow (|x| ~ 1e-30). With ``eps=0`` a zero matrix still gives zero (not 0/0). Off the
-    host, below fp64 and on a device with it, a batch under :data:`FP64_ROUTE_MAX_ELEMENTS` takes
-    :func:`_normalize_in_fp64` (three kernels, not eleven), so there a matrix's last bit may depend
-    on its bucket's size (fixed for a given set of parameters). ``keep`` (``(B, 1, 1)``, 1 or 0 per
-    matrix): a 0 divides the denominator by 0, so the matrix comes out zeros with no pass of its
-    own (a result the step must not apply); 1 leaves it exact.
+    """``X / (‖X‖ + eps)`` as ``(X/s) / (‖X/s‖ + eps/s)``, ``s`` the power of two just below the
+    largest |entry|: the same value bit for bit (power-of-two scaling is exact), but the norm can
+    neither overflow (|x| ~ 1e30) nor underflow (|x| ~ 1e-30); with ``eps=0`` a zero matrix gives
+    zero, not 0/0. Where :func:`takes_fp64_route`, :func:`_normalize_in_fp64` (so a matrix's last
+    bit may depend on its bucket's size). ``keep`` (``(B, 1, 1)``, 1 or 0 per matrix): a 0 divides
+    the denominator by 0, so the matrix comes out zeros with no pass of its own; 1 leaves it exact.
     """
     if takes_fp64_route(X.numel(), X.dtype, X.device, host):
         return _normalize_in_fp64(X, eps, out, keep)
@@ -355,8 +342,7 @@ FP64_ROUTE_MAX_ELEMENTS = 2**24
 
 
 def takes_fp64_route(numel: int, dtype: torch.dtype, where: torch.device, host: bool) -> bool:
-    """Whether :func:`_normalize` divides a batch by way of :func:`_normalize_in_fp64`: off the
-    host (no free host check there), below fp64, on a device with it, and not too large."""
+    """Whether :func:`_normalize_safe` divides a batch by way of :func:`_normalize_in_fp64`."""
     return (
         not host and dtype != torch.float64 and where.type not in _NO_FP64 and numel < FP64_ROUTE_MAX_ELEMENTS
     )
@@ -380,9 +366,8 @@ def normalize_in_fp64_(batches: Sequence[Tensor], eps: float) -> None:
 
 def _normalize_in_fp64(X: Tensor, eps: float, out: Tensor | None, keep: Tensor | None = None) -> Tensor:
     """``X / (‖X‖ + eps)`` with the norm and the division in fp64, rounded once to ``X``'s dtype:
-    fp32/bf16 squares cannot overflow or underflow in fp64, so three kernels do where the
-    power-of-two route takes eleven. It may differ from the fp32 formula's in the last bit. fp64
-    work is elementwise only, cheap even where fp64 is slow."""
+    fp32/bf16 squares cannot overflow or underflow there, so three kernels do the power-of-two
+    route's eleven (the last bit may differ). Its fp64 work is elementwise, cheap even where slow."""
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
     denom = norm.add_(eps) if eps else norm.clamp_min_(torch.finfo(X.dtype).tiny)
     if keep is not None:  # see _normalize_safe
@@ -412,7 +397,6 @@ def _plain_norm_is_exact(norm: Tensor) -> list[bool]:
 
 
 def _slot_mask(flags: list[bool], device: torch.device) -> Tensor:
-    """Per-matrix flags as a ``(B, 1, 1)`` mask that broadcasts over a batch."""
     return torch.tensor(flags, dtype=torch.bool, device=device).view(-1, 1, 1)
 
 
@@ -454,11 +438,9 @@ def _iterate(
     normalized: bool = False,
     keep: Tensor | None = None,
 ) -> Tensor:
-    """The NS loop on a wide batch (rows <= cols); ``X`` is never modified. The last iterate goes
-    to ``out`` (not ``X``) when given, the others ping-pong in scratch; with ``reuse_input`` (see
-    :data:`Scratch`) ``X``'s buffer is the second ping-pong buffer once normalised. ``normalized``:
-    ``X`` is already divided by its norms (:func:`normalize_in_fp64_`) and the caller's to
-    overwrite. ``keep``: see :func:`_normalize_safe`."""
+    """The NS loop (:func:`_polynomial_steps`) on a wide batch (rows <= cols); ``X`` is written only
+    with ``reuse_input`` (:data:`Scratch`) or ``normalized`` (``X`` already divided by its norms,
+    :func:`normalize_in_fp64_`, the caller's to overwrite). ``keep``: :func:`_normalize_safe`'s."""
     if normalized:
         return _polynomial_steps(X, schedule, scratch, out)
     source = X
@@ -501,25 +483,22 @@ def _iterate_aol(
     host_reads: bool,
     reuse_input: bool = False,
 ) -> Tensor:
-    """The NS loop of :func:`_iterate` started from AOL's rescaling instead of ``X/‖X‖``.
-
-    With ``A = X·Xᵀ`` (the wide side), ``X₀ = D·X`` with ``D = diag(Σ_j |A_ij|)^(-1/2)`` has spectral
-    norm at most 1 (Prach & Lampert 2022, "Almost-Orthogonal Layers", Theorem 1, applied to ``Xᵀ``),
+    """The NS loop of :func:`_iterate` started from AOL's rescaling instead of ``X/‖X‖``: with
+    ``A = X·Xᵀ`` (the wide side), ``X₀ = D·X``, ``D = diag(Σ_j |A_ij|)^(-1/2)``, has spectral norm
+    at most 1 (Prach & Lampert 2022, "Almost-Orthogonal Layers", Theorem 1, applied to ``Xᵀ``),
     usually much closer to it than after Frobenius normalisation, so one iteration fewer reaches the
     same band; the first iteration reuses ``A₀ = D·A·D``. The published rule (flash-newton-schulz's
     and dion's AOL kernels, optax's ``preconditioning="aol"``): rows of the wide orientation, row
     sums clamped below at ``eps``. It changes the singular vectors slightly, which Turbo-Muon
-    (arXiv:2512.04632) measured not to hurt training. Padding changes no real entry. Each matrix is
-    first divided by the power of two below its largest |entry| (exact), so ``X·Xᵀ`` neither
-    overflows nor underflows. Reads nothing on the host; statistics in fp32 at least.
-    """
+    (arXiv:2512.04632) measured not to hurt training. Each matrix is first divided by the power of
+    two below its largest |entry|, so ``X·Xᵀ`` neither overflows nor underflows; no host reads."""
     source = X
     X, A = _aol_rescaled(X, eps, scratch, host)
     return _polynomial_steps(X, schedule, scratch, out, A, spare=source if reuse_input else None)
 
 
 def _aol_rescaled(X: Tensor, eps: float, scratch: Scratch, host: bool) -> tuple[Tensor, Tensor]:
-    """``(D·X, D·A·D)`` for a wide batch: AOL's rescaling (see :func:`_iterate_aol`)."""
+    """``(D·X, D·A·D)`` for a wide batch (see :func:`_iterate_aol`), statistics in fp32 at least."""
     B, R, _ = X.shape
     scale = _power_of_two_below(_largest_entry(X, host))  # (B, 1, 1), exact powers of two
     out = scratch("X", X.shape)
@@ -561,11 +540,9 @@ def _iterate_gram(
     ``X_0`` is touched twice (``A_0`` and the final ``Q·X_0``): ~``4R²C + (8k−6)R³`` FLOPs instead
     of ``k·(4R²C + 2R³)``, a win once ``C >= 2R`` (e.g. 3×3 convs, where ``C = 9·C_in``).
     (Gram-space NS is discussed in Dion and in the Polar Express paper, Amsel et al. 2025.)
-
-    Squaring into ``A`` doubles the dynamic range: in bf16/fp16 the rounding of ``A_0`` leaves tiny
-    negative eigenvalues, which ``λ ← λ·p(λ)²`` grows ~12× per step until the output blows up, so
-    there the iteration restarts (:func:`gram_restarts`) from ``X_k = Q_k·X_0`` and a fresh
-    ``A_k = X_k·X_kᵀ`` (the Gram-space NS literature's remedy), keeping standard bf16 NS's band.
+    Squaring into ``A`` doubles the dynamic range: in bf16/fp16 ``A_0``'s rounding leaves tiny
+    negative eigenvalues that the steps grow until the output blows up, so there the iteration
+    restarts (:func:`gram_restarts`, the Gram-space NS literature's remedy) from ``Q_k·X_0``.
     """
     source = X
     # nothing kept and the input ours: normalise it in place, and let each restart write into the
@@ -667,11 +644,9 @@ def _normalized_gram(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(X, A₀, 1/(‖X‖+eps))`` with ``A₀ = X₀·X₀ᵀ`` for ``X₀ = X/(‖X‖+eps)``, ``X₀`` unwritten:
     ``‖X‖²`` is the trace of ``X·Xᵀ``, so normalising costs two ``R×R`` passes, not three over ``X``.
-    Where that is not exact (norms out of the safe range) or a host check is not free:
-    ``(X₀, X₀·X₀ᵀ, None)`` from :func:`_normalize_safe` (``into``: where ``X₀`` goes; ``X``: in
-    place). Chosen per matrix (in a mixed batch the second form's slots get factor 1), so a result
-    never depends on its bucket mates.
-    """
+    Where that is not exact or a host check is not free, per matrix as in :func:`_normalize`:
+    ``(X₀, X₀·X₀ᵀ, None)``, ``X₀`` from :func:`_normalize_safe` (into ``into``, which may be ``X``);
+    in a mixed batch those slots get factor 1."""
     gram_shape = (X.size(0), X.size(1), X.size(1))
     if keep is None and _host_check_is_free(X, host_reads):
         A = torch.bmm(X, X.mT, out=scratch("A", gram_shape))
@@ -704,20 +679,17 @@ def _iterate_eigh(
     host_reads: bool,
     reuse_input: bool = False,
 ) -> Tensor:
-    """The same polynomial, applied through one eigendecomposition of the Gram matrix.
-
-    As in :func:`_iterate_gram` the result is ``h(A₀)·X₀`` with ``A₀ = X₀·X₀ᵀ`` and ``h`` the
-    product of the steps' polynomials; with ``A₀ = V·diag(λ)·Vᵀ`` that is ``V·diag(h(λ))·Vᵀ·X₀``,
-    and ``h(λ)`` is the scalar recursion ``h ← h·p_k(λ_k)``, ``λ_{k+1} = λ_k·p_k(λ_k)²`` with
-    ``p_k(λ) = a + b·λ + c·λ²``: NS run on each singular value ``σ = √λ``. One ``R×R``
-    eigendecomposition and one product replace the Gram loop's 4k−3 ``R×R`` products, which wins on
-    a CPU's large buckets and loses to LAPACK's fixed overheads on small ones (``planner.EighCost``
-    prices both). (A polar factor from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham,
-    *Functions of Matrices*, ch. 8; here it evaluates the NS polynomial, not the exact polar factor.)
-    fp32 eigenvalues resolve only ~1e-7 of the largest, so it is less exact than the fp32 Gram loop
-    (though far inside bf16 NS's band): ``auto`` uses it only where bf16/fp16 NS was asked for. A
-    matrix LAPACK cannot decompose (NaN or inf) falls back to the Gram loop, which propagates them.
-    """
+    """The same polynomial, applied through one eigendecomposition of the Gram matrix: as in
+    :func:`_iterate_gram` the result is ``h(A₀)·X₀`` with ``A₀ = X₀·X₀ᵀ`` and ``h`` the product of
+    the steps' polynomials; with ``A₀ = V·diag(λ)·Vᵀ`` that is ``V·diag(h(λ))·Vᵀ·X₀``, and ``h(λ)``
+    is the scalar recursion ``h ← h·p_k(λ_k)``, ``λ_{k+1} = λ_k·p_k(λ_k)²`` with ``p_k(λ) = a +
+    b·λ + c·λ²``: NS run on each singular value ``σ = √λ``. One ``R×R`` eigendecomposition and one
+    product replace the Gram loop's 4k−3 ``R×R`` products (``planner.EighCost`` prices both). (A
+    polar factor from the eigendecomposition of ``X·Xᵀ`` is textbook, e.g. Higham, *Functions of
+    Matrices*, ch. 8; here it evaluates the NS polynomial, not the exact polar factor.) fp32
+    eigenvalues resolve only ~1e-7 of the largest, so it is less exact than the fp32 Gram loop,
+    though far inside bf16 NS's band. A matrix LAPACK cannot decompose (NaN or inf) falls back to
+    the Gram loop, which propagates them."""
     low = X.dtype not in (torch.float32, torch.float64)
     kept = scratch  # in X's dtype
     Xf = X.float() if low else X
@@ -755,8 +727,7 @@ METHODS = {"standard": _iterate, "gram": _iterate_gram, "eigh": _iterate_eigh}
 def fp32_matmuls(dtype: torch.dtype) -> Iterator[None]:
     """Run fp32 NS's matmuls in fp32: under ``set_float32_matmul_precision("high")`` they would
     silently run in TF32 or bf16 passes, and NS's accuracy is set by ``ns_dtype``, not by a global
-    meant for a model's layers. Put back after the call; nothing while a compiler traces it (a
-    trace cannot change a global: the user's setting holds)."""
+    meant for a model's layers. Put back after; a no-op while traced (a trace cannot set a global)."""
     if dtype != torch.float32 or torch.compiler.is_compiling():
         yield
         return

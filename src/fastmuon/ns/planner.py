@@ -1,9 +1,8 @@
 """The batching planner: a pure function from matrix shapes to buckets, touching no tensor data.
 
-Each bucket is one batched NS call on a ``(B, R, C)`` tensor. Matrices of one oriented shape stack
-unpadded; other shapes may share a bucket zero-padded to the largest, which is exact but costs
-FLOPs. A merge trades launches (dominant on GPUs) against padded FLOPs (on CPUs), so the cost
-model carries constants per device type.
+Matrices of one oriented shape stack unpadded; other shapes may share a bucket zero-padded to the
+largest, which is exact but costs FLOPs. A merge trades launches (dominant on GPUs) against padded
+FLOPs (on CPUs), so the cost model carries constants per device type.
 """
 
 from __future__ import annotations
@@ -25,14 +24,10 @@ DEFAULT_MAX_BUCKET_BYTES = 512 * 2**20
 @dataclass(frozen=True)
 class MatrixSpec:
     """One matrix to orthogonalise: its 2D (rows, cols) after flattening, and where it lives.
-
     ``key`` separates matrices that must never share a bucket (e.g. different NS settings);
     ``layout`` only orders members, so tensors the engine packs with one copy sit side by side.
-    ``method``: an NS method or "auto". ``requested``: the precision asked for where ``dtype`` (what
-    runs) is higher: a bf16 request run in fp32 tolerates the eigh route. ``fallback``: a wider
-    dtype to run in per shape where the cost model finds it faster (fp32 for bf16 on a CPU with
-    bf16 units; ``dtype`` then counts as requested). ``gram_first_run``: see newton_schulz.
-    """
+    ``requested``: the dtype asked for where ``dtype`` (what runs) is wider (:func:`choose_method`);
+    ``fallback``: a wider one to run each shape in where faster (``device.wider_dtype``)."""
 
     rows: int
     cols: int
@@ -89,7 +84,7 @@ class Bucket:
         return b * r * c * _itemsize(self.dtype)
 
     def flops(self, steps: int) -> int:
-        """FLOPs the padded batch actually computes."""
+        """FLOPs the padded batch computes."""
         b, r, c = self.shape
         return b * ns_flops(r, c, steps, self.method, self.dtype, self.preconditioning, self.gram_first_run)
 
@@ -119,12 +114,9 @@ class EighCost:
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per kernel launch and per FLOP (by dtype) on one kind of device, and what an
-    eigendecomposition costs there (``eigh=None``: too slow to consider, as on GPUs).
-    ``launch_seconds_by_dtype``: per-dtype launch costs (on CPUs a small bf16 matmul costs several
-    fp32 ones). ``low_precision_gram``: bf16/fp16 Gram-space NS (with restarts) competes on buckets
-    at least twice as wide as tall (GPUs; CPUs with bf16 matmul units). ``gram_weighs_launches``:
-    that choice also weighs the Gram loop's extra launches against the FLOPs it saves (GPUs, where
-    a launch is worth ~10⁹ FLOPs; on CPUs FLOPs decide)."""
+    eigendecomposition costs there (``eigh=None``: not considered). ``low_precision_gram``:
+    bf16/fp16 Gram-space NS competes (:func:`choose_method`); ``gram_weighs_launches``: that choice
+    also weighs the Gram loop's extra launches against the FLOPs it saves (else FLOPs decide)."""
 
     launch_seconds: float
     seconds_per_flop: dict[torch.dtype, float] = field(default_factory=dict)
@@ -145,11 +137,8 @@ class CostModel:
 #: timings in docs/performance.md ("Where the planner's constants come from").
 CPU_EIGH = EighCost(base=9.0, per_inverse_row=4400.0, thread_exponent=0.4)
 
-# Rough constants: a CPU op costs ~15 µs of dispatch and does ~100-400 GFLOP/s on small matrices; a
-# GPU launch costs ~6 µs at tens to hundreds of TFLOP/s, so one saved launch is worth ~10^8-10^9
-# padded FLOPs on CUDA and ~10^6 on a CPU. GPUs run eigendecompositions slowly (and synchronise
-# with the host), so their model leaves eigh out. bf16 Gram-space NS (with restarts) holds standard
-# bf16 NS's accuracy from twice as wide as tall on and saves FLOPs there, so on GPUs it competes.
+# Rough constants: one saved launch is worth ~10^8-10^9 padded FLOPs on CUDA and ~10^6 on a CPU.
+# GPUs run eigendecompositions slowly (and synchronise with the host): their model leaves eigh out.
 COST_MODELS: dict[str, CostModel] = {
     "cpu": CostModel(
         launch_seconds=15e-6,
@@ -174,10 +163,9 @@ COST_MODELS: dict[str, CostModel] = {
 }
 
 
-#: CPU cost models by CPU class (``device.cpu_class``). Without bf16 matmul units bf16 runs in
-#: fp32 and the model above applies. With AVX512-BF16, bf16 costs less per FLOP than fp32 but a
-#: small bf16 matmul more, so bf16 kernels get a dearer launch (docs/performance.md, "Where the
-#: planner's constants come from"). AMX shares these until timed (``cost_model="calibrate"``).
+#: CPU cost models by CPU class (``device.cpu_class``). With AVX512-BF16, bf16 costs less per FLOP
+#: than fp32 but a small bf16 matmul more, so bf16 kernels get a dearer launch (docs/performance.md,
+#: "Where the planner's constants come from"). AMX shares these until timed (``"calibrate"``).
 CPU_COST_MODELS: dict[str, CostModel] = {
     "no_bf16": COST_MODELS["cpu"],
     "avx512_bf16": CostModel(
@@ -226,13 +214,10 @@ def ns_flops(
     preconditioning: str = "frobenius",
     gram_first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> int:
-    """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c).
-
-    Gram space touches ``X`` twice per run from a fresh ``A`` (``X·Xᵀ`` and ``Q·X``), the rest is
-    ``R×R``; low precision restarts, so ``s > 1`` runs. AOL reuses the first Gram matrix after
-    rescaling: a standard iteration's matmuls plus ``4R²`` for ``|A|``'s row sums and rescaling
-    ``A`` (rescaling ``X`` is not counted, like Frobenius normalisation); its schedule is shorter.
-    """
+    """Matmul FLOPs of ``steps`` NS iterations on one matrix, oriented wide (r <= c). Gram space
+    touches ``X`` twice per run from a fresh ``A`` (``X·Xᵀ``, ``Q·X``), the rest is ``R×R``; low
+    precision restarts, so ``s > 1`` runs. AOL's rescaling makes the first ``A``: standard NS's
+    matmuls plus :data:`AOL_FLOPS_PER_R2` (rescaling ``X``, like normalising it, is not counted)."""
     r, c = min(rows, cols), max(rows, cols)
     if preconditioning == "aol":  # the standard loop only
         return steps * (4 * r * r * c + 2 * r * r * r) + AOL_FLOPS_PER_R2 * r * r
@@ -279,17 +264,13 @@ def choose_method(
     launch_flops: float = 0.0,
     gram_first_run: int = DEFAULT_GRAM_FIRST_RUN,
 ) -> str:
-    """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here.
-
-    Standard NS always qualifies. Gram-space NS needs fp32+ (``X·Xᵀ`` squares the dynamic range)
-    and every member at least twice as wide as tall (``narrowest`` = min cols/rows): a square
-    matrix's small singular values are what it resolves worst. Where bf16/fp16 was ``requested``
-    but fp32 runs, the eigh route (far more precise than the request) qualifies where the cost
-    model prices it (``eigh``: CPUs). In bf16/fp16 the restarting Gram loop keeps standard bf16
-    NS's band from twice as wide as tall on, and competes where ``low_precision_gram`` says, by the
-    FLOPs of the bucket's ``count`` matrices plus, where the model weighs them (GPUs), launches at
-    ``launch_flops`` FLOPs each: a small bucket keeps standard NS's fewer launches. AOL: standard only.
-    """
+    """The cheapest NS formulation (by :func:`ns_cost`) among those accurate enough here; AOL runs
+    standard NS, which always qualifies. Gram-space NS needs every member at least twice as wide as
+    tall (``narrowest`` = min cols/rows): a square matrix's small singular values are what it
+    resolves worst. In bf16/fp16 (``X·Xᵀ`` squares the dynamic range) only its restarting loop keeps
+    standard NS's band, and competes where ``low_precision_gram`` says, by the FLOPs of ``count``
+    matrices plus ``launch_flops`` per launch. Where bf16/fp16 was ``requested`` but fp32 runs, the
+    eigh route (far more precise than the request) qualifies where the model prices it."""
     if allowed != "auto":
         return allowed
     if preconditioning == "aol":
@@ -318,9 +299,8 @@ def choose_method(
 
 def kernels_per_bucket(steps: int, method: str = "standard", preconditioning: str = "frobenius") -> int:
     """Launches a bucket costs however many matrices it holds: standard NS normalises (3) and runs
-    3 per step; the Gram loop builds and scales ``A₀`` (9) and runs ~4 per step; the eigh route runs
-    13 fixed ones and the eigenvalue recursion (7 per step). AOL's rescaling replaces the
-    normalisation by ~14 small ops and saves the first step's Gram matrix (one launch)."""
+    3 per step; the Gram loop builds and scales ``A₀`` (9) and runs ~4 per step; the eigh route 13
+    and 7 per step. AOL's rescaling (~14) replaces the normalisation and the first Gram matrix."""
     if preconditioning == "aol":
         return 14 + 3 * steps - 1
     if method == "gram":
@@ -385,8 +365,7 @@ class Plan:
         return "\n".join(lines)
 
 
-#: what splits the specs before buckets are drawn: (dtype, device, key, method, requested dtype,
-#: fallback dtype, preconditioning, Gram-space first run)
+#: what splits the specs before buckets are drawn (the MatrixSpec fields plan_buckets reads)
 _PartitionKey = tuple[
     torch.dtype, torch.device, Hashable, str, "torch.dtype | None", "torch.dtype | None", str, int
 ]
@@ -407,9 +386,8 @@ def plan_buckets(
 
     ``policy="exact"`` stacks identical oriented shapes only; ``"min_launches"`` merges whenever
     that lowers the number of batched calls, fewest added padded FLOPs first; ``"auto"`` merges
-    while the cost model (launch + FLOP time; ``cost_model`` overrides the device type's) falls.
-    Buckets over ``max_bucket_bytes`` are split. ``threads`` (``None``: ``torch.get_num_threads()``)
-    sets what an eigendecomposition costs against matmuls (:class:`EighCost`).
+    while the cost model (``cost_model`` overrides the device type's) falls. Buckets over
+    ``max_bucket_bytes`` are split. ``threads`` (``None``: torch's) prices :class:`EighCost`.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown batching policy {policy!r}; choose one of {POLICIES}")

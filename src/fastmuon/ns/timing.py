@@ -1,6 +1,5 @@
 """Timing on a device, in one place so that every measurement times alike: the planner's
-calibration, the CPU's native-bf16 check where its flags cannot be read, and the benchmark's
-probes. :func:`matmul_seconds` times the product NS spends its FLOPs on: batched ``R×R`` by ``R×C``.
+calibration, the CPU's native-bf16 check where its flags cannot be read, and the benchmark's probes.
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def matmul_seconds(
     per_round: int = 1,
 ) -> float:
     """Median seconds of one ``baddbmm(X, A, X)`` in ``dtype``, ``X`` of shape ``(batch, rows,
-    cols)`` and ``A`` of ``(batch, rows, rows)``: :func:`matmul_flops` FLOPs and one launch."""
+    cols)`` and ``A`` of ``(batch, rows, rows)``: the product NS spends its FLOPs on, one launch."""
     device = torch.device(device)
     x = torch.randn(batch, rows, cols, device=device).to(dtype)
     a = torch.randn(batch, rows, rows, device=device).to(dtype)
