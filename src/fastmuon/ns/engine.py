@@ -16,7 +16,7 @@ import operator
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -243,7 +243,7 @@ class BucketRecord:
     buffer: Tensor | None = None  # zeros, on first sight of the sources' device
     # views made on the first eager call and kept; never in a compiler's trace
     slot_regions: list[Tensor] | None = None  # each run's region, as (k, *shape)
-    places: tuple[Tensor, list[Tensor], Tensor] | None = None  # staging, members there, flat buffer
+    places: _Places | None = None
     inputs: list[Tensor] | None = None  # the members' input views, once handed out
     staging: Tensor | None = None  # made by the first pack that copies
     output: Tensor | None = None  # kept on a CPU (see ScratchArena), rewritten by every step
@@ -646,17 +646,17 @@ class _StagedGathers:
             staging = torch.empty(index.numel(), dtype=dtype, device=device)
             places: list[Tensor] = []
             members: list[int] = []
-            views = []
+            starts: dict[BucketRecord, int] = {}
             start = 0
             for rec, base in zip(recs, bases):
                 stop = start + rec.gather.numel()  # type: ignore[union-attr]
                 rec.gather = None  # its part of the shared index (the compiled path packs by runs)
                 places += _strided_views(staging, rec, start)
                 members += rec.indices
-                views.append((rec, start, stop))
+                starts[rec] = start
                 self.outputs[rec] = (s, base)
                 start = stop
-            self.stages.append(_Stage(total, index, staging, places, Gather(members), views))
+            self.stages.append(_Stage(total, index, staging, places, Gather(members), starts))
         self._inputs: list[Tensor] = []
         self._flat: list[Tensor] = []
 
@@ -704,7 +704,7 @@ class _StagedGathers:
         for st, flat in zip(self.stages, flats):
             picked = flat.index_select(0, st.index)
             cast: dict[torch.dtype, Tensor] = {}
-            for rec, start, _ in st.views:
+            for rec, start in st.starts.items():
                 dtype = _one_dtype(rec.members(out_dtypes))
                 if dtype not in cast:
                     cast[dtype] = picked if dtype == picked.dtype else picked.to(dtype)
@@ -721,7 +721,7 @@ class _Stage:
     staging: Tensor  # the members back to back, each in its memory order, in the NS dtype
     places: list[Tensor]  # each member's place in ``staging``, with its layout's strides
     pick: Gather  # the members out of a call's sources, in staging order
-    views: list[tuple[BucketRecord, int, int]]  # per bucket: its members' span in ``staging``
+    starts: dict[BucketRecord, int]  # where each bucket's members start in ``staging``
 
 
 def _stack_into(out: Tensor, tensors: list[Tensor], compiling: bool) -> None:
@@ -857,10 +857,17 @@ def _make_staging(rec: BucketRecord, buf: Tensor) -> Tensor:
     return rec.staging
 
 
-def _make_places(rec: BucketRecord, buf: Tensor) -> tuple[Tensor, list[Tensor], Tensor]:
-    """A gather bucket's staging buffer, each member's place there as a view, and the flat buffer."""
+class _Places(NamedTuple):
+    """A gather bucket's staging buffer, each member's place there as a view, the flat buffer."""
+
+    staging: Tensor
+    members: list[Tensor]
+    flat: Tensor
+
+
+def _make_places(rec: BucketRecord, buf: Tensor) -> _Places:
     staging = rec.staging if rec.staging is not None else _make_staging(rec, buf)
-    rec.places = (staging, _strided_views(staging, rec), buf.view(-1))
+    rec.places = _Places(staging, _strided_views(staging, rec), buf.view(-1))
     return rec.places
 
 

@@ -1,6 +1,6 @@
 """A prepared step: built once per step shape, then only run.
 
-- :mod:`.contracts` (what a rule, its program and an engine offer each other), :mod:`.driver`
+- :mod:`.contracts` (what a rule, its stages and an engine offer each other), :mod:`.options`, :mod:`.driver`
   (one call of ``step()``, with its program cache), :mod:`.collecting` (what rules collect from);
 - the matrix half: :mod:`.matrix`, :mod:`.matrix_item`, :mod:`.bucket_momentum`, the stages a rule
   may add before NS (:mod:`.before_ns`) and after it (:mod:`.moments`);

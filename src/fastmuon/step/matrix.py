@@ -444,7 +444,7 @@ class MatrixProgram:
                     _masked_momentum(
                         bufs, pick(grads), flags, mine, mine(rejected), beta[g], nesterov[g], out(views)
                     )
-            if len(step.signed):  # a Gather is always true (see ns.gather)
+            if len(step.signed):  # a Gather is always true (see Gather.__bool__)
                 torch._foreach_sign_(step.signed(views))
             narrow = narrow_ok and step.narrow_apply
             dtype = None if narrow or (stage is not None and step.exact_cast) else step.out_dtype
