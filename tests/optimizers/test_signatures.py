@@ -86,7 +86,9 @@ def test_signature_lists_every_option_with_its_type_and_default(name):
 @pytest.mark.parametrize("name", ["NorMuon", "AdaMuon"])
 def test_a_variant_refuses_an_unknown_argument_naming_itself(name):
     params = torch.nn.Linear(4, 4).parameters()
-    with pytest.raises(TypeError, match=rf"^{name}\.__init__\(\) got an unexpected keyword argument 'lr_scale'"):
+    with pytest.raises(
+        TypeError, match=rf"^{name}\.__init__\(\) got an unexpected keyword argument 'lr_scale'"
+    ):
         getattr(fastmuon, name)(params, lr=0.02, lr_scale=2.0)
     with pytest.raises(TypeError, match=rf"^{name}\.__init__\(\) takes from 2 to 10 positional arguments"):
         getattr(fastmuon, name)(params, *range(40))

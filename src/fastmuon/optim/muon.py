@@ -135,8 +135,7 @@ class Muon(MatrixOptimizer):
         qk_clip_alpha: float = DEFAULT_ALPHA,
         state_dtype: torch.dtype | None = None,
     ):
-        arguments = locals()
-        defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
+        defaults, options = muon_settings(locals())
         super().__init__(params, defaults, options, process_group)
 
     @property
@@ -189,8 +188,9 @@ def muon_options() -> tuple[str, ...]:
 
 
 def muon_settings(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], Options]:
-    """The group defaults and options of :class:`Muon`'s ``arguments``; a variant adds its own."""
-    defaults = dict(arguments)
+    """The group defaults and options of :class:`Muon`'s arguments among ``arguments`` (a
+    constructor call's ``locals()``, Muon's or a variant's); a variant adds its own group options."""
+    defaults = {name: arguments[name] for name in muon_options()}
     defaults["ns_steps"] = implied_ns_steps(defaults["ns_steps"], defaults["ns_coefficients"])
     check_foreach(defaults["foreach"])
     check_nonnegative("adamw_lr", defaults["adamw_lr"], "Muon")

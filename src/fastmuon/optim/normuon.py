@@ -18,7 +18,7 @@ from ..step.moments import RESCALES
 from ..step.nonfinite import DEFAULT_NONFINITE
 from ..step.options import ArgumentTypeError
 from .base import MatrixOptimizer
-from .muon import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, Muon, muon_options, muon_settings
+from .muon import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, Muon, muon_settings
 from .qk_clip import DEFAULT_ALPHA
 from .validation import check_fraction, check_nonnegative
 
@@ -124,8 +124,7 @@ class NorMuon(_SecondMomentMuon):
         state_dtype: torch.dtype | None = None,
     ):
         # Muon's options, then the variant's group options: Muon's constructor does no more
-        arguments = locals()
-        defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
+        defaults, options = muon_settings(locals())
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale)
         MatrixOptimizer.__init__(self, params, defaults, options, process_group)
 
@@ -200,8 +199,7 @@ class AdaMuon(_SecondMomentMuon):
         qk_clip_alpha: float = DEFAULT_ALPHA,
         state_dtype: torch.dtype | None = None,
     ):
-        arguments = locals()
-        defaults, options = muon_settings({name: arguments[name] for name in muon_options()})
+        defaults, options = muon_settings(locals())
         defaults.update(beta2=beta2, moment_eps=moment_eps, rescale=rescale, sign_momentum=sign_momentum)
         MatrixOptimizer.__init__(self, params, defaults, options, process_group)
 
